@@ -1,0 +1,62 @@
+"""Shoal: a parameter server for distributed machine learning.
+
+    import shoal
+    ps = shoal.init()   # inside a script started by `shoal run`
+    emb = ps.table("entity", num_keys=200_000, dim=100, init=shoal.Normal(std=0.01),
+                   optimizer=shoal.optim.Adagrad(lr=0.1))
+    rows = emb.pull(keys)
+    emb.push(keys, grads)
+    ps.advance_clock()
+    ps.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shoal.api import optim
+from shoal.api.config import ClusterSpec, Limits, TableSpec, Timeouts
+from shoal.api.errors import (
+    AuthError,
+    ClosedError,
+    ClusterError,
+    ConfigError,
+    DTypeError,
+    KeyRangeError,
+    MessageTooLargeError,
+    NonFiniteError,
+    ProtocolError,
+    RequestTimeoutError,
+    ServerError,
+    ShapeError,
+    ShoalError,
+    TableError,
+)
+from shoal.api.initializers import Constant, Normal, Uniform
+from shoal.client.table import Table
+from shoal.client.worker import Worker
+from shoal.cluster.requests import Future
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+
+def init(local_access: bool | None = None) -> Worker:
+    """Join the cluster this process was started in (by ``shoal run`` or another launcher)."""
+    from shoal.launch import env
+    from shoal.launch.lifecycle import bind_to_launcher
+    from shoal.transport.zmq_transport import ZmqTransport
+
+    role = env.role_from_env(server=False)
+    bind_to_launcher(env.launcher_pid())
+    return Worker(role.cluster, role.rank, role.node, ZmqTransport(),
+                  local_access=role.local_access if local_access is None else local_access, owns_transport=True)
+
+
+__all__ = [
+    "AuthError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError", "Constant", "DTypeError",
+    "Future", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError", "Normal", "ProtocolError",
+    "RequestTimeoutError", "ServerError", "ShapeError", "ShoalError", "Table", "TableError", "TableSpec",
+    "Timeouts", "Uniform", "Worker", "init", "optim",
+]

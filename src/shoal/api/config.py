@@ -1,0 +1,158 @@
+"""Frozen settings objects. Each validates itself and quotes the bad value."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shoal.api.errors import ConfigError
+from shoal.api.initializers import (
+    Constant,
+    Initializer,
+    Normal,
+    Uniform,
+    initializer_from_dict,
+    initializer_to_dict,
+)
+from shoal.api.optim import SGD, Adagrad, Adam, Optimizer, Sum, optimizer_from_dict, optimizer_to_dict
+
+MAPPING_RULES = ("range", "hash", "round_robin")
+NONFINITE_POLICIES = ("reject", "skip")
+LOCKING_MODES = ("exact", "hogwild")
+VALUE_DTYPES = ("float32", "float64")
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def _int_at_least(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ConfigError(f"{name} must be >= {low}, got {value!r}")
+    return value
+
+
+def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """Everything a server needs to create a table; identical on every worker.
+
+    ``mapping`` picks how keys spread over shards; ``nonfinite`` what a push
+    with NaN/Inf does ("reject" the whole push, or "skip" the bad rows);
+    ``locking`` whether co-located writers exclude each other ("exact") or
+    not ("hogwild").
+    """
+
+    name: str
+    num_keys: int
+    dim: int
+    dtype: str = "float32"
+    init: Initializer = field(default_factory=Constant)
+    optimizer: Optimizer = field(default_factory=Sum)
+    mapping: str = "range"
+    nonfinite: str = "reject"
+    locking: str = "exact"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigError(
+                f"table name must be 1-128 characters of letters, digits, '_.:-', got {self.name!r}"
+            )
+        _int_at_least("num_keys", self.num_keys, 1)
+        _int_at_least("dim", self.dim, 1)
+        _one_of("dtype", self.dtype, VALUE_DTYPES)
+        _one_of("mapping", self.mapping, MAPPING_RULES)
+        _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _one_of("locking", self.locking, LOCKING_MODES)
+        _int_at_least("seed", self.seed, 0)
+        if not isinstance(self.init, (Constant, Uniform, Normal)):
+            raise ConfigError(f"init must be shoal.Constant, Uniform or Normal, got {self.init!r}")
+        if not isinstance(self.optimizer, (Sum, SGD, Adagrad, Adam)):
+            raise ConfigError(f"optimizer must be one of shoal.optim.Sum/SGD/Adagrad/Adam, got {self.optimizer!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "num_keys": self.num_keys,
+            "dim": self.dim,
+            "dtype": self.dtype,
+            "init": initializer_to_dict(self.init),
+            "optimizer": optimizer_to_dict(self.optimizer),
+            "mapping": self.mapping,
+            "nonfinite": self.nonfinite,
+            "locking": self.locking,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TableSpec:
+        if not isinstance(data, dict):
+            raise ConfigError(f"table spec must be a dict, got {type(data).__name__}")
+        fields = dict(data)
+        try:
+            fields["init"] = initializer_from_dict(fields["init"])
+            fields["optimizer"] = optimizer_from_dict(fields["optimizer"])
+            return cls(**fields)
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"bad table spec {data!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds every peer enforces on what it receives."""
+
+    max_message_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _int_at_least("max_message_bytes", self.max_message_bytes, 4096)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long each kind of wait may take before it fails with a named cause."""
+
+    connect_s: float = 60.0
+    request_s: float = 120.0
+    barrier_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect_s", "request_s", "barrier_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"Timeouts.{name} must be > 0 seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Shape and identity of one cluster, as the launcher decided it."""
+
+    cluster_id: str
+    num_nodes: int
+    workers_per_node: int
+    rendezvous: str
+    secret: bytes | None = None
+    limits: Limits = field(default_factory=Limits)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cluster_id, str) or not re.match(r"^[A-Za-z0-9_-]{1,64}$", self.cluster_id):
+            raise ConfigError(f"cluster_id must be 1-64 letters, digits, '_-', got {self.cluster_id!r}")
+        _int_at_least("num_nodes", self.num_nodes, 1)
+        _int_at_least("workers_per_node", self.workers_per_node, 0)
+        if not isinstance(self.rendezvous, str) or "://" not in self.rendezvous:
+            raise ConfigError(f"rendezvous must be an address like tcp://host:port, got {self.rendezvous!r}")
+        if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
+            raise ConfigError("secret must be at least 16 bytes")
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_nodes * self.workers_per_node
+
+    def with_changes(self, **changes: Any) -> ClusterSpec:
+        return replace(self, **changes)

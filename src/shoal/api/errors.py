@@ -1,0 +1,117 @@
+"""One exception root for everything Shoal raises.
+
+Each error has a stable ``code`` so that a server can send it in an error reply
+and the client can raise the same class on the caller's side.
+"""
+
+from __future__ import annotations
+
+
+class ShoalError(Exception):
+    """Root of every error Shoal raises."""
+
+    code = "ShoalError"
+
+
+class ConfigError(ShoalError, ValueError):
+    """A setting, table spec or launch option is invalid or inconsistent."""
+
+    code = "ConfigError"
+
+
+class ProtocolError(ShoalError):
+    """A message is malformed: unknown version or op, bad header, frames that do not match."""
+
+    code = "ProtocolError"
+
+
+class MessageTooLargeError(ProtocolError):
+    """A message exceeds the configured maximum size."""
+
+    code = "MessageTooLargeError"
+
+
+class AuthError(ShoalError):
+    """A message carried no valid authentication tag, or the peer rejected ours."""
+
+    code = "AuthError"
+
+
+class KeyRangeError(ShoalError, IndexError):
+    """A key lies outside ``[0, num_keys)`` of its table."""
+
+    code = "KeyRangeError"
+
+
+class DTypeError(ShoalError, TypeError):
+    """An array has a dtype the table or the wire does not accept."""
+
+    code = "DTypeError"
+
+
+class ShapeError(ShoalError, ValueError):
+    """An array's shape does not match the keys or the table's row width."""
+
+    code = "ShapeError"
+
+
+class NonFiniteError(ShoalError, ValueError):
+    """A push carried NaN or Inf and the table's policy is to reject it."""
+
+    code = "NonFiniteError"
+
+
+class TableError(ShoalError):
+    """A table is unknown, or was created twice with different specs."""
+
+    code = "TableError"
+
+
+class RequestTimeoutError(ShoalError, TimeoutError):
+    """No reply arrived in time; the message names what was waited for."""
+
+    code = "RequestTimeoutError"
+
+
+class ClusterError(ShoalError):
+    """Rendezvous, membership or barrier failed: a peer is missing or gone."""
+
+    code = "ClusterError"
+
+
+class ServerError(ShoalError):
+    """The server failed while handling a request (a bug, not bad input)."""
+
+    code = "ServerError"
+
+
+class ClosedError(ShoalError):
+    """The handle, connection or server has been shut down."""
+
+    code = "ClosedError"
+
+
+ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
+    cls.code: cls
+    for cls in (
+        ShoalError,
+        ConfigError,
+        ProtocolError,
+        MessageTooLargeError,
+        AuthError,
+        KeyRangeError,
+        DTypeError,
+        ShapeError,
+        NonFiniteError,
+        TableError,
+        RequestTimeoutError,
+        ClusterError,
+        ServerError,
+        ClosedError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> ShoalError:
+    """Rebuild the error a peer reported; unknown codes become a plain ``ShoalError``."""
+    return ERRORS_BY_CODE.get(code, ShoalError)(message)

@@ -1,0 +1,199 @@
+"""A worker's handle on one table: pull, push and push_pull, sync and async.
+
+A batch of keys is split by owning node. Rows of this node's shards are read
+and written directly in shared memory, under the shard's locks and with the
+table's update rule: no message, no server CPU. Every other node gets one
+message (or a few, if a batch exceeds the message size limit), all in flight
+at once; replies are placed back in the caller's key order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shoal.api.config import TableSpec
+from shoal.api.errors import ProtocolError, ShapeError
+from shoal.cluster.requests import Future
+from shoal.placement.layout import TableLayout
+from shoal.storage import kernels
+from shoal.storage.shard import ShardStore
+from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+if TYPE_CHECKING:
+    from shoal.client.worker import Worker
+
+_HEADER_ROOM = 64 * 1024
+
+
+class Table:
+    """Rows ``0..num_keys-1`` of ``dim`` values, wherever they live."""
+
+    def __init__(self, worker: Worker, spec: TableSpec, layout: TableLayout, local: dict[int, ShardStore]) -> None:
+        self.worker = worker
+        self.spec = spec
+        self.layout = layout
+        self.local = local
+        self.dtype = np.dtype(spec.dtype)
+        row_bytes = spec.dim * self.dtype.itemsize + 8
+        self._chunk = max(1, (worker.cluster.limits.max_message_bytes - _HEADER_ROOM) // (2 * row_bytes))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def num_keys(self) -> int:
+        return self.spec.num_keys
+
+    @property
+    def dim(self) -> int:
+        return self.spec.dim
+
+    def __repr__(self) -> str:
+        return f"Table({self.name!r}, num_keys={self.num_keys}, dim={self.dim}, dtype={self.spec.dtype})"
+
+    # ------------------------------------------------------------ public API
+
+    def pull(self, keys: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``keys`` in the caller's order, as a ``(len(keys), dim)`` array."""
+        return self.pull_async(keys, out).wait()
+
+    def push(self, keys: Any, values: Any) -> None:
+        """Apply the table's update rule with ``values`` (gradients or deltas) at ``keys``."""
+        self.push_async(keys, values).wait()
+
+    def push_pull(self, keys: Any, values: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Push, then return the updated rows of the same keys, in one round trip."""
+        return self.push_pull_async(keys, values, out).wait()
+
+    def pull_async(self, keys: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
+        keys = as_keys(keys, self.spec)
+        out = self._output(keys.shape[0], out)
+        reqs = self._run(Op.PULL, keys, None, out)
+        return Future(self.worker.tracker, reqs, lambda: out, self.worker.cluster.timeouts.request_s)
+
+    def push_async(self, keys: Any, values: Any) -> Future[None]:
+        """Start a push. ``values`` must not be modified until the future is done."""
+        keys = as_keys(keys, self.spec)
+        values = as_rows(values, keys.shape[0], self.spec)
+        reqs = self._run(Op.PUSH, keys, values, None)
+        return Future(self.worker.tracker, reqs, lambda: None, self.worker.cluster.timeouts.request_s)
+
+    def push_pull_async(self, keys: Any, values: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
+        keys = as_keys(keys, self.spec)
+        values = as_rows(values, keys.shape[0], self.spec)
+        out = self._output(keys.shape[0], out)
+        finite_keys, finite_values, skipped = drop_nonfinite(keys, values, self.spec)
+        if skipped:  # rare: the push shrinks but every key still wants its row back
+            self._run(Op.PUSH, finite_keys, finite_values, None)
+            return self.pull_async(keys, out)
+        reqs = self._run(Op.PUSH_PULL, keys, values, out)
+        return Future(self.worker.tracker, reqs, lambda: out, self.worker.cluster.timeouts.request_s)
+
+    # ------------------------------------------------------------- internals
+
+    def _output(self, n: int, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            return np.empty((n, self.dim), dtype=self.dtype)
+        if out.shape != (n, self.dim) or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ShapeError(f"out must be a C-contiguous ({n}, {self.dim}) {self.dtype} array, "
+                             f"got {out.shape} {out.dtype}")
+        return out
+
+    def _run(self, op: Op, keys: np.ndarray, values: np.ndarray | None, out: np.ndarray | None) -> set[int]:
+        """Serve local rows now, send the rest; returns the ids of requests in flight."""
+        if op == Op.PUSH:
+            # The NaN/Inf policy applies to the whole push, before any row lands anywhere.
+            keys, values, _ = drop_nonfinite(keys, values, self.spec)  # type: ignore[arg-type]
+        owner, shard, rows = self.layout.route(keys)
+        me = self.worker.node
+        if self.local and keys.shape[0] and owner[0] == me and (owner == me).all():
+            self._local(op, shard, rows, None, values, out)
+            return set()
+        order, starts = kernels.partition_by_owner(owner, self.layout.owners.max() + 1)
+        reqs: set[int] = set()
+        for node in range(starts.shape[0] - 1):
+            pos = order[starts[node] : starts[node + 1]]
+            if not pos.size:
+                continue
+            if node == me and self.local:
+                self._local(op, shard[pos], rows[pos], pos, values, out)
+                continue
+            for chunk in self._chunks(pos):
+                reqs.add(self._send(op, node, keys, values, out, chunk))
+        return reqs
+
+    def _local(self, op: Op, shard: np.ndarray, rows: np.ndarray, pos: np.ndarray | None,
+               values: np.ndarray | None, out: np.ndarray | None) -> None:
+        """Serve rows of this node's shards in shared memory, in the caller's process."""
+        for store, sel in self._by_local_shard(shard):
+            r = rows if sel is None else rows[sel]
+            p = pos if sel is None else (sel if pos is None else pos[sel])
+            if values is not None:
+                v = values if p is None else values[p]
+                store.update(r, v)
+            if out is not None and op != Op.PUSH:
+                if p is None:
+                    store.read(r, out=out)
+                else:
+                    store.read_into(r, p, out)
+
+    def _by_local_shard(self, shard: np.ndarray) -> Iterator[tuple[ShardStore, np.ndarray | None]]:
+        if len(self.local) == 1:
+            yield next(iter(self.local.values())), None
+            return
+        for sid, store in self.local.items():
+            sel = np.flatnonzero(shard == sid)
+            if sel.size:
+                yield store, sel
+
+    def _chunks(self, pos: np.ndarray) -> Iterator[np.ndarray]:
+        for start in range(0, pos.shape[0], self._chunk):
+            yield pos[start : start + self._chunk]
+
+    def _send(self, op: Op, node: int, keys: np.ndarray, values: np.ndarray | None,
+              out: np.ndarray | None, pos: np.ndarray) -> int:
+        whole = pos.shape[0] == keys.shape[0]  # one destination: no gather, no scatter
+        arrays = [keys if whole else keys[pos]]
+        if values is not None:
+            arrays.append(values if whole else values[pos])
+        msg = Message(op, table=self.name, clock=self.worker.clock, arrays=arrays)
+        on_reply: Callable[[Message], None]
+        if out is None:
+            on_reply = _ignore
+        elif whole:
+            on_reply = _copy_into(out)
+        else:
+            on_reply = _place_into(out, pos)
+        return self.worker.tracker.request(node, msg, on_reply, f"{op.name} of {pos.shape[0]} key(s) of {self.name!r}")
+
+
+def _ignore(msg: Message) -> None:
+    pass
+
+
+def _copy_into(out: np.ndarray) -> Callable[[Message], None]:
+    def place(msg: Message) -> None:
+        _check_values(msg, out.shape[0], out)
+        out[...] = msg.arrays[0]
+
+    return place
+
+
+def _place_into(out: np.ndarray, pos: np.ndarray) -> Callable[[Message], None]:
+    def place(msg: Message) -> None:
+        _check_values(msg, pos.shape[0], out)
+        kernels.place_rows(out, pos, msg.arrays[0])
+
+    return place
+
+
+def _check_values(msg: Message, n: int, out: np.ndarray) -> None:
+    if msg.op != Op.VALUES or msg.arrays[0].shape != (n, out.shape[1]) or msg.arrays[0].dtype != out.dtype:
+        got = msg.arrays[0].shape if msg.arrays else None
+        raise ProtocolError(f"expected {n} row(s) of {out.shape[1]} {out.dtype} in reply, got {msg.op.name} {got}")

@@ -1,0 +1,191 @@
+"""The worker's handle on the cluster: tables, clock, barrier, shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from shoal.api.config import ClusterSpec, TableSpec
+from shoal.api.errors import ClosedError, ShoalError, TableError
+from shoal.api.initializers import Constant, Initializer
+from shoal.api.optim import Optimizer, Sum
+from shoal.client.table import Table
+from shoal.cluster import membership
+from shoal.cluster.fdshare import fetch_fds, socket_name
+from shoal.cluster.requests import RequestTracker
+from shoal.placement.layout import TableLayout
+from shoal.storage.shard import ShardStore
+from shoal.transport.base import Transport
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Joins a cluster through its rendezvous; ``rank`` is unique among workers, ``node`` names the machine slot.
+
+    With ``local_access`` (the default) the worker maps its node's shards and
+    serves their keys itself; without it every key goes through a server
+    (the classic parameter-server mode).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        rank: int,
+        node: int,
+        transport: Transport,
+        local_access: bool = True,
+        owns_transport: bool = False,
+    ) -> None:
+        self.cluster = cluster
+        self.rank = rank
+        self.node = node
+        self.local_access = local_access
+        self.transport = transport
+        self._owns_transport = owns_transport
+        self.tracker = RequestTracker(transport, Codec(cluster.limits, cluster.secret), sender=rank)
+        self.clock = 0
+        self.tables: dict[str, Table] = {}
+        self._barrier_generation = 0
+        self._closed = False
+        timeout = cluster.timeouts.connect_s
+        self.tracker.connect(membership.RENDEZVOUS_PEER, cluster.rendezvous)
+        membership.register(self.tracker, "worker", node, rank, "", timeout)
+        self.servers = membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout)
+        for n, address in enumerate(self.servers):
+            self.tracker.connect(n, address)
+
+    @property
+    def num_workers(self) -> int:
+        return self.cluster.num_workers
+
+    @property
+    def num_nodes(self) -> int:
+        return self.cluster.num_nodes
+
+    # ---------------------------------------------------------------- tables
+
+    def table(
+        self,
+        name: str,
+        num_keys: int,
+        dim: int,
+        dtype: str = "float32",
+        init: Initializer | None = None,
+        optimizer: Optimizer | None = None,
+        **options: Any,
+    ) -> Table:
+        """Create (or join) a table; every worker must pass the same spec.
+
+        ``options`` are the other ``TableSpec`` fields: ``mapping``,
+        ``nonfinite``, ``locking``, ``seed``.
+        """
+        self._check_open()
+        spec = TableSpec(name=name, num_keys=num_keys, dim=dim, dtype=dtype,
+                         init=init or Constant(), optimizer=optimizer or Sum(), **options)
+        return self.create_table(spec)
+
+    def create_table(self, spec: TableSpec) -> Table:
+        existing = self.tables.get(spec.name)
+        if existing is not None:
+            if existing.spec != spec:
+                raise TableError(f"table {spec.name!r} was already created here with a different spec")
+            return existing
+        timeout = self.cluster.timeouts.request_s
+        reqs = {
+            self.tracker.request(n, Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
+                                 _ignore, f"CREATE_TABLE {spec.name!r}")
+            for n in range(self.num_nodes)
+        }
+        self.tracker.wait(reqs, timeout)
+        errors = [e for r in sorted(reqs) if (e := self.tracker.take_error(r))]
+        if errors:
+            raise errors[0]
+        layout = TableLayout.initial(spec, self.num_nodes)
+        local = self._attach(spec) if self.local_access else {}
+        table = Table(self, spec, layout, local)
+        self.tables[spec.name] = table
+        return table
+
+    def _attach(self, spec: TableSpec) -> dict[int, ShardStore]:
+        """Map this node's shards of ``spec`` from the local server's shared memory."""
+        reply, fds = fetch_fds(socket_name(self.cluster.cluster_id, self.node), {"table": spec.name},
+                               self.cluster.timeouts.connect_s)
+        stores: dict[int, ShardStore] = {}
+        try:
+            if TableSpec.from_dict(reply["spec"]) != spec:
+                raise ShoalError(f"local server holds table {spec.name!r} with a different spec")
+            for info, fd in zip(reply["shards"], fds):
+                stores[int(info["shard"])] = ShardStore.attach(spec, int(info["shard"]), int(info["num_rows"]),
+                                                               fd, str(info["label"]))
+        except Exception:
+            for fd in fds[len(stores):]:
+                os.close(fd)
+            raise
+        return stores
+
+    # ---------------------------------------------------------- clock, sync
+
+    def advance_clock(self) -> int:
+        """Finish an iteration: tell every server this worker's new clock (one-way)."""
+        self._check_open()
+        self.clock += 1
+        for n in range(self.num_nodes):
+            self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}))
+        return self.clock
+
+    def wait_all(self) -> None:
+        """Wait for every request still in flight (async pushes included)."""
+        self.tracker.wait_all(self.cluster.timeouts.request_s)
+
+    def barrier(self) -> None:
+        """Wait until every worker reaches this barrier; own pushes are applied first."""
+        self._check_open()
+        self.wait_all()
+        self._barrier_generation += 1
+        membership.barrier(self.tracker, self.rank, self._barrier_generation, self.cluster.timeouts.barrier_s)
+
+    def server_stats(self) -> list[dict[str, Any]]:
+        """What each server reports about itself (tables, clocks, counters)."""
+        replies: list[Message] = []
+        reqs = {self.tracker.request(n, Message(Op.STATS), replies.append, "STATS") for n in range(self.num_nodes)}
+        self.tracker.wait(reqs, self.cluster.timeouts.request_s)
+        return sorted((m.body for m in replies), key=lambda b: int(b["node"]))
+
+    # -------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Flush, tell the rendezvous this worker is done, and close every connection."""
+        if self._closed:
+            return
+        try:
+            self.wait_all()
+            membership.leave(self.tracker, self.rank, self.cluster.timeouts.connect_s)
+        except ShoalError as exc:
+            log.warning("worker %d: unclean shutdown: %s", self.rank, exc)
+        finally:
+            self._closed = True
+            for table in self.tables.values():
+                for store in table.local.values():
+                    store.close()
+            self.tracker.close()
+            if self._owns_transport:
+                self.transport.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"worker {self.rank} has been shut down")
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _ignore(msg: Message) -> None:
+    pass

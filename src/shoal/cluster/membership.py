@@ -1,0 +1,91 @@
+"""Talking to the rendezvous: registering, waiting for peers, barriers.
+
+Every wait here has a deadline, and its error names what was missing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from shoal.api.errors import ClusterError, RequestTimeoutError
+from shoal.cluster.requests import RequestTracker
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+RENDEZVOUS_PEER = -1
+
+
+def call(tracker: RequestTracker, peer: int, msg: Message, timeout: float, what: str = "") -> Message:
+    """One request, one reply, within ``timeout`` seconds."""
+    replies: list[Message] = []
+    req = tracker.request(peer, msg, replies.append, what)
+    tracker.wait({req}, timeout)
+    error = tracker.take_error(req)
+    if error is not None:
+        raise error
+    return replies[0]
+
+
+def _rendezvous_call(tracker: RequestTracker, msg: Message, timeout: float) -> dict[str, Any]:
+    try:
+        return call(tracker, RENDEZVOUS_PEER, msg, timeout, f"{msg.op.name} to the rendezvous").body
+    except RequestTimeoutError as exc:
+        raise ClusterError(
+            f"the rendezvous at {tracker.address_of(RENDEZVOUS_PEER)} did not answer within {timeout:.1f}s "
+            "(is the launcher running, and is the rendezvous address right?)"
+        ) from exc
+
+
+def register(
+    tracker: RequestTracker, role: str, node: int, rank: int, address: str, timeout: float
+) -> dict[str, Any]:
+    body = {"role": role, "node": node, "rank": rank, "address": address, "pid": os.getpid()}
+    return _rendezvous_call(tracker, Message(Op.REGISTER, body=body), timeout)
+
+
+def status(tracker: RequestTracker, timeout: float) -> dict[str, Any]:
+    return _rendezvous_call(tracker, Message(Op.CLUSTER_STATUS), timeout)
+
+
+def wait_for_servers(tracker: RequestTracker, num_nodes: int, timeout: float) -> list[str]:
+    """Addresses of all ``num_nodes`` servers, once every one has registered."""
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        remaining = deadline - time.monotonic()
+        st = status(tracker, max(remaining, 1.0))
+        servers = st["servers"]
+        if st["ready"]:
+            return [str(a) for a in servers]
+        if time.monotonic() >= deadline:
+            present = [n for n, a in enumerate(servers) if a]
+            missing = [n for n, a in enumerate(servers) if not a]
+            raise ClusterError(
+                f"waited {timeout:.1f}s for {num_nodes} server(s): registered node(s) {present}, "
+                f"missing node(s) {missing} (did their server processes start? see their output)"
+            )
+        time.sleep(min(delay, max(remaining, 0)))
+        delay = min(delay * 2, 0.25)
+
+
+def barrier(tracker: RequestTracker, rank: int, generation: int, timeout: float) -> None:
+    """Block until every worker reaches barrier ``generation``."""
+    msg = Message(Op.BARRIER, body={"rank": rank, "generation": generation})
+    try:
+        call(tracker, RENDEZVOUS_PEER, msg, timeout, f"barrier {generation}")
+    except RequestTimeoutError as exc:
+        try:
+            st = status(tracker, 5.0)
+            arrived = st["barriers"].get(str(generation), [])
+            everyone = range(int(st["num_workers"]))
+            missing = [r for r in everyone if r not in arrived]
+            detail = f"arrived rank(s) {arrived}, missing rank(s) {missing}, finished {st['left']}"
+        except ClusterError:
+            detail = "the rendezvous no longer answers"
+        raise RequestTimeoutError(f"barrier {generation} not complete after {timeout:.1f}s: {detail}") from exc
+
+
+def leave(tracker: RequestTracker, rank: int, timeout: float) -> None:
+    call(tracker, RENDEZVOUS_PEER, Message(Op.LEAVE, body={"rank": rank, "role": "worker"}), timeout)

@@ -1,0 +1,155 @@
+"""The rendezvous: where servers and workers find each other, and where barriers meet.
+
+It holds only membership (who is there, at which address) and barrier
+generations, never parameters, so it is not a scheduler: once a worker knows
+the servers' addresses, the data path never touches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.api.errors import ShoalError
+from shoal.transport.base import Transport
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Flag, Op
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    role: str
+    node: int
+    rank: int
+    address: str
+    pid: int
+
+
+class Rendezvous:
+    """Membership and barriers for one cluster of ``num_nodes`` servers and ``num_workers`` workers."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        codec: Codec,
+        address: str,
+        cluster_id: str,
+        num_nodes: int,
+        num_workers: int,
+    ) -> None:
+        self.codec = codec
+        self.cluster_id = cluster_id
+        self.num_nodes = num_nodes
+        self.num_workers = num_workers
+        self.listener = transport.listen(address)
+        self.address = self.listener.address
+        self.servers: dict[int, Member] = {}
+        self.workers: dict[int, Member] = {}
+        self.left: set[int] = set()
+        self.shutdown_requested = False
+        self._barriers: dict[int, list[tuple[bytes, Message]]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --------------------------------------------------------------- running
+
+    def start(self) -> Rendezvous:
+        self._thread = threading.Thread(target=self.serve, name="shoal-rendezvous", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve(self) -> None:
+        while not self._stop.is_set():
+            item = self.listener.recv(0.1)
+            if item is not None:
+                self._handle(*item)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.listener.close()
+
+    # ---------------------------------------------------------------- status
+
+    @property
+    def ready(self) -> bool:
+        return len(self.servers) == self.num_nodes
+
+    @property
+    def finished(self) -> bool:
+        return self.shutdown_requested or (self.num_workers > 0 and len(self.left) >= self.num_workers)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "cluster_id": self.cluster_id,
+            "num_nodes": self.num_nodes,
+            "num_workers": self.num_workers,
+            "servers": [self.servers[n].address if n in self.servers else None for n in range(self.num_nodes)],
+            "workers": sorted(self.workers),
+            "left": sorted(self.left),
+            "ready": self.ready,
+            "finished": self.finished,
+            "barriers": {str(g): sorted(int(m.body["rank"]) for _, m in w) for g, w in self._barriers.items()},
+        }
+
+    # -------------------------------------------------------------- handling
+
+    def _reply(self, peer: bytes, msg: Message) -> None:
+        self.listener.send(peer, self.codec.encode(msg))
+
+    def _handle(self, peer: bytes, frames: list) -> None:
+        try:
+            msg = self.codec.decode(frames)
+        except ShoalError as exc:
+            log.warning("rendezvous: dropping bad message: %s", exc)
+            req = getattr(exc, "req", None)
+            if isinstance(req, int):
+                err = Message(Op.ERROR, req=req, body={"code": exc.code, "message": str(exc)})
+                self.listener.send(peer, Codec(self.codec.limits).encode(err))
+            return
+        if msg.op == Op.REGISTER:
+            self._register(msg)
+            self._reply(peer, msg.reply(Op.OK, self.status()))
+        elif msg.op == Op.CLUSTER_STATUS:
+            self._reply(peer, msg.reply(Op.OK, self.status()))
+        elif msg.op == Op.BARRIER:
+            self._barrier(peer, msg)
+        elif msg.op == Op.LEAVE:
+            if msg.body["role"] == "worker":
+                self.left.add(int(msg.body["rank"]))
+            if not msg.flags & Flag.NO_REPLY:
+                self._reply(peer, msg.reply(Op.OK))
+        elif msg.op == Op.SHUTDOWN:
+            self.shutdown_requested = True
+            self._reply(peer, msg.reply(Op.OK))
+        elif msg.op == Op.PING:
+            self._reply(peer, msg.reply(Op.OK))
+        else:
+            self._reply(peer, msg.reply(Op.ERROR, {"code": "ProtocolError",
+                                                    "message": f"rendezvous does not serve {msg.op.name}"}))
+
+    def _register(self, msg: Message) -> None:
+        b = msg.body
+        member = Member(b["role"], b["node"], b["rank"], b["address"], b["pid"])
+        if member.role == "server":
+            if member.node in self.servers and self.servers[member.node].address != member.address:
+                log.info("server of node %d re-registered at %s", member.node, member.address)
+            self.servers[member.node] = member
+        else:
+            self.workers[member.rank] = member
+            self.left.discard(member.rank)
+
+    def _barrier(self, peer: bytes, msg: Message) -> None:
+        gen = int(msg.body["generation"])
+        waiting = self._barriers.setdefault(gen, [])
+        waiting.append((peer, msg))
+        arrived = {int(m.body["rank"]) for _, m in waiting}
+        if len(arrived) >= self.num_workers:
+            for p, m in self._barriers.pop(gen):
+                self._reply(p, m.reply(Op.OK))

@@ -1,0 +1,251 @@
+"""Request tracking: many requests in flight to many peers, matched to replies by id.
+
+There is no receive thread. Whoever waits pumps the sockets and dispatches
+every reply that arrives to the request it answers, so a worker's compute never
+competes with a background thread for the GIL, and a call whose keys are all
+local touches no socket at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from shoal.api.errors import (
+    ClosedError,
+    ProtocolError,
+    RequestTimeoutError,
+    ShoalError,
+    error_from_code,
+)
+from shoal.transport.base import Connection, Transport
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Flag, Op
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ReplyHandler = Callable[[Message], None]
+
+
+@dataclass
+class _Pending:
+    peer: int
+    what: str
+    on_reply: ReplyHandler
+    error: ShoalError | None = None
+
+
+class RequestTracker:
+    """Connections to a set of peers (by integer id) and the requests in flight to them."""
+
+    def __init__(self, transport: Transport, codec: Codec, sender: int) -> None:
+        self.transport = transport
+        self.codec = codec
+        self.sender = sender
+        self._conns: dict[int, Connection] = {}
+        self._peer_of: dict[int, int] = {}  # id(connection) -> peer
+        self._poller = transport.poller()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._errors: dict[int, ShoalError] = {}
+        self._closed = False
+        #: called with (peer, message) for messages that answer no request (server pushes)
+        self.on_unsolicited: Callable[[int, Message], None] | None = None
+
+    # ----------------------------------------------------------- connections
+
+    def connect(self, peer: int, address: str) -> None:
+        with self._lock:
+            if peer in self._conns:
+                if self._conns[peer].address == address:
+                    return
+                self.disconnect(peer)
+            conn = self.transport.connect(address)
+            self._conns[peer] = conn
+            self._peer_of[id(conn)] = peer
+            self._poller.register(conn)
+
+    def disconnect(self, peer: int) -> None:
+        with self._lock:
+            conn = self._conns.pop(peer, None)
+            if conn is not None:
+                self._poller.unregister(conn)
+                self._peer_of.pop(id(conn), None)
+                conn.close()
+
+    def address_of(self, peer: int) -> str:
+        conn = self._conns.get(peer)
+        return conn.address if conn else "<not connected>"
+
+    @property
+    def peers(self) -> list[int]:
+        return sorted(self._conns)
+
+    # -------------------------------------------------------------- requests
+
+    def request(self, peer: int, msg: Message, on_reply: ReplyHandler, what: str = "") -> int:
+        """Send ``msg`` to ``peer``; ``on_reply`` runs (inside a later pump) with the reply."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("this handle has been shut down")
+            conn = self._conns.get(peer)
+            if conn is None:
+                raise ClosedError(f"not connected to peer {peer}")
+            req = next(self._ids)
+            msg.req, msg.sender = req, self.sender
+            frames = self.codec.encode(msg)
+            self._pending[req] = _Pending(peer, what or f"{msg.op.name} {msg.table!r}".strip(), on_reply)
+            conn.send(frames)
+            return req
+
+    def notify(self, peer: int, msg: Message) -> None:
+        """Send a one-way message; nothing will answer it."""
+        with self._lock:
+            conn = self._conns.get(peer)
+            if conn is None or self._closed:
+                return
+            msg.sender = self.sender
+            msg.flags |= Flag.NO_REPLY
+            conn.send(self.codec.encode(msg))
+
+    def done(self, reqs: set[int]) -> bool:
+        return not any(r in self._pending for r in reqs)
+
+    def wait(self, reqs: set[int], timeout: float) -> None:
+        """Pump until every request in ``reqs`` is answered, or raise ``RequestTimeoutError``."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self.done(reqs):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RequestTimeoutError(self._describe_missing(reqs, timeout))
+                self.pump(min(remaining, 0.5))
+
+    def wait_all(self, timeout: float) -> None:
+        """Pump until nothing is in flight (used before barriers and shutdown)."""
+        self.wait(set(self._pending), timeout)
+
+    def _describe_missing(self, reqs: set[int], timeout: float) -> str:
+        missing = [(r, self._pending[r]) for r in sorted(reqs) if r in self._pending]
+        for r, _ in missing:
+            self._pending.pop(r, None)  # a late reply is dropped, not misrouted
+        parts = [f"{p.what} (request {r}) to peer {p.peer} at {self.address_of(p.peer)}" for r, p in missing]
+        return f"no reply within {timeout:.1f}s to: " + "; ".join(parts)
+
+    def pump(self, timeout: float | None) -> int:
+        """Receive and dispatch whatever arrives within ``timeout``; returns the number handled."""
+        handled = 0
+        with self._lock:
+            for conn in self._poller.poll(timeout):
+                peer = self._peer_of.get(id(conn), -1)
+                while True:
+                    frames = conn.recv(0)
+                    if frames is None:
+                        break
+                    self._dispatch(peer, frames)
+                    handled += 1
+        return handled
+
+    def _dispatch(self, peer: int, frames: list) -> None:
+        try:
+            msg = self.codec.decode(frames)
+        except ShoalError as exc:
+            req = getattr(exc, "req", None)
+            if isinstance(req, int) and req in self._pending:
+                # An unverifiable reply to our own request: most often a peer that
+                # rejected our tag and answered unsigned. Fail that request.
+                self._pending[req].error = exc
+                self._finish(req, None)
+            else:
+                log.warning("dropping undecodable message from peer %s: %s", peer, exc)
+            return
+        if msg.req == 0 or msg.req not in self._pending:
+            if self.on_unsolicited is not None and msg.req == 0:
+                self.on_unsolicited(peer, msg)
+            else:
+                log.debug("dropping reply to unknown request %s from peer %s", msg.req, peer)
+            return
+        pending = self._pending[msg.req]
+        if msg.op == Op.ERROR:
+            pending.error = error_from_code(
+                str(msg.body.get("code")), f"peer {peer}: {msg.body.get('message')}"
+            )
+            self._finish(msg.req, None)
+            return
+        self._finish(msg.req, msg)
+
+    def _finish(self, req: int, msg: Message | None) -> None:
+        pending = self._pending.pop(req)
+        error = pending.error
+        if msg is not None and error is None:
+            try:
+                pending.on_reply(msg)
+            except ShoalError as exc:
+                error = exc
+            except Exception as exc:  # a reply that does not fit what we asked for
+                error = ProtocolError(f"bad reply to {pending.what}: {exc!r}")
+        if error is not None:
+            self._errors[req] = error
+
+    def take_error(self, req: int) -> ShoalError | None:
+        return self._errors.pop(req, None)
+
+    # -------------------------------------------------------------- shutdown
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for peer in list(self._conns):
+                self.disconnect(peer)
+            self._pending.clear()
+
+
+class Future(Generic[T]):
+    """The result of an ``*_async`` call; ``wait()`` returns it or raises its error."""
+
+    def __init__(
+        self,
+        tracker: RequestTracker | None,
+        reqs: set[int],
+        finish: Callable[[], T],
+        timeout: float,
+    ) -> None:
+        self._tracker = tracker
+        self._reqs = reqs
+        self._finish = finish
+        self._timeout = timeout
+        self._result: T | None = None
+        self._error: ShoalError | None = None
+        self._settled = False
+
+    def done(self) -> bool:
+        if self._settled or self._tracker is None:
+            return True
+        self._tracker.pump(0)
+        return self._tracker.done(self._reqs)
+
+    def wait(self, timeout: float | None = None) -> T:
+        if not self._settled:
+            try:
+                if self._tracker is not None and self._reqs:
+                    self._tracker.wait(self._reqs, self._timeout if timeout is None else timeout)
+                    errors = [e for r in sorted(self._reqs) if (e := self._tracker.take_error(r))]
+                    if errors:
+                        raise errors[0]
+                self._result = self._finish()
+            except ShoalError as exc:
+                self._error = exc
+            self._settled = True
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+    result = wait

@@ -1,0 +1,65 @@
+"""The ``shoal`` command.
+
+    shoal run --nodes 2 --workers-per-node 1 -- python train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from shoal.api.config import Limits, Timeouts
+from shoal.api.errors import ShoalError
+from shoal.launch.env import read_secret
+from shoal.launch.local import LaunchOptions, LocalCluster
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description="Shoal parameter server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a training script on a local cluster",
+                         description="Start a rendezvous, one server per node and the workers on this machine; "
+                                     "every worker runs COMMAND.")
+    run.add_argument("--nodes", type=int, default=1, help="nodes, one server each (default 1)")
+    run.add_argument("--workers-per-node", type=int, default=1, help="workers on each node (default 1)")
+    run.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="server transport (default tcp)")
+    run.add_argument("--host", default="127.0.0.1", help="address servers bind (default 127.0.0.1)")
+    run.add_argument("--secret-file", help="file holding a hex shared secret; every message is then signed")
+    run.add_argument("--classic", action="store_true",
+                     help="send every key through a server, also local ones (classic parameter server)")
+    run.add_argument("--max-message-bytes", type=int, default=Limits().max_message_bytes)
+    run.add_argument("--connect-timeout", type=float, default=Timeouts().connect_s,
+                     help="seconds to wait for peers to appear (default %(default)s)")
+    run.add_argument("--request-timeout", type=float, default=Timeouts().request_s,
+                     help="seconds to wait for any reply (default %(default)s)")
+    run.add_argument("--barrier-timeout", type=float, default=Timeouts().barrier_s)
+    run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [w<rank>]")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="shoal: %(levelname)s %(message)s")
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        secret = read_secret({"SHOAL_SECRET_FILE": args.secret_file} if args.secret_file else {})
+        options = LaunchOptions(
+            command=command, nodes=args.nodes, workers_per_node=args.workers_per_node, host=args.host,
+            transport=args.transport, secret=secret, local_access=not args.classic,
+            limits=Limits(args.max_message_bytes),
+            timeouts=Timeouts(args.connect_timeout, args.request_timeout, args.barrier_timeout),
+            prefix_output=not args.no_prefix,
+        )
+        return LocalCluster(options).run()
+    except ShoalError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The environment contract between a launcher and the processes it starts.
+
+This is the only module that reads ``SHOAL_*`` variables. A missing or bad
+variable fails at once with a message that names it.
+
+| variable | meaning |
+|---|---|
+| ``SHOAL_RENDEZVOUS`` | address of the rendezvous, e.g. ``tcp://127.0.0.1:5555`` |
+| ``SHOAL_CLUSTER_ID`` | names the cluster (and its shared memory) |
+| ``SHOAL_NUM_NODES`` | number of nodes (one server each) |
+| ``SHOAL_WORKERS_PER_NODE`` | workers on each node |
+| ``SHOAL_NODE`` | this process's node |
+| ``SHOAL_RANK`` | this worker's global rank (workers only) |
+| ``SHOAL_SECRET`` / ``SHOAL_SECRET_FILE`` | shared secret (hex), or a file holding it; required off loopback |
+| ``SHOAL_BIND`` | server bind address, default ``tcp://127.0.0.1:0`` |
+| ``SHOAL_LOCAL_ACCESS`` | ``0`` sends every key through a server (classic PS mode) |
+| ``SHOAL_MAX_MESSAGE_BYTES`` | largest message accepted |
+| ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` / ``SHOAL_BARRIER_TIMEOUT`` | seconds |
+| ``SHOAL_LAUNCHER_PID`` | pid of the launcher; its death ends the process |
+| ``SHOAL_LOG_LEVEL`` | logging level of server processes |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shoal.api.config import ClusterSpec, Limits, Timeouts
+from shoal.api.errors import ConfigError
+
+PREFIX = "SHOAL_"
+_HINT = "start the script with `shoal run ...`, or set the SHOAL_* variables (see shoal.launch.env)"
+
+
+@dataclass(frozen=True)
+class ProcessRole:
+    """Who this process is in the cluster."""
+
+    cluster: ClusterSpec
+    node: int
+    rank: int  # -1 for a server
+    local_access: bool
+    bind: str
+
+
+def _get(env: Mapping[str, str], name: str) -> str:
+    value = env.get(PREFIX + name)
+    if value is None or value == "":
+        raise ConfigError(f"{PREFIX}{name} is not set: {_HINT}")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(PREFIX + name)
+    if raw in (None, "") and default is not None:
+        return default
+    raw = _get(env, name)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{PREFIX}{name} must be an integer, got {raw!r}") from None
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(PREFIX + name)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)  # type: ignore[arg-type]
+    except ValueError:
+        raise ConfigError(f"{PREFIX}{name} must be a number of seconds, got {raw!r}") from None
+
+
+def read_secret(env: Mapping[str, str]) -> bytes | None:
+    raw = env.get(PREFIX + "SECRET")
+    path = env.get(PREFIX + "SECRET_FILE")
+    if path:
+        try:
+            with open(path) as fh:
+                raw = fh.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {PREFIX}SECRET_FILE {path!r}: {exc}") from exc
+    if not raw:
+        return None
+    try:
+        return bytes.fromhex(raw)
+    except ValueError:
+        raise ConfigError(f"the shared secret must be hex (from {PREFIX}SECRET or {PREFIX}SECRET_FILE)") from None
+
+
+def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterSpec:
+    env = os.environ if env is None else env
+    defaults = Timeouts()
+    return ClusterSpec(
+        cluster_id=_get(env, "CLUSTER_ID"),
+        num_nodes=_int(env, "NUM_NODES"),
+        workers_per_node=_int(env, "WORKERS_PER_NODE"),
+        rendezvous=_get(env, "RENDEZVOUS"),
+        secret=read_secret(env),
+        limits=Limits(max_message_bytes=_int(env, "MAX_MESSAGE_BYTES", Limits().max_message_bytes)),
+        timeouts=Timeouts(
+            connect_s=_seconds(env, "CONNECT_TIMEOUT", defaults.connect_s),
+            request_s=_seconds(env, "REQUEST_TIMEOUT", defaults.request_s),
+            barrier_s=_seconds(env, "BARRIER_TIMEOUT", defaults.barrier_s),
+        ),
+    )
+
+
+def role_from_env(server: bool, env: Mapping[str, str] | None = None) -> ProcessRole:
+    env = os.environ if env is None else env
+    cluster = cluster_from_env(env)
+    node = _int(env, "NODE")
+    if not 0 <= node < cluster.num_nodes:
+        raise ConfigError(f"{PREFIX}NODE={node} is outside [0, {cluster.num_nodes})")
+    rank = -1
+    if not server:
+        rank = _int(env, "RANK")
+        if not 0 <= rank < cluster.num_workers:
+            raise ConfigError(f"{PREFIX}RANK={rank} is outside [0, {cluster.num_workers})")
+    return ProcessRole(
+        cluster=cluster,
+        node=node,
+        rank=rank,
+        local_access=env.get(PREFIX + "LOCAL_ACCESS", "1") not in ("0", "false", "no"),
+        bind=env.get(PREFIX + "BIND") or "tcp://127.0.0.1:0",
+    )
+
+
+def launcher_pid(env: Mapping[str, str] | None = None) -> int | None:
+    env = os.environ if env is None else env
+    raw = env.get(PREFIX + "LAUNCHER_PID")
+    return int(raw) if raw and raw.isdigit() else None
+
+
+def log_level(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    return env.get(PREFIX + "LOG_LEVEL", "WARNING").upper()
+
+
+def child_env(cluster: ClusterSpec, node: int, rank: int | None, local_access: bool, bind: str | None,
+              launcher: int) -> dict[str, str]:
+    """The variables a launcher sets for one child process."""
+    env = {
+        PREFIX + "CLUSTER_ID": cluster.cluster_id,
+        PREFIX + "NUM_NODES": str(cluster.num_nodes),
+        PREFIX + "WORKERS_PER_NODE": str(cluster.workers_per_node),
+        PREFIX + "RENDEZVOUS": cluster.rendezvous,
+        PREFIX + "NODE": str(node),
+        PREFIX + "MAX_MESSAGE_BYTES": str(cluster.limits.max_message_bytes),
+        PREFIX + "CONNECT_TIMEOUT": str(cluster.timeouts.connect_s),
+        PREFIX + "REQUEST_TIMEOUT": str(cluster.timeouts.request_s),
+        PREFIX + "BARRIER_TIMEOUT": str(cluster.timeouts.barrier_s),
+        PREFIX + "LOCAL_ACCESS": "1" if local_access else "0",
+        PREFIX + "LAUNCHER_PID": str(launcher),
+    }
+    if rank is not None:
+        env[PREFIX + "RANK"] = str(rank)
+        env[PREFIX + "LOCAL_RANK"] = str(rank % max(cluster.workers_per_node, 1))
+    if bind:
+        env[PREFIX + "BIND"] = bind
+    if cluster.secret:
+        env[PREFIX + "SECRET"] = cluster.secret.hex()
+    return env

@@ -1,0 +1,38 @@
+"""Tying a process's life to its launcher's, so no child outlives a killed job."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover - non-Linux
+    _prctl = None
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux).
+
+    Safe to call between fork and exec: it only makes one system call.
+    """
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def bind_to_launcher(launcher: int | None) -> None:
+    """For a process started by a launcher: die with it, and exit now if it is gone already."""
+    if launcher is None:
+        return
+    if os.getppid() == launcher:
+        die_with_parent()
+        if os.getppid() != launcher:  # the launcher died before the call above took effect
+            os._exit(1)
+    else:
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:
+            os._exit(1)

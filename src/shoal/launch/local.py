@@ -1,0 +1,237 @@
+"""Run a whole cluster on this machine: rendezvous, one server per node, the workers.
+
+The launcher owns every child. Each child dies with it (PR_SET_PDEATHSIG), runs
+in its own process group (so a teardown also reaches what the child started),
+and has its output prefixed with its role and rank. The job ends when all
+workers exit (status 0), when one fails (its status), or on Ctrl-C / SIGTERM
+(130 / 143); every child is reaped before the launcher returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO
+
+from shoal.api.config import ClusterSpec, Limits, Timeouts
+from shoal.api.errors import ConfigError
+from shoal.cluster.rendezvous import Rendezvous
+from shoal.launch.env import child_env
+from shoal.launch.lifecycle import die_with_parent
+from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire.codec import Codec
+
+log = logging.getLogger(__name__)
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What ``shoal run`` was asked to do."""
+
+    command: Sequence[str]
+    nodes: int = 1
+    workers_per_node: int = 1
+    host: str = "127.0.0.1"
+    transport: str = "tcp"
+    secret: bytes | None = None
+    local_access: bool = True
+    limits: Limits = field(default_factory=Limits)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    prefix_output: bool = True
+    grace_s: float = 3.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("no worker command given: shoal run [options] -- python train.py")
+        if self.nodes < 1 or self.workers_per_node < 1:
+            raise ConfigError(f"need at least 1 node and 1 worker per node, got {self.nodes} x {self.workers_per_node}")
+        if self.transport not in ("tcp", "ipc"):
+            raise ConfigError(f"transport must be 'tcp' or 'ipc', got {self.transport!r}")
+        if self.host not in _LOOPBACK and self.secret is None:
+            raise ConfigError(f"binding {self.host!r} (not loopback) needs a shared secret (--secret-file)")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    is_worker: bool
+    pump: threading.Thread | None = None
+
+
+class _PrefixWriter:
+    """Copies a child's output to ours, each line prefixed; keeps ``\\r`` progress bars whole."""
+
+    lock = threading.Lock()
+
+    def __init__(self, prefix: str, sink: IO[bytes]) -> None:
+        self.prefix = prefix.encode()
+        self.sink = sink
+        self.at_line_start = True
+
+    def feed(self, data: bytes) -> None:
+        out = bytearray()
+        start = 0
+        for i, byte in enumerate(data):
+            if byte in (10, 13):  # \n, \r
+                if self.at_line_start and i > start:
+                    out += self.prefix
+                out += data[start : i + 1]
+                start = i + 1
+                self.at_line_start = True
+            elif self.at_line_start and i == start:
+                out += self.prefix
+                self.at_line_start = False
+        out += data[start:]
+        with self.lock:
+            self.sink.write(bytes(out))
+            self.sink.flush()
+
+
+class LocalCluster:
+    """Starts, watches and tears down one local job."""
+
+    def __init__(self, options: LaunchOptions) -> None:
+        self.options = options
+        self.cluster_id = secrets.token_hex(6)
+        self.children: list[Child] = []
+        self._interrupted: int | None = None
+
+    def _address(self, what: str) -> str:
+        if self.options.transport == "ipc":
+            return f"ipc://@shoal-{self.cluster_id}-{what}"
+        return f"tcp://{self.options.host}:0"
+
+    def run(self) -> int:
+        """Run the job to the end; returns the exit status for the shell."""
+        opts = self.options
+        transport = ZmqTransport()
+        codec = Codec(opts.limits, opts.secret)
+        num_workers = opts.nodes * opts.workers_per_node
+        rendezvous = Rendezvous(transport, codec, self._address("rendezvous"), self.cluster_id,
+                                opts.nodes, num_workers)
+        cluster = ClusterSpec(self.cluster_id, opts.nodes, opts.workers_per_node, rendezvous.address,
+                              opts.secret, opts.limits, opts.timeouts)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            # Children are forked before any launcher thread exists, so the
+            # pre-exec hook cannot deadlock on a lock held by another thread.
+            for node in range(opts.nodes):
+                self._spawn(f"s{node}", [sys.executable, "-m", "shoal.launch.server_main"],
+                            child_env(cluster, node, None, opts.local_access, self._address(f"node{node}"),
+                                      os.getpid()), is_worker=False)
+            for rank in range(num_workers):
+                node = rank // opts.workers_per_node
+                self._spawn(f"w{rank}", list(opts.command),
+                            child_env(cluster, node, rank, opts.local_access, None, os.getpid()), is_worker=True)
+            rendezvous.start()
+            for child in self.children:
+                child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+                child.pump.start()
+            return self._watch(rendezvous)
+        finally:
+            self._teardown()
+            rendezvous.stop()
+            transport.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _spawn(self, name: str, command: list[str], env: dict[str, str], is_worker: bool) -> None:
+        full_env = {**os.environ, **self.options.extra_env, **env, "PYTHONUNBUFFERED": "1"}
+        try:
+            proc = subprocess.Popen(
+                command, env=full_env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if self.options.prefix_output else None,
+                stderr=subprocess.STDOUT if self.options.prefix_output else None,
+                start_new_session=True, preexec_fn=die_with_parent,
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot start {name} ({command[0]!r}): {exc}") from exc
+        self.children.append(Child(name, proc, is_worker))
+
+    def _pump(self, child: Child) -> None:
+        assert child.proc.stdout is not None
+        writer = _PrefixWriter(f"[{child.name}] ", sys.stdout.buffer)
+        fd = child.proc.stdout.fileno()
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            writer.feed(data)
+
+    def _watch(self, rendezvous: Rendezvous) -> int:
+        workers = [c for c in self.children if c.is_worker]
+        servers = [c for c in self.children if not c.is_worker]
+        while True:
+            if self._interrupted is not None:
+                print(f"shoal: interrupted; stopping {len(self.children)} process(es)", file=sys.stderr)
+                return 128 + self._interrupted
+            for w in workers:
+                code = w.proc.poll()
+                if code not in (None, 0):
+                    print(f"shoal: worker {w.name} exited with status {code}; stopping the job", file=sys.stderr)
+                    return code if code > 0 else 128 - code
+            for s in servers:
+                code = s.proc.poll()
+                if code is not None and not rendezvous.finished:
+                    print(f"shoal: server {s.name} exited with status {code} before the workers finished; "
+                          "stopping the job", file=sys.stderr)
+                    return 1
+            if all(w.proc.poll() == 0 for w in workers):
+                rendezvous.shutdown_requested = True  # servers see it in their next heartbeat
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline and any(s.proc.poll() is None for s in servers):
+                    time.sleep(0.05)
+                return 0
+            time.sleep(0.05)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._interrupted = signum
+
+    def _teardown(self) -> None:
+        """SIGTERM every live child's process group, then SIGKILL what is left; reap all."""
+        live = [c for c in self.children if c.proc.poll() is None]
+        for c in live:
+            _signal_group(c.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.options.grace_s
+        for c in live:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in self.children:
+            _signal_group(c.proc.pid, signal.SIGKILL)  # also reaches grandchildren of finished children
+            c.proc.wait()
+        for c in self.children:
+            if c.pump is not None:
+                c.pump.join(timeout=2)
+            if c.proc.stdout is not None:
+                c.proc.stdout.close()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(command: Sequence[str], nodes: int = 1, workers_per_node: int = 1, **options: object) -> int:
+    """Run ``command`` as every worker of a local cluster; returns the job's exit status."""
+    return LocalCluster(LaunchOptions(command=command, nodes=nodes, workers_per_node=workers_per_node,
+                                      **options)).run()  # type: ignore[arg-type]

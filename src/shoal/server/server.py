@@ -1,0 +1,246 @@
+"""A node's parameter server: one request loop over its shards.
+
+Every request is decoded and checked before it touches state; every failure
+becomes a typed error reply and the loop goes on. Co-located workers get the
+shards' shared-memory descriptors from the fd-share socket and read and write
+local rows themselves; the loop only serves remote peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from shoal.api.config import ClusterSpec, TableSpec
+from shoal.api.errors import AuthError, ProtocolError, ServerError, ShoalError, TableError
+from shoal.cluster import membership
+from shoal.cluster.fdshare import FdShareServer, socket_name
+from shoal.cluster.requests import RequestTracker
+from shoal.placement.layout import TableLayout
+from shoal.server.tables import ServedTable
+from shoal.storage.validate import as_keys, as_rows
+from shoal.transport.base import Transport
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Flag, Op
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT_S = 0.5
+
+
+class ParameterServer:
+    """Serves the shards of node ``node`` of ``cluster``."""
+
+    def __init__(
+        self,
+        node: int,
+        cluster: ClusterSpec,
+        transport: Transport,
+        bind: str = "tcp://127.0.0.1:0",
+        share_memory: bool = True,
+    ) -> None:
+        self.node = node
+        self.cluster = cluster
+        self.transport = transport
+        self.codec = Codec(cluster.limits, cluster.secret)
+        self._unsigned = Codec(cluster.limits)  # only for telling a peer its tag was wrong
+        # libzmq drops a peer that sends a frame past this hard cap; messages between
+        # the soft limit and the cap get a typed error reply instead.
+        hard_cap = cluster.limits.max_message_bytes * 2 + (1 << 20)
+        self.listener = transport.listen(bind, max_frame_bytes=hard_cap)
+        self.address = self.listener.address
+        self.tables: dict[str, ServedTable] = {}
+        self.clocks: dict[int, int] = {}
+        self.stats: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._rendezvous = RequestTracker(transport, self.codec, sender=node)
+        self._heartbeat_req: int | None = None
+        self._last_heartbeat = time.monotonic()
+        self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, register: bool = True) -> None:
+        """Serve until asked to stop, the cluster finishes, or the rendezvous is lost."""
+        if register:
+            self._rendezvous.connect(membership.RENDEZVOUS_PEER, self.cluster.rendezvous)
+            membership.register(
+                self._rendezvous, "server", self.node, self.node, self.address, self.cluster.timeouts.connect_s
+            )
+            log.info("server %d serving at %s", self.node, self.address)
+        try:
+            while not self._stop.is_set():
+                item = self.listener.recv(0.05)
+                while item is not None:
+                    self.handle(*item)
+                    item = self.listener.recv(0)
+                if register:
+                    self._heartbeat()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _heartbeat(self) -> None:
+        """Ask the rendezvous how the cluster is; leave when it is finished or gone."""
+        tracker = self._rendezvous
+        tracker.pump(0)
+        if self._heartbeat_req is not None and tracker.done({self._heartbeat_req}):
+            tracker.take_error(self._heartbeat_req)
+            self._heartbeat_req = None
+        now = time.monotonic()
+        if self._heartbeat_req is None and now - self._last_heartbeat >= _HEARTBEAT_S:
+            self._heartbeat_req = tracker.request(
+                membership.RENDEZVOUS_PEER, Message(Op.CLUSTER_STATUS), self._on_status, "heartbeat"
+            )
+        elif self._heartbeat_req is not None and now - self._last_heartbeat > self.cluster.timeouts.connect_s:
+            log.error("server %d: rendezvous silent for %.0fs; shutting down", self.node, now - self._last_heartbeat)
+            self.stop()
+
+    def _on_status(self, msg: Message) -> None:
+        self._last_heartbeat = time.monotonic()
+        if msg.body.get("finished"):
+            log.info("server %d: all workers finished; shutting down", self.node)
+            self.stop()
+
+    # -------------------------------------------------------------- handling
+
+    def handle(self, peer: bytes, frames: list[Any]) -> None:
+        """Decode, check and serve one request; every failure becomes an error reply."""
+        self.stats["messages"] += 1
+        self.stats["bytes_in"] += sum(memoryview(getattr(f, "buffer", f)).nbytes for f in frames)
+        try:
+            msg = self.codec.decode(frames)
+        except AuthError as exc:
+            self.stats["dropped_unauthenticated"] += 1
+            log.warning("server %d: dropped an unauthenticated message: %s", self.node, exc)
+            self._reply_error(peer, exc, self._unsigned)
+            return
+        except ShoalError as exc:
+            self.stats["rejected_malformed"] += 1
+            log.warning("server %d: rejected a malformed message: %s", self.node, exc)
+            self._reply_error(peer, exc, self.codec)
+            return
+        self.stats[f"op_{msg.op.name.lower()}"] += 1
+        try:
+            reply = self.dispatch(msg)
+        except ShoalError as exc:
+            self.stats[f"error_{exc.code}"] += 1
+            reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
+        except Exception as exc:  # a bug: report it, keep serving
+            log.exception("server %d: failure serving %s", self.node, msg.op.name)
+            self.stats["error_ServerError"] += 1
+            err = ServerError(f"server {self.node} failed serving {msg.op.name}: {exc!r}")
+            reply = msg.reply(Op.ERROR, {"code": err.code, "message": str(err)})
+        if reply is not None and not msg.flags & Flag.NO_REPLY:
+            self._send(peer, reply, self.codec)
+
+    def _reply_error(self, peer: bytes, exc: ShoalError, codec: Codec) -> None:
+        if getattr(exc, "flags", 0) & Flag.NO_REPLY:
+            return
+        req = getattr(exc, "req", None)
+        reply = Message(Op.ERROR, req=req if isinstance(req, int) else 0,
+                        body={"code": exc.code, "message": f"server {self.node}: {exc}"})
+        self._send(peer, reply, codec)
+
+    def _send(self, peer: bytes, reply: Message, codec: Codec) -> None:
+        reply.sender = self.node
+        frames = codec.encode(reply)
+        self.stats["bytes_out"] += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        self.listener.send(peer, frames)
+
+    def dispatch(self, msg: Message) -> Message | None:
+        op = msg.op
+        if op == Op.PULL:
+            table = self._table(msg.table)
+            return msg.reply(Op.VALUES, arrays=[table.pull(as_keys(msg.arrays[0], table.spec))])
+        if op == Op.PUSH:
+            table = self._table(msg.table)
+            skipped = self._push(table, msg)
+            return msg.reply(Op.OK, {"skipped": skipped} if skipped else None)
+        if op == Op.PUSH_PULL:
+            table = self._table(msg.table)
+            self._push(table, msg)
+            return msg.reply(Op.VALUES, arrays=[table.pull(as_keys(msg.arrays[0], table.spec))])
+        if op == Op.CLOCK:
+            rank = int(msg.body["rank"])
+            self.clocks[rank] = max(self.clocks.get(rank, 0), msg.clock)
+            return msg.reply(Op.OK)
+        if op == Op.CREATE_TABLE:
+            return self._create_table(msg)
+        if op == Op.STATS:
+            return msg.reply(Op.OK, self.describe())
+        if op == Op.PING:
+            return msg.reply(Op.OK)
+        if op == Op.SHUTDOWN:
+            self.stop()
+            return msg.reply(Op.OK)
+        raise ProtocolError(f"server does not serve {op.name}")
+
+    def _table(self, name: str) -> ServedTable:
+        table = self.tables.get(name)
+        if table is None:
+            raise TableError(f"server {self.node} has no table {name!r}")
+        return table
+
+    def _push(self, table: ServedTable, msg: Message) -> int:
+        keys = as_keys(msg.arrays[0], table.spec)
+        grads = as_rows(msg.arrays[1], keys.shape[0], table.spec, strict_dtype=True)
+        return table.push(keys, grads)
+
+    def _create_table(self, msg: Message) -> Message:
+        spec = TableSpec.from_dict(msg.body["spec"])
+        if spec.name != msg.table:
+            raise ProtocolError(f"CREATE_TABLE for {msg.table!r} carries a spec named {spec.name!r}")
+        existing = self.tables.get(spec.name)
+        if existing is not None:
+            if existing.spec != spec:
+                raise TableError(
+                    f"table {spec.name!r} already exists with a different spec: "
+                    f"{existing.spec.to_dict()} != {spec.to_dict()}"
+                )
+        else:
+            layout = TableLayout.initial(spec, self.cluster.num_nodes)
+            self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster.cluster_id)
+            log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
+        return msg.reply(Op.OK, {"shards": sorted(self.tables[spec.name].stores)})
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "address": self.address,
+            "pid": os.getpid(),
+            "tables": {n: {"shards": sorted(t.stores), "rows": sum(s.num_rows for s in t.stores.values())}
+                       for n, t in self.tables.items()},
+            "clocks": {str(r): c for r, c in self.clocks.items()},
+            "stats": dict(self.stats),
+        }
+
+    # --------------------------------------------------- shared-memory access
+
+    def _share(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Descriptors of a table's local shards, for a co-located worker."""
+        table = self._table(str(request.get("table")))
+        shards = sorted(table.stores)
+        info = [{"shard": s, "num_rows": table.stores[s].num_rows, "label": table.stores[s].segment.label}
+                for s in shards]
+        return {"spec": table.spec.to_dict(), "shards": info}, [table.stores[s].fd for s in shards]
+
+    # --------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        if self._fdshare is not None:
+            self._fdshare.close()
+            self._fdshare = None
+        self._rendezvous.close()
+        self.listener.close()
+        for table in self.tables.values():
+            table.close()
+        self.tables.clear()
+

@@ -1,0 +1,8 @@
+"""Shard storage on shared memory, update rules and their kernels. Knows nothing of sockets.
+
+- ``segment``: memfd segments and striped row locks
+- ``shard``: ``ShardStore`` (values + optimiser state of one shard)
+- ``rules``: Sum, SGD, Adagrad, Adam as update rules
+- ``initialize``: per-key seeded initial values
+- ``kernels``: compiled gather / scatter / rule loops
+"""

@@ -1,0 +1,119 @@
+"""Shared memory that never outlives its job, and row locks that die with their holder.
+
+A segment is an anonymous ``memfd``: it has a label (visible in
+``/proc/<pid>/fd``) but no name in ``/dev/shm``, so there is nothing to unlink.
+The kernel frees it when the last process holding the descriptor or a mapping
+exits, however it exits (SIGKILL of a worker, a server, or the whole job). Other
+processes on the node receive the descriptor over a Unix socket
+(``shoal.cluster.fdshare``).
+
+Locks are POSIX record locks (``lockf``) on byte ranges of that same
+descriptor. The kernel drops them when the holder dies, so a killed worker can
+never leave a row locked. One byte stands for one stripe of rows.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from shoal.api.errors import ShoalError
+
+PAGE = mmap.PAGESIZE
+
+
+def align(offset: int, to: int = PAGE) -> int:
+    return (offset + to - 1) // to * to
+
+
+class Segment:
+    """A mapped shared-memory block, created here or attached from a descriptor."""
+
+    def __init__(self, fd: int, label: str) -> None:
+        self.fd = fd
+        self.label = label
+        self.size = os.fstat(fd).st_size
+        self._map: mmap.mmap | None = mmap.mmap(fd, self.size) if self.size else None
+
+    @classmethod
+    def create(cls, label: str, size: int) -> Segment:
+        try:
+            fd = os.memfd_create(label, os.MFD_CLOEXEC)
+        except OSError as exc:  # pragma: no cover - platform specific
+            raise ShoalError(f"cannot create shared memory segment {label!r}: {exc}") from exc
+        os.ftruncate(fd, max(size, 1))
+        return cls(fd, label)
+
+    @classmethod
+    def attach(cls, fd: int, label: str) -> Segment:
+        return cls(fd, label)
+
+    def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
+        """A numpy view of part of the segment; writes are seen by every process."""
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        if self._map is None:
+            raise ShoalError(f"segment {self.label!r} is closed")
+        if offset + count * dt.itemsize > self.size:
+            raise ShoalError(f"view of {count} x {dt} at {offset} overruns segment {self.label!r}")
+        return np.frombuffer(self._map, dtype=dt, count=count, offset=offset).reshape(shape)
+
+    def close(self) -> None:
+        """Unmap and close. Views still alive keep the mapping until they are freed."""
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # numpy views still export the buffer; the GC unmaps later
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class StripedLocks:
+    """Reader/writer locks on stripes of rows, shared by every process of a node.
+
+    Record locks belong to a process, not a thread, so a thread lock is taken
+    first to exclude other threads of the same process.
+    """
+
+    def __init__(self, fd: int, num_stripes: int = 64) -> None:
+        self.fd = fd
+        self.num_stripes = num_stripes
+        self._threads = threading.Lock()
+
+    @contextmanager
+    def hold(self, rows: np.ndarray | None, exclusive: bool) -> Iterator[None]:
+        """Lock the stripes that ``rows`` touch (all stripes if ``rows`` is None)."""
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        runs = self._runs(rows)
+        with self._threads:
+            taken: list[tuple[int, int]] = []
+            try:
+                for start, length in runs:  # ascending order: no deadlock between holders
+                    fcntl.lockf(self.fd, mode, length, start, os.SEEK_SET)
+                    taken.append((start, length))
+                yield
+            finally:
+                for start, length in reversed(taken):
+                    fcntl.lockf(self.fd, fcntl.LOCK_UN, length, start, os.SEEK_SET)
+
+    def _runs(self, rows: np.ndarray | None) -> list[tuple[int, int]]:
+        """Contiguous byte ranges to lock, as (start, length)."""
+        if rows is None or rows.shape[0] * 4 >= self.num_stripes:
+            return [(0, self.num_stripes)]
+        stripes = np.unique(rows % self.num_stripes)
+        runs: list[tuple[int, int]] = []
+        for s in stripes.tolist():
+            if runs and runs[-1][0] + runs[-1][1] == s:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((s, 1))
+        return runs

@@ -1,0 +1,124 @@
+"""One shard of one table: its rows and optimiser state in one shared segment.
+
+The server creates the store; co-located workers attach to the same segment
+and read and update rows themselves, under the same locks, with the same rule.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import ContextManager
+
+import numpy as np
+
+from shoal.api.config import TableSpec
+from shoal.storage import kernels
+from shoal.storage.initialize import fill_initial
+from shoal.storage.rules import UpdateRule, rule_for
+from shoal.storage.segment import Segment, StripedLocks, align
+
+
+@dataclass(frozen=True)
+class ArraySlot:
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each array of a shard lies in its segment; creator and attacher compute the same."""
+
+    slots: dict[str, ArraySlot]
+    size: int
+
+    @classmethod
+    def of(cls, spec: TableSpec, rule: UpdateRule, num_rows: int) -> ShardLayout:
+        slots: dict[str, ArraySlot] = {}
+        offset = 0
+        slots["values"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
+        offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
+        for st in rule.state:
+            dtype = st.dtype or spec.dtype
+            shape = (num_rows, spec.dim) if st.per_value else (num_rows,)
+            slots[st.name] = ArraySlot(offset, shape, dtype)
+            offset = align(offset + int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        return cls(slots, max(offset, 1))
+
+
+def segment_label(cluster_id: str, table: str, shard: int) -> str:
+    return f"shoal-{cluster_id}-{table}-s{shard}"
+
+
+class ShardStore:
+    """Rows ``0..num_rows-1`` of one shard; callers translate keys to rows."""
+
+    def __init__(self, spec: TableSpec, shard: int, num_rows: int, segment: Segment) -> None:
+        self.spec = spec
+        self.shard = shard
+        self.num_rows = num_rows
+        self.segment = segment
+        self.rule = rule_for(spec.optimizer)
+        layout = ShardLayout.of(spec, self.rule, num_rows)
+        arrays = {name: segment.array(s.offset, s.shape, s.dtype) for name, s in layout.slots.items()}
+        self.values = arrays.pop("values")
+        self.state = arrays
+        self._locks = StripedLocks(segment.fd) if spec.locking == "exact" else None
+
+    @classmethod
+    def create(cls, spec: TableSpec, shard: int, keys: np.ndarray, cluster_id: str) -> ShardStore:
+        """A fresh shard whose row ``i`` holds key ``keys[i]``, initialised per key."""
+        rule = rule_for(spec.optimizer)
+        layout = ShardLayout.of(spec, rule, len(keys))
+        segment = Segment.create(segment_label(cluster_id, spec.name, shard), layout.size)
+        store = cls(spec, shard, len(keys), segment)
+        fill_initial(spec, keys, store.values)
+        for st in rule.state:
+            if st.fill:
+                store.state[st.name][...] = st.fill
+        return store
+
+    @classmethod
+    def attach(cls, spec: TableSpec, shard: int, num_rows: int, fd: int, label: str) -> ShardStore:
+        return cls(spec, shard, num_rows, Segment.attach(fd, label))
+
+    @property
+    def fd(self) -> int:
+        return self.segment.fd
+
+    def _hold(self, rows: np.ndarray | None, exclusive: bool) -> ContextManager[None]:
+        if self._locks is None:
+            return nullcontext()
+        return self._locks.hold(rows, exclusive)
+
+    def read(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Gather ``rows`` into ``out`` (a new array if None)."""
+        if out is None:
+            out = np.empty((rows.shape[0], self.spec.dim), dtype=self.values.dtype)
+        with self._hold(rows, exclusive=False):
+            kernels.gather_rows(self.values, rows, out)
+        return out
+
+    def read_into(self, rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
+        """``out[positions[i]] = row rows[i]``: gather straight into the caller's order."""
+        with self._hold(rows, exclusive=False):
+            kernels.gather_place(self.values, rows, positions, out)
+
+    def update(self, rows: np.ndarray, grads: np.ndarray) -> None:
+        """Apply the table's rule to ``rows`` (finite values; see ``validate.drop_nonfinite``)."""
+        rows, grads = self.rule.prepare(rows, grads)
+        with self._hold(rows, exclusive=True):
+            self.rule.apply(self.values, self.state, rows, grads)
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """A consistent copy of values and state."""
+        with self._hold(None, exclusive=False):
+            snap = {"values": self.values.copy()}
+            snap.update({k: v.copy() for k, v in self.state.items()})
+        return snap
+
+    def close(self) -> None:
+        del self.values
+        self.state = {}
+        self.segment.close()

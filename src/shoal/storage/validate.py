@@ -1,0 +1,69 @@
+"""Checks on keys and rows that every entry point (server, co-located worker) runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shoal.api.config import TableSpec
+from shoal.api.errors import DTypeError, KeyRangeError, NonFiniteError, ShapeError
+from shoal.storage import kernels
+
+
+def as_keys(keys: Any, spec: TableSpec) -> np.ndarray:
+    """Keys as a contiguous int64 vector inside ``[0, num_keys)``."""
+    arr = np.asarray(keys)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        else:
+            raise DTypeError(f"keys of table {spec.name!r} must be integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        else:
+            raise ShapeError(f"keys of table {spec.name!r} must be a vector, got shape {arr.shape}")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    bad = kernels.first_out_of_range(arr, spec.num_keys)
+    if bad >= 0:
+        raise KeyRangeError(
+            f"key {int(arr[bad])} (position {bad}) is outside [0, {spec.num_keys}) of table {spec.name!r}"
+        )
+    return arr
+
+
+def as_rows(values: Any, n: int, spec: TableSpec, strict_dtype: bool = False) -> np.ndarray:
+    """Values for ``n`` keys as a contiguous ``(n, dim)`` array of the table's dtype.
+
+    The API converts between float dtypes; the wire (``strict_dtype``) does not.
+    """
+    arr = np.asarray(values)
+    want = np.dtype(spec.dtype)
+    if arr.dtype != want:
+        if strict_dtype or arr.dtype.kind != "f":
+            raise DTypeError(f"values for table {spec.name!r} must be {want}, got {arr.dtype}")
+        arr = arr.astype(want)
+    if arr.shape != (n, spec.dim):
+        raise ShapeError(
+            f"values for table {spec.name!r} must have shape ({n}, {spec.dim}) for {n} key(s), got {arr.shape}"
+        )
+    return np.ascontiguousarray(arr)
+
+
+def drop_nonfinite(keys: np.ndarray, values: np.ndarray, spec: TableSpec) -> tuple[np.ndarray, np.ndarray, int]:
+    """Apply the table's NaN/Inf policy to a whole push before any of it lands.
+
+    Returns the keys and values to apply and how many rows were skipped.
+    """
+    bad = kernels.nonfinite_rows(values)
+    count = int(bad.sum())
+    if not count:
+        return keys, values, 0
+    if spec.nonfinite == "reject":
+        raise NonFiniteError(
+            f"push to table {spec.name!r} has NaN/Inf in {count} row(s); rejected, nothing applied "
+            "(set nonfinite='skip' to drop such rows instead)"
+        )
+    keep = ~bad
+    return keys[keep], values[keep], count

@@ -1,0 +1,11 @@
+"""Frames between endpoints; knows nothing of what messages mean.
+
+- ``base``: the contract (``Transport``, ``Listener``, ``Connection``, ``Poller``)
+- ``zmq_transport``: ZeroMQ over tcp and ipc
+- ``inproc``: queues in one process, for unit tests
+"""
+
+from shoal.transport.base import Connection, Listener, Poller, Transport
+
+
+__all__ = ["Connection", "Listener", "Poller", "Transport"]

@@ -1,0 +1,79 @@
+"""The transport contract: frames between a listener and the connections to it.
+
+A *listener* is bound at an address and talks to many peers, each known by an
+opaque peer id. A *connection* talks to exactly one listener. Frames are
+buffers; what they mean is the wire layer's business. Every backend passes the
+same contract tests (``tests/transport/test_contract.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+Frames = list[Any]  # each item supports the buffer protocol
+
+
+class Listener(ABC):
+    """A bound endpoint that receives from and replies to many peers."""
+
+    address: str
+
+    @abstractmethod
+    def recv(self, timeout: float | None) -> tuple[bytes, Frames] | None:
+        """Next ``(peer, frames)``, or None if nothing arrived within ``timeout`` seconds."""
+
+    @abstractmethod
+    def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
+        """Send to ``peer``; False if the peer is gone (the frames are dropped)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Connection(ABC):
+    """One peer's link to a listener."""
+
+    address: str
+
+    @abstractmethod
+    def send(self, frames: Sequence[Any]) -> None: ...
+
+    @abstractmethod
+    def recv(self, timeout: float | None) -> Frames | None:
+        """Next frames from the listener, or None after ``timeout`` seconds."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Poller(ABC):
+    """Waits on several connections at once."""
+
+    @abstractmethod
+    def register(self, conn: Connection) -> None: ...
+
+    @abstractmethod
+    def unregister(self, conn: Connection) -> None: ...
+
+    @abstractmethod
+    def poll(self, timeout: float | None) -> list[Connection]:
+        """Connections with frames ready, waiting at most ``timeout`` seconds."""
+
+
+class Transport(ABC):
+    """Makes listeners, connections and pollers of one kind."""
+
+    @abstractmethod
+    def listen(self, address: str, max_frame_bytes: int | None = None) -> Listener:
+        """Bind at ``address``; a port of 0 picks a free port (see ``Listener.address``)."""
+
+    @abstractmethod
+    def connect(self, address: str) -> Connection: ...
+
+    @abstractmethod
+    def poller(self) -> Poller: ...
+
+    def close(self) -> None:
+        """Release what the transport holds (sockets, contexts)."""

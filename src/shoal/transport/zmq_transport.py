@@ -1,0 +1,130 @@
+"""ZeroMQ over tcp and ipc: ROUTER listeners, one DEALER per connection.
+
+Large frames go out with ``copy=False`` (pyzmq holds a reference to the array
+until libzmq has sent it) and come in as ``zmq.Frame`` views, so an array
+crosses the process boundary without a Python-level copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from shoal.api.errors import ConfigError
+from shoal.transport.base import Connection, Frames, Listener, Poller, Transport
+
+log = logging.getLogger(__name__)
+
+_SEND_TIMEOUT_MS = 10_000  # a peer that does not drain its socket for this long is treated as gone
+_LINGER_MS = 1_000  # let one-way messages (clock ticks) leave before a socket closes
+
+
+def _ms(timeout: float | None) -> int | None:
+    return None if timeout is None else max(0, int(timeout * 1000))
+
+
+def normalise_address(address: str) -> str:
+    """Accept ``tcp://host:0`` for a free port; check the scheme."""
+    if address.startswith("tcp://"):
+        host, _, port = address[6:].rpartition(":")
+        if not host or not port:
+            raise ConfigError(f"tcp address needs host:port, got {address!r}")
+        return f"tcp://{host}:*" if port == "0" else address
+    if address.startswith("ipc://"):
+        return address
+    raise ConfigError(f"ZeroMQ transport speaks tcp:// and ipc://, got {address!r}")
+
+
+class ZmqListener(Listener):
+    def __init__(self, ctx: zmq.Context, address: str, max_frame_bytes: int | None) -> None:
+        self.socket = ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        if max_frame_bytes:
+            self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        try:
+            self.socket.bind(normalise_address(address))
+        except zmq.ZMQError as exc:
+            self.socket.close(0)
+            raise ConfigError(f"cannot bind {address!r}: {exc}") from exc
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv(self, timeout: float | None) -> tuple[bytes, Frames] | None:
+        if not self.socket.poll(_ms(timeout), zmq.POLLIN):
+            return None
+        parts = self.socket.recv_multipart(copy=False)
+        return parts[0].bytes, parts[1:]
+
+    def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
+        try:
+            self.socket.send_multipart([peer, *frames], copy=False)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer stopped reading
+            log.warning("dropping reply to peer %r: %s", peer, exc)
+            return False
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class ZmqConnection(Connection):
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.address = address
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        try:
+            self.socket.connect(normalise_address(address))
+        except zmq.ZMQError as exc:
+            self.socket.close(0)
+            raise ConfigError(f"cannot connect to {address!r}: {exc}") from exc
+
+    def send(self, frames: Sequence[Any]) -> None:
+        self.socket.send_multipart(list(frames), copy=False)
+
+    def recv(self, timeout: float | None) -> Frames | None:
+        if not self.socket.poll(_ms(timeout), zmq.POLLIN):
+            return None
+        return self.socket.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class ZmqPoller(Poller):
+    def __init__(self) -> None:
+        self._poller = zmq.Poller()
+        self._conns: dict[zmq.Socket, ZmqConnection] = {}
+
+    def register(self, conn: Connection) -> None:
+        assert isinstance(conn, ZmqConnection)
+        self._conns[conn.socket] = conn
+        self._poller.register(conn.socket, zmq.POLLIN)
+
+    def unregister(self, conn: Connection) -> None:
+        assert isinstance(conn, ZmqConnection)
+        if self._conns.pop(conn.socket, None) is not None:
+            self._poller.unregister(conn.socket)
+
+    def poll(self, timeout: float | None) -> list[Connection]:
+        return [self._conns[s] for s, _ in self._poller.poll(_ms(timeout))]
+
+
+class ZmqTransport(Transport):
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+
+    def listen(self, address: str, max_frame_bytes: int | None = None) -> Listener:
+        return ZmqListener(self.ctx, address, max_frame_bytes)
+
+    def connect(self, address: str) -> Connection:
+        return ZmqConnection(self.ctx, address)
+
+    def poller(self) -> Poller:
+        return ZmqPoller()
+
+    def close(self) -> None:
+        self.ctx.term()

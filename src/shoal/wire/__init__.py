@@ -1,0 +1,13 @@
+"""Messages <-> bytes. Knows nothing of sockets.
+
+- ``ops``: op codes, flags, protocol version
+- ``message``: ``Message``
+- ``schema``: per-op checks
+- ``codec``: ``Codec`` (msgpack header + raw frames + HMAC tag, size limit)
+"""
+
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import PROTOCOL_VERSION, Flag, Op
+
+__all__ = ["PROTOCOL_VERSION", "Codec", "Flag", "Message", "Op"]

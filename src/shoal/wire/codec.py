@@ -1,0 +1,168 @@
+"""Messages <-> frames: a msgpack header, raw array frames, and an optional HMAC tag.
+
+Arrays are never serialised: each travels as its own frame straight from the
+array's memory and is read back with ``np.frombuffer`` (no copy). The header
+names each frame's dtype and shape, and the decoder checks them against the
+frame sizes before building a view. Nothing here can execute code from the
+wire: msgpack decodes plain data only, and there is no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from shoal.api.config import Limits
+from shoal.api.errors import AuthError, MessageTooLargeError, ProtocolError, ShoalError
+from shoal.wire.message import Message
+from shoal.wire.ops import PROTOCOL_VERSION, Flag, Op
+from shoal.wire.schema import check_schema
+
+TAG_BYTES = 32
+WIRE_DTYPES = frozenset({"<f4", "<f8", "<i4", "<i8", "<u8", "|u1", "|b1"})
+_HEADER_LIMIT = 1 << 20  # headers are small; a larger one is hostile or broken
+
+Frame = Any  # bytes, memoryview, numpy array, or zmq.Frame: anything with the buffer protocol
+
+
+def _failure(exc: ShoalError, header: dict[str, Any] | None) -> ShoalError:
+    """Attach what we know of the request, so the error reply can name it."""
+    exc.req = header.get("req") if isinstance(header, dict) else None  # type: ignore[attr-defined]
+    exc.flags = header.get("flags", 0) if isinstance(header, dict) else 0  # type: ignore[attr-defined]
+    return exc
+
+
+def _view(frame: Frame) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame exposes its bytes as .buffer
+    return buf if isinstance(buf, memoryview) else memoryview(frame)
+
+
+class Codec:
+    """Encodes and checks messages for one peer, under one limit and one secret."""
+
+    def __init__(self, limits: Limits | None = None, secret: bytes | None = None) -> None:
+        self.limits = limits or Limits()
+        self.secret = secret
+
+    # ------------------------------------------------------------------ encode
+
+    def encode(self, msg: Message) -> list[Frame]:
+        arrays = [np.ascontiguousarray(a) for a in msg.arrays]
+        for a in arrays:
+            if a.dtype.str not in WIRE_DTYPES:
+                raise ProtocolError(f"dtype {a.dtype} cannot travel on the wire")
+        flags = msg.flags | (Flag.SIGNED if self.secret else 0)
+        header = {
+            "v": PROTOCOL_VERSION,
+            "op": int(msg.op),
+            "req": msg.req,
+            "table": msg.table,
+            "epoch": msg.epoch,
+            "clock": msg.clock,
+            "sender": msg.sender,
+            "flags": flags,
+            "dtype": [a.dtype.str for a in arrays],
+            "shapes": [list(a.shape) for a in arrays],
+            "body": msg.body,
+        }
+        frames: list[Frame] = [msgpack.packb(header, use_bin_type=True)]
+        frames.extend(arrays)
+        size = sum(len(frames[0]) if i == 0 else f.nbytes for i, f in enumerate(frames))
+        if size > self.limits.max_message_bytes:
+            raise MessageTooLargeError(
+                f"{msg.op.name} message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}"
+            )
+        if self.secret:
+            frames.append(self._tag(frames))
+        return frames
+
+    def _tag(self, frames: Sequence[Frame]) -> bytes:
+        assert self.secret is not None
+        mac = hmac.new(self.secret, digestmod=hashlib.sha256)
+        for f in frames:
+            mac.update(_view(f))
+        return mac.digest()
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, frames: Sequence[Frame]) -> Message:
+        """Check and decode; raises ``ProtocolError``/``AuthError`` with ``.req`` set when known."""
+        views = [_view(f) for f in frames]
+        if not views:
+            raise _failure(ProtocolError("empty message"), None)
+        header = self._header(views[0])
+        size = sum(v.nbytes for v in views)
+        if size > self.limits.max_message_bytes + TAG_BYTES:
+            raise _failure(
+                MessageTooLargeError(f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}"),
+                header,
+            )
+        if self.secret is not None:
+            if len(views) < 2 or views[-1].nbytes != TAG_BYTES:
+                raise _failure(AuthError("message is not signed; this peer requires an HMAC tag"), header)
+            if not hmac.compare_digest(self._tag(views[:-1]), views[-1].tobytes()):
+                raise _failure(AuthError("message has a wrong HMAC tag (different shared secret?)"), header)
+            views = views[:-1]
+        try:
+            msg = self._message(header, views[1:])
+            check_schema(msg)
+        except ShoalError as exc:
+            raise _failure(exc, header) from None
+        return msg
+
+    def _header(self, view: memoryview) -> dict[str, Any]:
+        if view.nbytes > _HEADER_LIMIT:
+            raise _failure(ProtocolError(f"header of {view.nbytes} bytes is too large"), None)
+        try:
+            header = msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:  # msgpack raises several unrelated types on garbage
+            raise _failure(ProtocolError(f"header is not valid msgpack: {type(exc).__name__}"), None) from None
+        if not isinstance(header, dict):
+            raise _failure(ProtocolError("header must be a map"), None)
+        if header.get("v") != PROTOCOL_VERSION:
+            raise _failure(
+                ProtocolError(f"unsupported protocol version {header.get('v')!r}; this peer speaks {PROTOCOL_VERSION}"),
+                header,
+            )
+        return header
+
+    def _message(self, header: dict[str, Any], frames: Sequence[memoryview]) -> Message:
+        for name, types in (("req", int), ("epoch", int), ("clock", int), ("sender", int), ("flags", int),
+                            ("table", str), ("body", dict), ("dtype", list), ("shapes", list)):
+            if not isinstance(header.get(name), types) or isinstance(header.get(name), bool):
+                raise ProtocolError(f"header field {name!r} must be {types.__name__}, got {header.get(name)!r}")
+        try:
+            op = Op(header.get("op"))
+        except ValueError:
+            raise ProtocolError(f"unknown op {header.get('op')!r}") from None
+        dtypes, shapes = header["dtype"], header["shapes"]
+        if len(dtypes) != len(frames) or len(shapes) != len(frames):
+            raise ProtocolError(
+                f"header describes {len(dtypes)} dtype(s) and {len(shapes)} shape(s) for {len(frames)} frame(s)"
+            )
+        arrays = [self._array(i, d, s, f) for i, (d, s, f) in enumerate(zip(dtypes, shapes, frames))]
+        return Message(op=op, req=header["req"], table=header["table"], epoch=header["epoch"],
+                       clock=header["clock"], sender=header["sender"], flags=header["flags"],
+                       body=header["body"], arrays=arrays)
+
+    @staticmethod
+    def _array(i: int, dtype: Any, shape: Any, frame: memoryview) -> np.ndarray:
+        if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+            raise ProtocolError(f"frame {i}: dtype {dtype!r} is not allowed on the wire")
+        if (not isinstance(shape, list) or not 1 <= len(shape) <= 4
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+            raise ProtocolError(f"frame {i}: bad shape {shape!r}")
+        dt = np.dtype(dtype)
+        count = 1
+        for n in shape:
+            count *= n
+        if count * dt.itemsize != frame.nbytes:
+            raise ProtocolError(
+                f"frame {i}: shape {shape} of {dtype} needs {count * dt.itemsize} bytes, frame has {frame.nbytes}"
+            )
+        return np.frombuffer(frame, dtype=dt).reshape(shape)

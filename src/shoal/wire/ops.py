@@ -1,0 +1,35 @@
+"""Operation codes. Values are part of the protocol: never renumber, only append."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+PROTOCOL_VERSION = 1
+
+
+class Op(IntEnum):
+    # replies
+    OK = 1
+    VALUES = 2
+    ERROR = 3
+    # cluster
+    REGISTER = 10
+    CLUSTER_STATUS = 11
+    BARRIER = 12
+    LEAVE = 13
+    PING = 14
+    SHUTDOWN = 15
+    # tables
+    CREATE_TABLE = 20
+    PULL = 21
+    PUSH = 22
+    PUSH_PULL = 23
+    CLOCK = 24
+    STATS = 25
+
+
+class Flag:
+    """Bits of the header's ``flags`` field."""
+
+    NO_REPLY = 1  # one-way message: the receiver sends nothing back
+    SIGNED = 2  # the last frame is an HMAC-SHA256 tag

@@ -1,0 +1,82 @@
+"""What each op must carry. Checked on every decoded message, before any handler runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shoal.api.errors import ProtocolError, ShapeError
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+
+@dataclass(frozen=True)
+class ArrayRule:
+    """An array frame's dtype kind (``"i"`` int, ``"f"`` float, ``"u"`` bytes) and rank."""
+
+    kind: str
+    ndim: int
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    body: dict[str, tuple[type, ...]] = field(default_factory=dict)
+    arrays: tuple[ArrayRule, ...] = ()
+    #: all arrays describe the same rows, so their first dimensions must agree
+    same_rows: bool = False
+    needs_table: bool = False
+
+
+KEYS = ArrayRule("i", 1)
+ROWS = ArrayRule("f", 2)
+_INT = (int,)
+_STR = (str,)
+
+SCHEMAS: dict[Op, OpSchema] = {
+    Op.OK: OpSchema(),
+    Op.VALUES: OpSchema(arrays=(ROWS,)),
+    Op.ERROR: OpSchema(body={"code": _STR, "message": _STR}),
+    Op.REGISTER: OpSchema(body={"role": _STR, "node": _INT, "rank": _INT, "address": _STR, "pid": _INT}),
+    Op.CLUSTER_STATUS: OpSchema(),
+    Op.BARRIER: OpSchema(body={"rank": _INT, "generation": _INT}),
+    Op.LEAVE: OpSchema(body={"rank": _INT, "role": _STR}),
+    Op.PING: OpSchema(),
+    Op.SHUTDOWN: OpSchema(),
+    Op.CREATE_TABLE: OpSchema(body={"spec": (dict,)}, needs_table=True),
+    Op.PULL: OpSchema(arrays=(KEYS,), needs_table=True),
+    Op.PUSH: OpSchema(arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
+    Op.PUSH_PULL: OpSchema(arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
+    Op.CLOCK: OpSchema(body={"rank": _INT}),
+    Op.STATS: OpSchema(),
+}
+
+
+def check_schema(msg: Message) -> None:
+    """Raise ``ProtocolError`` (or ``ShapeError``) if ``msg`` does not fit its op."""
+    schema = SCHEMAS[msg.op]
+    for name, types in schema.body.items():
+        value = msg.body.get(name)
+        if not isinstance(value, types) or (types == _INT and isinstance(value, bool)):
+            raise ProtocolError(
+                f"{msg.op.name} needs body field {name!r} of type "
+                f"{'/'.join(t.__name__ for t in types)}, got {value!r}"
+            )
+    if schema.needs_table and not msg.table:
+        raise ProtocolError(f"{msg.op.name} needs a table name")
+    if len(msg.arrays) != len(schema.arrays):
+        raise ProtocolError(f"{msg.op.name} carries {len(schema.arrays)} array(s), got {len(msg.arrays)}")
+    for i, (arr, rule) in enumerate(zip(msg.arrays, schema.arrays)):
+        if arr.dtype.kind != rule.kind:
+            raise ProtocolError(f"{msg.op.name} array {i} must be of kind {rule.kind!r}, got dtype {arr.dtype}")
+        if arr.ndim != rule.ndim:
+            raise ShapeError(f"{msg.op.name} array {i} must have {rule.ndim} dimension(s), got shape {arr.shape}")
+    if schema.same_rows and len({a.shape[0] for a in msg.arrays}) > 1:
+        raise ShapeError(
+            f"{msg.op.name}: arrays disagree on the number of rows: {[a.shape for a in msg.arrays]}"
+        )
+
+
+def int64_keys(arr: np.ndarray) -> np.ndarray:
+    """Keys as int64, the only key type handlers work with."""
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
