@@ -1,0 +1,35 @@
+# Shoal: two set-up commands, `make demo` and `make test`, on a machine with Python 3.11, pip and make.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-heavy bench lint typecheck clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet --no-deps recbole==1.2.1
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/mf/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-heavy: $(STAMP)
+	$(PY) -m pytest -q -m heavy
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_pull_push.py
+	$(PY) benchmarks/bench_local_access.py
+	$(PY) benchmarks/bench_mf.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info
