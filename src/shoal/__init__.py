@@ -45,11 +45,12 @@ __version__ = "0.1.0"
 def init(local_access: bool | None = None) -> Worker:
     """Join the cluster this process was started in (by ``shoal run`` or another launcher)."""
     from shoal.launch import env
-    from shoal.launch.lifecycle import bind_to_launcher
+    from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers
     from shoal.transport.zmq_transport import ZmqTransport
 
     role = env.role_from_env(server=False)
     bind_to_launcher(env.launcher_pid())
+    keep_large_buffers()
     return Worker(role.cluster, role.rank, role.node, ZmqTransport(),
                   local_access=role.local_access if local_access is None else local_access, owns_transport=True)
 

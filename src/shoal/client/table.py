@@ -9,6 +9,7 @@ at once; replies are placed back in the caller's key order.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -73,9 +74,9 @@ class Table:
 
     def pull_async(self, keys: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
         keys = as_keys(keys, self.spec)
-        out = self._output(keys.shape[0], out)
-        reqs = self._run(Op.PULL, keys, None, out)
-        return Future(self.worker.tracker, reqs, lambda: out, self.worker.cluster.timeouts.request_s)
+        result = _Rows(keys.shape[0], self.dim, self.dtype, self._checked_out(keys.shape[0], out))
+        reqs = self._run(Op.PULL, keys, None, result)
+        return Future(self.worker.tracker, reqs, result.get, self.worker.cluster.timeouts.request_s)
 
     def push_async(self, keys: Any, values: Any) -> Future[None]:
         """Start a push. ``values`` must not be modified until the future is done."""
@@ -87,25 +88,24 @@ class Table:
     def push_pull_async(self, keys: Any, values: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
-        out = self._output(keys.shape[0], out)
         finite_keys, finite_values, skipped = drop_nonfinite(keys, values, self.spec)
         if skipped:  # rare: the push shrinks but every key still wants its row back
             self._run(Op.PUSH, finite_keys, finite_values, None)
             return self.pull_async(keys, out)
-        reqs = self._run(Op.PUSH_PULL, keys, values, out)
-        return Future(self.worker.tracker, reqs, lambda: out, self.worker.cluster.timeouts.request_s)
+        result = _Rows(keys.shape[0], self.dim, self.dtype, self._checked_out(keys.shape[0], out))
+        reqs = self._run(Op.PUSH_PULL, keys, values, result)
+        return Future(self.worker.tracker, reqs, result.get, self.worker.cluster.timeouts.request_s)
 
     # ------------------------------------------------------------- internals
 
-    def _output(self, n: int, out: np.ndarray | None) -> np.ndarray:
-        if out is None:
-            return np.empty((n, self.dim), dtype=self.dtype)
-        if out.shape != (n, self.dim) or out.dtype != self.dtype or not out.flags.c_contiguous:
-            raise ShapeError(f"out must be a C-contiguous ({n}, {self.dim}) {self.dtype} array, "
+    def _checked_out(self, n: int, out: np.ndarray | None) -> np.ndarray | None:
+        if out is not None and (out.shape != (n, self.dim) or out.dtype != self.dtype
+                                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ShapeError(f"out must be a writable C-contiguous ({n}, {self.dim}) {self.dtype} array, "
                              f"got {out.shape} {out.dtype}")
         return out
 
-    def _run(self, op: Op, keys: np.ndarray, values: np.ndarray | None, out: np.ndarray | None) -> set[int]:
+    def _run(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: _Rows | None) -> set[int]:
         """Serve local rows now, send the rest; returns the ids of requests in flight."""
         if op == Op.PUSH:
             # The NaN/Inf policy applies to the whole push, before any row lands anywhere.
@@ -113,7 +113,7 @@ class Table:
         owner, shard, rows = self.layout.route(keys)
         me = self.worker.node
         if self.local and keys.shape[0] and owner[0] == me and (owner == me).all():
-            self._local(op, shard, rows, None, values, out)
+            self._local(op, shard, rows, None, values, result)
             return set()
         order, starts = kernels.partition_by_owner(owner, self.layout.owners.max() + 1)
         reqs: set[int] = set()
@@ -122,14 +122,14 @@ class Table:
             if not pos.size:
                 continue
             if node == me and self.local:
-                self._local(op, shard[pos], rows[pos], pos, values, out)
+                self._local(op, shard[pos], rows[pos], pos, values, result)
                 continue
             for chunk in self._chunks(pos):
-                reqs.add(self._send(op, node, keys, values, out, chunk))
+                reqs.add(self._send(op, node, keys, values, result, chunk))
         return reqs
 
     def _local(self, op: Op, shard: np.ndarray, rows: np.ndarray, pos: np.ndarray | None,
-               values: np.ndarray | None, out: np.ndarray | None) -> None:
+               values: np.ndarray | None, result: _Rows | None) -> None:
         """Serve rows of this node's shards in shared memory, in the caller's process."""
         for store, sel in self._by_local_shard(shard):
             r = rows if sel is None else rows[sel]
@@ -137,11 +137,11 @@ class Table:
             if values is not None:
                 v = values if p is None else values[p]
                 store.update(r, v)
-            if out is not None and op != Op.PUSH:
+            if result is not None:
                 if p is None:
-                    store.read(r, out=out)
+                    store.read(r, out=result.array())
                 else:
-                    store.read_into(r, p, out)
+                    store.read_into(r, p, result.array())
 
     def _by_local_shard(self, shard: np.ndarray) -> Iterator[tuple[ShardStore, np.ndarray | None]]:
         if len(self.local) == 1:
@@ -157,43 +157,58 @@ class Table:
             yield pos[start : start + self._chunk]
 
     def _send(self, op: Op, node: int, keys: np.ndarray, values: np.ndarray | None,
-              out: np.ndarray | None, pos: np.ndarray) -> int:
+              result: _Rows | None, pos: np.ndarray) -> int:
         whole = pos.shape[0] == keys.shape[0]  # one destination: no gather, no scatter
         arrays = [keys if whole else keys[pos]]
         if values is not None:
             arrays.append(values if whole else values[pos])
         msg = Message(op, table=self.name, clock=self.worker.clock, arrays=arrays)
         on_reply: Callable[[Message], None]
-        if out is None:
+        if result is None:
             on_reply = _ignore
         elif whole:
-            on_reply = _copy_into(out)
+            on_reply = result.take_whole
         else:
-            on_reply = _place_into(out, pos)
+            on_reply = functools.partial(result.place, pos)
         return self.worker.tracker.request(node, msg, on_reply, f"{op.name} of {pos.shape[0]} key(s) of {self.name!r}")
+
+
+class _Rows:
+    """The rows a pull returns, filled by local reads and replies as they arrive.
+
+    When one reply carries every row in order and the caller gave no ``out``,
+    the reply's own (writable) frame becomes the result: no copy at all.
+    """
+
+    def __init__(self, n: int, dim: int, dtype: np.dtype, out: np.ndarray | None) -> None:
+        self.n, self.dim, self.dtype = n, dim, dtype
+        self._array = out
+
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = np.empty((self.n, self.dim), dtype=self.dtype)
+        return self._array
+
+    def get(self) -> np.ndarray:
+        return self.array()
+
+    def take_whole(self, msg: Message) -> None:
+        rows = self._checked(msg, self.n)
+        if self._array is None and rows.flags.writeable:
+            self._array = rows
+        else:
+            self.array()[...] = rows
+
+    def place(self, pos: np.ndarray, msg: Message) -> None:
+        kernels.place_rows(self.array(), pos, self._checked(msg, pos.shape[0]))
+
+    def _checked(self, msg: Message, n: int) -> np.ndarray:
+        rows = msg.arrays[0] if msg.op == Op.VALUES and msg.arrays else None
+        if rows is None or rows.shape != (n, self.dim) or rows.dtype != self.dtype:
+            got = None if rows is None else (rows.shape, rows.dtype)
+            raise ProtocolError(f"expected {n} row(s) of {self.dim} {self.dtype} in reply, got {msg.op.name} {got}")
+        return rows
 
 
 def _ignore(msg: Message) -> None:
     pass
-
-
-def _copy_into(out: np.ndarray) -> Callable[[Message], None]:
-    def place(msg: Message) -> None:
-        _check_values(msg, out.shape[0], out)
-        out[...] = msg.arrays[0]
-
-    return place
-
-
-def _place_into(out: np.ndarray, pos: np.ndarray) -> Callable[[Message], None]:
-    def place(msg: Message) -> None:
-        _check_values(msg, pos.shape[0], out)
-        kernels.place_rows(out, pos, msg.arrays[0])
-
-    return place
-
-
-def _check_values(msg: Message, n: int, out: np.ndarray) -> None:
-    if msg.op != Op.VALUES or msg.arrays[0].shape != (n, out.shape[1]) or msg.arrays[0].dtype != out.dtype:
-        got = msg.arrays[0].shape if msg.arrays else None
-        raise ProtocolError(f"expected {n} row(s) of {out.shape[1]} {out.dtype} in reply, got {msg.op.name} {got}")

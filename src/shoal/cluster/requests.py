@@ -127,7 +127,22 @@ class RequestTracker:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RequestTimeoutError(self._describe_missing(reqs, timeout))
-                self.pump(min(remaining, 0.5))
+                peers = {self._pending[r].peer for r in reqs if r in self._pending}
+                if len(peers) == 1:
+                    self._receive_from(peers.pop(), min(remaining, 0.5))
+                else:
+                    self.pump(min(remaining, 0.5))
+
+    def _receive_from(self, peer: int, timeout: float) -> None:
+        """Wait on one peer's connection only: cheaper than polling them all."""
+        conn = self._conns.get(peer)
+        if conn is None:
+            self.pump(timeout)
+            return
+        frames = conn.recv(timeout)
+        while frames is not None:
+            self._dispatch(peer, frames)
+            frames = conn.recv(0)
 
     def wait_all(self, timeout: float) -> None:
         """Pump until nothing is in flight (used before barriers and shutdown)."""

@@ -23,6 +23,25 @@ def die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def keep_large_buffers() -> None:
+    """Stop glibc from returning every large buffer to the kernel on free.
+
+    Pulls and pushes allocate and free buffers of megabytes many times a
+    second; by default each one is a fresh mmap whose pages fault in on first
+    touch. Serving them from the heap instead keeps the pages mapped.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return
+    mallopt(_M_MMAP_THRESHOLD, 256 << 20)
+    mallopt(_M_TRIM_THRESHOLD, 512 << 20)
+
+
 def bind_to_launcher(launcher: int | None) -> None:
     """For a process started by a launcher: die with it, and exit now if it is gone already."""
     if launcher is None:

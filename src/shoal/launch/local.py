@@ -137,7 +137,7 @@ class LocalCluster:
                 self._spawn(f"w{rank}", list(opts.command),
                             child_env(cluster, node, rank, opts.local_access, None, os.getpid()), is_worker=True)
             rendezvous.start()
-            for child in self.children:
+            for child in self.children if opts.prefix_output else []:
                 child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
                 child.pump.start()
             return self._watch(rendezvous)

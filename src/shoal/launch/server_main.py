@@ -9,7 +9,7 @@ from types import FrameType
 
 from shoal.api.errors import ShoalError
 from shoal.launch import env
-from shoal.launch.lifecycle import bind_to_launcher
+from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers
 from shoal.server.server import ParameterServer
 from shoal.transport.zmq_transport import ZmqTransport
 
@@ -18,6 +18,7 @@ def main() -> int:
     logging.basicConfig(level=env.log_level(), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     bind_to_launcher(env.launcher_pid())
+    keep_large_buffers()
     try:
         role = env.role_from_env(server=True)
         transport = ZmqTransport()

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import AuthError, ProtocolError, ServerError, ShoalError, TableError
+from shoal.api.errors import AuthError, ConfigError, ProtocolError, ServerError, ShoalError, TableError
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.requests import RequestTracker
@@ -33,6 +33,14 @@ log = logging.getLogger(__name__)
 _HEARTBEAT_S = 0.5
 
 
+def is_loopback(address: str) -> bool:
+    """True for addresses only this machine can reach (loopback tcp, ipc, in-process)."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address[6:].rpartition(":")[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 class ParameterServer:
     """Serves the shards of node ``node`` of ``cluster``."""
 
@@ -47,6 +55,8 @@ class ParameterServer:
         self.node = node
         self.cluster = cluster
         self.transport = transport
+        if not is_loopback(bind) and cluster.secret is None:
+            raise ConfigError(f"server {node} would bind {bind!r}, which is not loopback: that needs a shared secret")
         self.codec = Codec(cluster.limits, cluster.secret)
         self._unsigned = Codec(cluster.limits)  # only for telling a peer its tag was wrong
         # libzmq drops a peer that sends a frame past this hard cap; messages between

@@ -171,14 +171,15 @@ def adam_rows(
         r = rows[i]
         t = steps[r] + 1
         steps[r] = t
-        scale = lr * np.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
+        step = lr / (1.0 - beta1**t)
+        root_correction = np.sqrt(1.0 - beta2**t)
         for j in range(dim):
             g = grads[i, j]
             m = beta1 * first[r, j] + (1.0 - beta1) * g
             v = beta2 * second[r, j] + (1.0 - beta2) * g * g
             first[r, j] = m
             second[r, j] = v
-            values[r, j] -= scale * m / (np.sqrt(v) + eps)
+            values[r, j] -= step * m / (np.sqrt(v) / root_correction + eps)
 
 
 # -------------------------------------------------------------- initialisation

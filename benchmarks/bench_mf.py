@@ -1,0 +1,87 @@
+"""MF on MovieLens 100k: Shoal configurations against the single-process numpy baseline.
+
+    python benchmarks/bench_mf.py [--epochs 10] [--rounds 2]
+
+Each round runs the baseline and then every cluster configuration, so all
+contenders see the same machine; the reported figure is the median over rounds
+of ratings/s in the training loop (evaluation excluded), with the final test
+RMSE beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MF = HERE.parent / "examples" / "mf"
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(MF))
+
+from baseline import train_baseline  # noqa: E402
+from common import write_results  # noqa: E402
+from data import load_movielens  # noqa: E402
+from model import Hyper  # noqa: E402
+
+import shoal.launch.local  # noqa: E402
+
+CONFIGS = {
+    "Shoal 1 node x 1 worker": dict(nodes=1, workers_per_node=1),
+    "Shoal 1 node x 2 workers": dict(nodes=1, workers_per_node=2),
+    "Shoal 2 nodes x 1 worker": dict(nodes=2, workers_per_node=1),
+    "classic PS 2 nodes x 1 worker (no local access)": dict(nodes=2, workers_per_node=1, local_access=False),
+}
+
+
+def run_cluster(epochs: int, options: dict[str, object]) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "mf.json"
+        status = shoal.launch.local.run(
+            [sys.executable, str(MF / "train.py"), "--epochs", str(epochs), "--quiet", "--out", str(out)],
+            prefix_output=False, **options)  # type: ignore[arg-type]
+        if status != 0:
+            raise SystemExit(f"cluster run {options} failed with status {status}")
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    data = load_movielens()
+    rates: dict[str, list[float]] = {"numpy baseline (1 process)": [], **{k: [] for k in CONFIGS}}
+    rmse: dict[str, float] = {}
+    for r in range(args.rounds):
+        base = train_baseline(data, Hyper(epochs=args.epochs))
+        rates["numpy baseline (1 process)"].append(base["ratings_per_s"])  # type: ignore[arg-type]
+        rmse["numpy baseline (1 process)"] = base["rmse"][-1]  # type: ignore[index]
+        for name, options in CONFIGS.items():
+            result = run_cluster(args.epochs, options)
+            rates[name].append(result["ratings_per_s"])  # type: ignore[arg-type]
+            rmse[name] = result["rmse"][-1]  # type: ignore[index]
+            print(f"round {r + 1}: {name}: {result['ratings_per_s']:,.0f} ratings/s", flush=True)
+
+    base_rate = statistics.median(rates["numpy baseline (1 process)"])
+    lines = [f"MF rank {Hyper.rank} on MovieLens 100k, {args.epochs} epochs, median of {args.rounds} round(s)", "",
+             "| configuration | ratings/s | vs numpy baseline | test RMSE after last epoch |",
+             "|---|---:|---:|---:|"]
+    results = {}
+    for name, values in rates.items():
+        rate = statistics.median(values)
+        results[name] = {"ratings_per_s": rate, "vs_baseline": rate / base_rate, "rmse": rmse[name],
+                         "all_rounds": values}
+        lines.append(f"| {name} | {rate:,.0f} | {rate / base_rate:.2f} | {rmse[name]:.4f} |")
+    table_md = "\n".join(lines)
+    print("\n" + table_md)
+    write_results("mf_movielens", {"epochs": args.epochs, "rounds": args.rounds, "results": results}, table_md)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,56 @@
+"""Shared helpers: interleaved timing and result files. Benchmarks are not tests."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def time_call(fn: Callable[[], object], min_seconds: float = 0.2, min_calls: int = 5) -> float:
+    """Median seconds per call over a run of at least ``min_seconds`` and ``min_calls`` calls."""
+    fn()  # warm up (compilation, page faults)
+    samples = []
+    start = time.perf_counter()
+    while len(samples) < min_calls or time.perf_counter() - start < min_seconds:
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+        if len(samples) > 100_000:
+            break
+    return statistics.median(samples)
+
+
+def interleaved(contenders: dict[str, Callable[[], object]], rounds: int = 5, min_seconds: float = 0.2
+                ) -> dict[str, float]:
+    """Median seconds per call of each contender, alternating them round by round.
+
+    Alternating spreads the machine's noise over all contenders instead of
+    letting one of them run in a quiet or a busy phase alone.
+    """
+    per: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            per[name].append(time_call(fn, min_seconds))
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
+def machine() -> dict[str, Any]:
+    import os
+
+    return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def write_results(name: str, data: dict[str, Any], table: str) -> None:
+    """Write ``results/<name>.json`` (figures) and ``results/<name>.md`` (the printed table)."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine(), **data}, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(table + "\n")
+    print(f"\nwrote {RESULTS / name}.json and .md")

@@ -1,0 +1,197 @@
+"""Pull, push and push_pull through real servers (threads, in-process transport)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shoal
+from shoal.api.config import Limits, TableSpec
+from shoal.storage.initialize import fill_initial
+from tests.support.cluster import ThreadCluster
+
+
+@pytest.fixture
+def cluster():
+    with ThreadCluster(nodes=3) as c:
+        yield c
+
+
+def initial(spec: TableSpec, keys: np.ndarray) -> np.ndarray:
+    out = np.empty((len(keys), spec.dim), dtype=spec.dtype)
+    fill_initial(spec, keys, out)
+    return out
+
+
+@pytest.mark.parametrize("mapping", ["range", "hash", "round_robin"])
+@pytest.mark.parametrize("local_access", [True, False])
+def test_pull_returns_rows_in_caller_order_for_every_mapping(cluster, mapping, local_access):
+    w = cluster.worker(0, local_access=local_access)
+    t = w.table("emb", 1000, 8, init=shoal.Normal(std=1.0), mapping=mapping)
+    keys = np.array([999, 0, 500, 3, 3, 777, 1])
+    np.testing.assert_array_equal(t.pull(keys), initial(t.spec, keys))
+
+
+def test_initial_values_do_not_depend_on_the_number_of_servers():
+    spec_rows = []
+    for nodes in (1, 2, 3):
+        with ThreadCluster(nodes=nodes) as c:
+            t = c.worker(0).table("emb", 500, 4, init=shoal.Uniform(-1, 1), mapping="hash")
+            spec_rows.append(t.pull(np.arange(500)))
+    np.testing.assert_array_equal(spec_rows[0], spec_rows[1])
+    np.testing.assert_array_equal(spec_rows[0], spec_rows[2])
+
+
+@pytest.mark.parametrize("local_access", [True, False])
+def test_duplicate_keys_in_one_push_are_summed(cluster, local_access):
+    w = cluster.worker(0, local_access=local_access)
+    t = w.table("counts", 100, 2)
+    keys = np.array([5, 5, 5, 60, 99, 60])
+    t.push(keys, np.ones((6, 2), np.float32))
+    got = t.pull(np.array([5, 60, 99, 0]))
+    np.testing.assert_array_equal(got[:, 0], [3, 2, 1, 0])
+
+
+def test_sgd_runs_where_the_rows_live(cluster):
+    w = cluster.worker(0)
+    t = w.table("w", 90, 3, init=shoal.Constant(1.0), optimizer=shoal.optim.SGD(lr=0.5))
+    keys = np.array([0, 45, 89])  # one key on each node
+    t.push(keys, np.full((3, 3), 2.0, np.float32))
+    np.testing.assert_allclose(t.pull(keys), 0.0)
+
+
+def test_adagrad_sums_duplicates_before_one_step(cluster):
+    w = cluster.worker(0)
+    opt = shoal.optim.Adagrad(lr=0.1, eps=1e-10)
+    t = w.table("a", 10, 1, init=shoal.Constant(0.0), optimizer=opt)
+    t.push(np.array([3, 3]), np.array([[1.0], [2.0]], np.float32))
+    g = 3.0
+    np.testing.assert_allclose(t.pull([3])[0, 0], -0.1 * g / np.sqrt(g * g), rtol=1e-6)
+
+
+def test_adam_keeps_a_step_count_per_key(cluster):
+    w = cluster.worker(0)
+    opt = shoal.optim.Adam(lr=0.01)
+    t = w.table("adam", 20, 2, optimizer=opt)
+    for _ in range(3):
+        t.push([1], np.ones((1, 2), np.float32))
+    t.push([15], np.ones((1, 2), np.float32))
+    # After one step with bias correction, Adam moves by ~lr whatever the gradient scale.
+    np.testing.assert_allclose(t.pull([15])[0], -0.01, rtol=1e-3)
+    np.testing.assert_allclose(t.pull([1])[0], -0.03, rtol=1e-3)
+
+
+@pytest.mark.parametrize("local_access", [True, False])
+def test_push_pull_returns_the_updated_rows(cluster, local_access):
+    w = cluster.worker(0, local_access=local_access)
+    t = w.table("pp", 300, 4)
+    keys = np.array([299, 0, 150, 0])
+    rows = t.push_pull(keys, np.ones((4, 4), np.float32))
+    np.testing.assert_array_equal(rows[:, 0], [1, 2, 1, 2])
+
+
+def test_async_calls_are_all_in_flight_before_waiting(cluster):
+    w = cluster.worker(0, local_access=False)
+    t = w.table("async", 1000, 4)
+    keys = np.arange(1000)
+    pushes = [t.push_async(keys, np.ones((1000, 4), np.float32)) for _ in range(5)]
+    pull = t.pull_async(keys)
+    assert all(isinstance(f, shoal.Future) for f in pushes)
+    for f in pushes:
+        assert f.wait() is None
+    w.wait_all()
+    np.testing.assert_array_equal(t.pull(keys), 5.0)
+    assert pull.wait().shape == (1000, 4)
+
+
+def test_pull_into_a_given_output_array(cluster):
+    w = cluster.worker(0)
+    t = w.table("out", 100, 3, init=shoal.Constant(2.0))
+    out = np.zeros((4, 3), np.float32)
+    assert t.pull([1, 50, 99, 2], out=out) is out
+    np.testing.assert_array_equal(out, 2.0)
+    with pytest.raises(shoal.ShapeError):
+        t.pull([1, 2], out=np.zeros((3, 3), np.float32))
+
+
+def test_batches_larger_than_the_message_limit_are_split():
+    with ThreadCluster(nodes=2, limits=Limits(max_message_bytes=8192)) as c:
+        w = c.worker(0, local_access=False)
+        t = w.table("big", 5000, 16)
+        keys = np.arange(5000)
+        t.push(keys, np.ones((5000, 16), np.float32))  # ~320 KB, 40x the limit
+        np.testing.assert_array_equal(t.pull(keys), 1.0)
+
+
+def test_empty_batches_are_fine(cluster):
+    w = cluster.worker(0)
+    t = w.table("empty", 10, 2)
+    assert t.pull(np.array([], dtype=np.int64)).shape == (0, 2)
+    t.push(np.array([], dtype=np.int64), np.zeros((0, 2), np.float32))
+
+
+@pytest.mark.parametrize("local_access", [True, False])
+def test_bad_arguments_fail_with_typed_errors_and_change_nothing(cluster, local_access):
+    w = cluster.worker(0, local_access=local_access)
+    t = w.table("bad", 100, 2, init=shoal.Constant(1.0))
+    with pytest.raises(shoal.KeyRangeError):
+        t.pull([0, 100])
+    with pytest.raises(shoal.KeyRangeError):
+        t.push([-1], np.ones((1, 2), np.float32))
+    with pytest.raises(shoal.ShapeError):
+        t.push([1, 2], np.ones((3, 2), np.float32))
+    with pytest.raises(shoal.DTypeError):
+        t.push([1], np.ones((1, 2), np.int32))
+    with pytest.raises(shoal.DTypeError):
+        t.pull(np.array([1.5]))
+    with pytest.raises(shoal.NonFiniteError):
+        t.push([1, 60], np.array([[1, 1], [np.nan, 1]], np.float32))
+    np.testing.assert_array_equal(t.pull(np.arange(100)), 1.0)
+
+
+def test_float64_gradients_are_converted_for_a_float32_table(cluster):
+    t = cluster.worker(0).table("conv", 10, 2)
+    t.push([3], np.ones((1, 2), np.float64))
+    np.testing.assert_array_equal(t.pull([3]), 1.0)
+
+
+def test_skip_policy_drops_only_the_bad_rows(cluster):
+    t = cluster.worker(0).table("skip", 100, 2, nonfinite="skip")
+    keys = np.array([1, 60, 90])
+    rows = t.push_pull(keys, np.array([[1, 1], [np.inf, 0], [2, 2]], np.float32))
+    np.testing.assert_array_equal(rows[:, 0], [1, 0, 2])
+
+
+def test_a_table_created_twice_must_have_the_same_spec(cluster):
+    a, b = cluster.worker(0), cluster.worker(1)
+    a.table("same", 10, 2)
+    assert b.table("same", 10, 2).dim == 2
+    with pytest.raises(shoal.TableError):
+        b.table("same", 10, 3)
+
+
+def test_workers_on_different_nodes_see_each_others_pushes():
+    with ThreadCluster(nodes=2, workers_per_node=2) as c:
+        def body(w):
+            t = w.table("shared", 64, 1)
+            t.push(np.arange(64), np.full((64, 1), w.rank + 1, np.float32))
+            w.barrier()
+            return t.pull(np.arange(64))[:, 0]
+
+        for rows in c.run_workers(body):
+            np.testing.assert_array_equal(rows, 1 + 2 + 3 + 4)
+
+
+def test_a_call_whose_keys_are_all_local_sends_no_message():
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(0)
+        t = w.table("local", 100, 4)  # range mapping: keys 0..49 live on node 0
+        before = c.servers[0].stats["messages"] + c.servers[1].stats["messages"]
+        for _ in range(10):
+            t.push(np.arange(50), np.ones((50, 4), np.float32))
+            t.pull(np.arange(50))
+        after = c.servers[0].stats["messages"] + c.servers[1].stats["messages"]
+        assert after == before
+        np.testing.assert_array_equal(c.workers[0].tables["local"].pull(np.arange(50)), 10.0)
+        t.pull(np.arange(100))
+        assert c.servers[1].stats["op_pull"] == 1 and c.servers[0].stats.get("op_pull", 0) == 0

@@ -1,0 +1,94 @@
+"""A missing or misconfigured peer fails within its timeout, naming what is missing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shoal
+from shoal.api.config import ClusterSpec, Timeouts
+from shoal.client.worker import Worker
+from shoal.cluster.rendezvous import Rendezvous
+from shoal.launch.env import role_from_env
+from shoal.server.server import ParameterServer
+from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire.codec import Codec
+from tests.support.cluster import ThreadCluster
+
+QUICK = Timeouts(connect_s=1.5, request_s=1.5, barrier_s=1.5)
+
+
+@pytest.fixture
+def transport():
+    t = ZmqTransport()
+    yield t
+    t.close()
+
+
+def test_a_missing_server_is_named_within_the_connect_timeout(transport):
+    rendezvous = Rendezvous(transport, Codec(), "tcp://127.0.0.1:0", "missing", 2, 1).start()
+    spec = ClusterSpec("missing", 2, 1, rendezvous.address, timeouts=QUICK)
+    server = ParameterServer(0, spec, transport)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(shoal.ClusterError, match=r"registered node\(s\) \[0\], missing node\(s\) \[1\]"):
+            Worker(spec, 0, 0, transport)
+        assert time.monotonic() - start < 5
+    finally:
+        server.stop()
+        thread.join(timeout=5)
+        rendezvous.stop()
+
+
+def test_an_unreachable_rendezvous_is_named(transport):
+    spec = ClusterSpec("nobody", 1, 1, "tcp://127.0.0.1:9", timeouts=QUICK)
+    start = time.monotonic()
+    with pytest.raises(shoal.ClusterError, match=r"rendezvous at tcp://127.0.0.1:9 did not answer"):
+        Worker(spec, 0, 0, transport)
+    assert time.monotonic() - start < 5
+
+
+def test_a_barrier_that_cannot_complete_names_the_missing_ranks():
+    with ThreadCluster(nodes=1, workers_per_node=2, timeouts=QUICK) as c:
+        w = c.worker(0)
+        with pytest.raises(shoal.RequestTimeoutError, match=r"arrived rank\(s\) \[0\], missing rank\(s\) \[1\]"):
+            w.barrier()
+
+
+def test_a_dead_server_makes_requests_time_out_naming_it():
+    with ThreadCluster(nodes=2, timeouts=QUICK) as c:
+        w = c.worker(0, local_access=False)
+        t = w.table("t", 10, 2)
+        c.servers[1].stop()
+        c.threads[1].join(timeout=5)
+        with pytest.raises(shoal.RequestTimeoutError, match=r"PULL of 5 key\(s\) of 't'.*peer 1"):
+            t.pull(np.arange(10))
+
+
+def test_init_outside_a_launcher_names_the_missing_variable(monkeypatch):
+    for name in ("SHOAL_CLUSTER_ID", "SHOAL_RENDEZVOUS", "SHOAL_NUM_NODES"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(shoal.ConfigError, match="SHOAL_CLUSTER_ID is not set"):
+        shoal.init()
+
+
+def test_bad_environment_values_are_named():
+    env = {"SHOAL_CLUSTER_ID": "c", "SHOAL_NUM_NODES": "two", "SHOAL_WORKERS_PER_NODE": "1",
+           "SHOAL_RENDEZVOUS": "tcp://127.0.0.1:1", "SHOAL_NODE": "0", "SHOAL_RANK": "0"}
+    with pytest.raises(shoal.ConfigError, match="SHOAL_NUM_NODES must be an integer, got 'two'"):
+        role_from_env(server=False, env=env)
+    env["SHOAL_NUM_NODES"] = "1"
+    env["SHOAL_RANK"] = "5"
+    with pytest.raises(shoal.ConfigError, match=r"SHOAL_RANK=5 is outside \[0, 1\)"):
+        role_from_env(server=False, env=env)
+
+
+def test_a_server_refuses_a_non_loopback_bind_without_a_secret(transport):
+    spec = ClusterSpec("open", 1, 1, "tcp://127.0.0.1:1")
+    with pytest.raises(shoal.ConfigError, match="not loopback: that needs a shared secret"):
+        ParameterServer(0, spec, transport, bind="tcp://0.0.0.0:0", share_memory=False)

@@ -1,0 +1,79 @@
+"""Fixtures every test gets: no child process and no shared memory outlives a test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+# First calls compile numba kernels; a per-example deadline would flag that, not a bug.
+settings.register_profile("shoal", deadline=None)
+settings.load_profile("shoal")
+
+
+def _children(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z":
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def shoal_segment_holders(cluster_id: str = "") -> list[int]:
+    """Pids of processes that still map or hold a Shoal shared-memory segment."""
+    holders = []
+    needle = f"memfd:shoal-{cluster_id}"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "maps").read_text():
+                holders.append(int(entry.name))
+        except OSError:
+            continue
+    return holders
+
+
+@pytest.fixture(autouse=True)
+def reap_children():
+    """Fail a test that leaves child processes behind, after killing them."""
+    yield
+    deadline = time.monotonic() + 5
+    left = _children(os.getpid())
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _children(os.getpid())
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"test left child processes behind: {left}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left():
+    """The suite leaves nothing in /dev/shm."""
+    before = {p.name for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").exists() else set()
+    yield
+    after = {p.name for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").exists() else set()
+    leaked = sorted(after - before)
+    assert not leaked, f"tests left shared memory in /dev/shm: {leaked}"

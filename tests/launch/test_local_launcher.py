@@ -1,0 +1,117 @@
+"""The local launcher with real processes: output, exit status, teardown, lifecycle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import shoal_segment_holders
+
+PROBE = str(Path(__file__).resolve().parents[1] / "scripts" / "probe_worker.py")
+
+
+def launch(info: Path, mode: str, nodes: int = 2, per_node: int = 1, extra: tuple[str, ...] = ()
+           ) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", str(nodes), "--workers-per-node",
+           str(per_node), "--connect-timeout", "30", "--", sys.executable, PROBE, str(info), mode, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_infos(info: Path, count: int, timeout: float = 60) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(info.glob("w*.json"))
+        if len(files) == count:
+            try:
+                return [json.loads(f.read_text()) for f in files]
+            except json.JSONDecodeError:
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"workers did not report within {timeout}s: {list(info.iterdir())}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def assert_all_gone(pids: list[int], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "processes outlived the job"
+
+
+def job_pids(infos: list[dict]) -> list[int]:
+    return [i["pid"] for i in infos] + infos[0]["server_pids"]
+
+
+def test_a_job_runs_prefixes_output_and_exits_zero(tmp_path):
+    proc = launch(tmp_path, "ok")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "[w0] worker 0 ready" in out and "[w1] worker 1 ready" in out
+    infos = wait_for_infos(tmp_path, 2)
+    assert_all_gone(job_pids(infos))
+    assert not shoal_segment_holders(infos[0]["cluster_id"])
+
+
+def test_a_crashed_worker_ends_the_job_with_its_status(tmp_path):
+    proc = launch(tmp_path, "crash")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out
+    assert "worker w1 exited with status 3" in out
+    infos = wait_for_infos(tmp_path, 2)
+    assert_all_gone(job_pids(infos))
+    assert not shoal_segment_holders(infos[0]["cluster_id"])
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_tears_everything_down(tmp_path, signum, status):
+    proc = launch(tmp_path, "hang")
+    infos = wait_for_infos(tmp_path, 2)
+    proc.send_signal(signum)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == status, out
+    assert_all_gone(job_pids(infos))
+    assert not shoal_segment_holders(infos[0]["cluster_id"])
+
+
+@pytest.mark.parametrize("victim", ["worker", "server"])
+def test_a_killed_worker_or_server_frees_the_shared_memory(tmp_path, victim):
+    proc = launch(tmp_path, "hang", nodes=2, per_node=2)
+    infos = wait_for_infos(tmp_path, 4)
+    cluster = infos[0]["cluster_id"]
+    assert shoal_segment_holders(cluster), "workers should map their node's segments"
+    os.kill(infos[1]["pid"] if victim == "worker" else infos[0]["server_pids"][1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0, out
+    assert_all_gone(job_pids(infos))
+    assert not shoal_segment_holders(cluster)
+
+
+def test_killing_the_launcher_with_sigkill_ends_the_whole_job(tmp_path):
+    proc = launch(tmp_path, "hang", nodes=2, per_node=2)
+    infos = wait_for_infos(tmp_path, 4)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert_all_gone(job_pids(infos))
+    assert not shoal_segment_holders(infos[0]["cluster_id"])
+    assert not list(Path("/dev/shm").glob("*shoal*"))
+
+
+def test_a_missing_worker_command_is_a_clear_error():
+    proc = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "no worker command given" in proc.stderr

@@ -1,0 +1,86 @@
+"""Compiled kernels against plain numpy references."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from shoal.storage import kernels
+
+rows_and_grads = st.integers(1, 50).flatmap(
+    lambda n: st.tuples(
+        arrays(np.int64, st.integers(0, 60), elements=st.integers(0, n - 1)),
+        st.just(n),
+    )
+)
+
+
+@given(rows_and_grads, st.integers(1, 5))
+@settings(max_examples=60, deadline=None)
+def test_add_rows_matches_np_add_at(case, dim):
+    rows, n = case
+    rng = np.random.default_rng(len(rows))
+    grads = rng.standard_normal((len(rows), dim)).astype(np.float32)
+    got = np.zeros((n, dim), np.float32)
+    want = np.zeros((n, dim), np.float32)
+    kernels.add_rows(got, rows, grads, -0.5)
+    np.add.at(want, rows, -0.5 * grads)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@given(rows_and_grads, st.integers(1, 5))
+@settings(max_examples=60, deadline=None)
+def test_sum_duplicates_gives_distinct_sorted_rows_and_their_sums(case, dim):
+    rows, n = case
+    grads = np.arange(len(rows) * dim, dtype=np.float64).reshape(len(rows), dim)
+    urows, sums = kernels.sum_duplicates(rows, grads)
+    want_rows = np.unique(rows)
+    np.testing.assert_array_equal(urows, want_rows)
+    want = np.zeros((n, dim))
+    np.add.at(want, rows, grads)
+    np.testing.assert_allclose(sums, want[want_rows])
+
+
+@given(arrays(np.int64, st.integers(0, 200), elements=st.integers(0, 4)))
+def test_partition_by_owner_is_a_stable_grouping(owners):
+    order, starts = kernels.partition_by_owner(owners, 5)
+    assert sorted(order.tolist()) == list(range(len(owners)))
+    for o in range(5):
+        part = order[starts[o] : starts[o + 1]]
+        assert (owners[part] == o).all()
+        assert (np.diff(part) > 0).all()
+
+
+def test_gather_and_place_are_inverse_orders():
+    src = np.arange(40, dtype=np.float32).reshape(10, 4)
+    rows = np.array([9, 0, 5])
+    out = np.empty((3, 4), np.float32)
+    kernels.gather_rows(src, rows, out)
+    np.testing.assert_array_equal(out, src[rows])
+    back = np.zeros((3, 4), np.float32)
+    kernels.place_rows(back, np.array([2, 0, 1]), out)
+    np.testing.assert_array_equal(back, out[[1, 2, 0]])
+
+
+def test_first_out_of_range_and_nonfinite_rows():
+    assert kernels.first_out_of_range(np.array([0, 5, 9]), 10) == -1
+    assert kernels.first_out_of_range(np.array([0, 10, -1]), 10) == 1
+    vals = np.array([[1, 2], [np.nan, 0], [0, np.inf], [3, 4]], np.float32)
+    np.testing.assert_array_equal(kernels.nonfinite_rows(vals), [False, True, True, False])
+
+
+def test_seeded_initialisation_depends_only_on_seed_and_key():
+    keys = np.array([3, 1000, 7], dtype=np.int64)
+    a = np.empty((3, 64))
+    b = np.empty((1, 64))
+    kernels.seeded_normal(np.uint64(42), keys, a, 0.0, 1.0)
+    kernels.seeded_normal(np.uint64(42), keys[1:2], b, 0.0, 1.0)
+    np.testing.assert_array_equal(a[1], b[0])
+    big = np.empty((20000, 8))
+    kernels.seeded_normal(np.uint64(1), np.arange(20000, dtype=np.int64), big, 0.0, 2.0)
+    assert abs(big.mean()) < 0.03 and abs(big.std() - 2.0) < 0.03
+    uni = np.empty((20000, 8))
+    kernels.seeded_uniform(np.uint64(1), np.arange(20000, dtype=np.int64), uni, -1.0, 3.0)
+    assert uni.min() >= -1.0 and uni.max() < 3.0 and abs(uni.mean() - 1.0) < 0.03
