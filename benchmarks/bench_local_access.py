@@ -36,13 +36,17 @@ BATCH = 10_000
 @numba.njit(nogil=True, cache=True)
 def loop_gather(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     for i in range(rows.shape[0]):
-        out[i, :] = src[rows[i], :]
+        r = rows[i]
+        for j in range(src.shape[1]):
+            out[i, j] = src[r, j]
 
 
 @numba.njit(nogil=True, cache=True)
 def loop_scatter_add(dst: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
     for i in range(rows.shape[0]):
-        dst[rows[i], :] += src[i, :]
+        r = rows[i]
+        for j in range(dst.shape[1]):
+            dst[r, j] += src[i, j]
 
 
 def worker() -> None:

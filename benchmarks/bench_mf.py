@@ -24,11 +24,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(MF))
 
 from baseline import train_baseline  # noqa: E402
-from common import write_results  # noqa: E402
 from data import load_movielens  # noqa: E402
 from model import Hyper  # noqa: E402
 
 import shoal.launch.local  # noqa: E402
+from common import write_results  # noqa: E402
 
 CONFIGS = {
     "Shoal 1 node x 1 worker": dict(nodes=1, workers_per_node=1),

@@ -47,7 +47,7 @@ def main() -> int:
 
     print("\nReport")
     print(f"{'epoch':>5}  {'Shoal RMSE':>10}  {'baseline RMSE':>13}")
-    for epoch, (a, b) in enumerate(zip(ps["rmse"], base["rmse"]), 1):  # type: ignore[arg-type]
+    for epoch, (a, b) in enumerate(zip(ps["rmse"], base["rmse"], strict=True), 1):  # type: ignore[arg-type]
         print(f"{epoch:5d}  {a:10.4f}  {b:13.4f}")
     ratio = ps["ratings_per_s"] / base["ratings_per_s"]  # type: ignore[operator]
     print(f"\nShoal ({ps['workers']} workers on {ps['nodes']} nodes): {ps['ratings_per_s']:>12,.0f} ratings/s")

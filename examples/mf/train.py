@@ -70,7 +70,8 @@ def main() -> None:
                 f.wait()
             ps.advance_clock()
             if progress:
-                progress.update(1, f"epoch {epoch + 1}/{hyper.epochs}" + (f"  RMSE {history[-1]:.4f}" if history else ""))
+                note = f"epoch {epoch + 1}/{hyper.epochs}" + (f"  RMSE {history[-1]:.4f}" if history else "")
+                progress.update(1, note)
         ps.barrier()  # every worker's epoch is applied before anyone evaluates
         train_seconds += time.perf_counter() - start
         if lead:

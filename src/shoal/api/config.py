@@ -108,9 +108,12 @@ class Limits:
     """Bounds every peer enforces on what it receives."""
 
     max_message_bytes: int = 256 * 1024 * 1024
+    #: largest table (values and optimiser state, all shards) a CREATE_TABLE may ask for
+    max_table_bytes: int = 64 * 1024**3
 
     def __post_init__(self) -> None:
         _int_at_least("max_message_bytes", self.max_message_bytes, 4096)
+        _int_at_least("max_table_bytes", self.max_table_bytes, 4096)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Union
+from typing import Any
 
 from shoal.api.errors import ConfigError
 
@@ -63,7 +63,7 @@ class Normal:
         object.__setattr__(self, "std", std)
 
 
-Initializer = Union[Constant, Uniform, Normal]
+Initializer = Constant | Uniform | Normal
 
 _KINDS: dict[str, type] = {"constant": Constant, "uniform": Uniform, "normal": Normal}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Union
+from typing import Any
 
 from shoal.api.errors import ConfigError
 
@@ -75,7 +75,7 @@ class Adam:
         object.__setattr__(self, "eps", _positive("Adam.eps", self.eps))
 
 
-Optimizer = Union[Sum, SGD, Adagrad, Adam]
+Optimizer = Sum | SGD | Adagrad | Adam
 
 _KINDS: dict[str, type] = {"sum": Sum, "sgd": SGD, "adagrad": Adagrad, "adam": Adam}
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from shoal.client.worker import Worker
 
 _HEADER_ROOM = 64 * 1024
+_ALL = np.empty(0, dtype=np.int64)  # stands for "every key, in order"
 
 
 class Table:
@@ -110,12 +111,20 @@ class Table:
         if op == Op.PUSH:
             # The NaN/Inf policy applies to the whole push, before any row lands anywhere.
             keys, values, _ = drop_nonfinite(keys, values, self.spec)  # type: ignore[arg-type]
-        owner, shard, rows = self.layout.route(keys)
+        n = keys.shape[0]
+        if n == 0:
+            return set()
+        owner, shard, rows, counts = self.layout.route(keys)
         me = self.worker.node
-        if self.local and keys.shape[0] and owner[0] == me and (owner == me).all():
+        if self.local and counts[me] == n:
             self._local(op, shard, rows, None, values, result)
             return set()
-        order, starts = kernels.partition_by_owner(owner, self.layout.owners.max() + 1)
+        if not self.local or counts[me] == 0:
+            single = np.flatnonzero(counts == n)
+            if single.size:  # every key on one remote node: send the batch as it is
+                pos = np.arange(n) if n > self._chunk else _ALL
+                return {self._send(op, int(single[0]), keys, values, result, c) for c in self._chunks(pos, n)}
+        order, starts = kernels.partition_by_owner(owner, counts.shape[0])
         reqs: set[int] = set()
         for node in range(starts.shape[0] - 1):
             pos = order[starts[node] : starts[node + 1]]
@@ -124,7 +133,7 @@ class Table:
             if node == me and self.local:
                 self._local(op, shard[pos], rows[pos], pos, values, result)
                 continue
-            for chunk in self._chunks(pos):
+            for chunk in self._chunks(pos, pos.shape[0]):
                 reqs.add(self._send(op, node, keys, values, result, chunk))
         return reqs
 
@@ -152,13 +161,16 @@ class Table:
             if sel.size:
                 yield store, sel
 
-    def _chunks(self, pos: np.ndarray) -> Iterator[np.ndarray]:
-        for start in range(0, pos.shape[0], self._chunk):
+    def _chunks(self, pos: np.ndarray, n: int) -> Iterator[np.ndarray]:
+        if n <= self._chunk:
+            yield pos
+            return
+        for start in range(0, n, self._chunk):
             yield pos[start : start + self._chunk]
 
     def _send(self, op: Op, node: int, keys: np.ndarray, values: np.ndarray | None,
               result: _Rows | None, pos: np.ndarray) -> int:
-        whole = pos.shape[0] == keys.shape[0]  # one destination: no gather, no scatter
+        whole = pos is _ALL  # one destination, one message: no gather, no scatter
         arrays = [keys if whole else keys[pos]]
         if values is not None:
             arrays.append(values if whole else values[pos])
@@ -170,7 +182,8 @@ class Table:
             on_reply = result.take_whole
         else:
             on_reply = functools.partial(result.place, pos)
-        return self.worker.tracker.request(node, msg, on_reply, f"{op.name} of {pos.shape[0]} key(s) of {self.name!r}")
+        count = keys.shape[0] if whole else pos.shape[0]
+        return self.worker.tracker.request(node, msg, on_reply, f"{op.name} of {count} key(s) of {self.name!r}")
 
 
 class _Rows:

@@ -119,7 +119,7 @@ class Worker:
         try:
             if TableSpec.from_dict(reply["spec"]) != spec:
                 raise ShoalError(f"local server holds table {spec.name!r} with a different spec")
-            for info, fd in zip(reply["shards"], fds):
+            for info, fd in zip(reply["shards"], fds, strict=True):
                 stores[int(info["shard"])] = ShardStore.attach(spec, int(info["shard"]), int(info["num_rows"]),
                                                                fd, str(info["label"]))
         except Exception:

@@ -61,7 +61,7 @@ class FdShareServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 break
@@ -122,7 +122,7 @@ def fetch_fds(name: str, request: dict[str, Any], timeout: float = 10.0) -> tupl
         if len(body) < length:
             body += _recv_exact(sock, length - len(body))
         reply = msgpack.unpackb(body, raw=False)
-    except (TimeoutError, socket.timeout) as exc:
+    except TimeoutError as exc:
         raise RequestTimeoutError(f"local server at {name[1:]!r} did not answer within {timeout}s") from exc
     finally:
         sock.close()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
+_prctl: Any
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # pragma: no cover - non-Linux

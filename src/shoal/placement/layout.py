@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shoal.api.config import TableSpec
+from shoal.placement import kernels
 from shoal.placement.mapping import KeyMapping, make_mapping
 
 
@@ -29,10 +30,16 @@ class TableLayout:
     def num_shards(self) -> int:
         return self.mapping.num_shards
 
-    def route(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(owner, shard, row)`` for each key."""
+    @property
+    def num_owners(self) -> int:
+        return int(self.owners.max()) + 1
+
+    def route(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(owner, shard, row)`` for each key, and the number of keys per owner."""
         shard, row = self.mapping.locate(keys)
-        return self.owners[shard], shard, row
+        owner = np.empty(keys.shape[0], dtype=np.int64)
+        counts = kernels.owners_of(shard, self.owners, owner, self.num_owners)
+        return owner, shard, row, counts
 
     def shards_of(self, server: int) -> list[int]:
         return [int(s) for s in np.flatnonzero(self.owners == server)]

@@ -14,12 +14,16 @@ from typing import Any
 import numpy as np
 
 from shoal.api.errors import ConfigError
+from shoal.placement import kernels
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 class KeyMapping(ABC):
-    """Maps keys ``0..num_keys-1`` onto ``num_shards`` shards with dense rows."""
+    """Maps keys ``0..num_keys-1`` onto ``num_shards`` shards with dense rows.
+
+    ``locate`` takes contiguous int64 keys already checked to lie in range.
+    """
 
     rule: str = ""
 
@@ -54,8 +58,10 @@ class RangeMapping(KeyMapping):
         self.bounds = np.linspace(0, num_keys, num_shards + 1).round().astype(np.int64)
 
     def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        shard = np.searchsorted(self.bounds, keys, side="right") - 1
-        return shard, keys - self.bounds[shard]
+        shard = np.empty(keys.shape[0], dtype=np.int64)
+        row = np.empty(keys.shape[0], dtype=np.int64)
+        kernels.range_locate(keys, self.bounds, shard, row)
+        return shard, row
 
     def keys_of(self, shard: int) -> np.ndarray:
         return np.arange(self.bounds[shard], self.bounds[shard + 1], dtype=np.int64)
@@ -99,7 +105,10 @@ class HashMapping(KeyMapping):
         return ((h >> np.uint64(32)) % np.uint64(self.num_shards)).astype(np.int64)
 
     def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self._shard_of[keys], self._row_of[keys]
+        shard = np.empty(keys.shape[0], dtype=np.int64)
+        row = np.empty(keys.shape[0], dtype=np.int64)
+        kernels.lookup_locate(keys, self._shard_of, self._row_of, shard, row)
+        return shard, row
 
     def keys_of(self, shard: int) -> np.ndarray:
         return self._keys_by_shard[self._starts[shard] : self._starts[shard + 1]]

@@ -21,7 +21,7 @@ from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
-from shoal.server.tables import ServedTable
+from shoal.server.tables import ServedTable, table_bytes
 from shoal.storage.validate import as_keys, as_rows
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
@@ -87,7 +87,10 @@ class ParameterServer:
             while not self._stop.is_set():
                 item = self.listener.recv(0.05)
                 while item is not None:
-                    self.handle(*item)
+                    try:
+                        self.handle(*item)
+                    except Exception:  # never let one message end the loop
+                        log.exception("server %d: unexpected failure handling a message", self.node)
                     item = self.listener.recv(0)
                 if register:
                     self._heartbeat()
@@ -161,7 +164,13 @@ class ParameterServer:
 
     def _send(self, peer: bytes, reply: Message, codec: Codec) -> None:
         reply.sender = self.node
-        frames = codec.encode(reply)
+        try:
+            frames = codec.encode(reply)
+        except ShoalError as exc:  # e.g. a pull whose reply would exceed the size limit
+            self.stats[f"error_{exc.code}"] += 1
+            error = Message(Op.ERROR, req=reply.req, sender=self.node,
+                            body={"code": exc.code, "message": f"server {self.node}: reply refused: {exc}"})
+            frames = codec.encode(error)
         self.stats["bytes_out"] += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self.listener.send(peer, frames)
 
@@ -216,6 +225,10 @@ class ParameterServer:
                     f"{existing.spec.to_dict()} != {spec.to_dict()}"
                 )
         else:
+            size = table_bytes(spec)
+            if size > self.cluster.limits.max_table_bytes:
+                raise TableError(f"table {spec.name!r} needs {size} bytes with its optimiser state; "
+                                 f"the limit is {self.cluster.limits.max_table_bytes}")
             layout = TableLayout.initial(spec, self.cluster.num_nodes)
             self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster.cluster_id)
             log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)

@@ -8,8 +8,19 @@ from shoal.api.config import TableSpec
 from shoal.api.errors import KeyRangeError
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
+from shoal.storage.rules import rule_for
 from shoal.storage.shard import ShardStore
 from shoal.storage.validate import drop_nonfinite
+
+
+def table_bytes(spec: TableSpec) -> int:
+    """Bytes a whole table needs: values plus the update rule's per-row state."""
+    itemsize = np.dtype(spec.dtype).itemsize
+    per_row = spec.dim * itemsize
+    for st in rule_for(spec.optimizer).state:
+        width = spec.dim if st.per_value else 1
+        per_row += width * np.dtype(st.dtype or spec.dtype).itemsize
+    return spec.num_keys * per_row
 
 
 class ServedTable:
@@ -26,8 +37,8 @@ class ServedTable:
 
     def _split(self, keys: np.ndarray) -> list[tuple[ShardStore, np.ndarray | None, np.ndarray]]:
         """``(store, positions, rows)`` per shard; positions None means all keys, in order."""
-        owner, shard, rows = self.layout.route(keys)
-        if owner.size and (owner != self.node).any():
+        owner, shard, rows, counts = self.layout.route(keys)
+        if counts[self.node] != keys.shape[0]:
             bad = int(keys[np.flatnonzero(owner != self.node)[0]])
             raise KeyRangeError(f"key {bad} of table {self.spec.name!r} is not held by server {self.node}")
         if len(self.stores) == 1:
@@ -35,7 +46,7 @@ class ServedTable:
         shard_ids = sorted(self.stores)
         index = np.searchsorted(shard_ids, shard)
         order, starts = kernels.partition_by_owner(index, len(shard_ids))
-        parts = []
+        parts: list[tuple[ShardStore, np.ndarray | None, np.ndarray]] = []
         for i, sid in enumerate(shard_ids):
             pos = order[starts[i] : starts[i + 1]]
             if pos.size:
@@ -48,6 +59,7 @@ class ServedTable:
             return parts[0][0].read(parts[0][2])
         out = np.empty((keys.shape[0], self.spec.dim), dtype=self.spec.dtype)
         for store, pos, rows in parts:
+            assert pos is not None  # several shards: each part names its positions
             kernels.place_rows(out, pos, store.read(rows))
         return out
 

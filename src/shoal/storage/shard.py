@@ -6,9 +6,8 @@ and read and update rows themselves, under the same locks, with the same rule.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import ContextManager
 
 import numpy as np
 
@@ -87,7 +86,7 @@ class ShardStore:
     def fd(self) -> int:
         return self.segment.fd
 
-    def _hold(self, rows: np.ndarray | None, exclusive: bool) -> ContextManager[None]:
+    def _hold(self, rows: np.ndarray | None, exclusive: bool) -> AbstractContextManager[None]:
         if self._locks is None:
             return nullcontext()
         return self._locks.hold(rows, exclusive)

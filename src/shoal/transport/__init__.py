@@ -7,5 +7,4 @@
 
 from shoal.transport.base import Connection, Listener, Poller, Transport
 
-
 __all__ = ["Connection", "Listener", "Poller", "Transport"]

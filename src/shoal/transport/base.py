@@ -75,5 +75,5 @@ class Transport(ABC):
     @abstractmethod
     def poller(self) -> Poller: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook; most transports hold nothing
         """Release what the transport holds (sockets, contexts)."""

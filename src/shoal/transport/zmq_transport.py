@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 
 _SEND_TIMEOUT_MS = 10_000  # a peer that does not drain its socket for this long is treated as gone
 _LINGER_MS = 1_000  # let one-way messages (clock ticks) leave before a socket closes
+# Frames below this are copied on send. Zero-copy hands the buffer to pyzmq's
+# garbage-collector thread, which costs more than copying a few hundred KB.
+_COPY_THRESHOLD = 512 * 1024
 
 
 def _ms(timeout: float | None) -> int | None:
@@ -44,6 +47,7 @@ class ZmqListener(Listener):
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.socket.copy_threshold = _COPY_THRESHOLD
         if max_frame_bytes:
             self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         try:
@@ -76,6 +80,7 @@ class ZmqConnection(Connection):
         self.address = address
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.socket.copy_threshold = _COPY_THRESHOLD
         try:
             self.socket.connect(normalise_address(address))
         except zmq.ZMQError as exc:
@@ -127,4 +132,5 @@ class ZmqTransport(Transport):
         return ZmqPoller()
 
     def close(self) -> None:
-        self.ctx.term()
+        # destroy() closes sockets still open (term() alone would wait for them forever).
+        self.ctx.destroy(linger=_LINGER_MS)

@@ -25,6 +25,7 @@ from shoal.wire.schema import check_schema
 
 TAG_BYTES = 32
 WIRE_DTYPES = frozenset({"<f4", "<f8", "<i4", "<i8", "<u8", "|u1", "|b1"})
+MAX_RANK = 4
 _HEADER_LIMIT = 1 << 20  # headers are small; a larger one is hostile or broken
 
 Frame = Any  # bytes, memoryview, numpy array, or zmq.Frame: anything with the buffer protocol
@@ -32,8 +33,10 @@ Frame = Any  # bytes, memoryview, numpy array, or zmq.Frame: anything with the b
 
 def _failure(exc: ShoalError, header: dict[str, Any] | None) -> ShoalError:
     """Attach what we know of the request, so the error reply can name it."""
-    exc.req = header.get("req") if isinstance(header, dict) else None  # type: ignore[attr-defined]
-    exc.flags = header.get("flags", 0) if isinstance(header, dict) else 0  # type: ignore[attr-defined]
+    req = header.get("req") if isinstance(header, dict) else None
+    flags = header.get("flags") if isinstance(header, dict) else None
+    exc.req = req if isinstance(req, int) and not isinstance(req, bool) else None  # type: ignore[attr-defined]
+    exc.flags = flags if isinstance(flags, int) and not isinstance(flags, bool) else 0  # type: ignore[attr-defined]
     return exc
 
 
@@ -56,6 +59,8 @@ class Codec:
         for a in arrays:
             if a.dtype.str not in WIRE_DTYPES:
                 raise ProtocolError(f"dtype {a.dtype} cannot travel on the wire")
+            if not 1 <= a.ndim <= MAX_RANK:
+                raise ProtocolError(f"arrays on the wire have 1 to {MAX_RANK} dimensions, got shape {a.shape}")
         flags = msg.flags | (Flag.SIGNED if self.secret else 0)
         header = {
             "v": PROTOCOL_VERSION,
@@ -97,7 +102,7 @@ class Codec:
             raise _failure(ProtocolError("empty message"), None)
         header = self._header(views[0])
         size = sum(v.nbytes for v in views)
-        if size > self.limits.max_message_bytes + TAG_BYTES:
+        if size > self.limits.max_message_bytes + (TAG_BYTES if self.secret else 0):
             raise _failure(
                 MessageTooLargeError(f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}"),
                 header,
@@ -124,9 +129,10 @@ class Codec:
             raise _failure(ProtocolError(f"header is not valid msgpack: {type(exc).__name__}"), None) from None
         if not isinstance(header, dict):
             raise _failure(ProtocolError("header must be a map"), None)
-        if header.get("v") != PROTOCOL_VERSION:
+        version = header.get("v")
+        if type(version) is not int or version != PROTOCOL_VERSION:
             raise _failure(
-                ProtocolError(f"unsupported protocol version {header.get('v')!r}; this peer speaks {PROTOCOL_VERSION}"),
+                ProtocolError(f"unsupported protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}"),
                 header,
             )
         return header
@@ -136,8 +142,11 @@ class Codec:
                             ("table", str), ("body", dict), ("dtype", list), ("shapes", list)):
             if not isinstance(header.get(name), types) or isinstance(header.get(name), bool):
                 raise ProtocolError(f"header field {name!r} must be {types.__name__}, got {header.get(name)!r}")
+        raw_op = header.get("op")
         try:
-            op = Op(header.get("op"))
+            if not isinstance(raw_op, int) or isinstance(raw_op, bool):
+                raise ValueError
+            op = Op(raw_op)
         except ValueError:
             raise ProtocolError(f"unknown op {header.get('op')!r}") from None
         dtypes, shapes = header["dtype"], header["shapes"]
@@ -145,7 +154,7 @@ class Codec:
             raise ProtocolError(
                 f"header describes {len(dtypes)} dtype(s) and {len(shapes)} shape(s) for {len(frames)} frame(s)"
             )
-        arrays = [self._array(i, d, s, f) for i, (d, s, f) in enumerate(zip(dtypes, shapes, frames))]
+        arrays = [self._array(i, d, s, f) for i, (d, s, f) in enumerate(zip(dtypes, shapes, frames, strict=True))]
         return Message(op=op, req=header["req"], table=header["table"], epoch=header["epoch"],
                        clock=header["clock"], sender=header["sender"], flags=header["flags"],
                        body=header["body"], arrays=arrays)
@@ -154,7 +163,7 @@ class Codec:
     def _array(i: int, dtype: Any, shape: Any, frame: memoryview) -> np.ndarray:
         if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
             raise ProtocolError(f"frame {i}: dtype {dtype!r} is not allowed on the wire")
-        if (not isinstance(shape, list) or not 1 <= len(shape) <= 4
+        if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_RANK
                 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
             raise ProtocolError(f"frame {i}: bad shape {shape!r}")
         dt = np.dtype(dtype)

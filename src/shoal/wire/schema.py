@@ -66,7 +66,7 @@ def check_schema(msg: Message) -> None:
         raise ProtocolError(f"{msg.op.name} needs a table name")
     if len(msg.arrays) != len(schema.arrays):
         raise ProtocolError(f"{msg.op.name} carries {len(schema.arrays)} array(s), got {len(msg.arrays)}")
-    for i, (arr, rule) in enumerate(zip(msg.arrays, schema.arrays)):
+    for i, (arr, rule) in enumerate(zip(msg.arrays, schema.arrays, strict=True)):
         if arr.dtype.kind != rule.kind:
             raise ProtocolError(f"{msg.op.name} array {i} must be of kind {rule.kind!r}, got dtype {arr.dtype}")
         if arr.ndim != rule.ndim:

@@ -1,0 +1,46 @@
+"""Compiled key routing: one pass over a batch instead of several numpy passes."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_jit = numba.njit(nogil=True, cache=True)
+
+
+@_jit
+def range_locate(keys: np.ndarray, bounds: np.ndarray, shard: np.ndarray, row: np.ndarray) -> None:
+    """Shard and row of each key under contiguous ranges ``bounds[s] <= key < bounds[s + 1]``."""
+    num_shards = bounds.shape[0] - 1
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        lo, hi = 0, num_shards - 1
+        while lo < hi:  # binary search for the last bound <= k
+            mid = (lo + hi + 1) // 2
+            if bounds[mid] <= k:
+                lo = mid
+            else:
+                hi = mid - 1
+        shard[i] = lo
+        row[i] = k - bounds[lo]
+
+
+@_jit
+def owners_of(shard: np.ndarray, owner_of_shard: np.ndarray, owner: np.ndarray, num_owners: int) -> np.ndarray:
+    """Fill ``owner[i] = owner_of_shard[shard[i]]``; returns the count of keys per owner."""
+    counts = np.zeros(num_owners, dtype=np.int64)
+    for i in range(shard.shape[0]):
+        o = owner_of_shard[shard[i]]
+        owner[i] = o
+        counts[o] += 1
+    return counts
+
+
+@_jit
+def lookup_locate(keys: np.ndarray, shard_of: np.ndarray, row_of: np.ndarray, shard: np.ndarray,
+                  row: np.ndarray) -> None:
+    """Shard and row of each key from per-key tables."""
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        shard[i] = shard_of[k]
+        row[i] = row_of[k]

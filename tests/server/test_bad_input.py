@@ -1,0 +1,398 @@
+"""A live server meets bad input: every bad request gets a typed error reply, and the
+server keeps serving with its tables untouched.
+
+The server runs its real loop in a thread behind ZeroMQ on loopback tcp. Requests go
+through a raw DEALER socket of the test's own, so frames can be malformed by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from shoal import (
+    AuthError,
+    ClusterSpec,
+    ConfigError,
+    DTypeError,
+    KeyRangeError,
+    Limits,
+    MessageTooLargeError,
+    NonFiniteError,
+    Normal,
+    ProtocolError,
+    ShapeError,
+    ShoalError,
+    TableError,
+    TableSpec,
+)
+from shoal.server.server import ParameterServer
+from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire import Codec, Message, Op
+
+REPLY_WAIT_S = 30.0  # generous: the first request may wait for numba to compile the kernels
+SECRET = b"k" * 32
+REQ = 9
+SPEC = TableSpec("t", num_keys=64, dim=4, init=Normal(std=1.0), seed=3)
+ALL_KEYS = np.arange(SPEC.num_keys, dtype=np.int64)
+
+
+# ------------------------------------------------------------ live server
+
+
+@dataclass
+class LiveServer:
+    """A ``ParameterServer`` running its loop in a thread; ``failure`` is what killed the loop, if anything."""
+
+    server: ParameterServer
+    transport: ZmqTransport
+    thread: threading.Thread = field(init=False)
+    failure: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="shoal-test-server", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.server.run(register=False)
+        except BaseException as exc:  # kept for the test to report, instead of an unhandled-thread warning
+            self.failure = exc
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(REPLY_WAIT_S)
+        assert not self.thread.is_alive(), "server loop did not stop"
+        self.transport.close()
+
+
+class RawClient:
+    """A DEALER socket talking to one live server."""
+
+    def __init__(self, sock: zmq.Socket, live: LiveServer, codec: Codec) -> None:
+        self.sock = sock
+        self.live = live
+        self.codec = codec
+        self._reqs = itertools.count(100)
+
+    def send_frames(self, frames: list[Any]) -> None:
+        self.sock.send_multipart(frames)
+
+    def reply(self, codec: Codec | None = None) -> Message:
+        """The next reply, decoded; fails fast if the server loop has died."""
+        deadline = time.monotonic() + REPLY_WAIT_S
+        while not self.sock.poll(50):
+            if not self.live.thread.is_alive():
+                pytest.fail(f"server loop died: {self.live.failure!r}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no reply within {REPLY_WAIT_S}s")
+        return (codec or self.codec).decode(self.sock.recv_multipart())
+
+    def call(self, msg: Message) -> Message:
+        if not msg.req:
+            msg.req = next(self._reqs)
+        self.send_frames(self.codec.encode(msg))
+        reply = self.reply()
+        assert reply.req == msg.req
+        return reply
+
+    def create_table(self, spec: TableSpec) -> None:
+        reply = self.call(Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}))
+        assert reply.op == Op.OK, reply.body
+
+    def pull(self, keys: np.ndarray, table: str = "t") -> np.ndarray:
+        reply = self.call(Message(Op.PULL, table=table, arrays=[keys]))
+        assert reply.op == Op.VALUES, reply.body
+        return reply.arrays[0].copy()
+
+    def push(self, keys: np.ndarray, values: np.ndarray, table: str = "t") -> Message:
+        return self.call(Message(Op.PUSH, table=table, arrays=[keys, values]))
+
+
+@pytest.fixture
+def start_server() -> Iterator[Callable[..., LiveServer]]:
+    started: list[LiveServer] = []
+
+    def start(secret: bytes | None = None, limits: Limits | None = None) -> LiveServer:
+        cluster = ClusterSpec("test", num_nodes=1, workers_per_node=1, rendezvous="tcp://127.0.0.1:1",
+                              secret=secret, limits=limits or Limits())
+        transport = ZmqTransport()
+        started.append(LiveServer(ParameterServer(0, cluster, transport, share_memory=False), transport))
+        return started[-1]
+
+    yield start
+    for live in started:
+        live.stop()
+
+
+@pytest.fixture
+def connect() -> Iterator[Callable[..., RawClient]]:
+    ctx = zmq.Context()
+    sockets: list[zmq.Socket] = []
+
+    def connect(live: LiveServer, secret: bytes | None = None) -> RawClient:
+        sockets.append(ctx.socket(zmq.DEALER))
+        sockets[-1].connect(live.server.address)
+        return RawClient(sockets[-1], live, Codec(secret=secret))
+
+    yield connect
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+
+
+@pytest.fixture
+def client(start_server: Callable[..., LiveServer], connect: Callable[..., RawClient]) -> RawClient:
+    """A client of a fresh server that holds table ``t`` (``SPEC``)."""
+    client = connect(start_server())
+    client.create_table(SPEC)
+    return client
+
+
+def assert_error_reply(reply: Message, error: type[ShoalError], req: int = REQ) -> None:
+    assert reply.op == Op.ERROR
+    assert reply.body["code"] == error.code, reply.body["message"]
+    assert reply.req == req
+
+
+def assert_serves_unchanged(client: RawClient, before: np.ndarray) -> None:
+    np.testing.assert_array_equal(client.pull(ALL_KEYS), before)
+
+
+# ----------------------------------------------------------- raw frames
+
+
+def keys(*ks: int) -> np.ndarray:
+    return np.array(ks, dtype=np.int64)
+
+
+def values(n: int, dtype: Any = np.float32, dim: int = SPEC.dim, fill: float = 1.0) -> np.ndarray:
+    return np.full((n, dim), fill, dtype=dtype)
+
+
+def frames_of(msg: Message) -> list[bytes]:
+    msg.req = REQ
+    return [memoryview(f).tobytes() for f in Codec().encode(msg)]
+
+
+def push_frames(ks: np.ndarray | None = None, vs: np.ndarray | None = None,
+                table: str = "t", op: Op = Op.PUSH) -> list[bytes]:
+    ks = keys(1, 2, 3) if ks is None else ks
+    vs = values(len(ks)) if vs is None else vs
+    return frames_of(Message(op, table=table, arrays=[ks, vs]))
+
+
+def with_header(frames: list[bytes], **changes: Any) -> list[bytes]:
+    header = msgpack.unpackb(frames[0], raw=False)
+    header.update(changes)
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+def with_nonfinite(value: float, row: int = 1) -> np.ndarray:
+    vs = values(3)
+    vs[row, 2] = value
+    return vs
+
+
+def create_frames(**changes: Any) -> list[bytes]:
+    spec = {**SPEC.to_dict(), **changes}
+    return frames_of(Message(Op.CREATE_TABLE, table="t", body={"spec": spec}))
+
+
+# --------------------------------------------------------------- bad input
+
+
+BAD_REQUESTS = [
+    # (frames, error, req of the reply: 0 when the header could not be read)
+    pytest.param([b"\xc1garbage"], ProtocolError, 0, id="garbage header"),
+    pytest.param([b""], ProtocolError, 0, id="empty header frame"),
+    pytest.param([push_frames()[0][:-6], *push_frames()[1:]], ProtocolError, 0, id="truncated header"),
+    pytest.param([*push_frames()[:2], push_frames()[2][:-3]], ProtocolError, REQ, id="truncated values frame"),
+    pytest.param(push_frames()[:2], ProtocolError, REQ, id="values frame missing"),
+    pytest.param([*push_frames(), b"\x00" * 8], ProtocolError, REQ, id="extra frame"),
+    pytest.param(with_header(push_frames(), op=99), ProtocolError, REQ, id="unknown op"),
+    pytest.param(with_header(push_frames(), v=2), ProtocolError, REQ, id="unknown protocol version"),
+    pytest.param(with_header(push_frames(), dtype=["<i8", "|O"]), ProtocolError, REQ, id="object dtype"),
+    pytest.param(frames_of(Message(Op.VALUES, arrays=[values(1)])), ProtocolError, REQ,
+                 id="op the server does not serve"),
+    pytest.param(push_frames(vs=values(3, np.float64)), DTypeError, REQ, id="float64 values for a float32 table"),
+    pytest.param(push_frames(vs=values(3, dim=SPEC.dim - 1)), ShapeError, REQ, id="values one column short"),
+    pytest.param(push_frames(vs=values(4)), ShapeError, REQ, id="more value rows than keys"),
+    pytest.param(push_frames(ks=keys(0, 64)), KeyRangeError, REQ, id="key past the end"),
+    pytest.param(push_frames(ks=keys(5, -1)), KeyRangeError, REQ, id="negative key"),
+    pytest.param(frames_of(Message(Op.PULL, table="t", arrays=[keys(2, 1000)])), KeyRangeError, REQ,
+                 id="pull of a key out of range"),
+    pytest.param(push_frames(vs=with_nonfinite(np.nan)), NonFiniteError, REQ, id="NaN in a push"),
+    pytest.param(push_frames(vs=with_nonfinite(np.inf)), NonFiniteError, REQ, id="Inf in a push"),
+    pytest.param(push_frames(vs=with_nonfinite(-np.inf), op=Op.PUSH_PULL), NonFiniteError, REQ,
+                 id="-Inf in a push_pull"),
+    pytest.param(push_frames(table="nope"), TableError, REQ, id="unknown table"),
+    pytest.param(frames_of(Message(Op.PULL, table="nope", arrays=[keys(1)])), TableError, REQ,
+                 id="pull from an unknown table"),
+    pytest.param(create_frames(dim=SPEC.dim + 1), TableError, REQ, id="create existing table with another spec"),
+    pytest.param(create_frames(name="u"), ProtocolError, REQ, id="create with a spec of another name"),
+    pytest.param(create_frames(dim=0), ConfigError, REQ, id="create with an invalid spec"),
+]
+
+
+@pytest.mark.parametrize(("frames", "error", "req"), BAD_REQUESTS)
+def test_bad_request_gets_a_typed_error_and_changes_nothing(
+    client: RawClient, frames: list[bytes], error: type[ShoalError], req: int
+) -> None:
+    before = client.pull(ALL_KEYS)
+
+    client.send_frames(frames)
+
+    assert_error_reply(client.reply(), error, req)
+    assert_serves_unchanged(client, before)
+
+
+def test_good_push_after_bad_ones_still_applies(client: RawClient) -> None:
+    # guards the "unchanged" checks above: pushes do change what a pull returns
+    before = client.pull(ALL_KEYS)
+    for frames, _, _ in (p.values for p in BAD_REQUESTS):
+        client.send_frames(frames)
+        assert client.reply().op == Op.ERROR
+
+    assert client.push(keys(1, 2), values(2, fill=0.5)).op == Op.OK
+
+    expected = before.copy()
+    expected[[1, 2]] += 0.5
+    np.testing.assert_array_equal(client.pull(ALL_KEYS), expected)
+
+
+def test_create_of_an_existing_table_with_the_same_spec_is_accepted(client: RawClient) -> None:
+    before = client.pull(ALL_KEYS)
+
+    client.create_table(SPEC)
+
+    assert_serves_unchanged(client, before)
+
+
+def test_skip_policy_applies_finite_rows_and_drops_the_others(client: RawClient) -> None:
+    spec = TableSpec("s", num_keys=8, dim=3, init=Normal(std=1.0), nonfinite="skip")
+    client.create_table(spec)
+    all_keys = np.arange(spec.num_keys)
+    before = client.pull(all_keys, table="s")
+    grads = np.array([[1, 1, 1], [np.nan, 1, 1], [2, 2, 2], [1, np.inf, 1]], dtype=np.float32)
+
+    reply = client.push(keys(1, 2, 3, 4), grads, table="s")
+
+    assert reply.op == Op.OK
+    assert reply.body == {"skipped": 2}
+    expected = before.copy()
+    expected[1] += 1
+    expected[3] += 2
+    np.testing.assert_array_equal(client.pull(all_keys, table="s"), expected)
+
+
+def test_oversized_message_is_refused(start_server: Callable[..., LiveServer],
+                                      connect: Callable[..., RawClient]) -> None:
+    client = connect(start_server(limits=Limits(max_message_bytes=65536)))
+    client.create_table(SPEC)
+    before = client.pull(ALL_KEYS)
+    n = 4000  # 32 KB of keys + 64 KB of values
+    big = push_frames(ks=np.arange(n, dtype=np.int64) % SPEC.num_keys, vs=values(n))
+    assert sum(len(f) for f in big) > 96_000
+
+    client.send_frames(big)
+
+    assert_error_reply(client.reply(), MessageTooLargeError)
+    assert_serves_unchanged(client, before)
+
+
+def test_pull_whose_reply_would_be_oversized_is_refused(start_server: Callable[..., LiveServer],
+                                                        connect: Callable[..., RawClient]) -> None:
+    client = connect(start_server(limits=Limits(max_message_bytes=65536)))
+    client.create_table(SPEC)
+    before = client.pull(ALL_KEYS)
+    many = np.arange(5000, dtype=np.int64) % SPEC.num_keys  # 40 KB request, 80 KB reply
+
+    client.send_frames(frames_of(Message(Op.PULL, table="t", arrays=[many])))
+
+    assert_error_reply(client.reply(), MessageTooLargeError)
+    assert_serves_unchanged(client, before)
+
+
+@pytest.mark.parametrize("flags", ["1", None, 1.5], ids=["string", "null", "float"])
+def test_header_with_non_integer_flags_is_refused(client: RawClient, flags: Any) -> None:
+    before = client.pull(ALL_KEYS)
+
+    client.send_frames(with_header(push_frames(), flags=flags))
+
+    assert_error_reply(client.reply(), ProtocolError)
+    assert_serves_unchanged(client, before)
+
+
+# --------------------------------------------------------- authentication
+
+
+@pytest.fixture
+def signed_client(start_server: Callable[..., LiveServer], connect: Callable[..., RawClient]) -> RawClient:
+    client = connect(start_server(secret=SECRET), secret=SECRET)
+    client.create_table(SPEC)
+    return client
+
+
+def signed_push_frames(secret: bytes) -> list[bytes]:
+    msg = Message(Op.PUSH, req=REQ, table="t", arrays=[keys(1, 2, 3), values(3)])
+    return [memoryview(f).tobytes() for f in Codec(secret=secret).encode(msg)]
+
+
+def tampered_push_frames() -> list[bytes]:
+    frames = signed_push_frames(SECRET)
+    frames[2] = values(3, fill=100.0).tobytes()
+    return frames
+
+
+@pytest.mark.parametrize("frames", [
+    pytest.param(push_frames(), id="unsigned push"),
+    pytest.param(frames_of(Message(Op.PULL, table="t", arrays=[keys(1)])), id="unsigned pull"),
+    pytest.param(signed_push_frames(b"x" * 32), id="push signed with another secret"),
+    pytest.param(tampered_push_frames(), id="push altered after signing"),
+])
+def test_message_without_a_valid_tag_is_refused_and_not_applied(signed_client: RawClient,
+                                                                frames: list[bytes]) -> None:
+    before = signed_client.pull(ALL_KEYS)
+
+    signed_client.send_frames(frames)
+
+    # The refusal itself is unsigned: the peer may not hold the secret.
+    reply = signed_client.reply(codec=Codec())
+    assert_error_reply(reply, AuthError)
+    assert reply.arrays == []
+    assert_serves_unchanged(signed_client, before)
+
+
+def test_signed_push_applies(signed_client: RawClient) -> None:
+    before = signed_client.pull(ALL_KEYS)
+
+    assert signed_client.push(keys(3), values(1, fill=2.0)).op == Op.OK
+
+    expected = before.copy()
+    expected[3] += 2.0
+    np.testing.assert_array_equal(signed_client.pull(ALL_KEYS), expected)
+
+
+
+def test_a_table_larger_than_the_limit_is_refused_before_any_memory_is_taken():
+    transport = ZmqTransport()
+    spec = ClusterSpec("cap", 1, 1, "tcp://127.0.0.1:1", limits=Limits(max_table_bytes=1 << 20))
+    server = ParameterServer(0, spec, transport, share_memory=False)
+    try:
+        huge = TableSpec("huge", 10**9, 1000)
+        with pytest.raises(TableError, match="needs 4000000000000 bytes"):
+            server.dispatch(Message(Op.CREATE_TABLE, req=1, table="huge", body={"spec": huge.to_dict()}))
+        assert "huge" not in server.tables
+    finally:
+        server.close()
+        transport.close()

@@ -1,0 +1,303 @@
+"""The transport contract, run against every backend: ZeroMQ over tcp and ipc, and in-process queues.
+
+Each test gets a fresh transport; whatever it opens is closed by the fixture,
+the transport last.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shoal.transport.base import Connection, Listener, Transport
+from shoal.transport.inproc import InProcTransport
+from shoal.transport.zmq_transport import ZmqTransport
+
+WAIT_S = 5.0  # upper bound for anything that should arrive; tests normally take milliseconds
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Backend:
+    name: str
+    make: Callable[[], Transport]
+    any_address: Callable[[], str]  # let the transport pick
+    fixed_address: Callable[[], str]  # known before anything binds it
+
+
+BACKENDS = [
+    Backend("zmq-tcp", ZmqTransport, lambda: "tcp://127.0.0.1:0", lambda: f"tcp://127.0.0.1:{free_tcp_port()}"),
+    Backend("zmq-ipc", ZmqTransport, lambda: f"ipc://@shoal-test-{uuid.uuid4().hex}",
+            lambda: f"ipc://@shoal-test-{uuid.uuid4().hex}"),
+    Backend("inproc", InProcTransport, lambda: "inproc://*", lambda: f"inproc://test-{uuid.uuid4().hex}"),
+]
+
+
+@dataclass
+class Endpoints:
+    """One backend's transport, and everything a test opened on it."""
+
+    backend: Backend
+    transport: Transport
+    opened: list[Listener | Connection] = field(default_factory=list)
+
+    def listen(self, address: str | None = None) -> Listener:
+        listener = self.transport.listen(address or self.backend.any_address())
+        self.opened.append(listener)
+        return listener
+
+    def connect(self, address: str) -> Connection:
+        conn = self.transport.connect(address)
+        self.opened.append(conn)
+        return conn
+
+    def close(self) -> None:
+        for endpoint in reversed(self.opened):
+            endpoint.close()
+        self.transport.close()
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
+def ends(request: pytest.FixtureRequest) -> Iterator[Endpoints]:
+    endpoints = Endpoints(request.param, request.param.make())
+    yield endpoints
+    endpoints.close()
+
+
+def as_bytes(frames: list[Any]) -> list[bytes]:
+    return [memoryview(f).tobytes() for f in frames]
+
+
+def recv_at(listener: Listener) -> tuple[bytes, list[bytes]]:
+    item = listener.recv(WAIT_S)
+    assert item is not None, f"nothing arrived at {listener.address} within {WAIT_S}s"
+    return item[0], as_bytes(item[1])
+
+
+def recv_on(conn: Connection) -> list[bytes]:
+    frames = conn.recv(WAIT_S)
+    assert frames is not None, f"no reply from {conn.address} within {WAIT_S}s"
+    return as_bytes(frames)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {WAIT_S}s"
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------- addresses
+
+
+def test_listener_reports_a_connectable_address(ends: Endpoints) -> None:
+    listener = ends.listen()
+
+    if ends.backend.name == "zmq-tcp":
+        host, _, port = listener.address.removeprefix("tcp://").rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0
+    assert "*" not in listener.address
+    conn = ends.connect(listener.address)
+    conn.send([b"hello"])
+    assert recv_at(listener)[1] == [b"hello"]
+
+
+def test_two_listeners_get_different_addresses(ends: Endpoints) -> None:
+    assert ends.listen().address != ends.listen().address
+
+
+def test_listener_at_a_fixed_address_keeps_it(ends: Endpoints) -> None:
+    address = ends.backend.fixed_address()
+
+    assert ends.listen(address).address == address
+
+
+# ------------------------------------------------------------ request/reply
+
+
+def test_request_and_reply_keep_every_frame_in_order(ends: Endpoints) -> None:
+    listener = ends.listen()
+    conn = ends.connect(listener.address)
+
+    conn.send([b"header", b"", b"\x00\x01\x02", np.arange(4, dtype=np.int64)])
+    peer, frames = recv_at(listener)
+    assert frames == [b"header", b"", b"\x00\x01\x02", np.arange(4, dtype=np.int64).tobytes()]
+
+    assert listener.send(peer, [b"reply", np.ones(3, dtype=np.float32)]) is True
+    assert recv_on(conn) == [b"reply", np.ones(3, dtype=np.float32).tobytes()]
+
+
+def test_replies_reach_the_connection_that_asked(ends: Endpoints) -> None:
+    listener = ends.listen()
+    conns = [ends.connect(listener.address) for _ in range(4)]
+
+    for i, conn in enumerate(conns):
+        conn.send([f"from {i}".encode()])
+    peers = {}
+    for _ in conns:
+        peer, frames = recv_at(listener)
+        peers[frames[0]] = peer
+    assert len(set(peers.values())) == len(conns)
+    for i in reversed(range(len(conns))):  # answer in another order than asked
+        listener.send(peers[f"from {i}".encode()], [f"to {i}".encode()])
+
+    for i, conn in enumerate(conns):
+        assert recv_on(conn) == [f"to {i}".encode()]
+        assert conn.recv(0) is None  # nothing meant for another peer
+
+
+def test_one_connection_keeps_its_peer_id(ends: Endpoints) -> None:
+    listener = ends.listen()
+    conn = ends.connect(listener.address)
+
+    conn.send([b"1"])
+    conn.send([b"2"])
+
+    assert recv_at(listener)[0] == recv_at(listener)[0]
+
+
+@pytest.mark.parametrize("direction", ["to listener", "to connection"])
+def test_large_frames_arrive_intact(ends: Endpoints, direction: str) -> None:
+    listener = ends.listen()
+    conn = ends.connect(listener.address)
+    big = np.random.default_rng(0).standard_normal(4 * 1024 * 1024).astype(np.float32)  # 16 MiB
+
+    if direction == "to listener":
+        conn.send([b"big", big])
+        _, frames = recv_at(listener)
+    else:
+        conn.send([b"ask"])
+        peer, _ = recv_at(listener)
+        listener.send(peer, [b"big", big])
+        frames = recv_on(conn)
+
+    assert frames[0] == b"big"
+    np.testing.assert_array_equal(np.frombuffer(frames[1], dtype=np.float32), big)
+
+
+def test_frames_sent_are_not_affected_by_later_writes_to_the_array(ends: Endpoints) -> None:
+    listener = ends.listen()
+    conn = ends.connect(listener.address)
+    arr = np.arange(8, dtype=np.int64)
+
+    conn.send([arr])
+    _, frames = recv_at(listener)
+    arr[:] = -1
+
+    assert np.frombuffer(frames[0], dtype=np.int64).tolist() == list(range(8))
+
+
+# ---------------------------------------------------------------- timeouts
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.1])
+def test_listener_recv_times_out_with_none(ends: Endpoints, timeout: float) -> None:
+    listener = ends.listen()
+
+    start = time.monotonic()
+    assert listener.recv(timeout) is None
+    assert timeout * 0.5 <= time.monotonic() - start < timeout + 1.0
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.1])
+def test_connection_recv_times_out_with_none(ends: Endpoints, timeout: float) -> None:
+    conn = ends.connect(ends.listen().address)
+
+    start = time.monotonic()
+    assert conn.recv(timeout) is None
+    assert timeout * 0.5 <= time.monotonic() - start < timeout + 1.0
+
+
+# ------------------------------------------------------------------- poller
+
+
+def test_poller_returns_only_connections_with_frames(ends: Endpoints) -> None:
+    listener = ends.listen()
+    quiet, answered = ends.connect(listener.address), ends.connect(listener.address)
+    poller = ends.transport.poller()
+    poller.register(quiet)
+    poller.register(answered)
+
+    answered.send([b"ask"])
+    peer, _ = recv_at(listener)
+    listener.send(peer, [b"answer"])
+
+    assert poller.poll(WAIT_S) == [answered]
+    assert recv_on(answered) == [b"answer"]
+
+
+def test_poller_times_out_with_nothing_ready(ends: Endpoints) -> None:
+    poller = ends.transport.poller()
+    poller.register(ends.connect(ends.listen().address))
+
+    start = time.monotonic()
+    assert poller.poll(0.1) == []
+    assert 0.05 <= time.monotonic() - start < 1.1
+
+
+def test_unregistered_connection_is_not_polled(ends: Endpoints) -> None:
+    listener = ends.listen()
+    conn = ends.connect(listener.address)
+    poller = ends.transport.poller()
+    poller.register(conn)
+    poller.unregister(conn)
+
+    conn.send([b"ask"])
+    peer, _ = recv_at(listener)
+    listener.send(peer, [b"answer"])
+    assert recv_on(conn) == [b"answer"]  # it did arrive, but the poller no longer watches it
+
+    conn.send([b"ask"])
+    listener.send(recv_at(listener)[0], [b"answer"])
+    assert poller.poll(0.1) == []
+
+
+# -------------------------------------------------------------- lost peers
+
+
+def test_send_to_an_unknown_peer_returns_false(ends: Endpoints) -> None:
+    listener = ends.listen()
+
+    assert listener.send(b"nobody-" + uuid.uuid4().bytes, [b"lost"]) is False
+
+
+def test_send_to_a_closed_connection_eventually_returns_false(ends: Endpoints) -> None:
+    listener = ends.listen()
+    conn = ends.connect(listener.address)
+    conn.send([b"hello"])
+    peer, _ = recv_at(listener)
+
+    conn.close()
+
+    # ZeroMQ learns of the disconnect asynchronously; until then a send is queued and dropped.
+    wait_until(lambda: listener.send(peer, [b"late"]) is False, "send to the closed peer failing")
+
+
+def test_connection_sent_before_the_listener_binds(ends: Endpoints) -> None:
+    address = ends.backend.fixed_address()
+    conn = ends.connect(address)
+
+    conn.send([b"early"])
+    listener = ends.listen(address)
+
+    if ends.backend.name == "inproc":
+        # Documented in InProcConnection.send: nobody is bound yet, so the message is
+        # dropped and the caller's request times out; later sends get through.
+        assert listener.recv(0.1) is None
+        conn.send([b"later"])
+        assert recv_at(listener)[1] == [b"later"]
+    else:
+        # ZeroMQ queues on the connecting side and delivers once the listener binds.
+        assert recv_at(listener)[1] == [b"early"]
