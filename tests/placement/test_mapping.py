@@ -39,3 +39,13 @@ def test_hash_mapping_spreads_a_hot_contiguous_range():
     m = make_mapping("hash", 100_000, 4)
     shard, _ = m.locate(np.arange(1000, dtype=np.int64))
     assert np.bincount(shard, minlength=4).min() > 200
+
+
+@pytest.mark.parametrize("rule", sorted(MAPPINGS))
+def test_rows_in_agrees_with_locate(rule):
+    m = make_mapping(rule, 1000, 3)
+    for shard in range(3):
+        mine = m.keys_of(shard)[::7]
+        np.testing.assert_array_equal(m.rows_in(mine, shard), m.locate(mine)[1])
+        foreign = np.concatenate([mine, m.keys_of((shard + 1) % 3)[:1]])
+        assert m.rows_in(foreign, shard) is None

@@ -84,3 +84,14 @@ def test_seeded_initialisation_depends_only_on_seed_and_key():
     uni = np.empty((20000, 8))
     kernels.seeded_uniform(np.uint64(1), np.arange(20000, dtype=np.int64), uni, -1.0, 3.0)
     assert uni.min() >= -1.0 and uni.max() < 3.0 and abs(uni.mean() - 1.0) < 0.03
+
+
+def test_any_nonfinite_finds_nan_and_inf_in_either_float_width():
+    for dtype in (np.float32, np.float64):
+        clean = np.random.default_rng(0).standard_normal((100, 7)).astype(dtype)
+        assert not kernels.any_nonfinite(clean)
+        for bad in (np.nan, np.inf, -np.inf):
+            dirty = clean.copy()
+            dirty[63, 5] = bad
+            assert kernels.any_nonfinite(dirty)
+    assert not kernels.any_nonfinite(np.array([[np.finfo(np.float32).max, -0.0, 1e-45]], np.float32))

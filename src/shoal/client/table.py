@@ -114,6 +114,12 @@ class Table:
         n = keys.shape[0]
         if n == 0:
             return set()
+        if len(self.local) == 1:  # the common co-located case: try "all keys local" in one pass
+            shard_id, store = next(iter(self.local.items()))
+            local_rows = self.layout.mapping.rows_in(keys, shard_id)
+            if local_rows is not None:
+                self._local(op, None, local_rows, None, values, result)
+                return set()
         owner, shard, rows, counts = self.layout.route(keys)
         me = self.worker.node
         if self.local and counts[me] == n:
@@ -137,7 +143,7 @@ class Table:
                 reqs.add(self._send(op, node, keys, values, result, chunk))
         return reqs
 
-    def _local(self, op: Op, shard: np.ndarray, rows: np.ndarray, pos: np.ndarray | None,
+    def _local(self, op: Op, shard: np.ndarray | None, rows: np.ndarray, pos: np.ndarray | None,
                values: np.ndarray | None, result: _Rows | None) -> None:
         """Serve rows of this node's shards in shared memory, in the caller's process."""
         for store, sel in self._by_local_shard(shard):
@@ -152,8 +158,8 @@ class Table:
                 else:
                     store.read_into(r, p, result.array())
 
-    def _by_local_shard(self, shard: np.ndarray) -> Iterator[tuple[ShardStore, np.ndarray | None]]:
-        if len(self.local) == 1:
+    def _by_local_shard(self, shard: np.ndarray | None) -> Iterator[tuple[ShardStore, np.ndarray | None]]:
+        if len(self.local) == 1 or shard is None:
             yield next(iter(self.local.values())), None
             return
         for sid, store in self.local.items():

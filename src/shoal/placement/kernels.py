@@ -44,3 +44,37 @@ def lookup_locate(keys: np.ndarray, shard_of: np.ndarray, row_of: np.ndarray, sh
         k = keys[i]
         shard[i] = shard_of[k]
         row[i] = row_of[k]
+
+
+@_jit
+def rows_in_range(keys: np.ndarray, start: int, stop: int, rows: np.ndarray) -> bool:
+    """``rows = keys - start`` if every key lies in ``[start, stop)``; False otherwise."""
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        if k < start or k >= stop:
+            return False
+        rows[i] = k - start
+    return True
+
+
+@_jit
+def rows_in_stride(keys: np.ndarray, shard: int, num_shards: int, rows: np.ndarray) -> bool:
+    """``rows = keys // S`` if every key has ``key % S == shard``; False otherwise."""
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        if k % num_shards != shard:
+            return False
+        rows[i] = k // num_shards
+    return True
+
+
+@_jit
+def rows_in_lookup(keys: np.ndarray, shard: int, shard_of: np.ndarray, row_of: np.ndarray,
+                   rows: np.ndarray) -> bool:
+    """Rows from per-key tables if every key lies in ``shard``; False otherwise."""
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        if shard_of[k] != shard:
+            return False
+        rows[i] = row_of[k]
+    return True

@@ -41,6 +41,11 @@ class KeyMapping(ABC):
     def keys_of(self, shard: int) -> np.ndarray:
         """The keys held by ``shard``, in row order."""
 
+    def rows_in(self, keys: np.ndarray, shard: int) -> np.ndarray | None:
+        """Rows of ``keys`` if all of them lie in ``shard`` (one pass), else None."""
+        located_shard, row = self.locate(keys)
+        return row if (located_shard == shard).all() else None
+
     def shard_size(self, shard: int) -> int:
         return int(self.keys_of(shard).shape[0])
 
@@ -63,6 +68,11 @@ class RangeMapping(KeyMapping):
         kernels.range_locate(keys, self.bounds, shard, row)
         return shard, row
 
+    def rows_in(self, keys: np.ndarray, shard: int) -> np.ndarray | None:
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        ok = kernels.rows_in_range(keys, int(self.bounds[shard]), int(self.bounds[shard + 1]), rows)
+        return rows if ok else None
+
     def keys_of(self, shard: int) -> np.ndarray:
         return np.arange(self.bounds[shard], self.bounds[shard + 1], dtype=np.int64)
 
@@ -74,6 +84,10 @@ class RoundRobinMapping(KeyMapping):
 
     def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return keys % self.num_shards, keys // self.num_shards
+
+    def rows_in(self, keys: np.ndarray, shard: int) -> np.ndarray | None:
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        return rows if kernels.rows_in_stride(keys, shard, self.num_shards, rows) else None
 
     def keys_of(self, shard: int) -> np.ndarray:
         return np.arange(shard, self.num_keys, self.num_shards, dtype=np.int64)
@@ -109,6 +123,10 @@ class HashMapping(KeyMapping):
         row = np.empty(keys.shape[0], dtype=np.int64)
         kernels.lookup_locate(keys, self._shard_of, self._row_of, shard, row)
         return shard, row
+
+    def rows_in(self, keys: np.ndarray, shard: int) -> np.ndarray | None:
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        return rows if kernels.rows_in_lookup(keys, shard, self._shard_of, self._row_of, rows) else None
 
     def keys_of(self, shard: int) -> np.ndarray:
         return self._keys_by_shard[self._starts[shard] : self._starts[shard + 1]]

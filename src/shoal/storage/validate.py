@@ -56,10 +56,10 @@ def drop_nonfinite(keys: np.ndarray, values: np.ndarray, spec: TableSpec) -> tup
 
     Returns the keys and values to apply and how many rows were skipped.
     """
+    if not kernels.any_nonfinite(values):
+        return keys, values, 0
     bad = kernels.nonfinite_rows(values)
     count = int(bad.sum())
-    if not count:
-        return keys, values, 0
     if spec.nonfinite == "reject":
         raise NonFiniteError(
             f"push to table {spec.name!r} has NaN/Inf in {count} row(s); rejected, nothing applied "
