@@ -27,7 +27,7 @@ def time_call(fn: Callable[[], object], min_seconds: float = 0.2, min_calls: int
     return statistics.median(samples)
 
 
-def interleaved(contenders: dict[str, Callable[[], object]], rounds: int = 5, min_seconds: float = 0.2
+def interleaved(contenders: dict[str, Callable[[], object]], rounds: int = 7, min_seconds: float = 0.2
                 ) -> dict[str, float]:
     """Median seconds per call of each contender, alternating them round by round.
 
