@@ -3,7 +3,7 @@
     import shoal
     ps = shoal.init()   # inside a script started by `shoal run`
     emb = ps.table("entity", num_keys=200_000, dim=100, init=shoal.Normal(std=0.01),
-                   optimizer=shoal.optim.Adagrad(lr=0.1))
+                   optimizer=shoal.optim.Adagrad(lr=0.1), consistency=shoal.SSP(staleness=2))
     rows = emb.pull(keys)
     emb.push(keys, grads)
     ps.advance_clock()
@@ -16,6 +16,7 @@ import logging
 
 from shoal.api import optim
 from shoal.api.config import ClusterSpec, Limits, TableSpec, Timeouts
+from shoal.api.consistency import ASP, BSP, ESSP, SSP, LazyPull
 from shoal.api.errors import (
     AuthError,
     ClosedError,
@@ -56,6 +57,7 @@ def init(local_access: bool | None = None) -> Worker:
 
 
 __all__ = [
+    "ASP", "BSP", "ESSP", "LazyPull", "SSP",
     "AuthError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError", "Constant", "DTypeError",
     "Future", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError", "Normal", "ProtocolError",
     "RequestTimeoutError", "ServerError", "ShapeError", "ShoalError", "Table", "TableError", "TableSpec",

@@ -163,7 +163,8 @@ PLAIN = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )
-BODY_FIELD = {int: INT64, str: st.text(max_size=16), dict: st.dictionaries(st.text(max_size=6), PLAIN, max_size=3)}
+BODY_FIELD = {int: INT64, str: st.text(max_size=16), dict: st.dictionaries(st.text(max_size=6), PLAIN, max_size=3),
+              list: st.lists(INT64, max_size=4)}
 
 
 def array_for(rule: ArrayRule, n: int) -> st.SearchStrategy[np.ndarray]:

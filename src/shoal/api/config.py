@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shoal.api.consistency import ASP, Consistency, consistency_from_dict, consistency_to_dict, is_consistency
 from shoal.api.errors import ConfigError
 from shoal.api.initializers import (
     Constant,
@@ -42,6 +43,7 @@ def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> str:
 class TableSpec:
     """Everything a server needs to create a table; identical on every worker.
 
+    ``consistency`` bounds how stale a read may be (``shoal.ASP`` by default);
     ``mapping`` picks how keys spread over shards; ``nonfinite`` what a push
     with NaN/Inf does ("reject" the whole push, or "skip" the bad rows);
     ``locking`` whether co-located writers exclude each other ("exact") or
@@ -54,6 +56,7 @@ class TableSpec:
     dtype: str = "float32"
     init: Initializer = field(default_factory=Constant)
     optimizer: Optimizer = field(default_factory=Sum)
+    consistency: Consistency = field(default_factory=ASP)
     mapping: str = "range"
     nonfinite: str = "reject"
     locking: str = "exact"
@@ -75,6 +78,11 @@ class TableSpec:
             raise ConfigError(f"init must be shoal.Constant, Uniform or Normal, got {self.init!r}")
         if not isinstance(self.optimizer, (Sum, SGD, Adagrad, Adam)):
             raise ConfigError(f"optimizer must be one of shoal.optim.Sum/SGD/Adagrad/Adam, got {self.optimizer!r}")
+        if not is_consistency(self.consistency):
+            raise ConfigError(f"consistency must be shoal.ASP(), BSP(), SSP(s) or ESSP(s), got {self.consistency!r}")
+        if self.consistency.eager and self.locking != "exact":
+            # Eager pushes need to know exactly which rows changed; lock-free writers cannot tell them.
+            raise ConfigError("ESSP tables need locking='exact'")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +92,7 @@ class TableSpec:
             "dtype": self.dtype,
             "init": initializer_to_dict(self.init),
             "optimizer": optimizer_to_dict(self.optimizer),
+            "consistency": consistency_to_dict(self.consistency),
             "mapping": self.mapping,
             "nonfinite": self.nonfinite,
             "locking": self.locking,
@@ -98,6 +107,7 @@ class TableSpec:
         try:
             fields["init"] = initializer_from_dict(fields["init"])
             fields["optimizer"] = optimizer_from_dict(fields["optimizer"])
+            fields["consistency"] = consistency_from_dict(fields.get("consistency", {"kind": "asp"}))
             return cls(**fields)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"bad table spec {data!r}: {exc}") from exc

@@ -10,14 +10,18 @@ at once; replies are placed back in the caller's key order.
 from __future__ import annotations
 
 import functools
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shoal.api.config import TableSpec
-from shoal.api.errors import ProtocolError, ShapeError
+from shoal.api.errors import ProtocolError, RequestTimeoutError, ShapeError
 from shoal.cluster.requests import Future
+from shoal.consistency.cache import RowCache
+from shoal.consistency.staleness import StalenessHistogram
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
 from shoal.storage.shard import ShardStore
@@ -43,6 +47,13 @@ class Table:
         self.dtype = np.dtype(spec.dtype)
         row_bytes = spec.dim * self.dtype.itemsize + 8
         self._chunk = max(1, (worker.cluster.limits.max_message_bytes - _HEADER_ROOM) // (2 * row_bytes))
+        self.bound = spec.consistency.bound
+        #: the process cache of remote rows (bounded models only: ASP always asks)
+        self.cache = (RowCache(spec.num_keys, spec.dim, self.dtype, layout.num_shards)
+                      if self.bound is not None else None)
+        #: how stale each read row was: reader's clock minus the clock its row is current at
+        self.staleness = StalenessHistogram()
+        self.counters: Counter[str] = Counter()
 
     @property
     def name(self) -> str:
@@ -115,7 +126,7 @@ class Table:
         if n == 0:
             return set()
         if len(self.local) == 1:  # the common co-located case: try "all keys local" in one pass
-            shard_id, store = next(iter(self.local.items()))
+            shard_id = next(iter(self.local))
             local_rows = self.layout.mapping.rows_in(keys, shard_id)
             if local_rows is not None:
                 self._local(op, None, local_rows, None, values, result)
@@ -125,27 +136,56 @@ class Table:
         if self.local and counts[me] == n:
             self._local(op, shard, rows, None, values, result)
             return set()
-        if not self.local or counts[me] == 0:
-            single = np.flatnonzero(counts == n)
-            if single.size:  # every key on one remote node: send the batch as it is
-                pos = np.arange(n) if n > self._chunk else _ALL
-                return {self._send(op, int(single[0]), keys, values, result, c) for c in self._chunks(pos, n)}
-        order, starts = kernels.partition_by_owner(owner, counts.shape[0])
+        single = np.flatnonzero(counts == n)
+        parts: list[tuple[int, np.ndarray]]
+        if single.size:  # every key on one remote node: the batch goes as it is
+            parts = [(int(single[0]), _ALL)]
+        else:
+            order, starts = kernels.partition_by_owner(owner, counts.shape[0])
+            parts = [(node, order[starts[node] : starts[node + 1]]) for node in range(counts.shape[0])
+                     if starts[node + 1] > starts[node]]
         reqs: set[int] = set()
-        for node in range(starts.shape[0] - 1):
-            pos = order[starts[node] : starts[node + 1]]
-            if not pos.size:
-                continue
+        for node, pos in parts:
             if node == me and self.local:
                 self._local(op, shard[pos], rows[pos], pos, values, result)
                 continue
-            for chunk in self._chunks(pos, pos.shape[0]):
+            if op == Op.PULL and self.cache is not None:
+                remaining = self._from_cache(keys, shard, pos, result)  # type: ignore[arg-type]
+                if remaining is None:
+                    continue
+                pos = remaining
+            count = n if pos is _ALL else pos.shape[0]
+            for chunk in self._chunks(np.arange(n) if pos is _ALL and n > self._chunk else pos, count):
                 reqs.add(self._send(op, node, keys, values, result, chunk))
         return reqs
+
+    def _from_cache(self, keys: np.ndarray, shard: np.ndarray, pos: np.ndarray, result: _Rows) -> np.ndarray | None:
+        """Serve keys whose cached rows are fresh enough; returns the positions still to pull."""
+        assert self.cache is not None and self.bound is not None
+        self.worker.tracker.pump(0)  # apply rows servers pushed eagerly since the last call
+        whole = pos is _ALL
+        sel_keys = keys if whole else keys[pos]
+        versions = self.cache.versions(sel_keys, shard if whole else shard[pos])
+        clock = self.worker.clock
+        fresh = versions >= clock - self.bound
+        hits = int(np.count_nonzero(fresh))
+        if not hits:
+            return pos
+        where = np.arange(keys.shape[0]) if whole else pos
+        result.array()[where[fresh]] = self.cache.values[sel_keys[fresh]]
+        self.staleness.record(clock - versions[fresh])
+        self.counters["rows_from_cache"] += hits
+        if hits == fresh.shape[0]:
+            return None
+        return where[~fresh]
 
     def _local(self, op: Op, shard: np.ndarray | None, rows: np.ndarray, pos: np.ndarray | None,
                values: np.ndarray | None, result: _Rows | None) -> None:
         """Serve rows of this node's shards in shared memory, in the caller's process."""
+        if result is not None:
+            slowest = self._local_bound()
+            self.staleness.record(self.worker.clock - slowest, rows.shape[0])
+            self.counters["rows_local"] += rows.shape[0]
         for store, sel in self._by_local_shard(shard):
             r = rows if sel is None else rows[sel]
             p = pos if sel is None else (sel if pos is None else pos[sel])
@@ -157,6 +197,31 @@ class Table:
                     store.read(r, out=result.array())
                 else:
                     store.read_into(r, p, result.array())
+
+    def _local_bound(self) -> int:
+        """Wait until the local server's clocks allow a read at this worker's clock; the slowest clock."""
+        clocks = self.worker.local_clocks
+        if clocks is None:
+            return self.worker.clock
+        slowest = int(clocks.min())
+        if self.bound is None:
+            return min(slowest, self.worker.clock)
+        required = self.worker.clock - self.bound
+        if slowest >= required:
+            return min(slowest, self.worker.clock)
+        self.counters["local_reads_waited"] += 1
+        deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
+        pause = 1e-5
+        while slowest < required:
+            if time.monotonic() > deadline:
+                behind = [int(w) for w in np.flatnonzero(clocks < required)]
+                raise RequestTimeoutError(
+                    f"local read of {self.name!r} at clock {self.worker.clock} waited "
+                    f"{self.worker.cluster.timeouts.request_s:.1f}s for worker(s) {behind} to reach clock {required}")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            slowest = int(clocks.min())
+        return min(slowest, self.worker.clock)
 
     def _by_local_shard(self, shard: np.ndarray | None) -> Iterator[tuple[ShardStore, np.ndarray | None]]:
         if len(self.local) == 1 or shard is None:
@@ -184,12 +249,33 @@ class Table:
         on_reply: Callable[[Message], None]
         if result is None:
             on_reply = _ignore
-        elif whole:
-            on_reply = result.take_whole
         else:
-            on_reply = functools.partial(result.place, pos)
+            place = result.take_whole if whole else functools.partial(result.place, pos)
+            on_reply = functools.partial(self._on_rows, place, arrays[0], self.worker.clock)
+        self.counters["requests"] += 1
         count = keys.shape[0] if whole else pos.shape[0]
         return self.worker.tracker.request(node, msg, on_reply, f"{op.name} of {count} key(s) of {self.name!r}")
+
+
+    def _on_rows(self, place: Callable[[Message], None], keys: np.ndarray, clock: int, msg: Message) -> None:
+        """A reply with rows: put them in place, count their staleness, keep them in the cache."""
+        place(msg)
+        self.staleness.record(clock - msg.clock, keys.shape[0])
+        self.counters["rows_pulled"] += keys.shape[0]
+        if self.cache is not None:
+            self.cache.store(keys, msg.arrays[0], msg.clock)
+
+    def on_server_rows(self, msg: Message) -> None:
+        """Rows a server pushed unasked (ESSP): refresh the cache, and the clock of every cached row."""
+        if self.cache is None:
+            return
+        keys, rows = msg.arrays
+        if rows.shape[1:] != (self.dim,) or rows.dtype != self.dtype:
+            raise ProtocolError(f"server pushed rows of shape {rows.shape} {rows.dtype} for table {self.name!r}")
+        self.cache.store(keys.astype(np.int64, copy=False), rows, msg.clock)
+        self.cache.bump([int(s) for s in msg.body["shards"]], msg.clock)
+        self.counters["eager_messages"] += 1
+        self.counters["eager_rows"] += keys.shape[0]
 
 
 class _Rows:

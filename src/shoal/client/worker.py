@@ -6,6 +6,8 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
+
 from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import ClosedError, ShoalError, TableError
 from shoal.api.initializers import Constant, Initializer
@@ -15,6 +17,7 @@ from shoal.cluster import membership
 from shoal.cluster.fdshare import fetch_fds, socket_name
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
+from shoal.storage.segment import Segment
 from shoal.storage.shard import ShardStore
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
@@ -58,6 +61,12 @@ class Worker:
         self.servers = membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout)
         for n, address in enumerate(self.servers):
             self.tracker.connect(n, address)
+        self.tracker.on_unsolicited = self._on_server_message
+        #: the local server's clock table in shared memory: local reads check bounds here
+        self.local_clocks: np.ndarray | None = None
+        self._clock_segment: Segment | None = None
+        if local_access:
+            self._attach_clocks()
 
     @property
     def num_workers(self) -> int:
@@ -110,6 +119,23 @@ class Worker:
         table = Table(self, spec, layout, local)
         self.tables[spec.name] = table
         return table
+
+    def _attach_clocks(self) -> None:
+        reply, fds = fetch_fds(socket_name(self.cluster.cluster_id, self.node), {"clocks": True},
+                               self.cluster.timeouts.connect_s)
+        self._clock_segment = Segment.attach(fds[0], str(reply["label"]))
+        self.local_clocks = self._clock_segment.array(0, (int(reply["num_workers"]),), np.int64)
+
+    def _on_server_message(self, peer: int, msg: Message) -> None:
+        """A message no request asked for: rows a server pushed eagerly (ESSP)."""
+        table = self.tables.get(msg.table)
+        if msg.op != Op.ROWS or table is None:
+            log.warning("worker %d: ignoring unexpected %s from server %d", self.rank, msg.op.name, peer)
+            return
+        try:
+            table.on_server_rows(msg)
+        except ShoalError as exc:
+            log.warning("worker %d: ignoring bad rows from server %d: %s", self.rank, peer, exc)
 
     def _attach(self, spec: TableSpec) -> dict[int, ShardStore]:
         """Map this node's shards of ``spec`` from the local server's shared memory."""
@@ -164,6 +190,8 @@ class Worker:
             return
         try:
             self.wait_all()
+            for n in range(self.num_nodes):  # a worker that left must not hold back anyone's reads
+                self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank, "final": True}))
             membership.leave(self.tracker, self.rank, self.cluster.timeouts.connect_s)
         except ShoalError as exc:
             log.warning("worker %d: unclean shutdown: %s", self.rank, exc)
@@ -172,6 +200,9 @@ class Worker:
             for table in self.tables.values():
                 for store in table.local.values():
                     store.close()
+            self.local_clocks = None
+            if self._clock_segment is not None:
+                self._clock_segment.close()
             self.tracker.close()
             if self._owns_transport:
                 self.transport.close()

@@ -15,13 +15,18 @@ import time
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import AuthError, ConfigError, ProtocolError, ServerError, ShoalError, TableError
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
+from shoal.consistency.clocks import ClockTable
+from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, table_bytes
+from shoal.storage.segment import Segment
 from shoal.storage.validate import as_keys, as_rows
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
@@ -65,8 +70,12 @@ class ParameterServer:
         self.listener = transport.listen(bind, max_frame_bytes=hard_cap)
         self.address = self.listener.address
         self.tables: dict[str, ServedTable] = {}
-        self.clocks: dict[int, int] = {}
         self.stats: Counter[str] = Counter()
+        # Worker clocks live in shared memory so co-located workers check bounds without asking.
+        self._clock_segment = Segment.create(f"shoal-{cluster.cluster_id}-clocks-n{node}",
+                                             8 * max(cluster.num_workers, 1))
+        self.clocks = ClockTable(self._clock_segment.array(0, (cluster.num_workers,), np.int64))
+        self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec))
         self._stop = threading.Event()
         self._rendezvous = RequestTracker(transport, self.codec, sender=node)
         self._heartbeat_req: int | None = None
@@ -85,13 +94,14 @@ class ParameterServer:
             log.info("server %d serving at %s", self.node, self.address)
         try:
             while not self._stop.is_set():
-                item = self.listener.recv(0.05)
+                item = self.listener.recv(self._wait_s())
                 while item is not None:
                     try:
                         self.handle(*item)
                     except Exception:  # never let one message end the loop
                         log.exception("server %d: unexpected failure handling a message", self.node)
                     item = self.listener.recv(0)
+                self.sync.tick()
                 if register:
                     self._heartbeat()
         finally:
@@ -99,6 +109,13 @@ class ParameterServer:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _wait_s(self) -> float:
+        """How long the loop may block: until the next lazy-pull deadline, at most 50 ms."""
+        deadline = self.sync.next_deadline()
+        if deadline is None:
+            return 0.05
+        return min(0.05, max(0.0, deadline - time.monotonic()))
 
     def _heartbeat(self) -> None:
         """Ask the rendezvous how the cluster is; leave when it is finished or gone."""
@@ -142,7 +159,8 @@ class ParameterServer:
             return
         self.stats[f"op_{msg.op.name.lower()}"] += 1
         try:
-            reply = self.dispatch(msg)
+            self.sync.observe(peer, msg)
+            reply = self.dispatch(msg, peer)
         except ShoalError as exc:
             self.stats[f"error_{exc.code}"] += 1
             reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
@@ -174,11 +192,11 @@ class ParameterServer:
         self.stats["bytes_out"] += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self.listener.send(peer, frames)
 
-    def dispatch(self, msg: Message) -> Message | None:
+    def dispatch(self, msg: Message, peer: bytes = b"") -> Message | None:
+        """Serve one checked request; None means no reply now (a held pull, or none at all)."""
         op = msg.op
         if op == Op.PULL:
-            table = self._table(msg.table)
-            return msg.reply(Op.VALUES, arrays=[table.pull(as_keys(msg.arrays[0], table.spec))])
+            return self.sync.pull(self._table(msg.table), peer, msg)
         if op == Op.PUSH:
             table = self._table(msg.table)
             skipped = self._push(table, msg)
@@ -186,10 +204,8 @@ class ParameterServer:
         if op == Op.PUSH_PULL:
             table = self._table(msg.table)
             self._push(table, msg)
-            return msg.reply(Op.VALUES, arrays=[table.pull(as_keys(msg.arrays[0], table.spec))])
+            return self.sync.pull(table, peer, msg)
         if op == Op.CLOCK:
-            rank = int(msg.body["rank"])
-            self.clocks[rank] = max(self.clocks.get(rank, 0), msg.clock)
             return msg.reply(Op.OK)
         if op == Op.CREATE_TABLE:
             return self._create_table(msg)
@@ -211,7 +227,9 @@ class ParameterServer:
     def _push(self, table: ServedTable, msg: Message) -> int:
         keys = as_keys(msg.arrays[0], table.spec)
         grads = as_rows(msg.arrays[1], keys.shape[0], table.spec, strict_dtype=True)
-        return table.push(keys, grads)
+        skipped = table.push(keys, grads)
+        self.sync.after_push(table)
+        return skipped
 
     def _create_table(self, msg: Message) -> Message:
         spec = TableSpec.from_dict(msg.body["spec"])
@@ -230,7 +248,7 @@ class ParameterServer:
                 raise TableError(f"table {spec.name!r} needs {size} bytes with its optimiser state; "
                                  f"the limit is {self.cluster.limits.max_table_bytes}")
             layout = TableLayout.initial(spec, self.cluster.num_nodes)
-            self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster.cluster_id)
+            self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster.cluster_id, self.clocks)
             log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
         return msg.reply(Op.OK, {"shards": sorted(self.tables[spec.name].stores)})
 
@@ -241,14 +259,19 @@ class ParameterServer:
             "pid": os.getpid(),
             "tables": {n: {"shards": sorted(t.stores), "rows": sum(s.num_rows for s in t.stores.values())}
                        for n, t in self.tables.items()},
-            "clocks": {str(r): c for r, c in self.clocks.items()},
-            "stats": dict(self.stats),
+            "clocks": [int(c) for c in self.clocks.clocks],
+            "slowest_clock": self.clocks.slowest,
+            "stats": dict(self.stats + self.sync.stats),
+            "controllers": {n: t.controller.stats.as_dict() for n, t in self.tables.items()},
         }
 
     # --------------------------------------------------- shared-memory access
 
     def _share(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """Descriptors of a table's local shards, for a co-located worker."""
+        """Descriptors of a table's local shards (or of the clock table), for a co-located worker."""
+        if request.get("clocks"):
+            return {"num_workers": self.cluster.num_workers, "label": self._clock_segment.label}, \
+                [self._clock_segment.fd]
         table = self._table(str(request.get("table")))
         shards = sorted(table.stores)
         info = [{"shard": s, "num_rows": table.stores[s].num_rows, "label": table.stores[s].segment.label}
@@ -266,4 +289,6 @@ class ParameterServer:
         for table in self.tables.values():
             table.close()
         self.tables.clear()
+        del self.clocks
+        self._clock_segment.close()
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from shoal.api.config import TableSpec
 from shoal.api.errors import KeyRangeError
+from shoal.consistency.clocks import ClockTable
+from shoal.consistency.controller import ShardController
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
 from shoal.storage.rules import rule_for
@@ -23,10 +30,20 @@ def table_bytes(spec: TableSpec) -> int:
     return spec.num_keys * per_row
 
 
-class ServedTable:
-    """A table's shards owned by one server node."""
+@dataclass
+class EagerUpdate:
+    """Rows to push to one subscriber when the slowest clock advances (ESSP)."""
 
-    def __init__(self, spec: TableSpec, layout: TableLayout, node: int, cluster_id: str) -> None:
+    worker: int
+    keys: np.ndarray
+    values: np.ndarray
+
+
+class ServedTable:
+    """A table's shards owned by one server node, and its synchronisation controller."""
+
+    def __init__(self, spec: TableSpec, layout: TableLayout, node: int, cluster_id: str,
+                 clocks: ClockTable, now: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.layout = layout
         self.node = node
@@ -34,6 +51,9 @@ class ServedTable:
             shard: ShardStore.create(spec, shard, layout.mapping.keys_of(shard), cluster_id)
             for shard in layout.shards_of(node)
         }
+        self.controller: ShardController[Any] = ShardController(spec.consistency, clocks, now)
+        # ESSP: per shard, per worker, which rows that worker has fetched (and so caches).
+        self._subscribed: dict[int, dict[int, np.ndarray]] = {s: {} for s in self.stores}
 
     def _split(self, keys: np.ndarray) -> list[tuple[ShardStore, np.ndarray | None, np.ndarray]]:
         """``(store, positions, rows)`` per shard; positions None means all keys, in order."""
@@ -63,11 +83,45 @@ class ServedTable:
             kernels.place_rows(out, pos, store.read(rows))
         return out
 
+    def subscribe(self, worker: int, keys: np.ndarray) -> None:
+        """Remember that ``worker`` now caches the rows of ``keys`` (ESSP only)."""
+        if not self.spec.consistency.eager:
+            return
+        for store, pos, rows in self._split(keys):
+            subs = self._subscribed[store.shard]
+            mask = subs.get(worker)
+            if mask is None:
+                mask = subs[worker] = np.zeros(store.num_rows, dtype=np.bool_)
+            mask[rows] = True
+
+    def eager_updates(self) -> list[EagerUpdate]:
+        """Changed rows for each subscriber, collected once per advance of the slowest clock.
+
+        Every subscriber gets a message, empty or not: it tells the worker that
+        the rows it caches from this server are current at the new clock.
+        """
+        if not self.spec.consistency.eager:
+            return []
+        per_worker: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for shard, store in self.stores.items():
+            changed = store.take_dirty()
+            keys_of_rows = self.layout.mapping.keys_of(shard)
+            for worker, mask in self._subscribed[shard].items():
+                rows = changed[mask[changed]]
+                per_worker.setdefault(worker, []).append((keys_of_rows[rows], store.read(rows)))
+        updates = []
+        for worker, parts in per_worker.items():
+            keys = np.concatenate([k for k, _ in parts])
+            values = np.concatenate([v for _, v in parts]) if parts else np.empty((0, self.spec.dim))
+            updates.append(EagerUpdate(worker, keys, values.astype(self.spec.dtype, copy=False)))
+        return updates
+
     def push(self, keys: np.ndarray, grads: np.ndarray) -> int:
         """Apply a push whole, or reject it whole; returns rows skipped as non-finite."""
         keys, grads, skipped = drop_nonfinite(keys, grads, self.spec)
         for store, pos, rows in self._split(keys):
             store.update(rows, grads if pos is None else grads[pos])
+        self.controller.on_push()
         return skipped
 
     def close(self) -> None:

@@ -43,6 +43,10 @@ class ShardLayout:
             shape = (num_rows, spec.dim) if st.per_value else (num_rows,)
             slots[st.name] = ArraySlot(offset, shape, dtype)
             offset = align(offset + int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        if spec.consistency.eager:
+            # Rows changed since the server last pushed them to subscribers (ESSP).
+            slots["dirty"] = ArraySlot(offset, (num_rows,), "uint8")
+            offset = align(offset + num_rows)
         return cls(slots, max(offset, 1))
 
 
@@ -62,6 +66,7 @@ class ShardStore:
         layout = ShardLayout.of(spec, self.rule, num_rows)
         arrays = {name: segment.array(s.offset, s.shape, s.dtype) for name, s in layout.slots.items()}
         self.values = arrays.pop("values")
+        self.dirty: np.ndarray | None = arrays.pop("dirty", None)
         self.state = arrays
         self._locks = StripedLocks(segment.fd) if spec.locking == "exact" else None
 
@@ -109,6 +114,21 @@ class ShardStore:
         rows, grads = self.rule.prepare(rows, grads)
         with self._hold(rows, exclusive=True):
             self.rule.apply(self.values, self.state, rows, grads)
+            if self.dirty is not None:
+                self.dirty[rows] = 1
+
+    def take_dirty(self) -> np.ndarray:
+        """Rows changed since the last call, and clear their marks.
+
+        Marks are set under the write lock after the update lands, so a row
+        whose update precedes this call is either returned now or next time.
+        """
+        if self.dirty is None:
+            return np.empty(0, dtype=np.int64)
+        with self._hold(None, exclusive=True):
+            rows = np.flatnonzero(self.dirty)
+            self.dirty[rows] = 0
+        return rows
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """A consistent copy of values and state."""
@@ -119,5 +139,6 @@ class ShardStore:
 
     def close(self) -> None:
         del self.values
+        self.dirty = None
         self.state = {}
         self.segment.close()

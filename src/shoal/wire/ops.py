@@ -26,6 +26,7 @@ class Op(IntEnum):
     PUSH_PULL = 23
     CLOCK = 24
     STATS = 25
+    ROWS = 26  # server -> worker, unasked: rows changed up to a clock (ESSP)
 
 
 class Flag:

@@ -49,6 +49,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.PUSH_PULL: OpSchema(arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
     Op.CLOCK: OpSchema(body={"rank": _INT}),
     Op.STATS: OpSchema(),
+    Op.ROWS: OpSchema(body={"shards": (list,)}, arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
 }
 
 

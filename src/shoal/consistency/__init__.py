@@ -1,0 +1,7 @@
+"""Consistency as pure decisions: clocks in, serve / hold / release out. No sockets, no threads.
+
+- ``clocks``: ``ClockTable``, the worker clocks one server has learned
+- ``controller``: ``ShardController``, when a pull may be answered (bounds, lazy pull buffer)
+- ``cache``: ``RowCache``, a worker's process cache of remote rows with versions
+- ``staleness``: ``StalenessHistogram``
+"""

@@ -1,0 +1,111 @@
+"""A server's synchronisation: worker clocks, held pulls, and eager pushes (DESIGN.md §4).
+
+Every message from a worker carries its clock; the server learns clocks from
+pushes, pulls and clock ticks alike and decides on its own, per table, when a
+pull may be answered. Pulls released together for the same keys are gathered
+and serialised once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from shoal.consistency.clocks import ClockTable
+from shoal.server.tables import ServedTable
+from shoal.storage.validate import as_keys
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+log = logging.getLogger(__name__)
+
+_WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.CLOCK)
+
+Send = Callable[[bytes, Message], None]
+
+
+class Synchroniser:
+    """Clocks, held pulls and subscriptions for every table of one server."""
+
+    def __init__(self, clocks: ClockTable, tables: dict[str, ServedTable], send: Send) -> None:
+        self.clocks = clocks
+        self.tables = tables
+        self.send = send
+        self.peers: dict[int, bytes] = {}  # worker rank -> its connection, for eager pushes
+        self.stats: Counter[str] = Counter()
+
+    def observe(self, peer: bytes, msg: Message) -> None:
+        """Learn the sender's clock from any worker message; act if the slowest clock moved."""
+        if msg.op not in _WORKER_OPS or not 0 <= msg.sender < self.clocks.num_workers:
+            return
+        self.peers[msg.sender] = peer
+        if msg.op == Op.CLOCK and msg.body.get("final"):
+            advanced = self.clocks.finish(msg.sender)
+        else:
+            advanced = self.clocks.observe(msg.sender, msg.clock)
+        if advanced:
+            self.stats["clock_advances"] += 1
+            for table in self.tables.values():
+                self._release(table)
+                self._push_eagerly(table)
+
+    def pull(self, table: ServedTable, peer: bytes, msg: Message) -> Message | None:
+        """Answer now, or hold the pull (None) until the table's bound allows it."""
+        if table.controller.admit((peer, msg), msg.sender, msg.clock):
+            return self._serve(table, msg, self._values(table, msg))
+        return None
+
+    def after_push(self, table: ServedTable) -> None:
+        if table.controller.held and table.spec.consistency.lazy is not None:
+            self._release(table)
+
+    def tick(self) -> None:
+        """Release pulls whose lazy wait ran out."""
+        for table in self.tables.values():
+            if table.controller.held:
+                self._release(table)
+
+    def next_deadline(self) -> float | None:
+        deadlines = [d for t in self.tables.values() if (d := t.controller.next_deadline()) is not None]
+        return min(deadlines) if deadlines else None
+
+    # ------------------------------------------------------------- internals
+
+    @staticmethod
+    def _values(table: ServedTable, msg: Message) -> np.ndarray:
+        return table.pull(as_keys(msg.arrays[0], table.spec))
+
+    def _serve(self, table: ServedTable, msg: Message, values: np.ndarray) -> Message:
+        table.subscribe(msg.sender, msg.arrays[0])
+        reply = msg.reply(Op.VALUES, arrays=[values])
+        reply.clock = min(self.clocks.slowest, msg.clock)  # the rows hold every update before this clock
+        return reply
+
+    def _release(self, table: ServedTable) -> None:
+        released = table.controller.release()
+        if not released:
+            return
+        by_keys: dict[bytes, np.ndarray] = {}
+        for peer, msg in released:
+            signature = msg.arrays[0].tobytes()
+            values = by_keys.get(signature)
+            if values is None:
+                values = by_keys[signature] = self._values(table, msg)
+            else:
+                self.stats["shared_serialisations"] += 1
+            self.stats["released_pulls"] += 1
+            self.send(peer, self._serve(table, msg, values))
+
+    def _push_eagerly(self, table: ServedTable) -> None:
+        shards = sorted(table.stores)
+        for update in table.eager_updates():
+            peer = self.peers.get(update.worker)
+            if peer is None:
+                continue
+            self.stats["eager_messages"] += 1
+            self.stats["eager_rows"] += int(update.keys.shape[0])
+            self.send(peer, Message(Op.ROWS, table=table.spec.name, clock=self.clocks.slowest,
+                                    body={"shards": shards}, arrays=[update.keys, update.values]))

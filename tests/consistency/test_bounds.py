@@ -1,0 +1,154 @@
+"""Consistency models on real servers, with an injected straggler.
+
+Each worker owns a counter and adds 1 to it every iteration. A read at clock
+``c`` under bound ``s`` must see every update of iterations before ``c - s``,
+so every counter it reads must be at least ``c - s``: an independent check of
+the bound, beside the staleness the system records itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import shoal
+from shoal.client.worker import Worker
+from tests.support.cluster import ThreadCluster
+
+WORKERS = 3
+
+
+def counting_run(model, iterations: int = 12, straggle_s: float = 0.02, per_node: int = 1) -> list[dict]:
+    nodes = WORKERS // per_node
+
+    def body(w: Worker) -> dict:
+        counters = w.table("counters", WORKERS, 1, consistency=model)
+        rows = w.table("rows", 3000, 8, consistency=model, init=shoal.Normal(std=1.0))
+        rng = np.random.default_rng(w.rank)
+        violations = []
+        for _ in range(iterations):
+            clock = w.clock
+            seen = counters.pull(np.arange(WORKERS))[:, 0]
+            need = clock - (model.bound if model.bound is not None else clock)
+            if (seen < need).any():
+                violations.append((clock, seen.tolist()))
+            keys = rng.integers(0, 3000, 200)
+            rows.push(keys, np.full((200, 8), 0.001, np.float32))
+            rows.pull(keys)
+            counters.push([w.rank], [[1.0]])
+            if w.rank == WORKERS - 1:
+                time.sleep(straggle_s)
+            w.advance_clock()
+        return {"violations": violations, "staleness": counters.staleness, "rows_staleness": rows.staleness,
+                "counters": dict(rows.counters) | {f"c_{k}": v for k, v in counters.counters.items()}}
+
+    with ThreadCluster(nodes=nodes, workers_per_node=per_node) as cluster:
+        return cluster.run_workers(body)
+
+
+@pytest.mark.parametrize("model", [shoal.BSP(), shoal.SSP(1), shoal.SSP(3), shoal.ESSP(1), shoal.ESSP(3)],
+                         ids=lambda m: f"{type(m).__name__}{'' if m.bound is None else m.bound}")
+def test_no_read_violates_its_bound_with_a_straggler(model):
+    for result in counting_run(model):
+        assert result["violations"] == []
+        assert result["staleness"].max() <= model.bound
+        assert result["rows_staleness"].max() <= model.bound
+        assert result["staleness"].total > 0
+
+
+def test_the_bound_holds_for_co_located_workers_reading_shared_memory():
+    for result in counting_run(shoal.SSP(1), per_node=3):  # one node: every read is local
+        assert result["violations"] == []
+        assert result["counters"]["c_rows_local"] > 0
+        assert result["staleness"].max() <= 1
+
+
+def test_essp_pushes_rows_and_serves_reads_from_the_cache():
+    results = counting_run(shoal.ESSP(2), iterations=15)
+    fast = results[0]["counters"]
+    assert fast["eager_messages"] > 0
+    assert fast["rows_from_cache"] > 0
+
+
+def test_ssp_serves_reads_from_the_cache_within_the_bound():
+    fast = counting_run(shoal.SSP(3), iterations=15)[0]["counters"]
+    assert fast["rows_from_cache"] > 0
+
+
+def test_asp_never_blocks_on_a_straggler():
+    elapsed: dict[int, float] = {}
+
+    def body(w: Worker) -> None:
+        t = w.table("free", 30, 2, consistency=shoal.ASP())
+        start = time.monotonic()
+        for _ in range(3 if w.rank == WORKERS - 1 else 20):
+            t.pull(np.arange(30))
+            t.push(np.arange(30), np.ones((30, 2), np.float32))
+            if w.rank == WORKERS - 1:
+                time.sleep(0.4)
+            w.advance_clock()
+        elapsed[w.rank] = time.monotonic() - start
+
+    with ThreadCluster(nodes=WORKERS) as cluster:
+        cluster.run_workers(body)
+    assert elapsed[0] < 0.8 and elapsed[1] < 0.8, elapsed  # the straggler alone takes >= 1.2 s
+    assert elapsed[WORKERS - 1] >= 1.2
+
+
+def test_ssp_makes_fast_workers_wait_for_the_straggler():
+    elapsed: dict[int, float] = {}
+
+    def body(w: Worker) -> None:
+        t = w.table("held", 30, 2, consistency=shoal.SSP(1))
+        start = time.monotonic()
+        for _ in range(6):
+            t.pull(np.arange(30))
+            if w.rank == WORKERS - 1:
+                time.sleep(0.1)
+            w.advance_clock()
+        elapsed[w.rank] = time.monotonic() - start
+
+    with ThreadCluster(nodes=WORKERS) as cluster:
+        cluster.run_workers(body)
+    assert elapsed[0] >= 0.35, elapsed  # at most one clock ahead of a worker taking 0.1 s per clock
+
+
+def layered(model, straggle_s: float, iterations: int = 6) -> np.ndarray:
+    """x[t][w] = (sum(x[t-1]) * (w + 2)) % 1009 + t, one layer per iteration, spread over the workers."""
+
+    def body(w: Worker) -> np.ndarray | None:
+        t = w.table("layers", (iterations + 1) * WORKERS, 1, consistency=model)
+        if w.rank == WORKERS - 1:
+            time.sleep(straggle_s)
+        t.push([w.rank], [[w.rank + 1.0]])
+        w.advance_clock()
+        for it in range(1, iterations + 1):
+            prev = t.pull(np.arange((it - 1) * WORKERS, it * WORKERS))[:, 0]
+            value = (prev.sum() * (w.rank + 2)) % 1009 + it
+            if w.rank == WORKERS - 1:
+                time.sleep(straggle_s)
+            t.push([it * WORKERS + w.rank], [[value]])
+            w.advance_clock()
+        w.barrier()
+        return t.pull(np.arange((iterations + 1) * WORKERS))[:, 0] if w.rank == 0 else None
+
+    with ThreadCluster(nodes=WORKERS) as cluster:
+        return cluster.run_workers(body)[0]
+
+
+def sequential(iterations: int = 6) -> np.ndarray:
+    x = np.zeros((iterations + 1, WORKERS))
+    x[0] = np.arange(WORKERS) + 1.0
+    for it in range(1, iterations + 1):
+        x[it] = (x[it - 1].sum() * (np.arange(WORKERS) + 2)) % 1009 + it
+    return x.reshape(-1)
+
+
+def test_bsp_gives_the_sequential_result_on_a_deterministic_problem():
+    np.testing.assert_array_equal(layered(shoal.BSP(), straggle_s=0.03), sequential())
+
+
+def test_asp_with_a_straggler_does_not_and_so_the_check_has_teeth():
+    assert not np.array_equal(layered(shoal.ASP(), straggle_s=0.05), sequential())
