@@ -128,5 +128,4 @@ def is_consistency(value: Any) -> bool:
     return type(value) in _KINDS.values()
 
 
-__all__ = ["ASP", "BSP", "ESSP", "SSP", "Consistency", "LazyPull", "consistency_from_dict", "consistency_to_dict",
-           "field"]
+__all__ = ["ASP", "BSP", "ESSP", "SSP", "Consistency", "LazyPull", "consistency_from_dict", "consistency_to_dict"]

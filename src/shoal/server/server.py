@@ -22,8 +22,8 @@ from shoal.api.errors import AuthError, ConfigError, ProtocolError, ServerError,
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.requests import RequestTracker
-from shoal.placement.layout import TableLayout
 from shoal.consistency.clocks import ClockTable
+from shoal.placement.layout import TableLayout
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, table_bytes
 from shoal.storage.segment import Segment

@@ -87,7 +87,7 @@ class ServedTable:
         """Remember that ``worker`` now caches the rows of ``keys`` (ESSP only)."""
         if not self.spec.consistency.eager:
             return
-        for store, pos, rows in self._split(keys):
+        for store, _, rows in self._split(keys):
             subs = self._subscribed[store.shard]
             mask = subs.get(worker)
             if mask is None:

@@ -8,6 +8,8 @@ GIL (``nogil``) so a worker's receive path and compute can overlap.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 
@@ -100,7 +102,10 @@ def _exponent_all_ones(bits: np.ndarray, mask: np.uint64) -> bool:
     return acc != 0
 
 
-_EXPONENT = {4: (np.uint32, np.uint32(0x7F800000)), 8: (np.uint64, np.uint64(0x7FF0000000000000))}
+_EXPONENT: dict[int, tuple[type, Any]] = {
+    4: (np.uint32, np.uint32(0x7F800000)),
+    8: (np.uint64, np.uint64(0x7FF0000000000000)),
+}
 
 
 def any_nonfinite(values: np.ndarray) -> bool:

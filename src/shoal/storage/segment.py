@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import numpy.typing as npt
 
 from shoal.api.errors import ShoalError
 
@@ -54,7 +55,7 @@ class Segment:
     def attach(cls, fd: int, label: str) -> Segment:
         return cls(fd, label)
 
-    def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
+    def array(self, offset: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
         """A numpy view of part of the segment; writes are seen by every process."""
         dt = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
