@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_pull_push.py
 	$(PY) benchmarks/bench_local_access.py
 	$(PY) benchmarks/bench_mf.py
+	$(PY) benchmarks/bench_consistency.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

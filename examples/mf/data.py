@@ -54,3 +54,31 @@ def load_movielens(test_fraction: float = 0.2, seed: int = 0) -> MovieLens:
     order = np.random.default_rng(seed).permutation(len(ratings))
     cut = int(round(len(ratings) * (1 - test_fraction)))
     return MovieLens(ratings.take(order[:cut]), ratings.take(order[cut:]), len(user_ids), len(item_ids))
+
+
+def synthetic_zipf(num_users: int = 20_000, num_items: int = 5_000, num_ratings: int = 500_000,
+                   rank: int = 8, exponent: float = 1.1, test_fraction: float = 0.1, seed: int = 0) -> MovieLens:
+    """A larger rating matrix with Zipf-distributed item popularity and a low-rank truth.
+
+    Ratings are ``3.5 + p_u . q_i + noise``, clipped to [1, 5]; item ``i`` is
+    drawn with probability proportional to ``(i + 1) ** -exponent``.
+    """
+    rng = np.random.default_rng(seed)
+    weights = np.arange(1, num_items + 1, dtype=np.float64) ** -exponent
+    items = rng.choice(num_items, size=num_ratings, p=weights / weights.sum())
+    users = rng.integers(0, num_users, num_ratings)
+    p = rng.standard_normal((num_users, rank)) * 0.4
+    q = rng.standard_normal((num_items, rank)) * 0.4
+    values = np.clip(3.5 + np.einsum("ij,ij->i", p[users], q[items]) + rng.standard_normal(num_ratings) * 0.3, 1, 5)
+    ratings = Ratings(users.astype(np.int64), items.astype(np.int64), values.astype(np.float32))
+    cut = int(round(num_ratings * (1 - test_fraction)))
+    return MovieLens(ratings.take(np.arange(cut)), ratings.take(np.arange(cut, num_ratings)), num_users, num_items)
+
+
+def load(name: str) -> MovieLens:
+    """``ml-100k`` (MovieLens 100k) or ``zipf`` (the synthetic matrix)."""
+    if name == "ml-100k":
+        return load_movielens()
+    if name == "zipf":
+        return synthetic_zipf()
+    raise SystemExit(f"unknown data set {name!r}: use ml-100k or zipf")

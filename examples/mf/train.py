@@ -1,4 +1,4 @@
-"""Biased matrix factorisation on MovieLens 100k, trained through Shoal.
+"""Biased matrix factorisation on MovieLens 100k (or a synthetic Zipf matrix), trained through Shoal.
 
 Run it on a local cluster:
 
@@ -6,34 +6,51 @@ Run it on a local cluster:
 
 Each worker takes every ``num_workers``-th training rating, pulls the rows of a
 batch's users and items, computes gradients, and pushes them; the servers (or,
-for local rows, the worker itself) apply SGD. Rank 0 reports test RMSE after
-each epoch and, with ``--out``, writes the results as JSON.
+for local rows, the worker itself) apply SGD. Every batch is one clock.
+
+By default every epoch ends with a barrier and rank 0 reports test RMSE. With
+``--free-running`` workers never wait for each other except through the
+tables' consistency model; rank 0 evaluates at the end of each of its own
+epochs, and the last evaluation follows a final barrier.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
-from data import load_movielens
+from data import load
 from model import Hyper, gradients, rmse
 from progress import Progress
 
 import shoal
 
+MODELS = {"asp": lambda s, lazy: shoal.ASP(), "bsp": lambda s, lazy: shoal.BSP(lazy=lazy),
+          "ssp": lambda s, lazy: shoal.SSP(s, lazy=lazy), "essp": lambda s, lazy: shoal.ESSP(s, lazy=lazy)}
+
 
 def parse() -> tuple[Hyper, argparse.Namespace]:
     d = Hyper()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default="ml-100k", help="ml-100k or zipf")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--rank", type=int, default=d.rank)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--reg", type=float, default=d.reg)
     p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adagrad"),
+                   help="server-side update rule (adagrad copes with very popular items)")
     p.add_argument("--mapping", default="range", help="key mapping rule of both tables")
+    p.add_argument("--consistency", default="asp", choices=sorted(MODELS))
+    p.add_argument("--staleness", type=int, default=1, help="bound s of SSP/ESSP")
+    p.add_argument("--lazy-ms", type=float, default=0.0, help="lazy pull buffer timeout (0: off)")
+    p.add_argument("--straggle-ms", type=float, default=0.0, help="the last rank sleeps this long per batch")
+    p.add_argument("--free-running", action="store_true", help="no barrier between epochs")
     p.add_argument("--out", help="rank 0 writes results as JSON here")
+    p.add_argument("--stats-dir", help="every rank writes its staleness and counters here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args()
     return Hyper(rank=args.rank, lr=args.lr, reg=args.reg, batch=args.batch, epochs=args.epochs), args
@@ -42,23 +59,34 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
 def main() -> None:
     hyper, args = parse()
     ps = shoal.init()
-    data = load_movielens()
-    options = dict(init=shoal.Normal(std=hyper.init_std), optimizer=shoal.optim.SGD(lr=hyper.lr),
-                   mapping=args.mapping)
+    data = load(args.data)
+    lazy = shoal.LazyPull(timeout_ms=args.lazy_ms) if args.lazy_ms > 0 else None
+    optimizer = shoal.optim.SGD(lr=hyper.lr) if args.optimizer == "sgd" else shoal.optim.Adagrad(lr=hyper.lr)
+    options = dict(init=shoal.Normal(std=hyper.init_std), optimizer=optimizer,
+                   mapping=args.mapping, consistency=MODELS[args.consistency](args.staleness, lazy))
     users = ps.table("mf.users", data.num_users, hyper.rank + 1, **options)
     items = ps.table("mf.items", data.num_items, hyper.rank + 1, **options)
     mine = data.train.take(np.arange(ps.rank, len(data.train), ps.num_workers))
     mu = float(data.train.values.mean())
     lead = ps.rank == 0
+    straggler = ps.rank == ps.num_workers - 1 and ps.num_workers > 1
     history: list[float] = []
-    train_seconds = 0.0
+    times: list[float] = []
     batches_per_epoch = -(-len(mine) // hyper.batch)
     progress = Progress(hyper.epochs * batches_per_epoch, "training") if lead and not args.quiet else None
 
+    def evaluate() -> None:
+        all_users = users.pull(np.arange(data.num_users))
+        all_items = items.pull(np.arange(data.num_items))
+        history.append(rmse(all_users, all_items, data.test.users, data.test.items, data.test.values, mu))
+        times.append(time.perf_counter() - start)
+
     ps.barrier()
+    start = time.perf_counter()
+    train_seconds = 0.0
     for epoch in range(hyper.epochs):
         order = np.random.default_rng((1000 + epoch) * 7919 + ps.rank).permutation(len(mine))
-        start = time.perf_counter()
+        epoch_start = time.perf_counter()
         for s in range(0, len(mine), hyper.batch):
             idx = order[s : s + hyper.batch]
             u, i = mine.users[idx], mine.items[idx]
@@ -68,18 +96,30 @@ def main() -> None:
             pushed = [users.push_async(u, grad_u), items.push_async(i, grad_i)]
             for f in pushed:
                 f.wait()
+            if straggler and args.straggle_ms:
+                time.sleep(args.straggle_ms / 1000)
             ps.advance_clock()
             if progress:
                 note = f"epoch {epoch + 1}/{hyper.epochs}" + (f"  RMSE {history[-1]:.4f}" if history else "")
                 progress.update(1, note)
-        ps.barrier()  # every worker's epoch is applied before anyone evaluates
-        train_seconds += time.perf_counter() - start
-        if lead:
-            all_users = users.pull(np.arange(data.num_users))
-            all_items = items.pull(np.arange(data.num_items))
-            history.append(rmse(all_users, all_items, data.test.users, data.test.items, data.test.values, mu))
+        if not args.free_running:
+            ps.barrier()  # every worker's epoch is applied before anyone evaluates
+        train_seconds += time.perf_counter() - epoch_start
+        if lead and (not args.free_running or epoch < hyper.epochs - 1):
+            evaluate()
+        if not args.free_running:
+            ps.barrier()
+    if args.free_running:
         ps.barrier()
+        train_seconds = time.perf_counter() - start
+        if lead:
+            evaluate()
 
+    if args.stats_dir:
+        with open(os.path.join(args.stats_dir, f"rank{ps.rank}.json"), "w") as fh:
+            json.dump({"rank": ps.rank, "clock": ps.clock,
+                       "tables": {t.name: {"staleness": t.staleness.as_dict(), "counters": dict(t.counters)}
+                                  for t in (users, items)}}, fh)
     if lead:
         if progress:
             progress.close(f"done  RMSE {history[-1]:.4f}")
@@ -89,8 +129,9 @@ def main() -> None:
         print(f"{ps.num_workers} worker(s) on {ps.num_nodes} node(s): {rate:,.0f} ratings/s")
         if args.out:
             with open(args.out, "w") as fh:
-                json.dump({"rmse": history, "ratings_per_s": rate, "train_seconds": train_seconds,
-                           "nodes": ps.num_nodes, "workers": ps.num_workers}, fh, indent=2)
+                json.dump({"rmse": history, "seconds": times, "ratings_per_s": rate, "train_seconds": train_seconds,
+                           "nodes": ps.num_nodes, "workers": ps.num_workers, "servers": ps.server_stats()},
+                          fh, indent=2)
     ps.shutdown()
 
 

@@ -165,9 +165,13 @@ class Table:
         self.worker.tracker.pump(0)  # apply rows servers pushed eagerly since the last call
         whole = pos is _ALL
         sel_keys = keys if whole else keys[pos]
-        versions = self.cache.versions(sel_keys, shard if whole else shard[pos])
+        sel_shard = shard if whole else shard[pos]
+        versions = self.cache.versions(sel_keys, sel_shard)
         clock = self.worker.clock
         fresh = versions >= clock - self.bound
+        if self.spec.consistency.eager and not fresh.all() and (versions >= 0).any():
+            versions = self._await_eager(sel_keys, sel_shard, clock - self.bound)
+            fresh = versions >= clock - self.bound
         hits = int(np.count_nonzero(fresh))
         if not hits:
             return pos
@@ -178,6 +182,22 @@ class Table:
         if hits == fresh.shape[0]:
             return None
         return where[~fresh]
+
+    def _await_eager(self, keys: np.ndarray, shard: np.ndarray, required: int) -> np.ndarray:
+        """ESSP: rows this worker caches come to it when the slowest clock advances, so
+        wait for that push instead of asking; rows never cached are pulled as usual."""
+        assert self.cache is not None
+        cached = self.cache.version[keys] >= 0
+        deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
+        versions = self.cache.versions(keys, shard)
+        self.counters["reads_awaiting_push"] += 1
+        while (versions[cached] < required).any():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break  # the stale rows are pulled instead; the pull names the server if it is gone
+            self.worker.tracker.pump(min(remaining, 0.5))
+            versions = self.cache.versions(keys, shard)
+        return versions
 
     def _local(self, op: Op, shard: np.ndarray | None, rows: np.ndarray, pos: np.ndarray | None,
                values: np.ndarray | None, result: _Rows | None) -> None:

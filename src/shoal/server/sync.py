@@ -41,10 +41,11 @@ class Synchroniser:
         """Learn the sender's clock from any worker message; act if the slowest clock moved."""
         if msg.op not in _WORKER_OPS or not 0 <= msg.sender < self.clocks.num_workers:
             return
-        self.peers[msg.sender] = peer
         if msg.op == Op.CLOCK and msg.body.get("final"):
+            self.peers.pop(msg.sender, None)  # it has left: nothing more to push to it
             advanced = self.clocks.finish(msg.sender)
         else:
+            self.peers[msg.sender] = peer
             advanced = self.clocks.observe(msg.sender, msg.clock)
         if advanced:
             self.stats["clock_advances"] += 1
