@@ -34,6 +34,7 @@ from shoal.api.errors import (
     TableError,
 )
 from shoal.api.initializers import Constant, Normal, Uniform
+from shoal.api.replication import Dynamic
 from shoal.client.table import Table
 from shoal.client.worker import Worker
 from shoal.cluster.requests import Future
@@ -57,7 +58,7 @@ def init(local_access: bool | None = None) -> Worker:
 
 
 __all__ = [
-    "ASP", "BSP", "ESSP", "LazyPull", "SSP",
+    "ASP", "BSP", "Dynamic", "ESSP", "LazyPull", "SSP",
     "AuthError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError", "Constant", "DTypeError",
     "Future", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError", "Normal", "ProtocolError",
     "RequestTimeoutError", "ServerError", "ShapeError", "ShoalError", "Table", "TableError", "TableSpec",

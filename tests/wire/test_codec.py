@@ -26,7 +26,7 @@ from shoal import (
     ShoalError,
 )
 from shoal.wire import PROTOCOL_VERSION, Codec, Flag, Message, Op
-from shoal.wire.schema import KEYS, SCHEMAS, ArrayRule
+from shoal.wire.schema import SCHEMAS, ArrayRule
 
 SECRET = b"s" * 32
 OTHER_SECRET = b"o" * 32
@@ -164,14 +164,14 @@ PLAIN = st.recursive(
     max_leaves=8,
 )
 BODY_FIELD = {int: INT64, str: st.text(max_size=16), dict: st.dictionaries(st.text(max_size=6), PLAIN, max_size=3),
-              list: st.lists(INT64, max_size=4)}
+              list: st.lists(INT64, max_size=4), bool: st.booleans()}
 
 
 def array_for(rule: ArrayRule, n: int) -> st.SearchStrategy[np.ndarray]:
-    if rule == KEYS:
-        return hnp.arrays(st.sampled_from([np.int64, np.int32]), (n,))
-    dim = st.integers(1, 6)
-    return dim.flatmap(lambda d: hnp.arrays(st.sampled_from([np.float32, np.float64]), (n, d)))
+    if rule.kind == "i":
+        return hnp.arrays(st.sampled_from([np.int64, np.int32]), (n,) + (2,) * (rule.ndim - 1))
+    dims = st.lists(st.integers(1, 4), min_size=rule.ndim - 1, max_size=rule.ndim - 1)
+    return dims.flatmap(lambda d: hnp.arrays(st.sampled_from([np.float32, np.float64]), (n, *d)))
 
 
 @st.composite

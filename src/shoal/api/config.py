@@ -17,6 +17,7 @@ from shoal.api.initializers import (
     initializer_to_dict,
 )
 from shoal.api.optim import SGD, Adagrad, Adam, Optimizer, Sum, optimizer_from_dict, optimizer_to_dict
+from shoal.api.replication import Dynamic, ReadQuorum, read_quorum_from_wire, read_quorum_to_wire
 
 MAPPING_RULES = ("range", "hash", "round_robin")
 NONFINITE_POLICIES = ("reject", "skip")
@@ -61,6 +62,10 @@ class TableSpec:
     nonfinite: str = "reject"
     locking: str = "exact"
     seed: int = 0
+    replicas: int = 1
+    write_quorum: int = 1
+    read_quorum: ReadQuorum = 1
+    gossip_ms: float = 50.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -74,6 +79,7 @@ class TableSpec:
         _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _one_of("locking", self.locking, LOCKING_MODES)
         _int_at_least("seed", self.seed, 0)
+        self._check_replication()
         if not isinstance(self.init, (Constant, Uniform, Normal)):
             raise ConfigError(f"init must be shoal.Constant, Uniform or Normal, got {self.init!r}")
         if not isinstance(self.optimizer, (Sum, SGD, Adagrad, Adam)):
@@ -83,6 +89,30 @@ class TableSpec:
         if self.consistency.eager and self.locking != "exact":
             # Eager pushes need to know exactly which rows changed; lock-free writers cannot tell them.
             raise ConfigError("ESSP tables need locking='exact'")
+
+    @property
+    def replicated(self) -> bool:
+        return self.replicas > 1
+
+    def _check_replication(self) -> None:
+        _int_at_least("replicas", self.replicas, 1)
+        _int_at_least("write_quorum", self.write_quorum, 1)
+        if self.write_quorum > self.replicas:
+            raise ConfigError(f"write_quorum={self.write_quorum} exceeds replicas={self.replicas}")
+        if isinstance(self.read_quorum, int) and not isinstance(self.read_quorum, bool):
+            if not 1 <= self.read_quorum <= self.replicas:
+                raise ConfigError(f"read_quorum must lie in [1, replicas={self.replicas}], got {self.read_quorum}")
+        elif not isinstance(self.read_quorum, Dynamic):
+            raise ConfigError(f"read_quorum must be an int or shoal.Dynamic(...), got {self.read_quorum!r}")
+        if not isinstance(self.gossip_ms, (int, float)) or not 1 <= self.gossip_ms <= 60_000:
+            raise ConfigError(f"gossip_ms must lie in [1, 60000], got {self.gossip_ms!r}")
+        if not self.replicated:
+            return
+        if not isinstance(self.consistency, ASP):
+            raise ConfigError("replicated tables are read under ASP (quorums, not clocks, bound their staleness)")
+        if self.write_quorum > 1 and not isinstance(self.optimizer, (Sum, SGD)):
+            # With W > 1 a push's origin is the worker: every replica must compute the same delta.
+            raise ConfigError("write_quorum > 1 needs an additive update rule (Sum or SGD)")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +127,10 @@ class TableSpec:
             "nonfinite": self.nonfinite,
             "locking": self.locking,
             "seed": self.seed,
+            "replicas": self.replicas,
+            "write_quorum": self.write_quorum,
+            "read_quorum": read_quorum_to_wire(self.read_quorum),
+            "gossip_ms": self.gossip_ms,
         }
 
     @classmethod
@@ -108,6 +142,8 @@ class TableSpec:
             fields["init"] = initializer_from_dict(fields["init"])
             fields["optimizer"] = optimizer_from_dict(fields["optimizer"])
             fields["consistency"] = consistency_from_dict(fields.get("consistency", {"kind": "asp"}))
+            if "read_quorum" in fields:
+                fields["read_quorum"] = read_quorum_from_wire(fields["read_quorum"])
             return cls(**fields)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"bad table spec {data!r}: {exc}") from exc
@@ -133,9 +169,11 @@ class Timeouts:
     connect_s: float = 60.0
     request_s: float = 120.0
     barrier_s: float = 600.0
+    #: a replica that does not answer within this is treated as down and the request goes elsewhere
+    replica_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("connect_s", "request_s", "barrier_s"):
+        for name in ("connect_s", "request_s", "barrier_s", "replica_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"Timeouts.{name} must be > 0 seconds, got {value!r}")

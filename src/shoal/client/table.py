@@ -19,6 +19,7 @@ import numpy as np
 
 from shoal.api.config import TableSpec
 from shoal.api.errors import ProtocolError, RequestTimeoutError, ShapeError
+from shoal.client.replicated import ReplicatedAccess
 from shoal.cluster.requests import Future
 from shoal.consistency.cache import RowCache
 from shoal.consistency.staleness import StalenessHistogram
@@ -54,6 +55,8 @@ class Table:
         #: how stale each read row was: reader's clock minus the clock its row is current at
         self.staleness = StalenessHistogram()
         self.counters: Counter[str] = Counter()
+        #: replicated tables go through quorums instead of the owner-per-key path
+        self.replicated = ReplicatedAccess(self) if spec.replicated else None
 
     @property
     def name(self) -> str:
@@ -87,6 +90,9 @@ class Table:
     def pull_async(self, keys: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
         keys = as_keys(keys, self.spec)
         result = _Rows(keys.shape[0], self.dim, self.dtype, self._checked_out(keys.shape[0], out))
+        if self.replicated is not None:  # quorum logic runs to completion here; the future is already done
+            self.replicated.pull(keys, result.array())
+            return Future(None, set(), result.get, 0.0)
         reqs = self._run(Op.PULL, keys, None, result)
         return Future(self.worker.tracker, reqs, result.get, self.worker.cluster.timeouts.request_s)
 
@@ -94,6 +100,10 @@ class Table:
         """Start a push. ``values`` must not be modified until the future is done."""
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
+        if self.replicated is not None:
+            keys, values, _ = drop_nonfinite(keys, values, self.spec)
+            self.replicated.push(keys, values)
+            return Future(None, set(), lambda: None, 0.0)
         reqs = self._run(Op.PUSH, keys, values, None)
         return Future(self.worker.tracker, reqs, lambda: None, self.worker.cluster.timeouts.request_s)
 
@@ -101,6 +111,9 @@ class Table:
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
         finite_keys, finite_values, skipped = drop_nonfinite(keys, values, self.spec)
+        if self.replicated is not None:
+            self.replicated.push(finite_keys, finite_values)
+            return self.pull_async(keys, out)
         if skipped:  # rare: the push shrinks but every key still wants its row back
             self._run(Op.PUSH, finite_keys, finite_values, None)
             return self.pull_async(keys, out)

@@ -12,6 +12,7 @@ from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import ClosedError, ShoalError, TableError
 from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
+from shoal.client.replicated import ReplicaView
 from shoal.client.table import Table
 from shoal.cluster import membership
 from shoal.cluster.fdshare import fetch_fds, socket_name
@@ -62,6 +63,7 @@ class Worker:
         for n, address in enumerate(self.servers):
             self.tracker.connect(n, address)
         self.tracker.on_unsolicited = self._on_server_message
+        self.replica_view = ReplicaView(self)
         #: the local server's clock table in shared memory: local reads check bounds here
         self.local_clocks: np.ndarray | None = None
         self._clock_segment: Segment | None = None
@@ -114,8 +116,11 @@ class Worker:
         errors = [e for r in sorted(reqs) if (e := self.tracker.take_error(r))]
         if errors:
             raise errors[0]
+        # The rendezvous keeps every table's spec, so that a restarted server can recreate it.
+        self.tracker.notify(membership.RENDEZVOUS_PEER,
+                            Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}))
         layout = TableLayout.initial(spec, self.num_nodes)
-        local = self._attach(spec) if self.local_access else {}
+        local = self._attach(spec) if self.local_access and not spec.replicated else {}
         table = Table(self, spec, layout, local)
         self.tables[spec.name] = table
         return table

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,8 @@ class Rendezvous:
         cluster_id: str,
         num_nodes: int,
         num_workers: int,
+        dead_after_s: float = 2.0,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.codec = codec
         self.cluster_id = cluster_id
@@ -52,6 +56,12 @@ class Rendezvous:
         self.workers: dict[int, Member] = {}
         self.left: set[int] = set()
         self.shutdown_requested = False
+        self.dead_after_s = dead_after_s
+        self.now = now
+        self.last_seen: dict[int, float] = {}
+        self.incarnations: dict[int, int] = {}
+        #: table specs as created by workers, so a restarted server can recreate its tables
+        self.tables: dict[str, dict[str, Any]] = {}
         self._barriers: dict[int, list[tuple[bytes, Message]]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,6 +95,11 @@ class Rendezvous:
     def finished(self) -> bool:
         return self.shutdown_requested or (self.num_workers > 0 and len(self.left) >= self.num_workers)
 
+    def alive(self) -> list[bool]:
+        """Servers heard from within ``dead_after_s`` (their heartbeats come every half second)."""
+        now = self.now()
+        return [n in self.last_seen and now - self.last_seen[n] <= self.dead_after_s for n in range(self.num_nodes)]
+
     def status(self) -> dict[str, Any]:
         return {
             "cluster_id": self.cluster_id,
@@ -95,6 +110,9 @@ class Rendezvous:
             "left": sorted(self.left),
             "ready": self.ready,
             "finished": self.finished,
+            "alive": self.alive(),
+            "incarnations": [self.incarnations.get(n, 0) for n in range(self.num_nodes)],
+            "tables": list(self.tables.values()),
             "barriers": {str(g): sorted(int(m.body["rank"]) for _, m in w) for g, w in self._barriers.items()},
         }
 
@@ -117,7 +135,13 @@ class Rendezvous:
             self._register(msg)
             self._reply(peer, msg.reply(Op.OK, self.status()))
         elif msg.op == Op.CLUSTER_STATUS:
+            if msg.body.get("role") == "server" and isinstance(msg.body.get("node"), int):
+                self.last_seen[msg.body["node"]] = self.now()
             self._reply(peer, msg.reply(Op.OK, self.status()))
+        elif msg.op == Op.CREATE_TABLE:
+            self.tables.setdefault(msg.table, msg.body["spec"])
+            if not msg.flags & Flag.NO_REPLY:
+                self._reply(peer, msg.reply(Op.OK))
         elif msg.op == Op.BARRIER:
             self._barrier(peer, msg)
         elif msg.op == Op.LEAVE:
@@ -141,6 +165,8 @@ class Rendezvous:
             if member.node in self.servers and self.servers[member.node].address != member.address:
                 log.info("server of node %d re-registered at %s", member.node, member.address)
             self.servers[member.node] = member
+            self.incarnations[member.node] = self.incarnations.get(member.node, 0) + 1
+            self.last_seen[member.node] = self.now()
         else:
             self.workers[member.rank] = member
             self.left.discard(member.rank)

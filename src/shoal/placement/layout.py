@@ -41,5 +41,11 @@ class TableLayout:
         counts = kernels.owners_of(shard, self.owners, owner, self.num_owners)
         return owner, shard, row, counts
 
+    def replica_nodes(self, shard: int) -> list[int]:
+        """Servers holding replicas of ``shard``: its owner, then the next ones round the ring."""
+        num_nodes = int(self.owners.shape[0])
+        owner = int(self.owners[shard])
+        return [(owner + i) % num_nodes for i in range(min(self.spec.replicas, num_nodes))]
+
     def shards_of(self, server: int) -> list[int]:
         return [int(s) for s in np.flatnonzero(self.owners == server)]

@@ -24,6 +24,7 @@ from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
+from shoal.server.replicated import ReplicationService
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, table_bytes
 from shoal.storage.segment import Segment
@@ -76,10 +77,13 @@ class ParameterServer:
                                              8 * max(cluster.num_workers, 1))
         self.clocks = ClockTable(self._clock_segment.array(0, (cluster.num_workers,), np.int64))
         self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec))
+        self.replication = ReplicationService(node, cluster, transport, self.codec,
+                                              lambda peer, msg: self._send(peer, msg, self.codec))
         self._stop = threading.Event()
         self._rendezvous = RequestTracker(transport, self.codec, sender=node)
         self._heartbeat_req: int | None = None
-        self._last_heartbeat = time.monotonic()
+        self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
+        self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
         self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
 
     # ------------------------------------------------------------------ loop
@@ -88,9 +92,10 @@ class ParameterServer:
         """Serve until asked to stop, the cluster finishes, or the rendezvous is lost."""
         if register:
             self._rendezvous.connect(membership.RENDEZVOUS_PEER, self.cluster.rendezvous)
-            membership.register(
+            status = membership.register(
                 self._rendezvous, "server", self.node, self.node, self.address, self.cluster.timeouts.connect_s
             )
+            self._rejoin(status)
             log.info("server %d serving at %s", self.node, self.address)
         try:
             while not self._stop.is_set():
@@ -101,7 +106,11 @@ class ParameterServer:
                     except Exception:  # never let one message end the loop
                         log.exception("server %d: unexpected failure handling a message", self.node)
                     item = self.listener.recv(0)
-                self.sync.tick()
+                try:
+                    self.sync.tick()
+                    self.replication.tick()
+                except Exception:  # timers must not end the loop either
+                    log.exception("server %d: unexpected failure in a timer", self.node)
                 if register:
                     self._heartbeat()
         finally:
@@ -111,11 +120,27 @@ class ParameterServer:
         self._stop.set()
 
     def _wait_s(self) -> float:
-        """How long the loop may block: until the next lazy-pull deadline, at most 50 ms."""
-        deadline = self.sync.next_deadline()
-        if deadline is None:
+        """How long the loop may block: until the next lazy-pull deadline or gossip round, at most 50 ms."""
+        deadlines = [d for d in (self.sync.next_deadline(), self.replication.next_round()) if d is not None]
+        if not deadlines:
             return 0.05
-        return min(0.05, max(0.0, deadline - time.monotonic()))
+        return min(0.05, max(0.0, min(deadlines) - time.monotonic()))
+
+    def _rejoin(self, status: dict[str, Any]) -> None:
+        """After (re)registering: our incarnation, peers, and the tables workers created before we started."""
+        incarnations = status.get("incarnations") or []
+        if self.node < len(incarnations):
+            self.replication.incarnation = int(incarnations[self.node])
+        self.replication.on_status(status)
+        for spec in status.get("tables") or []:
+            parsed = TableSpec.from_dict(spec)
+            if parsed.name not in self.tables and parsed.name not in self.replication.tables:
+                try:
+                    self._add_table(parsed)
+                except ShoalError as exc:
+                    log.error("server %d: cannot recreate table %r: %s", self.node, parsed.name, exc)
+                    continue
+                log.warning("server %d: recreated table %r after a restart", self.node, parsed.name)
 
     def _heartbeat(self) -> None:
         """Ask the rendezvous how the cluster is; leave when it is finished or gone."""
@@ -125,16 +150,21 @@ class ParameterServer:
             tracker.take_error(self._heartbeat_req)
             self._heartbeat_req = None
         now = time.monotonic()
-        if self._heartbeat_req is None and now - self._last_heartbeat >= _HEARTBEAT_S:
+        if self._heartbeat_req is None and now >= self._next_heartbeat:
+            self._next_heartbeat = now + _HEARTBEAT_S
             self._heartbeat_req = tracker.request(
-                membership.RENDEZVOUS_PEER, Message(Op.CLUSTER_STATUS), self._on_status, "heartbeat"
+                membership.RENDEZVOUS_PEER,
+                Message(Op.CLUSTER_STATUS, body={"role": "server", "node": self.node}),
+                self._on_status, "heartbeat",
             )
         elif self._heartbeat_req is not None and now - self._last_heartbeat > self.cluster.timeouts.connect_s:
             log.error("server %d: rendezvous silent for %.0fs; shutting down", self.node, now - self._last_heartbeat)
             self.stop()
 
     def _on_status(self, msg: Message) -> None:
-        self._last_heartbeat = time.monotonic()
+        self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
+        self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
+        self.replication.on_status(msg.body)
         if msg.body.get("finished"):
             log.info("server %d: all workers finished; shutting down", self.node)
             self.stop()
@@ -195,6 +225,8 @@ class ParameterServer:
     def dispatch(self, msg: Message, peer: bytes = b"") -> Message | None:
         """Serve one checked request; None means no reply now (a held pull, or none at all)."""
         op = msg.op
+        if msg.table in self.replication.tables and op not in (Op.CREATE_TABLE, Op.CLOCK):
+            return self.replication.handle(peer, msg)
         if op == Op.PULL:
             return self.sync.pull(self._table(msg.table), peer, msg)
         if op == Op.PUSH:
@@ -235,7 +267,7 @@ class ParameterServer:
         spec = TableSpec.from_dict(msg.body["spec"])
         if spec.name != msg.table:
             raise ProtocolError(f"CREATE_TABLE for {msg.table!r} carries a spec named {spec.name!r}")
-        existing = self.tables.get(spec.name)
+        existing = self.tables.get(spec.name) or self.replication.tables.get(spec.name)
         if existing is not None:
             if existing.spec != spec:
                 raise TableError(
@@ -247,10 +279,18 @@ class ParameterServer:
             if size > self.cluster.limits.max_table_bytes:
                 raise TableError(f"table {spec.name!r} needs {size} bytes with its optimiser state; "
                                  f"the limit is {self.cluster.limits.max_table_bytes}")
+            self._add_table(spec)
+            log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
+        if spec.replicated:
+            return msg.reply(Op.OK, {"shards": sorted(self.replication.tables[spec.name].replicas)})
+        return msg.reply(Op.OK, {"shards": sorted(self.tables[spec.name].stores)})
+
+    def _add_table(self, spec: TableSpec) -> None:
+        if spec.replicated:
+            self.replication.create(spec)
+        else:
             layout = TableLayout.initial(spec, self.cluster.num_nodes)
             self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster.cluster_id, self.clocks)
-            log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
-        return msg.reply(Op.OK, {"shards": sorted(self.tables[spec.name].stores)})
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -261,7 +301,8 @@ class ParameterServer:
                        for n, t in self.tables.items()},
             "clocks": [int(c) for c in self.clocks.clocks],
             "slowest_clock": self.clocks.slowest,
-            "stats": dict(self.stats + self.sync.stats),
+            "stats": dict(self.stats + self.sync.stats + self.replication.stats),
+            "replicated": {n: sorted(t.replicas) for n, t in self.replication.tables.items()},
             "controllers": {n: t.controller.stats.as_dict() for n, t in self.tables.items()},
         }
 
@@ -285,6 +326,7 @@ class ParameterServer:
             self._fdshare.close()
             self._fdshare = None
         self._rendezvous.close()
+        self.replication.close()
         self.listener.close()
         for table in self.tables.values():
             table.close()

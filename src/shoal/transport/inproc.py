@@ -16,7 +16,7 @@ from shoal.transport.base import Connection, Frames, Listener, Poller, Transport
 
 
 def _copy(frames: Sequence[Any]) -> Frames:
-    return [bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f for f in frames]
+    return [f if isinstance(f, bytes) else bytes(memoryview(f)) for f in frames]
 
 
 class _Inbox:

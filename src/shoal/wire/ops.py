@@ -27,6 +27,9 @@ class Op(IntEnum):
     CLOCK = 24
     STATS = 25
     ROWS = 26  # server -> worker, unasked: rows changed up to a clock (ESSP)
+    GOSSIP = 27  # replica -> replica: version vector and the updates the other lacks
+    TOTALS = 28  # reply: per-origin running sums of rows, for a reader merging replicas
+    REPLICA_STATS = 29  # what the probabilistic model needs: delays and push rates
 
 
 class Flag:

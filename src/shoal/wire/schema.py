@@ -26,6 +26,8 @@ class OpSchema:
     #: all arrays describe the same rows, so their first dimensions must agree
     same_rows: bool = False
     needs_table: bool = False
+    #: any number of arrays; the handler checks them
+    variadic: bool = False
 
 
 KEYS = ArrayRule("i", 1)
@@ -50,6 +52,10 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.CLOCK: OpSchema(body={"rank": _INT}),
     Op.STATS: OpSchema(),
     Op.ROWS: OpSchema(body={"shards": (list,)}, arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
+    Op.GOSSIP: OpSchema(body={"shard": _INT, "vv": (list,), "stage": _INT, "deltas": (list,), "states": (list,)},
+                        needs_table=True, variadic=True),
+    Op.TOTALS: OpSchema(arrays=(ArrayRule("i", 1), ArrayRule("i", 1), ArrayRule("f", 3))),
+    Op.REPLICA_STATS: OpSchema(body={"shard": _INT}, needs_table=True),
 }
 
 
@@ -65,6 +71,8 @@ def check_schema(msg: Message) -> None:
             )
     if schema.needs_table and not msg.table:
         raise ProtocolError(f"{msg.op.name} needs a table name")
+    if schema.variadic:
+        return
     if len(msg.arrays) != len(schema.arrays):
         raise ProtocolError(f"{msg.op.name} carries {len(schema.arrays)} array(s), got {len(msg.arrays)}")
     for i, (arr, rule) in enumerate(zip(msg.arrays, schema.arrays, strict=True)):

@@ -1,0 +1,126 @@
+"""Gossip payloads as plain data, and the jittered schedule.
+
+One round between replicas A and B of a shard is push-pull, three messages:
+
+1. ``DIGEST``: A sends its version vector;
+2. ``ANSWER``: B sends the updates A lacks, and its own version vector;
+3. ``FINAL``: A sends the updates B lacks. Nothing answers it, so a round never
+   turns into a ping-pong however fast pushes arrive.
+
+Updates travel as deltas (the accepted updates themselves, replayed in order)
+when the sender's log reaches back far enough, else as an origin's whole
+running sum. Every update carries its origin's accept time, so the receiver
+measures propagation delay per origin.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shoal.lattice.sum_lattice import Delta, Update
+
+DIGEST, ANSWER, FINAL = 0, 1, 2
+
+
+@dataclass
+class GossipPayload:
+    """What one gossip message carries (the server wraps it in a message)."""
+
+    shard: int
+    version: dict[int, int]
+    stage: int
+    deltas: list[Delta] = field(default_factory=list)
+    states: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (origin, seq, total)
+
+    def to_wire(self, dim: int) -> tuple[dict[str, Any], list[np.ndarray]]:
+        rows: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        deltas = []
+        for d in self.deltas:
+            deltas.append({"origin": d.origin, "from": d.from_seq, "nrows": [int(u.rows.shape[0]) for u in d.updates],
+                           "times": [u.accepted_at for u in d.updates]})
+            rows += [u.rows for u in d.updates]
+            values += [u.values for u in d.updates]
+        body = {"shard": self.shard, "vv": [[o, s] for o, s in sorted(self.version.items())], "stage": self.stage,
+                "deltas": deltas, "states": [[o, s] for o, s, _ in self.states]}
+        arrays = [np.concatenate(rows) if rows else np.empty(0, np.int64),
+                  np.concatenate(values) if values else np.empty((0, dim), np.float64)]
+        arrays += [np.ascontiguousarray(t, dtype=np.float64) for _, _, t in self.states]
+        return body, arrays
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any], arrays: list[np.ndarray], num_rows: int, dim: int) -> GossipPayload:
+        """Parse and check; raises ``ValueError`` on anything inconsistent."""
+        try:
+            shard = _int(body["shard"])
+            version = {_int(o): _int(s) for o, s in body["vv"]}
+            stage = _int(body["stage"])
+            if stage not in (DIGEST, ANSWER, FINAL):
+                raise ValueError(f"unknown gossip stage {stage}")
+            states_meta = [(_int(o), _int(s)) for o, s in body["states"]]
+            deltas_meta = body["deltas"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed gossip header: {exc!r}") from None
+        if len(arrays) != 2 + len(states_meta):
+            raise ValueError(f"gossip carries {len(arrays)} arrays for {len(states_meta)} state(s)")
+        all_rows = arrays[0].astype(np.int64, copy=False)
+        all_values = arrays[1].astype(np.float64, copy=False)
+        if all_rows.ndim != 1 or all_values.shape != (all_rows.shape[0], dim):
+            raise ValueError(f"gossip rows {all_rows.shape} and values {all_values.shape} do not match dim {dim}")
+        if all_rows.size and (all_rows.min() < 0 or all_rows.max() >= num_rows):
+            raise ValueError("gossip names rows outside the shard")
+        deltas, at = [], 0
+        for meta in deltas_meta:
+            origin, start = _int(meta["origin"]), _int(meta["from"])
+            counts, times = meta["nrows"], meta["times"]
+            if len(counts) != len(times):
+                raise ValueError("gossip delta counts and times disagree")
+            updates = []
+            for i, (n, t) in enumerate(zip(counts, times, strict=True)):
+                n = _int(n)
+                if n < 0 or at + n > all_rows.shape[0]:
+                    raise ValueError("gossip delta overruns its rows")
+                updates.append(Update(start + i + 1, all_rows[at : at + n], all_values[at : at + n], float(t)))
+                at += n
+            deltas.append(Delta(origin, start, tuple(updates)))
+        if at != all_rows.shape[0]:
+            raise ValueError("gossip carries rows no delta accounts for")
+        states = []
+        for (origin, seq), total in zip(states_meta, arrays[2:], strict=True):
+            if total.shape != (num_rows, dim):
+                raise ValueError(f"gossip state of shape {total.shape}, expected {(num_rows, dim)}")
+            states.append((origin, seq, total.astype(np.float64, copy=False)))
+        return cls(shard, version, stage, deltas, states)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an int, got {value!r}")
+    return value
+
+
+class GossipSchedule:
+    """When the next round is due: every ``period_s``, jittered by +-50% so replicas do not march in step."""
+
+    def __init__(self, period_s: float, rng: random.Random | None = None,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.period_s = period_s
+        self.rng = rng or random.Random()
+        self.now = now
+        self.next_at = now() + self._gap()
+
+    def _gap(self) -> float:
+        return self.period_s * self.rng.uniform(0.5, 1.5)
+
+    def due(self) -> bool:
+        t = self.now()
+        if t < self.next_at:
+            return False
+        self.next_at = t + self._gap()
+        return True

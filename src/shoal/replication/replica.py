@@ -1,0 +1,219 @@
+"""One replica of one shard: accepts pushes, serves reads, absorbs gossip.
+
+With ``write_quorum == 1`` the accepting replica is the origin of a push; its
+origin id changes with every restart of its server (the incarnation), so a
+restarted replica never reuses sequence numbers. With ``write_quorum > 1`` the
+pushing worker is the origin and numbers its pushes: every replica that gets a
+push applies it as the same update, and a retry is recognised and ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shoal.api.config import TableSpec
+from shoal.api.optim import SGD, Adagrad, Adam, Sum
+from shoal.lattice.sum_lattice import Delta, SumLattice
+from shoal.replication.delays import DelaySamples
+from shoal.replication.gossip import DIGEST, GossipPayload
+from shoal.storage.initialize import fill_initial
+
+INCARNATION_STRIDE = 1024  # replica origin = incarnation * 1024 + node
+WORKER_ORIGINS = 1 << 40  # worker origin = WORKER_ORIGINS + rank
+_LOG_LIMIT = 20_000  # updates kept per origin for deltas; older peers get whole states
+
+
+def replica_origin(node: int, incarnation: int) -> int:
+    return incarnation * INCARNATION_STRIDE + node
+
+
+def origin_node(origin: int) -> int | None:
+    """The server node a replica origin belongs to (None for a worker origin)."""
+    return None if origin >= WORKER_ORIGINS else origin % INCARNATION_STRIDE
+
+
+@dataclass
+class HeldPush:
+    """A numbered push that arrived before an earlier one (W > 1); answered once the gap fills."""
+
+    rows: np.ndarray
+    delta: np.ndarray
+    token: Any
+
+
+class ShardReplica:
+    """A replica of shard ``shard`` of a replicated table, held by server ``node``."""
+
+    def __init__(self, spec: TableSpec, shard: int, keys: np.ndarray, node: int, incarnation: int,
+                 now: Callable[[], float] = time.time) -> None:
+        self.spec = spec
+        self.shard = shard
+        self.node = node
+        self.origin = replica_origin(node, incarnation)
+        self.now = now
+        base = np.empty((keys.shape[0], spec.dim), dtype=np.float64)
+        fill_initial(spec, keys, base)
+        self.lattice = SumLattice(base)
+        self.num_rows = int(keys.shape[0])
+        # Non-additive optimiser state stays with its origin (this replica).
+        self._first = np.zeros((self.num_rows, spec.dim)) if isinstance(spec.optimizer, (Adagrad, Adam)) else None
+        self._second = np.zeros((self.num_rows, spec.dim)) if isinstance(spec.optimizer, Adam) else None
+        self._steps = np.zeros(self.num_rows) if isinstance(spec.optimizer, Adam) else None
+        if isinstance(spec.optimizer, Adagrad):
+            self._first[...] = spec.optimizer.initial_accumulator  # type: ignore[index]
+        self.held: dict[int, dict[int, HeldPush]] = defaultdict(dict)
+        self.peer_versions: dict[int, dict[int, int]] = {}
+        self.delays: dict[int, DelaySamples] = defaultdict(DelaySamples)  # origin node -> delays to here
+        self.accept_times: deque[float] = deque(maxlen=4096)
+
+    # ----------------------------------------------------------------- pushes
+
+    def _delta(self, rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct rows and the additive change the table's rule makes to them."""
+        rows = np.asarray(rows, dtype=np.int64)
+        grads = np.asarray(grads, dtype=np.float64)
+        if rows.size > 1 and not (np.diff(rows) > 0).all():
+            rows, inverse = np.unique(rows, return_inverse=True)
+            summed = np.zeros((rows.shape[0], grads.shape[1]))
+            np.add.at(summed, inverse, grads)
+            grads = summed
+        opt = self.spec.optimizer
+        if isinstance(opt, Sum):
+            return rows, grads
+        if isinstance(opt, SGD):
+            return rows, -opt.lr * grads
+        if isinstance(opt, Adagrad):
+            assert self._first is not None
+            self._first[rows] += grads * grads
+            return rows, -opt.lr * grads / (np.sqrt(self._first[rows]) + opt.eps)
+        assert isinstance(opt, Adam) and self._first is not None and self._second is not None
+        assert self._steps is not None
+        self._steps[rows] += 1
+        t = self._steps[rows][:, None]
+        self._first[rows] = opt.beta1 * self._first[rows] + (1 - opt.beta1) * grads
+        self._second[rows] = opt.beta2 * self._second[rows] + (1 - opt.beta2) * grads * grads
+        denom = np.sqrt(self._second[rows]) / np.sqrt(1 - opt.beta2**t) + opt.eps
+        return rows, -(opt.lr / (1 - opt.beta1**t)) * self._first[rows] / denom
+
+    def push(self, rows: np.ndarray, grads: np.ndarray, origin: int | None = None, seq: int | None = None,
+             token: Any = None) -> tuple[int, int, float] | None:
+        """Accept a push; returns ``(origin, seq, accepted_at)``, or None if it waits for an earlier push.
+
+        ``origin``/``seq`` name a worker's numbered push (W > 1); a retry of a
+        push already held returns its original number without applying it again.
+        """
+        rows, delta = self._delta(rows, grads)
+        now = self.now()
+        if origin is None:
+            update = self.lattice.accept(self.origin, rows, delta, now)
+            assert update is not None
+            self.accept_times.append(now)
+            return self.origin, update.seq, now
+        assert seq is not None
+        if seq <= self.lattice.seq(origin):
+            return origin, seq, now  # a retry: already applied
+        if seq > self.lattice.seq(origin) + 1:
+            self.held[origin][seq] = HeldPush(rows, delta, token)
+            return None
+        self.lattice.accept(origin, rows, delta, now, seq=seq)
+        self.accept_times.append(now)
+        return origin, seq, now
+
+    def release_held(self) -> list[tuple[Any, int, int, float]]:
+        """Held pushes whose predecessors have arrived: apply them; ``(token, origin, seq, accepted_at)``."""
+        done = []
+        for origin, waiting in self.held.items():
+            while (seq := self.lattice.seq(origin) + 1) in waiting:
+                push = waiting.pop(seq)
+                now = self.now()
+                self.lattice.accept(origin, push.rows, push.delta, now, seq=seq)
+                done.append((push.token, origin, seq, now))
+        return done
+
+    # ------------------------------------------------------------------ reads
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        return self.lattice.value(rows).astype(self.spec.dtype)
+
+    def version(self) -> dict[int, int]:
+        return self.lattice.version()
+
+    def totals(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(origins, seqs, totals)`` of ``rows``, for a reader merging several replicas."""
+        per = self.lattice.totals(rows)
+        origins = np.array(sorted(per), dtype=np.int64)
+        seqs = np.array([per[o][0] for o in origins], dtype=np.int64)
+        totals = (np.stack([per[o][1] for o in origins]) if origins.size
+                  else np.zeros((0, rows.shape[0], self.spec.dim)))
+        return origins, seqs, totals
+
+    # ----------------------------------------------------------------- gossip
+
+    def digest(self) -> GossipPayload:
+        return GossipPayload(self.shard, self.version(), DIGEST)
+
+    def answer(self, peer: int, peer_version: dict[int, int], stage: int) -> GossipPayload:
+        """What ``peer`` lacks, as deltas where the log reaches back, else whole states."""
+        self.peer_versions[peer] = peer_version
+        self._truncate_logs()
+        payload = GossipPayload(self.shard, self.version(), stage)
+        for origin, state in self.lattice.origins.items():
+            theirs = peer_version.get(origin, 0)
+            if state.seq <= theirs:
+                continue
+            delta = self.lattice.delta_since(origin, theirs)
+            if delta is not None:
+                payload.deltas.append(delta)
+            else:
+                payload.states.append((origin, state.seq, state.total))
+        return payload
+
+    def absorb(self, payload: GossipPayload) -> int:
+        """Merge what a peer sent; returns the number of updates new here."""
+        now = self.now()
+        new = 0
+        for delta in payload.deltas:
+            have = self.lattice.seq(delta.origin)
+            applied = self.lattice.apply(delta)
+            if applied:
+                node = origin_node(delta.origin)
+                for update in delta.updates[have - delta.from_seq:]:
+                    if node is not None:
+                        self.delays[node].add(now - update.accepted_at)
+                new += applied
+        for origin, seq, total in payload.states:
+            before = self.lattice.seq(origin)
+            if self.lattice.merge_state(origin, seq, total):
+                new += seq - before
+        return new
+
+    def _truncate_logs(self) -> None:
+        """Drop logged updates every known peer holds, and cap what is kept."""
+        for origin, entries in self.lattice.log.items():
+            if not entries:
+                continue
+            held_by_all = min((v.get(origin, 0) for v in self.peer_versions.values()), default=0)
+            upto = max(held_by_all, entries[-1].seq - _LOG_LIMIT)
+            if entries[0].seq <= upto:
+                self.lattice.truncate_log(origin, upto)
+
+    def accept_rate(self, window_s: float = 5.0) -> float:
+        """Pushes per second accepted here over the last ``window_s``."""
+        now = self.now()
+        recent = [t for t in self.accept_times if now - t <= window_s]
+        if len(recent) < 2:
+            return 0.0
+        return len(recent) / max(now - recent[0], 1e-3)
+
+
+def delta_count(payload: GossipPayload) -> int:
+    return sum(len(d.updates) for d in payload.deltas) + len(payload.states)
+
+
+__all__ = ["Delta", "HeldPush", "ShardReplica", "delta_count", "origin_node", "replica_origin"]

@@ -1,0 +1,191 @@
+"""A server's replicated tables: its replicas of their shards, and gossip with the other replicas.
+
+Every replica accepts pushes and serves pulls (multi-master). Gossip runs on
+the server's loop: on each table's jittered schedule a replica sends its
+version vector to one random live peer replica of the shard, which answers with
+what the first lacks and its own vector, and so on (``replication.gossip``).
+Peers are found through the rendezvous' status: addresses, liveness from
+heartbeats, and a restarted peer's new address.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from shoal.api.config import ClusterSpec, TableSpec
+from shoal.api.errors import ConfigError, KeyRangeError, ProtocolError
+from shoal.cluster.requests import RequestTracker
+from shoal.placement.layout import TableLayout
+from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
+from shoal.replication.replica import WORKER_ORIGINS, ShardReplica
+from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
+from shoal.transport.base import Transport
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+log = logging.getLogger(__name__)
+
+SERVER_SENDERS = 1 << 30  # sender id of server n on server-to-server messages
+
+
+class ReplicatedTable:
+    """This server's replicas of one replicated table."""
+
+    def __init__(self, spec: TableSpec, num_nodes: int, node: int, incarnation: int, rng: random.Random) -> None:
+        if spec.replicas > num_nodes:
+            raise ConfigError(f"table {spec.name!r} wants {spec.replicas} replicas on {num_nodes} server(s)")
+        self.spec = spec
+        self.layout = TableLayout.initial(spec, num_nodes)
+        self.node = node
+        self.replicas = {
+            shard: ShardReplica(spec, shard, self.layout.mapping.keys_of(shard), node, incarnation)
+            for shard in range(self.layout.num_shards) if node in self.layout.replica_nodes(shard)
+        }
+        self.schedule = GossipSchedule(spec.gossip_ms / 1000.0, rng)
+
+    def replica(self, shard: int) -> ShardReplica:
+        replica = self.replicas.get(shard)
+        if replica is None:
+            raise KeyRangeError(f"server {self.node} holds no replica of shard {shard} of table {self.spec.name!r}")
+        return replica
+
+    def rows_of(self, msg: Message) -> tuple[ShardReplica, np.ndarray, np.ndarray]:
+        """The replica a message names (``body.shard``), its keys, and their rows; keys must lie in that shard."""
+        shard = msg.body.get("shard")
+        if isinstance(shard, bool) or not isinstance(shard, int):
+            raise ProtocolError(f"{msg.op.name} on replicated table {self.spec.name!r} must name its shard")
+        replica = self.replica(shard)
+        keys = as_keys(msg.arrays[0], self.spec)
+        rows = self.layout.mapping.rows_in(keys, shard)
+        if rows is None:
+            raise KeyRangeError(f"keys of {msg.op.name} are not all in shard {shard} of table {self.spec.name!r}")
+        return replica, keys, rows
+
+
+class ReplicationService:
+    """Replicated tables of one server, and the gossip between replicas."""
+
+    def __init__(self, node: int, cluster: ClusterSpec, transport: Transport, codec: Codec,
+                 reply: Callable[[bytes, Message], None], rng: random.Random | None = None) -> None:
+        self.node = node
+        self.cluster = cluster
+        self.reply = reply
+        self.rng = rng or random.Random()
+        self.tables: dict[str, ReplicatedTable] = {}
+        self.incarnation = 0
+        self.alive = [True] * cluster.num_nodes
+        self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node)
+        self.stats: Counter[str] = Counter()
+        self._addresses: dict[int, str] = {}
+        self._held_replies: dict[int, tuple[bytes, Message]] = {}  # token -> waiting push (W > 1)
+        self._tokens = 0
+
+    # ------------------------------------------------------------ membership
+
+    def on_status(self, status: dict[str, Any]) -> None:
+        """Follow the rendezvous: peer addresses (a restarted peer has a new one) and liveness."""
+        self.alive = [bool(a) for a in status.get("alive", self.alive)]
+        for n, address in enumerate(status.get("servers", [])):
+            if n != self.node and address and self._addresses.get(n) != address:
+                self._addresses[n] = address
+                self.peers.connect(n, address)
+
+    def create(self, spec: TableSpec) -> ReplicatedTable:
+        table = ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.incarnation, self.rng)
+        self.tables[spec.name] = table
+        return table
+
+    # -------------------------------------------------------------- requests
+
+    def handle(self, peer: bytes, msg: Message) -> Message | None:
+        table = self.tables[msg.table]
+        if msg.op == Op.PUSH:
+            return self._push(table, peer, msg)
+        if msg.op == Op.PULL:
+            replica, _, rows = table.rows_of(msg)
+            if msg.body.get("totals"):
+                origins, seqs, totals = replica.totals(rows)
+                return msg.reply(Op.TOTALS, arrays=[origins, seqs, totals])
+            version = [[o, s] for o, s in sorted(replica.version().items())]
+            return msg.reply(Op.VALUES, {"vv": version}, arrays=[replica.read(rows)])
+        if msg.op == Op.GOSSIP:
+            self._gossip_in(table, msg)
+            return None
+        if msg.op == Op.REPLICA_STATS:
+            replica = table.replica(int(msg.body["shard"]))
+            delays = [[n, s.values()[-512:]] for n, s in sorted(replica.delays.items())]
+            return msg.reply(Op.OK, {"shard": replica.shard, "node": self.node, "delays": delays,
+                                     "rate": replica.accept_rate(), "vv": sorted(replica.version().items())})
+        raise ProtocolError(f"replicated table {msg.table!r} does not serve {msg.op.name}")
+
+    def _push(self, table: ReplicatedTable, peer: bytes, msg: Message) -> Message | None:
+        replica, keys, rows = table.rows_of(msg)
+        grads = as_rows(msg.arrays[1], keys.shape[0], table.spec, strict_dtype=True)
+        rows, grads, _ = drop_nonfinite(rows, grads, table.spec)
+        origin = seq = None
+        if table.spec.write_quorum > 1:
+            seq = msg.body.get("seq")
+            if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+                raise ProtocolError("a push to a table with write_quorum > 1 must carry its number (body.seq >= 1)")
+            origin = WORKER_ORIGINS + msg.sender
+        self._tokens += 1
+        accepted = replica.push(rows, grads, origin, seq, token=self._tokens)
+        self.stats["replicated_pushes"] += 1
+        if accepted is None:  # an earlier numbered push has not arrived yet: answer once it has
+            self._held_replies[self._tokens] = (peer, msg)
+            self.stats["pushes_held_for_gap"] += 1
+            return None
+        o, s, at = accepted
+        return msg.reply(Op.OK, {"origin": o, "seq": s, "at": at})
+
+    # ---------------------------------------------------------------- gossip
+
+    def next_round(self) -> float | None:
+        return min((t.schedule.next_at for t in self.tables.values()), default=None)
+
+    def tick(self) -> None:
+        """Start the gossip rounds that are due."""
+        for table in self.tables.values():
+            if not table.schedule.due():
+                continue
+            for shard, replica in table.replicas.items():
+                peers = [n for n in table.layout.replica_nodes(shard)
+                         if n != self.node and self.alive[n] and n in self._addresses]
+                if peers:
+                    self._send_gossip(table, self.rng.choice(peers), replica.digest())
+
+    def _send_gossip(self, table: ReplicatedTable, node: int, payload: GossipPayload) -> None:
+        body, arrays = payload.to_wire(table.spec.dim)
+        self.stats["gossip_sent"] += 1
+        self.peers.notify(node, Message(Op.GOSSIP, table=table.spec.name, body=body, arrays=arrays))
+
+    def _gossip_in(self, table: ReplicatedTable, msg: Message) -> None:
+        sender = msg.sender - SERVER_SENDERS
+        if not 0 <= sender < self.cluster.num_nodes:
+            raise ProtocolError(f"gossip from sender {msg.sender}, which is no server")
+        replica = table.replica(int(msg.body["shard"]))
+        try:
+            payload = GossipPayload.from_wire(msg.body, msg.arrays, replica.num_rows, table.spec.dim)
+        except ValueError as exc:
+            raise ProtocolError(f"bad gossip from server {sender}: {exc}") from None
+        self.stats["gossip_received"] += 1
+        self.stats["gossip_updates_new"] += replica.absorb(payload)
+        for token, origin, seq, at in replica.release_held():
+            peer, pushed = self._held_replies.pop(token)
+            self.reply(peer, pushed.reply(Op.OK, {"origin": origin, "seq": seq, "at": at}))
+        if payload.stage == DIGEST:
+            self._send_gossip(table, sender, replica.answer(sender, payload.version, ANSWER))
+        elif payload.stage == ANSWER:
+            final = replica.answer(sender, payload.version, FINAL)
+            if final.deltas or final.states:
+                self._send_gossip(table, sender, final)
+
+    def close(self) -> None:
+        self.peers.close()

@@ -1,0 +1,94 @@
+"""Replicated tables through real servers (threads): quorums, gossip, read-your-writes, a dead replica."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import shoal
+from shoal.api.config import Timeouts
+from tests.support.cluster import ThreadCluster
+
+QUICK = Timeouts(connect_s=10, request_s=10, barrier_s=10, replica_s=0.5)
+
+
+def converged(cluster: ThreadCluster, name: str, timeout: float = 5.0) -> list[bytes]:
+    """Wait until every replica of every shard holds the same bytes; return them per shard."""
+    deadline = time.monotonic() + timeout
+    while True:
+        per_shard: dict[int, set[bytes]] = {}
+        for server in cluster.servers:
+            table = server.replication.tables.get(name)
+            for shard, replica in (table.replicas.items() if table else []):
+                per_shard.setdefault(shard, set()).add(replica.read(np.arange(replica.num_rows)).tobytes())
+        if all(len(v) == 1 for v in per_shard.values()) or time.monotonic() > deadline:
+            return [next(iter(v)) if len(v) == 1 else b"" for _, v in sorted(per_shard.items())]
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("write_quorum, read_quorum", [(1, 1), (1, 3), (2, 2), (3, 1)])
+def test_every_quorum_reads_what_was_written_and_replicas_converge(write_quorum, read_quorum):
+    with ThreadCluster(nodes=3, timeouts=QUICK) as c:
+        w = c.worker(0)
+        t = w.table("rep", 90, 2, replicas=3, write_quorum=write_quorum, read_quorum=read_quorum, gossip_ms=10,
+                    optimizer=shoal.optim.SGD(lr=1.0))
+        keys = np.arange(90)
+        for _ in range(4):
+            t.push(keys, np.ones((90, 2), np.float32))
+        np.testing.assert_array_equal(t.pull(keys), -4.0)  # read-your-writes, whatever the quorums
+        assert all(converged(c, "rep"))
+
+
+def test_reads_merge_replicas_so_a_quorum_of_two_sees_writes_gossip_has_not_spread():
+    with ThreadCluster(nodes=3, timeouts=QUICK) as c:
+        writer, reader = c.worker(0), c.worker(1)
+        spec = dict(replicas=3, gossip_ms=60_000)  # gossip effectively off
+        t = writer.table("merge", 30, 1, **spec)
+        r1 = reader.table("merge", 30, 1, **spec)
+        t.push(np.arange(30), np.ones((30, 1), np.float32))  # lands on the writer's replica (node 0) only
+        seen = {float(r1.pull(np.arange(10))[0, 0]) for _ in range(40)}  # R=1 reads a random replica
+        assert seen == {0.0, 1.0}
+        r3 = reader.table("merge3", 30, 1, **spec, read_quorum=3)
+        writer.table("merge3", 30, 1, **spec, read_quorum=3).push(np.arange(30), np.ones((30, 1), np.float32))
+        np.testing.assert_array_equal(r3.pull(np.arange(30)), 1.0)  # R=3 merges in the writer's replica
+
+
+def test_dynamic_quorum_is_chosen_from_the_model():
+    with ThreadCluster(nodes=3, timeouts=QUICK) as c:
+        w = c.worker(0)
+        t = w.table("dyn", 30, 1, replicas=3, read_quorum=shoal.Dynamic(p=0.9, latency_ms=200), gossip_ms=5)
+        for _ in range(30):
+            t.push(np.arange(30), np.ones((30, 1), np.float32))
+            t.pull(np.arange(30))
+        t.replicated.shards[0].model_at = -1e9
+        t.pull(np.arange(30))
+        shard = t.replicated.shards[0]
+        assert 1 <= shard.read_quorum <= 3 and shard.predicted
+        assert any(k.startswith("quorum_choice_r") for k in t.counters)
+
+
+def test_reads_and_writes_route_around_a_dead_replica():
+    with ThreadCluster(nodes=3, timeouts=QUICK) as c:
+        w = c.worker(0)
+        t = w.table("fail", 30, 1, replicas=3, write_quorum=2, read_quorum=2, gossip_ms=10)
+        t.push(np.arange(30), np.ones((30, 1), np.float32))
+        c.servers[1].stop()
+        c.threads[1].join(timeout=5)
+        for _ in range(3):
+            t.push(np.arange(30), np.ones((30, 1), np.float32))
+        np.testing.assert_array_equal(t.pull(np.arange(30)), 4.0)
+        assert t.counters["replica_timeouts"] >= 1
+
+
+def test_replicated_tables_check_their_settings():
+    with pytest.raises(shoal.ConfigError, match="write_quorum > 1 needs an additive"):
+        shoal.TableSpec("x", 10, 1, replicas=3, write_quorum=2, optimizer=shoal.optim.Adagrad())
+    with pytest.raises(shoal.ConfigError, match="read under ASP"):
+        shoal.TableSpec("x", 10, 1, replicas=3, consistency=shoal.SSP(1))
+    with pytest.raises(shoal.ConfigError, match="exceeds replicas"):
+        shoal.TableSpec("x", 10, 1, replicas=2, write_quorum=3)
+    with ThreadCluster(nodes=2, timeouts=QUICK) as c:
+        with pytest.raises(shoal.ConfigError, match="wants 3 replicas on 2 server"):
+            c.worker(0).table("x", 10, 1, replicas=3)

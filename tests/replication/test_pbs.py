@@ -1,0 +1,71 @@
+"""The probabilistic consistency model against cases with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from shoal.api.replication import Dynamic
+from shoal.replication.delays import DelaySamples
+from shoal.replication.pbs import ShardModel, choose_read_quorum, expected_missing, poisson_at_most, predict
+
+
+def uniform_delays(low: float, high: float, n: int = 4000) -> DelaySamples:
+    d = DelaySamples(n)
+    d.extend(list(np.linspace(low, high, n)))
+    return d
+
+
+def model(period: float, rate: float) -> ShardModel:
+    m = ShardModel(replicas=[0, 1, 2])
+    for o in range(3):
+        m.rates[o] = rate
+        for j in range(3):
+            if o != j:
+                m.delays[(o, j)] = uniform_delays(0.0, period)
+    return m
+
+
+def test_poisson_cdf():
+    assert poisson_at_most(0.0, 0) == 1.0
+    assert poisson_at_most(2.0, 0) == pytest.approx(math.exp(-2))
+    assert poisson_at_most(2.0, 1) == pytest.approx(3 * math.exp(-2))
+
+
+def test_expected_missing_for_uniform_delays_matches_the_integral():
+    # One other origin pushing at rate r, delay ~ U(0, P): mu = r * P / 2 for a one-replica read.
+    m = model(0.1, 100.0)
+    assert expected_missing(m, [0]) == pytest.approx(2 * 100 * 0.1 / 2, rel=0.02)
+    # Two replicas: a push from origin 2 is missing from both with prob (1 - a/P)^2: integral P/3;
+    # pushes from origins 0 and 1 are at one of them at once.
+    assert expected_missing(m, [0, 1]) == pytest.approx(100 * 0.1 / 3, rel=0.02)
+    assert expected_missing(m, [0, 1, 2]) == 0.0
+
+
+def test_more_replicas_and_faster_gossip_mean_fewer_missing_pushes():
+    slow, fast = model(0.2, 50.0), model(0.02, 50.0)
+    for size in (1, 2):
+        assert predict(fast, [0, 1, 2], size, 0) > predict(slow, [0, 1, 2], size, 0)
+    assert predict(slow, [0, 1, 2], 1, 0) < predict(slow, [0, 1, 2], 2, 0) < predict(slow, [0, 1, 2], 3, 0) == 1.0
+
+
+def test_read_latency_narrows_the_window():
+    m = model(0.1, 100.0)
+    m.read_latency = {j: uniform_delays(0.05, 0.05, 10) for j in range(3)}
+    assert expected_missing(m, [0]) < expected_missing(model(0.1, 100.0), [0])
+
+
+def test_choose_read_quorum_picks_the_smallest_size_that_meets_the_target():
+    m = model(0.1, 5.0)
+    m.read_latency = {j: uniform_delays(0.0001, 0.0002, 50) for j in range(3)}
+    r, predicted = choose_read_quorum(m, [0, 1, 2], Dynamic(p=0.9, k=0, latency_ms=50))
+    assert predicted[r] >= 0.9 and all(predicted[s] < 0.9 for s in range(1, r))
+    strict, _ = choose_read_quorum(m, [0, 1, 2], Dynamic(p=0.999, k=0, latency_ms=50))
+    assert strict >= r
+    # No size meets a 1 ms budget (round trips take 2 ms): "consistency" still meets p with
+    # the smallest R that can, "latency" falls back to R=1.
+    m.read_latency = {j: uniform_delays(0.001, 0.001, 10) for j in range(3)}
+    assert choose_read_quorum(m, [0, 1, 2], Dynamic(p=0.999, latency_ms=1, prefer="latency"))[0] == 1
+    assert choose_read_quorum(m, [0, 1, 2], Dynamic(p=0.999, latency_ms=1))[0] == 3
