@@ -49,6 +49,11 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
     p.add_argument("--lazy-ms", type=float, default=0.0, help="lazy pull buffer timeout (0: off)")
     p.add_argument("--straggle-ms", type=float, default=0.0, help="the last rank sleeps this long per batch")
     p.add_argument("--free-running", action="store_true", help="no barrier between epochs")
+    p.add_argument("--replicas", type=int, default=1, help="replicas of every shard (>1: replicated store)")
+    p.add_argument("--write-quorum", type=int, default=1)
+    p.add_argument("--read-quorum", default="1", help="an int, or 'dynamic'")
+    p.add_argument("--gossip-ms", type=float, default=50.0)
+    p.add_argument("--info", help="rank 0 writes the servers' pids here once the tables exist")
     p.add_argument("--out", help="rank 0 writes results as JSON here")
     p.add_argument("--stats-dir", help="every rank writes its staleness and counters here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -64,8 +69,14 @@ def main() -> None:
     optimizer = shoal.optim.SGD(lr=hyper.lr) if args.optimizer == "sgd" else shoal.optim.Adagrad(lr=hyper.lr)
     options = dict(init=shoal.Normal(std=hyper.init_std), optimizer=optimizer,
                    mapping=args.mapping, consistency=MODELS[args.consistency](args.staleness, lazy))
+    if args.replicas > 1:
+        options.update(replicas=args.replicas, write_quorum=args.write_quorum, gossip_ms=args.gossip_ms,
+                       read_quorum=shoal.Dynamic() if args.read_quorum == "dynamic" else int(args.read_quorum))
     users = ps.table("mf.users", data.num_users, hyper.rank + 1, **options)
     items = ps.table("mf.items", data.num_items, hyper.rank + 1, **options)
+    if args.info and ps.rank == 0:
+        with open(args.info, "w") as fh:
+            json.dump({"server_pids": [s["pid"] for s in ps.server_stats()]}, fh)
     mine = data.train.take(np.arange(ps.rank, len(data.train), ps.num_workers))
     mu = float(data.train.values.mean())
     lead = ps.rank == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,12 +42,22 @@ _QUORUM_EVERY_S = 2.0
 
 
 @dataclass
+class _Sent:
+    """Requests in flight to replicas, and the replies collected so far."""
+
+    at: float
+    reqs: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    replies: dict[Any, Message] = field(default_factory=dict)
+
+
+@dataclass
 class _Shard:
     """What this worker knows of one shard of the table."""
 
     nodes: list[int]
     next_seq: int = 1  # numbering of this worker's pushes (write_quorum > 1)
     own: dict[int, int] = field(default_factory=dict)  # origin -> seq of our last acknowledged push
+    holders: set[int] = field(default_factory=set)  # replicas that acknowledged our last push
     read_quorum: int = 1
     predicted: dict[int, float] = field(default_factory=dict)
     model_at: float = -1e9
@@ -108,67 +119,110 @@ class ReplicatedAccess:
 
     # ---------------------------------------------------------------- pushes
 
-    def push(self, keys: np.ndarray, values: np.ndarray) -> None:
+    def push(self, keys: np.ndarray, values: np.ndarray) -> Callable[[], None]:
+        """Send every shard's part to its write quorum at once; the returned call completes the push
+        (shards short of acknowledgements fail over to other replicas)."""
         self.view.refresh()
-        for shard_id, pos in self._by_shard(keys):
-            self._push_shard(shard_id, keys[pos], values[pos])
+        parts = [(shard_id, keys[pos], values[pos]) for shard_id, pos in self._by_shard(keys)]
+        bodies = {shard_id: self._push_body(shard_id) for shard_id, _, _ in parts}
+        batch = []
+        for shard_id, k, v in parts:
+            for node in self._write_targets(self.shards[shard_id], set()):
+                batch.append(((shard_id, node), node, self._message(Op.PUSH, bodies[shard_id], [k, v])))
+        sent = self._send_all(batch)
+        return lambda: self._finish_push(parts, bodies, self._gather(sent))
 
-    def _push_shard(self, shard_id: int, keys: np.ndarray, values: np.ndarray) -> None:
-        shard = self.shards[shard_id]
+    def _finish_push(self, parts: list[tuple[int, np.ndarray, np.ndarray]], bodies: dict[int, dict[str, Any]],
+                     replies: dict[Any, Message]) -> None:
+        for shard_id, k, v in parts:
+            acked = {node for (s, node) in replies if s == shard_id}
+            self.shards[shard_id].holders = set(acked)
+            for (s, _), reply in replies.items():
+                if s == shard_id:
+                    self._note_ack(self.shards[shard_id], reply)
+            if len(acked) < self.spec.write_quorum:
+                self._complete_push(shard_id, k, v, bodies[shard_id], acked)
+
+    def _push_body(self, shard_id: int) -> dict[str, Any]:
         body: dict[str, Any] = {"shard": shard_id}
-        if self.spec.write_quorum > 1:
+        if self.spec.write_quorum > 1:  # the same number on every replica (and on retries)
+            shard = self.shards[shard_id]
             body["seq"] = shard.next_seq
             shard.next_seq += 1
-        preferred = self._write_order(shard)
-        tried: set[int] = set()
-        acked: set[int] = set()
+        return body
+
+    def _write_targets(self, shard: _Shard, exclude: set[int]) -> list[int]:
+        """Live replicas to write: this node's first (cheapest), then the others rotated by rank."""
+        nodes = shard.nodes
+        start = self.worker.rank % len(nodes)
+        order = nodes[start:] + nodes[:start]
+        if self.worker.node in order:
+            order.remove(self.worker.node)
+            order.insert(0, self.worker.node)
+        live = self.view.live(nodes)
+        return [n for n in order if n in live and n not in exclude][: self.spec.write_quorum]
+
+    def _note_ack(self, shard: _Shard, reply: Message) -> None:
+        origin, seq = int(reply.body["origin"]), int(reply.body["seq"])
+        shard.own[origin] = max(shard.own.get(origin, 0), seq)
+
+    def _complete_push(self, shard_id: int, keys: np.ndarray, values: np.ndarray, body: dict[str, Any],
+                       acked: set[int]) -> None:
+        """Keep sending to other live replicas until ``write_quorum`` of them acknowledged."""
+        shard = self.shards[shard_id]
+        tried = set(acked)
         deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
         while len(acked) < self.spec.write_quorum:
-            live = self.view.live(shard.nodes)
-            candidates = [n for n in preferred if n not in tried and n not in acked and n in live]
+            self.counters["push_failovers"] += 1
             need = self.spec.write_quorum - len(acked)
-            if len(candidates) < need:
+            targets = self._write_targets(shard, tried)[:need]
+            if len(targets) < need:
                 self.view.refresh(force=True)
                 if time.monotonic() > deadline:
                     raise ClusterError(
                         f"push to shard {shard_id} of {self.spec.name!r} needs {self.spec.write_quorum} replica(s); "
                         f"acknowledged by {sorted(acked)}, no live replica left among {shard.nodes}")
                 time.sleep(0.05)
-                tried.clear()
+                tried = set(acked)
                 continue
-            targets = candidates[:need]
             tried.update(targets)
-            replies = self._ask(targets, Message(Op.PUSH, table=self.spec.name, clock=self.worker.clock, body=body,
-                                                 arrays=[keys, values]))
-            for node, reply in replies.items():
+            batch = [(node, node, self._message(Op.PUSH, body, [keys, values])) for node in targets]
+            for node, reply in self._ask_all(batch).items():
                 acked.add(node)
-                origin, seq = int(reply.body["origin"]), int(reply.body["seq"])
-                shard.own[origin] = max(shard.own.get(origin, 0), seq)
-            if len(replies) < len(targets):
-                self.counters["push_failovers"] += len(targets) - len(replies)
-
-    def _write_order(self, shard: _Shard) -> list[int]:
-        """This node's replica first (cheapest), then the others rotated by rank to spread load."""
-        nodes = shard.nodes
-        start = self.worker.rank % len(nodes)
-        rotated = nodes[start:] + nodes[:start]
-        if self.worker.node in rotated:
-            rotated.remove(self.worker.node)
-            rotated.insert(0, self.worker.node)
-        return rotated
+                shard.holders.add(node)
+                self._note_ack(shard, reply)
 
     # ----------------------------------------------------------------- pulls
 
-    def pull(self, keys: np.ndarray, out: np.ndarray) -> None:
+    def pull(self, keys: np.ndarray, out: np.ndarray) -> Callable[[], None]:
+        """Ask every shard's read quorum at once; the returned call merges the replies into ``out``
+        (a shard that needs more replicas asks again)."""
         self.view.refresh()
-        for shard_id, pos in self._by_shard(keys):
-            rows = self._pull_shard(shard_id, keys[pos])
+        start = time.monotonic()
+        parts = self._by_shard(keys)
+        plan: dict[int, list[int]] = {}
+        batch = []
+        for shard_id, pos in parts:
+            chosen = plan[shard_id] = self._read_targets(shard_id)
+            body = {"shard": shard_id, "totals": len(chosen) > 1}
+            for node in chosen:
+                batch.append(((shard_id, node), node, self._message(Op.PULL, body, [keys[pos]])))
+        sent = self._send_all(batch)
+        return lambda: self._finish_pull(keys, out, parts, plan, self._gather(sent), start)
+
+    def _finish_pull(self, keys: np.ndarray, out: np.ndarray, parts: list[tuple[int, np.ndarray]],
+                     plan: dict[int, list[int]], replies: dict[Any, Message], start: float) -> None:
+        for shard_id, pos in parts:
+            got = {node: replies[(shard_id, node)] for node in plan[shard_id] if (shard_id, node) in replies}
+            rows = self._finish_read(shard_id, keys[pos], plan[shard_id], got, start)
             if pos.shape[0] == keys.shape[0]:
                 out[...] = rows
             else:
                 kernels.place_rows(out, pos, rows)
 
-    def _pull_shard(self, shard_id: int, keys: np.ndarray) -> np.ndarray:
+    def _read_targets(self, shard_id: int) -> list[int]:
+        """``R`` live replicas: one holding our last push first (read-your-writes without
+        widening), the rest at random (the model assumes random quorums)."""
         shard = self.shards[shard_id]
         if isinstance(self.spec.read_quorum, Dynamic):
             self._refresh_quorum(shard_id, shard)
@@ -177,17 +231,24 @@ class ReplicatedAccess:
             self.view.refresh(force=True)
             live = self.view.live(shard.nodes) or list(shard.nodes)
         size = min(shard.read_quorum, len(live))
-        chosen = self.rng.sample(live, size)
-        start = time.monotonic()
+        holders = [n for n in live if n in shard.holders]
+        first = [self.rng.choice(holders)] if holders else []
+        rest = [n for n in live if n not in first]
+        return first + self.rng.sample(rest, size - len(first))
+
+    def _finish_read(self, shard_id: int, keys: np.ndarray, chosen: list[int], replies: dict[int, Message],
+                     start: float) -> np.ndarray:
+        """Merge; replace replicas that did not answer, widen until our own last push is covered."""
+        shard = self.shards[shard_id]
         while True:
-            replies = self._read(shard_id, chosen, keys, totals=len(chosen) > 1)
             if not replies:
                 self.view.refresh(force=True)
                 remaining = [n for n in self.view.live(shard.nodes) if n not in chosen]
                 if not remaining:
                     raise ClusterError(f"no replica of shard {shard_id} of {self.spec.name!r} answered "
                                        f"(replicas {shard.nodes})")
-                chosen = remaining[:size]
+                chosen = remaining[: max(len(chosen), 1)]
+                replies = self._read(shard_id, chosen, keys, totals=len(chosen) > 1)
                 continue
             value, version = self._merge(keys, replies)
             if self._covers(version, shard.own):
@@ -198,15 +259,18 @@ class ReplicatedAccess:
                 break
             self.counters["read_your_writes_widened"] += 1
             chosen = chosen + [others[0]]  # widen R until our own last push is covered
+            replies = self._read(shard_id, chosen, keys, totals=True)
         self.counters[f"reads_r{len(chosen)}"] += 1
         if self.keep_reads:
             self.reads.append((len(chosen), time.monotonic() - start, version))
         return value.astype(self.spec.dtype)
 
+    def _message(self, op: Op, body: dict[str, Any], arrays: list[np.ndarray]) -> Message:
+        return Message(op, table=self.spec.name, clock=self.worker.clock, body=body, arrays=arrays)
+
     def _read(self, shard_id: int, nodes: list[int], keys: np.ndarray, totals: bool) -> dict[int, Message]:
-        msg = Message(Op.PULL, table=self.spec.name, clock=self.worker.clock,
-                      body={"shard": shard_id, "totals": totals}, arrays=[keys])
-        return self._ask(nodes, msg)
+        body = {"shard": shard_id, "totals": totals}
+        return self._ask_all([(node, node, self._message(Op.PULL, body, [keys])) for node in nodes])
 
     def _merge(self, keys: np.ndarray, replies: dict[int, Message]) -> tuple[np.ndarray, dict[int, int]]:
         if len(replies) == 1:
@@ -226,6 +290,22 @@ class ReplicatedAccess:
     def _covers(version: dict[int, int], own: dict[int, int]) -> bool:
         return all(version.get(o, 0) >= s for o, s in own.items())
 
+    def replica_values(self, node: int, keys: np.ndarray) -> tuple[np.ndarray, dict[int, int]]:
+        """Rows of ``keys`` as one replica holds them, and its version vector (to check convergence)."""
+        out = np.empty((keys.shape[0], self.spec.dim), dtype=self.spec.dtype)
+        version: dict[int, int] = {}
+        for shard_id, pos in self._by_shard(keys):
+            if node not in self.shards[shard_id].nodes:
+                raise ClusterError(f"server {node} holds no replica of shard {shard_id} of {self.spec.name!r}")
+            replies = self._read(shard_id, [node], keys[pos], totals=False)
+            if node not in replies:
+                raise ClusterError(f"replica {node} of shard {shard_id} did not answer")
+            rows, vv = self._merge(keys[pos], replies)
+            kernels.place_rows(out, pos, rows.astype(self.spec.dtype))
+            for o, s in vv.items():
+                version[o] = max(version.get(o, 0), s)
+        return out, version
+
     # ------------------------------------------------------- dynamic quorums
 
     def _refresh_quorum(self, shard_id: int, shard: _Shard) -> None:
@@ -244,9 +324,10 @@ class ReplicatedAccess:
 
     def model(self, shard_id: int, live: list[int]) -> ShardModel:
         """Fit the probabilistic model of one shard from its replicas' measurements and ours."""
-        msg = Message(Op.REPLICA_STATS, table=self.spec.name, body={"shard": shard_id})
+        batch = [(node, node, Message(Op.REPLICA_STATS, table=self.spec.name, body={"shard": shard_id}))
+                 for node in live]
         model = ShardModel(replicas=list(live))
-        for node, reply in self._ask(live, msg).items():
+        for node, reply in self._ask_all(batch).items():
             model.rates[node] = float(reply.body.get("rate", 0.0))
             for origin_node, samples in reply.body.get("delays", []):
                 d = model.delays.setdefault((int(origin_node), node), DelaySamples())
@@ -262,39 +343,49 @@ class ReplicatedAccess:
         return [(s, order[starts[s] : starts[s + 1]]) for s in range(self.table.layout.num_shards)
                 if starts[s + 1] > starts[s]]
 
-    def _ask(self, nodes: list[int], msg: Message) -> dict[int, Message]:
-        """Send ``msg`` to each node; collect the replies that come within the replica timeout.
+    def _ask_all(self, batch: list[tuple[Any, int, Message]]) -> dict[Any, Message]:
+        return self._gather(self._send_all(batch))
+
+    def _send_all(self, batch: list[tuple[Any, int, Message]]) -> _Sent:
+        """Send every ``(key, node, message)`` at once."""
+        sent = _Sent(time.monotonic())
+        for key, node, msg in batch:
+            what = f"{msg.op.name} to replica {node}"
+            req = self.worker.tracker.request(node, msg, _collect(sent.replies, key), what)
+            sent.reqs[req] = (key, node)
+        return sent
+
+    def _gather(self, sent: _Sent) -> dict[Any, Message]:
+        """The replies that came within the replica timeout, by key.
 
         A node that does not answer in time is marked down; its reply, if it
         comes later, is dropped.
         """
         tracker = self.worker.tracker
-        replies: dict[int, Message] = {}
-        sent_at = time.monotonic()
-        reqs: dict[int, int] = {}
-        for node in nodes:
-            copy = Message(msg.op, table=msg.table, clock=msg.clock, body=msg.body, arrays=msg.arrays)
-            reqs[tracker.request(node, copy, _collect(replies, node), f"{msg.op.name} to replica {node}")] = node
+        replies, reqs, sent_at = sent.replies, sent.reqs, sent.at
         try:
             tracker.wait(set(reqs), self.worker.cluster.timeouts.replica_s)
         except RequestTimeoutError:
             pass  # whoever did not answer is handled below
         elapsed = time.monotonic() - sent_at
-        for req, node in reqs.items():
+        silent: set[int] = set()
+        for req, (key, node) in reqs.items():
             error = tracker.take_error(req)
             if error is not None:
                 raise error  # the replica answered, with a typed error: bad input, not a failure
-            if node in replies:
+            if key in replies:
                 self.read_latency[node].add(elapsed / 2)
             else:
-                self.view.mark_down(node)
-                self.counters["replica_timeouts"] += 1
+                silent.add(node)
+        for node in silent:
+            self.view.mark_down(node)
+            self.counters["replica_timeouts"] += 1
         return replies
 
 
-def _collect(replies: dict[int, Message], node: int):  # type: ignore[no-untyped-def]
+def _collect(replies: dict[Any, Message], key: Any):  # type: ignore[no-untyped-def]
     def on_reply(msg: Message) -> None:
-        replies[node] = msg
+        replies[key] = msg
 
     return on_reply
 

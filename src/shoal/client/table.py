@@ -90,9 +90,9 @@ class Table:
     def pull_async(self, keys: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
         keys = as_keys(keys, self.spec)
         result = _Rows(keys.shape[0], self.dim, self.dtype, self._checked_out(keys.shape[0], out))
-        if self.replicated is not None:  # quorum logic runs to completion here; the future is already done
-            self.replicated.pull(keys, result.array())
-            return Future(None, set(), result.get, 0.0)
+        if self.replicated is not None:  # requests go out now; waiting, failover and merging run in wait()
+            finish = self.replicated.pull(keys, result.array())
+            return Future(None, set(), lambda: (finish(), result.get())[1], 0.0)
         reqs = self._run(Op.PULL, keys, None, result)
         return Future(self.worker.tracker, reqs, result.get, self.worker.cluster.timeouts.request_s)
 
@@ -102,8 +102,7 @@ class Table:
         values = as_rows(values, keys.shape[0], self.spec)
         if self.replicated is not None:
             keys, values, _ = drop_nonfinite(keys, values, self.spec)
-            self.replicated.push(keys, values)
-            return Future(None, set(), lambda: None, 0.0)
+            return Future(None, set(), self.replicated.push(keys, values), 0.0)
         reqs = self._run(Op.PUSH, keys, values, None)
         return Future(self.worker.tracker, reqs, lambda: None, self.worker.cluster.timeouts.request_s)
 
@@ -112,7 +111,7 @@ class Table:
         values = as_rows(values, keys.shape[0], self.spec)
         finite_keys, finite_values, skipped = drop_nonfinite(keys, values, self.spec)
         if self.replicated is not None:
-            self.replicated.push(finite_keys, finite_values)
+            self.replicated.push(finite_keys, finite_values)()
             return self.pull_async(keys, out)
         if skipped:  # rare: the push shrinks but every key still wants its row back
             self._run(Op.PUSH, finite_keys, finite_values, None)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import ClosedError, ShoalError, TableError
+from shoal.api.errors import ClosedError, RequestTimeoutError, ShoalError, TableError
 from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
 from shoal.client.replicated import ReplicaView
@@ -180,12 +180,22 @@ class Worker:
         self._barrier_generation += 1
         membership.barrier(self.tracker, self.rank, self._barrier_generation, self.cluster.timeouts.barrier_s)
 
-    def server_stats(self) -> list[dict[str, Any]]:
-        """What each server reports about itself (tables, clocks, counters)."""
-        replies: list[Message] = []
-        reqs = {self.tracker.request(n, Message(Op.STATS), replies.append, "STATS") for n in range(self.num_nodes)}
-        self.tracker.wait(reqs, self.cluster.timeouts.request_s)
-        return sorted((m.body for m in replies), key=lambda b: int(b["node"]))
+    def server_stats(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """What each server reports about itself (tables, clocks, counters).
+
+        A server that does not answer within ``timeout`` is listed as
+        ``{"node": n, "unreachable": True}``.
+        """
+        replies: dict[int, dict[str, Any]] = {}
+        reqs = {self.tracker.request(n, Message(Op.STATS), lambda m, n=n: replies.__setitem__(n, m.body), "STATS")
+                for n in range(self.num_nodes)}
+        try:
+            self.tracker.wait(reqs, timeout)
+        except RequestTimeoutError:
+            pass
+        for r in reqs:
+            self.tracker.take_error(r)
+        return [replies.get(n, {"node": n, "unreachable": True}) for n in range(self.num_nodes)]
 
     # -------------------------------------------------------------- shutdown
 

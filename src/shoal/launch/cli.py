@@ -35,7 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--request-timeout", type=float, default=Timeouts().request_s,
                      help="seconds to wait for any reply (default %(default)s)")
     run.add_argument("--barrier-timeout", type=float, default=Timeouts().barrier_s)
+    run.add_argument("--replica-timeout", type=float, default=Timeouts().replica_s,
+                     help="seconds before a silent replica is routed around (default %(default)s)")
     run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [w<rank>]")
+    run.add_argument("--on-server-failure", choices=("fail", "continue", "restart"), default="fail",
+                     help="when a server dies: stop the job (default), go on without it, or start it again")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     return parser
 
@@ -52,8 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             command=command, nodes=args.nodes, workers_per_node=args.workers_per_node, host=args.host,
             transport=args.transport, secret=secret, local_access=not args.classic,
             limits=Limits(args.max_message_bytes),
-            timeouts=Timeouts(args.connect_timeout, args.request_timeout, args.barrier_timeout),
-            prefix_output=not args.no_prefix,
+            timeouts=Timeouts(args.connect_timeout, args.request_timeout, args.barrier_timeout, args.replica_timeout),
+            prefix_output=not args.no_prefix, on_server_failure=args.on_server_failure,
         )
         return LocalCluster(options).run()
     except ShoalError as exc:

@@ -15,7 +15,7 @@ variable fails at once with a message that names it.
 | ``SHOAL_BIND`` | server bind address, default ``tcp://127.0.0.1:0`` |
 | ``SHOAL_LOCAL_ACCESS`` | ``0`` sends every key through a server (classic PS mode) |
 | ``SHOAL_MAX_MESSAGE_BYTES`` | largest message accepted |
-| ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` / ``SHOAL_BARRIER_TIMEOUT`` | seconds |
+| ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` / ``SHOAL_BARRIER_TIMEOUT`` / ``SHOAL_REPLICA_TIMEOUT`` | seconds |
 | ``SHOAL_LAUNCHER_PID`` | pid of the launcher; its death ends the process |
 | ``SHOAL_LOG_LEVEL`` | logging level of server processes |
 """
@@ -103,6 +103,7 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterSpec:
             connect_s=_seconds(env, "CONNECT_TIMEOUT", defaults.connect_s),
             request_s=_seconds(env, "REQUEST_TIMEOUT", defaults.request_s),
             barrier_s=_seconds(env, "BARRIER_TIMEOUT", defaults.barrier_s),
+            replica_s=_seconds(env, "REPLICA_TIMEOUT", defaults.replica_s),
         ),
     )
 
@@ -151,6 +152,7 @@ def child_env(cluster: ClusterSpec, node: int, rank: int | None, local_access: b
         PREFIX + "CONNECT_TIMEOUT": str(cluster.timeouts.connect_s),
         PREFIX + "REQUEST_TIMEOUT": str(cluster.timeouts.request_s),
         PREFIX + "BARRIER_TIMEOUT": str(cluster.timeouts.barrier_s),
+        PREFIX + "REPLICA_TIMEOUT": str(cluster.timeouts.replica_s),
         PREFIX + "LOCAL_ACCESS": "1" if local_access else "0",
         PREFIX + "LAUNCHER_PID": str(launcher),
     }

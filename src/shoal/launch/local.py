@@ -51,6 +51,9 @@ class LaunchOptions:
     prefix_output: bool = True
     grace_s: float = 3.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: what a server's death does: end the job ("fail"), nothing ("continue": replicated
+    #: tables route around it), or start it again ("restart": it rejoins and catches up)
+    on_server_failure: str = "fail"
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -59,6 +62,8 @@ class LaunchOptions:
             raise ConfigError(f"need at least 1 node and 1 worker per node, got {self.nodes} x {self.workers_per_node}")
         if self.transport not in ("tcp", "ipc"):
             raise ConfigError(f"transport must be 'tcp' or 'ipc', got {self.transport!r}")
+        if self.on_server_failure not in ("fail", "continue", "restart"):
+            raise ConfigError(f"on_server_failure must be fail, continue or restart, got {self.on_server_failure!r}")
         if self.host not in _LOOPBACK and self.secret is None:
             raise ConfigError(f"binding {self.host!r} (not loopback) needs a shared secret (--secret-file)")
 
@@ -68,7 +73,10 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     is_worker: bool
+    command: list[str]
+    env: dict[str, str]
     pump: threading.Thread | None = None
+    restarts: int = 0
 
 
 class _PrefixWriter:
@@ -137,9 +145,8 @@ class LocalCluster:
                 self._spawn(f"w{rank}", list(opts.command),
                             child_env(cluster, node, rank, opts.local_access, None, os.getpid()), is_worker=True)
             rendezvous.start()
-            for child in self.children if opts.prefix_output else []:
-                child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
-                child.pump.start()
+            for child in self.children:
+                self._start_pump(child)
             return self._watch(rendezvous)
         finally:
             self._teardown()
@@ -149,9 +156,12 @@ class LocalCluster:
                 signal.signal(s, handler)
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str], is_worker: bool) -> None:
+        self.children.append(Child(name, self._popen(name, command, env), is_worker, command, env))
+
+    def _popen(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         full_env = {**os.environ, **self.options.extra_env, **env, "PYTHONUNBUFFERED": "1"}
         try:
-            proc = subprocess.Popen(
+            return subprocess.Popen(
                 command, env=full_env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE if self.options.prefix_output else None,
                 stderr=subprocess.STDOUT if self.options.prefix_output else None,
@@ -159,7 +169,11 @@ class LocalCluster:
             )
         except OSError as exc:
             raise ConfigError(f"cannot start {name} ({command[0]!r}): {exc}") from exc
-        self.children.append(Child(name, proc, is_worker))
+
+    def _start_pump(self, child: Child) -> None:
+        if self.options.prefix_output:
+            child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+            child.pump.start()
 
     def _pump(self, child: Child) -> None:
         assert child.proc.stdout is not None
@@ -186,12 +200,26 @@ class LocalCluster:
                 if code not in (None, 0):
                     print(f"shoal: worker {w.name} exited with status {code}; stopping the job", file=sys.stderr)
                     return code if code > 0 else 128 - code
-            for s in servers:
+            for s in list(servers):
                 code = s.proc.poll()
-                if code is not None and not rendezvous.finished:
-                    print(f"shoal: server {s.name} exited with status {code} before the workers finished; "
-                          "stopping the job", file=sys.stderr)
+                if code is None or rendezvous.finished:
+                    continue
+                policy = self.options.on_server_failure
+                print(f"shoal: server {s.name} exited with status {code} before the workers finished; "
+                      + {"fail": "stopping the job", "continue": "going on without it",
+                         "restart": "starting it again"}[policy], file=sys.stderr)
+                if policy == "fail":
                     return 1
+                if policy == "continue":
+                    servers.remove(s)
+                    continue
+                if s.pump is not None:
+                    s.pump.join(timeout=2)
+                if s.proc.stdout is not None:
+                    s.proc.stdout.close()
+                s.proc = self._popen(s.name, s.command, s.env)
+                s.restarts += 1
+                self._start_pump(s)
             if all(w.proc.poll() == 0 for w in workers):
                 rendezvous.shutdown_requested = True  # servers see it in their next heartbeat
                 deadline = time.monotonic() + 5.0

@@ -1,0 +1,68 @@
+"""A worker script for replication failure tests.
+
+    replica_worker.py INFO_DIR WRITE_QUORUM PUSHES
+
+Every worker pushes +1 to keys 0..89 (three shards) PUSHES times, counting the
+pushes acknowledged. Rank 0 writes INFO_DIR/servers.json (server pids) first,
+and at the end, after a barrier, waits for the live replicas to converge and
+writes INFO_DIR/result.json: the counts read from every live replica, whether
+they are bit-identical, and the acknowledged total.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import shoal
+
+KEYS = np.arange(90)
+
+
+def main() -> None:
+    info_dir, write_quorum, pushes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    ps = shoal.init()
+    table = ps.table("counts", 90, 1, replicas=3, write_quorum=write_quorum, read_quorum=1, gossip_ms=20)
+    if ps.rank == 0:
+        with open(os.path.join(info_dir, "servers.json"), "w") as fh:
+            json.dump({"pids": [s["pid"] for s in ps.server_stats()]}, fh)
+    ps.barrier()
+    acked = 0
+    ones = np.ones((90, 1), np.float32)
+    for _ in range(pushes):
+        table.push(KEYS, ones)
+        acked += 1
+        time.sleep(0.005)
+    with open(os.path.join(info_dir, f"acked{ps.rank}.json"), "w") as fh:
+        json.dump({"acked": acked, "counters": dict(table.counters)}, fh)
+    ps.barrier()
+    if ps.rank == 0:
+        view = table.replicated.view
+        deadline = time.monotonic() + 20
+        while True:
+            view.refresh(force=True)
+            reads = {}
+            for n in view.live([0, 1, 2]):
+                try:
+                    reads[n] = table.replicated.replica_values(n, KEYS)
+                except shoal.ShoalError:
+                    pass  # a replica that died (and is not yet known dead) does not answer
+            live = sorted(reads)
+            blobs = {rows.tobytes() for rows, _ in reads.values()}
+            alive = [n for n in range(3) if view.alive[n]]  # as the rendezvous' heartbeats say
+            if (len(blobs) == 1 and live == alive) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        with open(os.path.join(info_dir, "result.json"), "w") as fh:
+            json.dump({"live": live, "identical": len(blobs) == 1,
+                       "counts": {str(n): rows[:, 0].tolist() for n, (rows, _) in reads.items()}}, fh)
+    ps.barrier()
+    ps.shutdown()
+
+
+if __name__ == "__main__":
+    main()
