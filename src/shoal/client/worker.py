@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -187,8 +188,11 @@ class Worker:
         ``{"node": n, "unreachable": True}``.
         """
         replies: dict[int, dict[str, Any]] = {}
-        reqs = {self.tracker.request(n, Message(Op.STATS), lambda m, n=n: replies.__setitem__(n, m.body), "STATS")
-                for n in range(self.num_nodes)}
+
+        def keep(node: int) -> Callable[[Message], None]:
+            return lambda msg: replies.__setitem__(node, msg.body)
+
+        reqs = {self.tracker.request(n, Message(Op.STATS), keep(n), "STATS") for n in range(self.num_nodes)}
         try:
             self.tracker.wait(reqs, timeout)
         except RequestTimeoutError:

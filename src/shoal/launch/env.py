@@ -15,7 +15,8 @@ variable fails at once with a message that names it.
 | ``SHOAL_BIND`` | server bind address, default ``tcp://127.0.0.1:0`` |
 | ``SHOAL_LOCAL_ACCESS`` | ``0`` sends every key through a server (classic PS mode) |
 | ``SHOAL_MAX_MESSAGE_BYTES`` | largest message accepted |
-| ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` / ``SHOAL_BARRIER_TIMEOUT`` / ``SHOAL_REPLICA_TIMEOUT`` | seconds |
+| ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` | seconds |
+| ``SHOAL_BARRIER_TIMEOUT`` / ``SHOAL_REPLICA_TIMEOUT`` | seconds |
 | ``SHOAL_LAUNCHER_PID`` | pid of the launcher; its death ends the process |
 | ``SHOAL_LOG_LEVEL`` | logging level of server processes |
 """
