@@ -69,3 +69,14 @@ def test_choose_read_quorum_picks_the_smallest_size_that_meets_the_target():
     m.read_latency = {j: uniform_delays(0.001, 0.001, 10) for j in range(3)}
     assert choose_read_quorum(m, [0, 1, 2], Dynamic(p=0.999, latency_ms=1, prefer="latency"))[0] == 1
     assert choose_read_quorum(m, [0, 1, 2], Dynamic(p=0.999, latency_ms=1))[0] == 3
+
+
+def test_the_mixture_model_keeps_the_mean_and_sums_to_one():
+    from shoal.replication.pbs import missing_pmf
+
+    m = model(0.1, 50.0)
+    pmf = missing_pmf(m, [0], 200)
+    assert pmf.sum() == pytest.approx(1.0, abs=1e-6)
+    assert (np.arange(201) * pmf).sum() == pytest.approx(expected_missing(m, [0]), rel=0.02)
+    # Batched delivery spreads the count: more reads miss nothing than a Poisson of the same mean says.
+    assert predict(m, [0, 1, 2], 1, 0) > predict(m, [0, 1, 2], 1, 0, kind="poisson")

@@ -113,9 +113,11 @@ class ReplicatedAccess:
         self.rng = random.Random(self.worker.rank)
         self.read_latency: dict[int, DelaySamples] = defaultdict(lambda: DelaySamples(1024))
         self.counters: Counter[str] = table.counters
-        #: per read: (quorum size, seconds, merged version) for benchmarks
-        self.reads: list[tuple[int, float, dict[int, int]]] = []
-        self.keep_reads = False
+        #: with ``record`` on, per read (quorum size, issue time, seconds, merged version) and
+        #: per acknowledged push (origin, seq, accept time): what benchmarks check the model against
+        self.record = False
+        self.reads: list[tuple[int, float, float, dict[int, int]]] = []
+        self.acks: list[tuple[int, int, float]] = []
 
     # ---------------------------------------------------------------- pushes
 
@@ -165,6 +167,8 @@ class ReplicatedAccess:
     def _note_ack(self, shard: _Shard, reply: Message) -> None:
         origin, seq = int(reply.body["origin"]), int(reply.body["seq"])
         shard.own[origin] = max(shard.own.get(origin, 0), seq)
+        if self.record:
+            self.acks.append((origin, seq, float(reply.body["at"])))
 
     def _complete_push(self, shard_id: int, keys: np.ndarray, values: np.ndarray, body: dict[str, Any],
                        acked: set[int]) -> None:
@@ -199,6 +203,7 @@ class ReplicatedAccess:
         (a shard that needs more replicas asks again)."""
         self.view.refresh()
         start = time.monotonic()
+        issued = time.time()
         parts = self._by_shard(keys)
         plan: dict[int, list[int]] = {}
         batch = []
@@ -208,13 +213,13 @@ class ReplicatedAccess:
             for node in chosen:
                 batch.append(((shard_id, node), node, self._message(Op.PULL, body, [keys[pos]])))
         sent = self._send_all(batch)
-        return lambda: self._finish_pull(keys, out, parts, plan, self._gather(sent), start)
+        return lambda: self._finish_pull(keys, out, parts, plan, self._gather(sent), start, issued)
 
     def _finish_pull(self, keys: np.ndarray, out: np.ndarray, parts: list[tuple[int, np.ndarray]],
-                     plan: dict[int, list[int]], replies: dict[Any, Message], start: float) -> None:
+                     plan: dict[int, list[int]], replies: dict[Any, Message], start: float, issued: float) -> None:
         for shard_id, pos in parts:
             got = {node: replies[(shard_id, node)] for node in plan[shard_id] if (shard_id, node) in replies}
-            rows = self._finish_read(shard_id, keys[pos], plan[shard_id], got, start)
+            rows = self._finish_read(shard_id, keys[pos], plan[shard_id], got, start, issued)
             if pos.shape[0] == keys.shape[0]:
                 out[...] = rows
             else:
@@ -237,7 +242,7 @@ class ReplicatedAccess:
         return first + self.rng.sample(rest, size - len(first))
 
     def _finish_read(self, shard_id: int, keys: np.ndarray, chosen: list[int], replies: dict[int, Message],
-                     start: float) -> np.ndarray:
+                     start: float, issued: float) -> np.ndarray:
         """Merge; replace replicas that did not answer, widen until our own last push is covered."""
         shard = self.shards[shard_id]
         while True:
@@ -261,8 +266,8 @@ class ReplicatedAccess:
             chosen = chosen + [others[0]]  # widen R until our own last push is covered
             replies = self._read(shard_id, chosen, keys, totals=True)
         self.counters[f"reads_r{len(chosen)}"] += 1
-        if self.keep_reads:
-            self.reads.append((len(chosen), time.monotonic() - start, version))
+        if self.record:
+            self.reads.append((len(chosen), issued, time.monotonic() - start, version))
         return value.astype(self.spec.dtype)
 
     def _message(self, op: Op, body: dict[str, Any], arrays: list[np.ndarray]) -> Message:

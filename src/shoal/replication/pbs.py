@@ -8,8 +8,17 @@ the origin). A read merging quorum ``Q`` misses it with probability
 ``prod_{j in Q} P(T_oj > a + r_j)``. With pushes arriving at rate ``lambda_o``,
 the number of missing pushes is Poisson with mean
 ``mu_Q = sum_o lambda_o * integral prod_{j in Q} P(T_oj > a + r_j) da``, so
-``P(missing <= k) = sum_{i <= k} exp(-mu) mu^i / i!``. Quorums of size ``R`` are
-drawn uniformly from the live replicas, so predictions average over them.
+``P(missing <= k) = sum_{i <= k} exp(-mu) mu^i / i!`` (``kind="poisson"``).
+
+Gossip delivers in rounds, so misses are not independent: a read misses
+exactly the pushes accepted since the last round that reached its replicas.
+``kind="mixture"`` (the default) models that: with ``V`` the time since that
+round, ``P(V > v) = prod_{j in Q} P(T_oj > v + r_j)`` (the same survival
+functions), and given ``V`` the count is Poisson with mean ``lambda_o V``. The
+mean is the same ``mu_Q``; the spread matches batched delivery.
+
+Quorums of size ``R`` are drawn uniformly from the live replicas, so
+predictions average over them.
 """
 
 from __future__ import annotations
@@ -76,12 +85,44 @@ def expected_missing(model: ShardModel, quorum: Sequence[int], one_way_latency: 
     return mu
 
 
-def predict(model: ShardModel, live: Sequence[int], size: int, k: int) -> float:
+def missing_pmf(model: ShardModel, quorum: Sequence[int], kmax: int) -> np.ndarray:
+    """P(a read of ``quorum`` misses exactly n pushes), n = 0..kmax, under the mixture model."""
+    latency = {j: model.mean_read_latency(j) for j in quorum}
+    total = np.zeros(kmax + 1)
+    total[0] = 1.0
+    for origin, rate in model.rates.items():
+        if rate <= 0 or origin in quorum:
+            continue
+        if any((origin, j) not in model.delays or not len(model.delays[(origin, j)]) for j in quorum):
+            continue  # never measured: assume it arrives at once, as expected_missing does
+        horizon = max(model.delays[(origin, j)].quantile(1.0) for j in quorum)
+        edges = np.linspace(0.0, max(horizon, 1e-9), _GRID + 1)
+        survival = np.ones_like(edges)
+        for j in quorum:
+            survival *= model.delays[(origin, j)].survival(edges + latency[j])
+        # V = 0 with probability 1 - S(0); else V falls in a grid cell with probability S(lo) - S(hi).
+        weights = np.concatenate([[1.0 - survival[0]], survival[:-1] - survival[1:]])
+        windows = np.concatenate([[0.0], (edges[:-1] + edges[1:]) / 2])
+        means = rate * windows
+        n = np.arange(kmax + 1)
+        log_factorial = np.array([math.lgamma(i + 1) for i in n])
+        pmf = np.exp(n[:, None] * np.log(np.maximum(means, 1e-300))[None, :] - means[None, :]
+                     - log_factorial[:, None])
+        pmf[:, means == 0] = 0.0
+        pmf[0, means == 0] = 1.0  # an empty window misses nothing
+        origin_pmf = pmf @ weights
+        total = np.convolve(total, origin_pmf)[: kmax + 1]
+    return total
+
+
+def predict(model: ShardModel, live: Sequence[int], size: int, k: int, kind: str = "mixture") -> float:
     """P(a read of ``size`` random live replicas misses at most ``k`` pushes)."""
     quorums = list(itertools.combinations(sorted(live), size))
     if not quorums:
         return 0.0
-    return float(np.mean([poisson_at_most(expected_missing(model, q), k) for q in quorums]))
+    if kind == "poisson":
+        return float(np.mean([poisson_at_most(expected_missing(model, q), k) for q in quorums]))
+    return float(np.mean([min(1.0, missing_pmf(model, q, k).sum()) for q in quorums]))
 
 
 def latency_p99(model: ShardModel, live: Sequence[int], size: int, draws: int = 2000, seed: int = 0) -> float:
