@@ -152,9 +152,8 @@ def summarise(report: dict[str, Any]) -> None:
             lines.append(f"| {phase} | {row['reads']} | {row['mean_missing']:.2f} | {' | '.join(cells)} | "
                          f"{row['latency_p50_ms']:.2f} / {row['latency_p99_ms']:.2f} |")
         sizes = data["phases"]["dynamic"]["quorum_sizes"]
-        lines += ["", f"dynamic R (p=0.9, k=0, 10 ms) chose sizes {sizes}; "
-                      f"measured delays: " + ", ".join(f"{k} p50 {v['p50_ms']:.1f} ms" for k, v in data["delays"].items()),
-                  ""]
+        delays = ", ".join(f"{k} p50 {v['p50_ms']:.1f} ms" for k, v in data["delays"].items())
+        lines += ["", f"dynamic R (p=0.9, k=0, 10 ms) chose sizes {sizes}; measured delays: {delays}", ""]
     worst_poisson = max(abs(row["predicted_poisson"][k] - row["measured"][k])
                         for data in report.values() for row in data["phases"].values() if "predicted_poisson" in row
                         for k in ("0", "1", "2"))
