@@ -22,6 +22,7 @@ from shoal.api.replication import Dynamic, ReadQuorum, read_quorum_from_wire, re
 MAPPING_RULES = ("range", "hash", "round_robin")
 NONFINITE_POLICIES = ("reject", "skip")
 LOCKING_MODES = ("exact", "hogwild")
+TECHNIQUES = ("static", "relocation", "replication", "auto")
 VALUE_DTYPES = ("float32", "float64")
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -66,6 +67,8 @@ class TableSpec:
     write_quorum: int = 1
     read_quorum: ReadQuorum = 1
     gossip_ms: float = 50.0
+    techniques: str = "static"
+    sync_ms: float = 50.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -80,6 +83,7 @@ class TableSpec:
         _one_of("locking", self.locking, LOCKING_MODES)
         _int_at_least("seed", self.seed, 0)
         self._check_replication()
+        self._check_adaptivity()
         if not isinstance(self.init, (Constant, Uniform, Normal)):
             raise ConfigError(f"init must be shoal.Constant, Uniform or Normal, got {self.init!r}")
         if not isinstance(self.optimizer, (Sum, SGD, Adagrad, Adam)):
@@ -93,6 +97,24 @@ class TableSpec:
     @property
     def replicated(self) -> bool:
         return self.replicas > 1
+
+    @property
+    def adaptive(self) -> bool:
+        """Keys move (relocation) or gain replicas on other nodes at run time."""
+        return self.techniques != "static"
+
+    def _check_adaptivity(self) -> None:
+        _one_of("techniques", self.techniques, TECHNIQUES)
+        if not isinstance(self.sync_ms, (int, float)) or not 1 <= self.sync_ms <= 60_000:
+            raise ConfigError(f"sync_ms must lie in [1, 60000], got {self.sync_ms!r}")
+        if not self.adaptive:
+            return
+        if not isinstance(self.optimizer, (Sum, SGD)):
+            # Replicas add their changes into the owner's row: only additive rules compose that way.
+            raise ConfigError("adaptive tables need an additive update rule (Sum or SGD); keep optimiser "
+                              "state such as Adagrad accumulators in the row itself")
+        if self.replicated or not isinstance(self.consistency, ASP) or self.locking != "exact":
+            raise ConfigError("adaptive tables are unreplicated, read under ASP, with locking='exact'")
 
     def _check_replication(self) -> None:
         _int_at_least("replicas", self.replicas, 1)
@@ -131,6 +153,8 @@ class TableSpec:
             "write_quorum": self.write_quorum,
             "read_quorum": read_quorum_to_wire(self.read_quorum),
             "gossip_ms": self.gossip_ms,
+            "techniques": self.techniques,
+            "sync_ms": self.sync_ms,
         }
 
     @classmethod

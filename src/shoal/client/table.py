@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shoal.api.config import TableSpec
-from shoal.api.errors import ProtocolError, RequestTimeoutError, ShapeError
+from shoal.api.errors import ProtocolError, RequestTimeoutError, ShapeError, TableError
+from shoal.client.adaptive import AdaptiveAccess
 from shoal.client.replicated import ReplicatedAccess
+from shoal.client.sampling import Sampler, make_sampler
 from shoal.cluster.requests import Future
 from shoal.consistency.cache import RowCache
 from shoal.consistency.staleness import StalenessHistogram
@@ -57,6 +59,11 @@ class Table:
         self.counters: Counter[str] = Counter()
         #: replicated tables go through quorums instead of the owner-per-key path
         self.replicated = ReplicatedAccess(self) if spec.replicated else None
+        #: adaptive tables: rows move and replicate; local ones are in this node's store
+        self.adaptive = AdaptiveAccess(self, next(iter(local.values()), None)) if spec.adaptive else None
+        if spec.adaptive:
+            self.local = {}  # the node store is the adaptive access's, with presence checks
+        self._sampler: Sampler | None = None
 
     @property
     def name(self) -> str:
@@ -90,8 +97,10 @@ class Table:
     def pull_async(self, keys: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
         keys = as_keys(keys, self.spec)
         result = _Rows(keys.shape[0], self.dim, self.dtype, self._checked_out(keys.shape[0], out))
-        if self.replicated is not None:  # requests go out now; waiting, failover and merging run in wait()
-            finish = self.replicated.pull(keys, result.array())
+        if self.replicated is not None or self.adaptive is not None:
+            # Requests go out now; waiting, failover or following moved keys run in wait().
+            access = self.replicated or self.adaptive
+            finish = access.pull(keys, result.array())  # type: ignore[union-attr]
             return Future(None, set(), lambda: (finish(), result.get())[1], 0.0)
         reqs = self._run(Op.PULL, keys, None, result)
         return Future(self.worker.tracker, reqs, result.get, self.worker.cluster.timeouts.request_s)
@@ -100,9 +109,10 @@ class Table:
         """Start a push. ``values`` must not be modified until the future is done."""
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
-        if self.replicated is not None:
+        if self.replicated is not None or self.adaptive is not None:
             keys, values, _ = drop_nonfinite(keys, values, self.spec)
-            return Future(None, set(), self.replicated.push(keys, values), 0.0)
+            access = self.replicated or self.adaptive
+            return Future(None, set(), access.push(keys, values), 0.0)  # type: ignore[union-attr]
         reqs = self._run(Op.PUSH, keys, values, None)
         return Future(self.worker.tracker, reqs, lambda: None, self.worker.cluster.timeouts.request_s)
 
@@ -110,8 +120,9 @@ class Table:
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
         finite_keys, finite_values, skipped = drop_nonfinite(keys, values, self.spec)
-        if self.replicated is not None:
-            self.replicated.push(finite_keys, finite_values)()
+        if self.replicated is not None or self.adaptive is not None:
+            access = self.replicated or self.adaptive
+            access.push(finite_keys, finite_values)()  # type: ignore[union-attr]
             return self.pull_async(keys, out)
         if skipped:  # rare: the push shrinks but every key still wants its row back
             self._run(Op.PUSH, finite_keys, finite_values, None)
@@ -119,6 +130,44 @@ class Table:
         result = _Rows(keys.shape[0], self.dim, self.dtype, self._checked_out(keys.shape[0], out))
         reqs = self._run(Op.PUSH_PULL, keys, values, result)
         return Future(self.worker.tracker, reqs, result.get, self.worker.cluster.timeouts.request_s)
+
+    # ----------------------------------------------------- adaptive placement
+
+    def localize(self, keys: Any) -> None:
+        """Ask for ``keys`` to move to this worker's node (adaptive tables; asynchronous)."""
+        if self.adaptive is None:
+            raise TableError(f"table {self.name!r} is static; create it with techniques='relocation' or 'auto'")
+        self.adaptive.localize(as_keys(keys, self.spec))
+
+    def intent(self, keys: Any, start: int, end: int | None = None) -> None:
+        """Declare that ``keys`` will be used in clocks ``[start, end)`` (default: just clock ``start``).
+
+        The node's server acts on it ahead of time (relocate or replicate); it
+        never blocks the caller. Static tables ignore intents.
+        """
+        if self.adaptive is not None:
+            self.adaptive.intent(as_keys(keys, self.spec), int(start), int(start) + 1 if end is None else int(end))
+
+    # ------------------------------------------------------------- sampling
+
+    def register_sampling(self, weights: Any = None, scheme: str = "naive", reuse: int = 4,
+                          pool_size: int = 4096, seed: int | None = None) -> None:
+        """Register the distribution samples come from (uniform if ``weights`` is None) and the scheme:
+        ``naive``, ``pool`` (each pooled key reused ``reuse`` times) or ``local`` (keys present here)."""
+        self._sampler = make_sampler(self, weights, scheme, reuse, pool_size,
+                                     self.worker.rank if seed is None else seed)
+
+    def prepare_sample(self, n: int, clock: int | None = None) -> int:
+        """Draw ``n`` keys for use at ``clock`` (default: now); returns a handle for ``pull_sample``."""
+        if self._sampler is None:
+            raise TableError(f"register_sampling() on table {self.name!r} first")
+        return self._sampler.prepare(n, clock)
+
+    def pull_sample(self, handle: int) -> tuple[np.ndarray, np.ndarray]:
+        """The keys of a prepared sample and their rows."""
+        if self._sampler is None:
+            raise TableError(f"register_sampling() on table {self.name!r} first")
+        return self._sampler.pull(handle)
 
     # ------------------------------------------------------------- internals
 

@@ -165,10 +165,21 @@ class Worker:
     def advance_clock(self) -> int:
         """Finish an iteration: tell every server this worker's new clock (one-way)."""
         self._check_open()
+        for table in self.tables.values():
+            if table.adaptive is not None:
+                table.adaptive.flush_intents()
         self.clock += 1
         for n in range(self.num_nodes):
             self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}))
         return self.clock
+
+    def intent(self, table: Table, keys: Any, start: int, end: int | None = None) -> None:
+        """``table.intent(keys, start, end)``: this worker will use ``keys`` in clocks ``[start, end)``."""
+        table.intent(keys, start, end)
+
+    def localize(self, table: Table, keys: Any) -> None:
+        """``table.localize(keys)``: move ``keys`` to this worker's node."""
+        table.localize(keys)
 
     def wait_all(self) -> None:
         """Wait for every request still in flight (async pushes included)."""

@@ -24,6 +24,7 @@ from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
+from shoal.server.adaptive import ADAPTIVE_SHARD, AdaptiveService
 from shoal.server.replicated import ReplicationService
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, table_bytes
@@ -79,6 +80,8 @@ class ParameterServer:
         self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec))
         self.replication = ReplicationService(node, cluster, transport, self.codec,
                                               lambda peer, msg: self._send(peer, msg, self.codec))
+        self.adaptive = AdaptiveService(node, cluster, transport, self.codec,
+                                        lambda peer, msg: self._send(peer, msg, self.codec), self.clocks)
         self._stop = threading.Event()
         self._rendezvous = RequestTracker(transport, self.codec, sender=node)
         self._heartbeat_req: int | None = None
@@ -109,6 +112,7 @@ class ParameterServer:
                 try:
                     self.sync.tick()
                     self.replication.tick()
+                    self.adaptive.tick()
                 except Exception:  # timers must not end the loop either
                     log.exception("server %d: unexpected failure in a timer", self.node)
                 if register:
@@ -121,7 +125,8 @@ class ParameterServer:
 
     def _wait_s(self) -> float:
         """How long the loop may block: until the next lazy-pull deadline or gossip round, at most 50 ms."""
-        deadlines = [d for d in (self.sync.next_deadline(), self.replication.next_round()) if d is not None]
+        deadlines = [d for d in (self.sync.next_deadline(), self.replication.next_round(), self.adaptive.next_timer())
+                     if d is not None]
         if not deadlines:
             return 0.05
         return min(0.05, max(0.0, min(deadlines) - time.monotonic()))
@@ -132,9 +137,11 @@ class ParameterServer:
         if self.node < len(incarnations):
             self.replication.incarnation = int(incarnations[self.node])
         self.replication.on_status(status)
+        self.adaptive.on_status(status)
         for spec in status.get("tables") or []:
             parsed = TableSpec.from_dict(spec)
-            if parsed.name not in self.tables and parsed.name not in self.replication.tables:
+            if parsed.name not in self.tables and parsed.name not in self.replication.tables \
+                    and parsed.name not in self.adaptive.tables:
                 try:
                     self._add_table(parsed)
                 except ShoalError as exc:
@@ -162,9 +169,9 @@ class ParameterServer:
             self.stop()
 
     def _on_status(self, msg: Message) -> None:
-        self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
-        self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
+        self._last_heartbeat = time.monotonic()
         self.replication.on_status(msg.body)
+        self.adaptive.on_status(msg.body)
         if msg.body.get("finished"):
             log.info("server %d: all workers finished; shutting down", self.node)
             self.stop()
@@ -227,6 +234,8 @@ class ParameterServer:
         op = msg.op
         if msg.table in self.replication.tables and op not in (Op.CREATE_TABLE, Op.CLOCK):
             return self.replication.handle(peer, msg)
+        if msg.table in self.adaptive.tables and op not in (Op.CREATE_TABLE, Op.CLOCK):
+            return self.adaptive.handle(peer, msg)
         if op == Op.PULL:
             return self.sync.pull(self._table(msg.table), peer, msg)
         if op == Op.PUSH:
@@ -267,7 +276,8 @@ class ParameterServer:
         spec = TableSpec.from_dict(msg.body["spec"])
         if spec.name != msg.table:
             raise ProtocolError(f"CREATE_TABLE for {msg.table!r} carries a spec named {spec.name!r}")
-        existing = self.tables.get(spec.name) or self.replication.tables.get(spec.name)
+        existing = (self.tables.get(spec.name) or self.replication.tables.get(spec.name)
+                    or self.adaptive.tables.get(spec.name))
         if existing is not None:
             if existing.spec != spec:
                 raise TableError(
@@ -283,11 +293,15 @@ class ParameterServer:
             log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
         if spec.replicated:
             return msg.reply(Op.OK, {"shards": sorted(self.replication.tables[spec.name].replicas)})
+        if spec.adaptive:
+            return msg.reply(Op.OK, {"shards": [ADAPTIVE_SHARD]})
         return msg.reply(Op.OK, {"shards": sorted(self.tables[spec.name].stores)})
 
     def _add_table(self, spec: TableSpec) -> None:
         if spec.replicated:
             self.replication.create(spec)
+        elif spec.adaptive:
+            self.adaptive.create(spec)
         else:
             layout = TableLayout.initial(spec, self.cluster.num_nodes)
             self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster.cluster_id, self.clocks)
@@ -301,8 +315,9 @@ class ParameterServer:
                        for n, t in self.tables.items()},
             "clocks": [int(c) for c in self.clocks.clocks],
             "slowest_clock": self.clocks.slowest,
-            "stats": dict(self.stats + self.sync.stats + self.replication.stats),
+            "stats": dict(self.stats + self.sync.stats + self.replication.stats + self.adaptive.stats),
             "replicated": {n: sorted(t.replicas) for n, t in self.replication.tables.items()},
+            "adaptive": self.adaptive.describe(),
             "controllers": {n: t.controller.stats.as_dict() for n, t in self.tables.items()},
         }
 
@@ -313,6 +328,12 @@ class ParameterServer:
         if request.get("clocks"):
             return {"num_workers": self.cluster.num_workers, "label": self._clock_segment.label}, \
                 [self._clock_segment.fd]
+        adaptive = self.adaptive.tables.get(str(request.get("table")))
+        if adaptive is not None:
+            store = adaptive.store
+            return {"spec": adaptive.spec.to_dict(),
+                    "shards": [{"shard": ADAPTIVE_SHARD, "num_rows": store.num_rows, "label": store.segment.label}]}, \
+                [store.fd]
         table = self._table(str(request.get("table")))
         shards = sorted(table.stores)
         info = [{"shard": s, "num_rows": table.stores[s].num_rows, "label": table.stores[s].segment.label}
@@ -327,6 +348,7 @@ class ParameterServer:
             self._fdshare = None
         self._rendezvous.close()
         self.replication.close()
+        self.adaptive.close()
         self.listener.close()
         for table in self.tables.values():
             table.close()

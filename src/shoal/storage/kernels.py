@@ -60,6 +60,47 @@ def add_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, alpha: float) -
             dst[r, j] += a * src[i, j]
 
 
+# ---------------------------------------------------------- adaptive placement
+
+ABSENT, OWNED, REPLICA = 0, 1, 2
+
+
+@_jit
+def read_present(values: np.ndarray, presence: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+                 out: np.ndarray, absent: np.ndarray) -> None:
+    """``out[positions[i]] = values[rows[i]]`` for present rows; ``absent[i]`` marks the others."""
+    dim = values.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if presence[r] == 0:
+            absent[i] = True
+            continue
+        absent[i] = False
+        p = positions[i]
+        for j in range(dim):
+            out[p, j] = values[r, j]
+
+
+@_jit
+def add_present(values: np.ndarray, pending: np.ndarray, presence: np.ndarray, rows: np.ndarray,
+                grads: np.ndarray, scale: float, absent: np.ndarray) -> None:
+    """Additive update of present rows; a replica also records the change as pending for its owner."""
+    dim = values.shape[1]
+    a = values.dtype.type(scale)
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        state = presence[r]
+        if state == 0:
+            absent[i] = True
+            continue
+        absent[i] = False
+        for j in range(dim):
+            d = a * grads[i, j]
+            values[r, j] += d
+            if state == 2:
+                pending[r, j] += d
+
+
 # ------------------------------------------------------------- key bookkeeping
 
 

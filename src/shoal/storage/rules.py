@@ -31,6 +31,8 @@ class UpdateRule:
     state: tuple[StateArray, ...] = ()
     #: whether duplicate rows may go straight to the kernel (it accumulates them)
     accepts_duplicates = False
+    #: for additive rules, the factor a push is scaled by (``w += scale * g``); None otherwise
+    scale: float | None = None
 
     def apply(
         self, values: np.ndarray, state: dict[str, np.ndarray], rows: np.ndarray, grads: np.ndarray
@@ -46,6 +48,7 @@ class UpdateRule:
 
 class SumRule(UpdateRule):
     accepts_duplicates = True
+    scale = 1.0
 
     def apply(self, values, state, rows, grads):  # type: ignore[no-untyped-def]
         kernels.add_rows(values, rows, grads, 1.0)
@@ -56,6 +59,7 @@ class SGDRule(UpdateRule):
 
     def __init__(self, opt: SGD) -> None:
         self.lr = opt.lr
+        self.scale = -opt.lr
 
     def apply(self, values, state, rows, grads):  # type: ignore[no-untyped-def]
         kernels.add_rows(values, rows, grads, -self.lr)

@@ -78,17 +78,29 @@ class Segment:
             self.fd = -1
 
 
+_THREAD_LOCKS: dict[tuple[int, int], threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+def _thread_lock(fd: int) -> threading.Lock:
+    """One thread lock per segment per process, however many descriptors map it here."""
+    st = os.fstat(fd)
+    with _THREAD_LOCKS_GUARD:
+        return _THREAD_LOCKS.setdefault((st.st_dev, st.st_ino), threading.Lock())
+
+
 class StripedLocks:
     """Reader/writer locks on stripes of rows, shared by every process of a node.
 
     Record locks belong to a process, not a thread, so a thread lock is taken
-    first to exclude other threads of the same process.
+    first to exclude other threads of the same process, shared by every view
+    of the segment in this process (a server and a worker may share one).
     """
 
     def __init__(self, fd: int, num_stripes: int = 64) -> None:
         self.fd = fd
         self.num_stripes = num_stripes
-        self._threads = threading.Lock()
+        self._threads = _thread_lock(fd)
 
     @contextmanager
     def hold(self, rows: np.ndarray | None, exclusive: bool) -> Iterator[None]:

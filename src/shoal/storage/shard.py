@@ -47,6 +47,13 @@ class ShardLayout:
             # Rows changed since the server last pushed them to subscribers (ESSP).
             slots["dirty"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
+        if spec.adaptive:
+            # Whether this node owns a row, holds a replica of it, or neither; and, for
+            # replicas, the change made here since the owner last heard of it.
+            slots["presence"] = ArraySlot(offset, (num_rows,), "uint8")
+            offset = align(offset + num_rows)
+            slots["pending"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
+            offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
         return cls(slots, max(offset, 1))
 
 
@@ -67,6 +74,8 @@ class ShardStore:
         arrays = {name: segment.array(s.offset, s.shape, s.dtype) for name, s in layout.slots.items()}
         self.values = arrays.pop("values")
         self.dirty: np.ndarray | None = arrays.pop("dirty", None)
+        self.presence: np.ndarray | None = arrays.pop("presence", None)
+        self.pending: np.ndarray | None = arrays.pop("pending", None)
         self.state = arrays
         self._locks = StripedLocks(segment.fd) if spec.locking == "exact" else None
 
@@ -116,6 +125,33 @@ class ShardStore:
             self.rule.apply(self.values, self.state, rows, grads)
             if self.dirty is not None:
                 self.dirty[rows] = 1
+
+    # ------------------------------------------------- adaptive placement
+
+    def hold(self, rows: np.ndarray | None, exclusive: bool = True) -> AbstractContextManager[None]:
+        """The row locks, for callers that read and change presence together with values."""
+        return self._hold(rows, exclusive)
+
+    def read_present(self, rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Gather the rows present on this node into ``out``; returns a mask of the absent ones.
+
+        Presence is checked under the same lock that a relocation takes, so a
+        row is read here or found absent, never read after it moved away.
+        """
+        assert self.presence is not None
+        absent = np.empty(rows.shape[0], dtype=np.bool_)
+        with self._hold(rows, exclusive=False):
+            kernels.read_present(self.values, self.presence, rows, positions, out, absent)
+        return absent
+
+    def update_present(self, rows: np.ndarray, grads: np.ndarray, scale: float) -> np.ndarray:
+        """Add ``scale * grads`` to the rows present here (and to a replica's pending change);
+        returns a mask of the absent rows, which the caller must send to their owner."""
+        assert self.presence is not None and self.pending is not None
+        absent = np.empty(rows.shape[0], dtype=np.bool_)
+        with self._hold(rows, exclusive=True):
+            kernels.add_present(self.values, self.pending, self.presence, rows, grads, scale, absent)
+        return absent
 
     def take_dirty(self) -> np.ndarray:
         """Rows changed since the last call, and clear their marks.

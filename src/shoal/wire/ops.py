@@ -30,6 +30,9 @@ class Op(IntEnum):
     GOSSIP = 27  # replica -> replica: version vector and the updates the other lacks
     TOTALS = 28  # reply: per-origin running sums of rows, for a reader merging replicas
     REPLICA_STATS = 29  # what the probabilistic model needs: delays and push rates
+    LOCALIZE = 30  # worker -> its node's server: move these keys here
+    INTENT = 31  # worker -> its node's server: I will use these keys in clocks [start, end)
+    PLACEMENT = 32  # server -> server: relocation, replication and intent traffic of adaptive tables
 
 
 class Flag:

@@ -56,6 +56,9 @@ SCHEMAS: dict[Op, OpSchema] = {
                         needs_table=True, variadic=True),
     Op.TOTALS: OpSchema(arrays=(ArrayRule("i", 1), ArrayRule("i", 1), ArrayRule("f", 3))),
     Op.REPLICA_STATS: OpSchema(body={"shard": _INT}, needs_table=True),
+    Op.LOCALIZE: OpSchema(arrays=(KEYS,), needs_table=True),
+    Op.INTENT: OpSchema(body={"start": _INT, "end": _INT}, arrays=(KEYS,), needs_table=True),
+    Op.PLACEMENT: OpSchema(body={"kind": _STR}, needs_table=True, variadic=True),
 }
 
 

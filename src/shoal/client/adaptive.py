@@ -1,0 +1,154 @@
+"""A worker's access to an adaptive table: local rows in shared memory, the rest wherever they moved.
+
+Rows present on this node (owned or replicated here) are read and updated in
+shared memory, checking presence under the row locks so a row that moves away
+is never written after it left. Requests for the other rows go to where the
+worker's location cache says they live; an answer "moved, try n" updates the
+cache and the request follows, after two hops to the key's home, which knows.
+Intents are buffered and sent to the node's server at each clock tick.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shoal.api.errors import RequestTimeoutError
+from shoal.placement.ownership import LocationCache
+from shoal.storage import kernels
+from shoal.storage.rules import rule_for
+from shoal.storage.shard import ShardStore
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+if TYPE_CHECKING:
+    from shoal.client.table import Table
+
+
+class AdaptiveAccess:
+    """Pull, push, localize and intent for one adaptive table."""
+
+    def __init__(self, table: Table, store: ShardStore | None) -> None:
+        self.table = table
+        self.spec = table.spec
+        self.worker = table.worker
+        self.store = store  # None in classic mode: every row is asked for
+        self.hints = LocationCache(self.spec.num_keys, self.worker.num_nodes)
+        self.counters = table.counters
+        self._intents: list[tuple[np.ndarray, int, int]] = []
+        self._replies: dict[int, Message] = {}
+        scale = rule_for(self.spec.optimizer).scale
+        assert scale is not None  # adaptive tables have additive rules (TableSpec checks)
+        self.scale = scale
+
+    # ----------------------------------------------------------------- calls
+
+    def pull(self, keys: np.ndarray, out: np.ndarray) -> Callable[[], None]:
+        if self.store is not None:
+            absent = self.store.read_present(keys, np.arange(keys.shape[0]), out)
+            pos = np.flatnonzero(absent)
+            self.counters["rows_local"] += keys.shape[0] - pos.shape[0]
+        else:
+            pos = np.arange(keys.shape[0])
+        if not pos.size:
+            return _done
+        return self._remote(Op.PULL, keys, None, out, pos)
+
+    def push(self, keys: np.ndarray, values: np.ndarray) -> Callable[[], None]:
+        if self.store is not None:
+            absent = self.store.update_present(keys, values, self.scale)
+            pos = np.flatnonzero(absent)
+            self.counters["rows_local"] += keys.shape[0] - pos.shape[0]
+        else:
+            pos = np.arange(keys.shape[0])
+        if not pos.size:
+            return _done
+        return self._remote(Op.PUSH, keys, values, None, pos)
+
+    def localize(self, keys: np.ndarray) -> None:
+        """Ask for ``keys`` to live on this worker's node (asynchronous)."""
+        self.worker.tracker.notify(self.worker.node, Message(Op.LOCALIZE, table=self.spec.name, arrays=[keys]))
+
+    def intent(self, keys: np.ndarray, start: int, end: int) -> None:
+        """Declare that ``keys`` will be used in clocks ``[start, end)``; sent at the next clock tick."""
+        self._intents.append((keys, start, end))
+
+    def flush_intents(self) -> None:
+        for keys, start, end in self._intents:
+            self.worker.tracker.notify(self.worker.node, Message(Op.INTENT, table=self.spec.name,
+                                                                 body={"start": start, "end": end}, arrays=[keys]))
+        self.counters["intents_sent"] += len(self._intents)
+        self._intents.clear()
+
+    # -------------------------------------------------------------- routing
+
+    def _remote(self, op: Op, keys: np.ndarray, values: np.ndarray | None, out: np.ndarray | None,
+                pos: np.ndarray) -> Callable[[], None]:
+        pending = self._send(op, keys, values, pos, 0)
+        deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
+
+        def finish() -> None:
+            nonlocal pending
+            hops = 0
+            while pending:
+                replies = self._wait(pending, deadline)
+                again: list[np.ndarray] = []
+                for (sent_pos, _), reply in zip(pending, replies, strict=True):
+                    moved = np.asarray(reply.body.get("moved", []), dtype=np.int64)
+                    if out is not None and reply.op == Op.VALUES:
+                        rows = reply.arrays[0]
+                        keep = np.ones(sent_pos.shape[0], dtype=np.bool_)
+                        keep[moved] = False
+                        kernels.place_rows(out, sent_pos[keep], rows[keep])
+                    if moved.size:
+                        self.hints.learn(keys[sent_pos[moved]], np.asarray(reply.body["owners"], dtype=np.int64))
+                        again.append(sent_pos[moved])
+                    self.counters["rows_remote"] += sent_pos.shape[0] - moved.shape[0]
+                if not again:
+                    return
+                hops += 1
+                self.counters["moved_retries"] += 1
+                if hops > 2:  # the key is on its way somewhere: give it a moment
+                    time.sleep(0.001 * 2 ** min(hops - 3, 6))
+                pending = self._send(op, keys, values, np.concatenate(again), hops)
+
+        return finish
+
+    def _send(self, op: Op, keys: np.ndarray, values: np.ndarray | None, pos: np.ndarray, hops: int
+              ) -> list[tuple[np.ndarray, int]]:
+        where = self.hints.route(keys[pos], hops)
+        sent = []
+        for node in np.unique(where):
+            part = pos[where == node]
+            arrays = [keys[part]] if values is None else [keys[part], values[part]]
+            msg = Message(op, table=self.spec.name, clock=self.worker.clock, body={"hops": hops}, arrays=arrays)
+            what = f"{op.name} of {part.shape[0]} key(s) of {self.spec.name!r}"
+            req = self.worker.tracker.request(int(node), msg, self._keep, what)
+            sent.append((part, req))
+            self.counters["requests"] += 1
+        return sent
+
+    def _wait(self, pending: list[tuple[np.ndarray, int]], deadline: float) -> list[Message]:
+        tracker = self.worker.tracker
+        reqs = {req for _, req in pending}
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RequestTimeoutError(f"keys of {self.spec.name!r} kept moving until the request timeout")
+        tracker.wait(reqs, remaining)
+        replies = []
+        for _, req in pending:
+            error = tracker.take_error(req)
+            if error is not None:
+                raise error
+            replies.append(self._replies.pop(req))
+        return replies
+
+    def _keep(self, msg: Message) -> None:
+        self._replies[msg.req] = msg
+
+
+def _done() -> None:
+    return None

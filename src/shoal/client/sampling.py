@@ -1,0 +1,154 @@
+"""Sampling access (NuPS): draw keys from a registered distribution and get their rows.
+
+Negative sampling in embedding models draws keys at random, so a classic PS
+sends a message for almost every sample. Schemes trade exactness for locality:
+
+* ``naive``: draw from the distribution, pull the rows (prefetched when the
+  sample is prepared);
+* ``pool``: draw a pool once, pull it, and hand each pooled key out ``reuse``
+  times before drawing a new pool;
+* ``local``: draw only among keys present on this node (owned or replicated),
+  with their weights renormalised: no message at all, slightly biased.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shoal.api.errors import ConfigError, TableError
+from shoal.cluster.requests import Future
+from shoal.storage.kernels import ABSENT
+
+if TYPE_CHECKING:
+    from shoal.client.table import Table
+
+SCHEMES = ("naive", "pool", "local")
+_LOCAL_REFRESH = 64  # draws between refreshes of the list of local keys
+
+
+@dataclass
+class SampleHandle:
+    id: int
+    keys: np.ndarray
+    rows: Future[np.ndarray] | np.ndarray
+
+
+class Sampler:
+    """Samples keys of one table under one scheme."""
+
+    def __init__(self, table: Table, weights: np.ndarray | None, scheme: str, reuse: int, pool_size: int,
+                 seed: int) -> None:
+        if scheme not in SCHEMES:
+            raise ConfigError(f"sampling scheme must be one of {SCHEMES}, got {scheme!r}")
+        if weights is not None:
+            weights = np.asarray(weights, dtype=np.float64)
+            if weights.shape != (table.num_keys,) or (weights < 0).any() or not weights.sum() > 0:
+                raise ConfigError(f"weights must be {table.num_keys} non-negative numbers with a positive sum")
+        if reuse < 1 or pool_size < 1:
+            raise ConfigError(f"reuse and pool_size must be >= 1, got {reuse}, {pool_size}")
+        self.table = table
+        self.scheme = scheme
+        self.reuse = reuse
+        self.pool_size = pool_size
+        self.rng = np.random.default_rng(seed)
+        self.cdf = None if weights is None else np.cumsum(weights / weights.sum())
+        self.weights = weights
+        self._ids = itertools.count()
+        self._handles: dict[int, SampleHandle] = {}
+        self._pool = np.empty(0, dtype=np.int64)
+        self._pool_rows = np.empty((0, table.dim), dtype=table.dtype)
+        self._pool_left = np.empty(0, dtype=np.int64)
+        self._local: np.ndarray | None = None
+        self._local_cdf: np.ndarray | None = None
+        self._local_age = 0
+
+    def _draw(self, n: int) -> np.ndarray:
+        if self.cdf is None:
+            return self.rng.integers(0, self.table.num_keys, n)
+        return np.minimum(np.searchsorted(self.cdf, self.rng.random(n), side="right"), self.table.num_keys - 1)
+
+    def prepare(self, n: int, clock: int | None = None) -> int:
+        if self.scheme == "naive":
+            keys = self._draw(n)
+            if clock is not None and self.table.adaptive is not None:
+                # Known ahead: signal intent so the rows can be brought here in time, pull when used.
+                self.table.intent(keys, clock, clock + 1)
+                handle = SampleHandle(next(self._ids), keys, np.empty(0))
+                handle.rows = _Later(self.table, keys)  # type: ignore[assignment]
+            else:
+                handle = SampleHandle(next(self._ids), keys, self.table.pull_async(keys))
+        elif self.scheme == "pool":
+            keys, rows = self._from_pool(n)
+            handle = SampleHandle(next(self._ids), keys, rows)
+        else:
+            keys = self._draw_local(n)
+            handle = SampleHandle(next(self._ids), keys, self.table.pull_async(keys))
+        self._handles[handle.id] = handle
+        self.table.counters[f"samples_{self.scheme}"] += n
+        return handle.id
+
+    def pull(self, handle_id: int) -> tuple[np.ndarray, np.ndarray]:
+        handle = self._handles.pop(handle_id, None)
+        if handle is None:
+            raise TableError(f"no prepared sample {handle_id} (each handle is pulled once)")
+        rows = handle.rows.wait() if isinstance(handle.rows, (Future, _Later)) else handle.rows
+        return handle.keys, rows
+
+    def _from_pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys (and their rows) from the pool, each used at most ``reuse`` times."""
+        if self._pool_left.sum() < n:
+            size = max(self.pool_size, n)
+            self._pool = self._draw(size)
+            self._pool_rows = self.table.pull(self._pool)
+            self._pool_left = np.full(size, self.reuse, dtype=np.int64)
+            self.table.counters["sample_pools"] += 1
+        available = np.flatnonzero(self._pool_left > 0)
+        chosen = self.rng.choice(available, size=n, replace=False) if available.size >= n else available[:n]
+        self._pool_left[chosen] -= 1
+        return self._pool[chosen], self._pool_rows[chosen]
+
+    def _draw_local(self, n: int) -> np.ndarray:
+        adaptive = self.table.adaptive
+        store = adaptive.store if adaptive is not None else None
+        if store is None or store.presence is None:
+            local = self._static_local_keys()
+        else:
+            if self._local is None or self._local_age >= _LOCAL_REFRESH:
+                self._local = np.flatnonzero(store.presence != ABSENT)
+                self._local_cdf = None
+                self._local_age = 0
+            local = self._local
+        self._local_age += 1
+        if local.size == 0:
+            return self._draw(n)  # nothing here yet: fall back to the true distribution
+        if self.weights is None:
+            return local[self.rng.integers(0, local.size, n)]
+        if self._local_cdf is None:
+            w = self.weights[local]
+            self._local_cdf = np.cumsum(w / w.sum()) if w.sum() > 0 else np.linspace(1 / local.size, 1, local.size)
+        return local[np.minimum(np.searchsorted(self._local_cdf, self.rng.random(n), side="right"), local.size - 1)]
+
+    def _static_local_keys(self) -> np.ndarray:
+        if self._local is None:
+            mapping = self.table.layout.mapping
+            parts = [mapping.keys_of(s) for s in self.table.local]
+            self._local = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        return self._local
+
+
+class _Later:
+    """Rows pulled when the sample is used, not when it is prepared."""
+
+    def __init__(self, table: Table, keys: np.ndarray) -> None:
+        self.table, self.keys = table, keys
+
+    def wait(self) -> np.ndarray:
+        return self.table.pull(self.keys)
+
+
+def make_sampler(table: Table, weights: Any, scheme: str, reuse: int, pool_size: int, seed: int) -> Sampler:
+    return Sampler(table, weights, scheme, reuse, pool_size, seed)

@@ -1,0 +1,109 @@
+"""Intent signals and what they turn into (AdaPS, DESIGN.md §6).
+
+A worker declares that it will access keys during clocks ``[start, end)``. Its
+node's server turns intents into announcements when they enter the *action
+window* (the next few clocks) and withdrawals when they expire, and sends them
+to the keys' owners. An owner decides per key from the nodes that announced
+interest: one other node and nobody else -> relocate the key there; several
+nodes -> replicate it to them; no interest -> leave it. Pure bookkeeping: the
+server carries the decisions out.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+
+class Action(Enum):
+    NOTHING = "nothing"
+    RELOCATE = "relocate"
+    REPLICATE = "replicate"
+
+
+@dataclass
+class NodeIntents:
+    """At one node: its workers' intents, and which keys it has announced to their owners."""
+
+    num_keys: int
+    until: np.ndarray = field(init=False)  # the last clock (exclusive) of interest per key
+    announced: np.ndarray = field(init=False)
+    _starting: list[tuple[int, int, np.ndarray, int]] = field(default_factory=list)  # (start, seq, keys, end)
+    _ending: list[tuple[int, int]] = field(default_factory=list)  # (end, seq)
+    _ending_keys: dict[int, np.ndarray] = field(default_factory=dict)
+    _seq: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.until = np.zeros(self.num_keys, dtype=np.int64)
+        self.announced = np.zeros(self.num_keys, dtype=np.bool_)
+
+    def add(self, keys: np.ndarray, start: int, end: int) -> None:
+        if end > start and keys.size:
+            heapq.heappush(self._starting, (start, next(self._seq), np.unique(keys), end))
+
+    def due(self, clock: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(to_announce, to_withdraw)`` at node clock ``clock`` with an action window of ``window`` clocks."""
+        newly: list[np.ndarray] = []
+        while self._starting and self._starting[0][0] <= clock + window:
+            _, seq, keys, end = heapq.heappop(self._starting)
+            if end <= clock:
+                continue  # already over before it came into view
+            self.until[keys] = np.maximum(self.until[keys], end)
+            fresh = keys[~self.announced[keys]]
+            self.announced[fresh] = True
+            newly.append(fresh)
+            heapq.heappush(self._ending, (end, seq))
+            self._ending_keys[seq] = keys
+        expired: list[np.ndarray] = []
+        while self._ending and self._ending[0][0] <= clock:
+            _, seq = heapq.heappop(self._ending)
+            keys = self._ending_keys.pop(seq)
+            over = keys[self.announced[keys] & (self.until[keys] <= clock)]
+            self.announced[over] = False
+            expired.append(over)
+        empty = np.empty(0, dtype=np.int64)
+        return (np.concatenate(newly) if newly else empty), (np.unique(np.concatenate(expired)) if expired else empty)
+
+
+@dataclass
+class OwnerInterest:
+    """At an owner: which nodes announced interest in each of its keys (a bit per node)."""
+
+    num_keys: int
+    interest: np.ndarray = field(init=False)
+    replicas: np.ndarray = field(init=False)  # nodes holding a replica (a bit per node)
+
+    def __post_init__(self) -> None:
+        self.interest = np.zeros(self.num_keys, dtype=np.int64)
+        self.replicas = np.zeros(self.num_keys, dtype=np.int64)
+
+    def announce(self, keys: np.ndarray, node: int) -> None:
+        self.interest[keys] |= 1 << node
+
+    def withdraw(self, keys: np.ndarray, node: int) -> None:
+        self.interest[keys] &= ~(1 << node)
+
+    def decide(self, technique: str, keys: np.ndarray, node: int, owner: int) -> dict[Action, np.ndarray]:
+        """What to do now that ``node`` announced interest in ``keys`` owned by ``owner``."""
+        if node == owner or technique == "static" or not keys.size:
+            return {Action.NOTHING: keys}
+        if technique == "replication":
+            return {Action.REPLICATE: keys}
+        others = self.interest[keys] & ~(1 << node)
+        alone = (others == 0) & (self.replicas[keys] == 0)
+        if technique == "relocation":
+            # Only keys nobody else holds a replica of can move; a replica syncs with its owner.
+            return {Action.RELOCATE: keys[self.replicas[keys] == 0], Action.NOTHING: keys[self.replicas[keys] != 0]}
+        return {Action.RELOCATE: keys[alone], Action.REPLICATE: keys[~alone]}
+
+
+def smoothed_window(action_s: float, clock_s: float, current: int) -> int:
+    """How many clocks ahead to act: enough for an action to complete before its clock comes."""
+    if clock_s <= 0:
+        return max(current, 1)
+    target = int(np.ceil(action_s / clock_s)) + 1
+    return max(1, min(64, round(0.8 * current + 0.2 * target)))

@@ -1,0 +1,69 @@
+"""Who owns a key of an adaptive table, as each party knows it (Lapse, DESIGN.md §6).
+
+Every key has a *home* node (``key % num_nodes``) that always knows its current
+owner. Everyone else keeps a location cache of hints that may be stale: a
+request sent on a stale hint is answered "moved, try there", and after two such
+hops it goes to the home node, which knows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_HOPS = 2
+
+
+def home_of(keys: np.ndarray, num_nodes: int) -> np.ndarray:
+    return keys % num_nodes
+
+
+class Directory:
+    """At a home node: the owner of each of its home keys, and how often each moved."""
+
+    def __init__(self, num_keys: int, num_nodes: int, node: int) -> None:
+        self.node = node
+        self.num_nodes = num_nodes
+        self.owner = np.full(num_keys, -1, dtype=np.int64)
+        self.owner[node::num_nodes] = node  # initially every key lives at home
+        self.moves = np.zeros(num_keys, dtype=np.int64)
+
+    def is_home(self, keys: np.ndarray) -> np.ndarray:
+        return home_of(keys, self.num_nodes) == self.node
+
+    def owners(self, keys: np.ndarray) -> np.ndarray:
+        return self.owner[keys]
+
+    def move(self, keys: np.ndarray, to: int) -> dict[int, np.ndarray]:
+        """Record that ``keys`` now belong to ``to``; the keys each previous owner must hand over."""
+        keys = keys[self.is_home(keys)]
+        previous = self.owner[keys].copy()
+        self.owner[keys] = to
+        self.moves[keys] += 1
+        return {int(o): keys[previous == o] for o in np.unique(previous) if o != to}
+
+    def record(self, keys: np.ndarray, owner: int) -> None:
+        """An owner moved keys itself and says where they went."""
+        keys = keys[self.is_home(keys)]
+        self.owner[keys] = owner
+        self.moves[keys] += 1
+
+
+class LocationCache:
+    """Hints of where keys live; start at home, learn from answers."""
+
+    def __init__(self, num_keys: int, num_nodes: int) -> None:
+        self.num_nodes = num_nodes
+        self.hint = home_of(np.arange(num_keys, dtype=np.int64), num_nodes)
+
+    def learn(self, keys: np.ndarray, owners: np.ndarray | int) -> None:
+        self.hint[keys] = owners
+
+    def route(self, keys: np.ndarray, hops: int) -> np.ndarray:
+        """Where to send a request for ``keys`` that has already bounced ``hops`` times.
+
+        Two hops on hints, then the home (which knows the owner), then the
+        owner the home named, and so on: a key in flight is found once it lands.
+        """
+        if hops % (MAX_HOPS + 1) == MAX_HOPS:
+            return home_of(keys, self.num_nodes)
+        return self.hint[keys]

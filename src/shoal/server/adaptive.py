@@ -1,0 +1,540 @@
+"""Adaptive tables on one server: keys that relocate and hot keys that replicate (DESIGN.md §6).
+
+Every node keeps a row for every key in shared memory, with its presence
+(absent, owned, replica). Co-located workers read and update present rows
+themselves; requests for absent rows come here and are answered with the
+rows this node has and "moved, try node n" for the others.
+
+Between servers (all one-way messages, op ``PLACEMENT``):
+
+* ``relocate`` (requester -> home): move keys to the requester; the home
+  records the new owner and asks the old one for a ``handover``;
+* ``handover`` (home -> owner): give up keys; the owner sends their ``state``;
+* ``state`` (old owner -> new owner): rows and interest; requests that waited
+  for them are served;
+* ``owner`` (owner -> home): keys an owner moved on its own (intent-driven);
+* ``announce`` (node -> owner): a node's workers will (or no longer) use keys;
+* ``replicate`` (owner -> node): a replica of keys;
+* ``sync`` / ``synced`` (replica -> owner -> replica): the replica's change since
+  the last sync, and the owner's row after adding it; with ``drop`` the replica
+  goes away after its last change is in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shoal.api.config import ClusterSpec, TableSpec
+from shoal.api.errors import ConfigError, ProtocolError
+from shoal.cluster.requests import RequestTracker
+from shoal.consistency.clocks import ClockTable
+from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
+from shoal.placement.ownership import MAX_HOPS, Directory, LocationCache, home_of
+from shoal.server.replicated import SERVER_SENDERS
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA
+from shoal.storage.shard import ShardStore
+from shoal.storage.validate import as_keys, as_rows
+from shoal.transport.base import Transport
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+log = logging.getLogger(__name__)
+
+ADAPTIVE_SHARD = -1  # the node-wide store of an adaptive table has no shard number
+_ACTION_S = 0.005  # about how long a relocation or replication takes here: sets the action window
+_HELD_S = 2.0  # a request waiting for rows on their way here longer than this is answered "moved"
+
+
+@dataclass
+class Held:
+    """A worker request waiting for keys on their way here."""
+
+    peer: bytes
+    msg: Message
+    waiting_for: np.ndarray
+    #: for a push held in part: where the held keys sat in the original request
+    positions: np.ndarray | None = None
+    since: float = field(default_factory=time.monotonic)
+
+
+class AdaptiveTable:
+    """One node's view of an adaptive table."""
+
+    def __init__(self, spec: TableSpec, node: int, num_nodes: int, cluster_id: str) -> None:
+        if num_nodes > 63:
+            raise ConfigError("adaptive tables support at most 63 nodes")
+        self.spec = spec
+        self.node = node
+        self.num_nodes = num_nodes
+        keys = np.arange(spec.num_keys, dtype=np.int64)
+        self.store = ShardStore.create(spec, ADAPTIVE_SHARD, keys, cluster_id)
+        assert self.store.presence is not None and self.store.pending is not None
+        self.presence = self.store.presence
+        self.presence[node::num_nodes] = OWNED  # keys start at home
+        self.directory = Directory(spec.num_keys, num_nodes, node)
+        self.hints = LocationCache(spec.num_keys, num_nodes)
+        self.incoming = np.zeros(spec.num_keys, dtype=np.bool_)
+        self.held: list[Held] = []
+        self.deferred_handovers: list[tuple[np.ndarray, int]] = []
+        self.interest = OwnerInterest(spec.num_keys)
+        self.intents = NodeIntents(spec.num_keys)
+        self.replica_owner = np.full(spec.num_keys, -1, dtype=np.int64)
+        self.dropping = np.zeros(spec.num_keys, dtype=np.bool_)
+        self.sync_in_flight: dict[int, bool] = defaultdict(bool)
+        self.next_sync = 0.0
+        self.window = 1
+        self.stats: Counter[str] = Counter()
+
+    @property
+    def scale(self) -> float:
+        assert self.store.rule.scale is not None  # adaptive tables have additive rules
+        return self.store.rule.scale
+
+    def where(self, keys: np.ndarray) -> np.ndarray:
+        """Best knowledge of each key's owner: the directory for home keys, else the hint."""
+        owners = self.hints.hint[keys].copy()
+        home = self.directory.is_home(keys)
+        owners[home] = self.directory.owner[keys[home]]
+        return owners
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class AdaptiveService:
+    """The adaptive tables of one server and the messages that move their keys."""
+
+    def __init__(self, node: int, cluster: ClusterSpec, transport: Transport, codec: Codec,
+                 reply: Callable[[bytes, Message], None], clocks: ClockTable) -> None:
+        self.node = node
+        self.cluster = cluster
+        self.reply = reply
+        self.clocks = clocks
+        self.tables: dict[str, AdaptiveTable] = {}
+        self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node)
+        self._addresses: dict[int, str] = {}
+        self.stats: Counter[str] = Counter()
+        self._clock_seen = (0, time.monotonic())
+        self._clock_s = 0.0
+
+    # ------------------------------------------------------------ membership
+
+    def on_status(self, status: dict[str, Any]) -> None:
+        for n, address in enumerate(status.get("servers", [])):
+            if n != self.node and address and self._addresses.get(n) != address:
+                self._addresses[n] = address
+                self.peers.connect(n, address)
+
+    def create(self, spec: TableSpec) -> AdaptiveTable:
+        table = AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
+        self.tables[spec.name] = table
+        return table
+
+    # ------------------------------------------------------- worker requests
+
+    def handle(self, peer: bytes, msg: Message) -> Message | None:
+        table = self.tables[msg.table]
+        if msg.op == Op.PULL:
+            return self._pull(table, peer, msg)
+        if msg.op == Op.PUSH:
+            return self._push(table, peer, msg)
+        if msg.op == Op.LOCALIZE:
+            self._localize(table, as_keys(msg.arrays[0], table.spec))
+            return msg.reply(Op.OK)
+        if msg.op == Op.INTENT:
+            start, end = int(msg.body["start"]), int(msg.body["end"])
+            table.intents.add(as_keys(msg.arrays[0], table.spec), start, end)
+            return msg.reply(Op.OK)
+        if msg.op == Op.PLACEMENT:
+            self._placement(table, msg)
+            return None
+        raise ProtocolError(f"adaptive table {msg.table!r} does not serve {msg.op.name}")
+
+    def _moved(self, table: AdaptiveTable, keys: np.ndarray, absent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Positions of absent keys, and those of them on their way here (the request waits for these)."""
+        pos = np.flatnonzero(absent)
+        if not pos.size:
+            return pos, pos
+        missing = keys[pos]
+        coming = table.incoming[missing] | (table.where(missing) == self.node)
+        return pos, missing[coming]
+
+    def _answer(self, table: AdaptiveTable, msg: Message, keys: np.ndarray, pos: np.ndarray,
+                values: np.ndarray | None, positions: np.ndarray | None = None) -> Message:
+        """Rows (or the acknowledgement) plus, for keys not here, where they went.
+
+        ``positions`` maps a partly held push back to the request the worker sent.
+        """
+        owners = table.where(keys[pos]) if pos.size else np.empty(0, dtype=np.int64)
+        moved = pos if positions is None else positions[pos]
+        body = {"moved": moved.tolist(), "owners": owners.tolist()} if pos.size else {}
+        if pos.size:
+            table.stats["answered_moved"] += int(pos.size)
+        if values is None:
+            return msg.reply(Op.OK, body)
+        return msg.reply(Op.VALUES, body, arrays=[values])
+
+    def _pull(self, table: AdaptiveTable, peer: bytes, msg: Message) -> Message | None:
+        keys = as_keys(msg.arrays[0], table.spec)
+        out = np.zeros((keys.shape[0], table.spec.dim), dtype=table.spec.dtype)
+        absent = table.store.read_present(keys, np.arange(keys.shape[0]), out)
+        pos, coming = self._moved(table, keys, absent)
+        if coming.size:
+            table.held.append(Held(peer, msg, coming))
+            table.stats["requests_held"] += 1
+            return None
+        return self._answer(table, msg, keys, pos, out)
+
+    def _push(self, table: AdaptiveTable, peer: bytes, msg: Message,
+              positions: np.ndarray | None = None) -> Message | None:
+        keys = as_keys(msg.arrays[0], table.spec)
+        grads = as_rows(msg.arrays[1], keys.shape[0], table.spec, strict_dtype=True)
+        absent = table.store.update_present(keys, grads, table.scale)
+        pos, coming = self._moved(table, keys, absent)
+        if coming.size:
+            # The present part is in; the rest waits for its rows and is applied on arrival.
+            rest = Message(msg.op, req=msg.req, table=msg.table, sender=msg.sender, body=msg.body,
+                           arrays=[keys[pos], grads[pos]])
+            where = pos if positions is None else positions[pos]
+            table.held.append(Held(peer, rest, coming, where))
+            table.stats["requests_held"] += 1
+            return None
+        return self._answer(table, msg, keys, pos, None, positions)
+
+    def _replay_held(self, table: AdaptiveTable) -> None:
+        ready = [h for h in table.held if (table.presence[h.waiting_for] != ABSENT).all()]
+        if not ready:
+            return
+        table.held = [h for h in table.held if h not in ready]
+        for h in ready:
+            if h.msg.op == Op.PULL:
+                reply = self._pull(table, h.peer, h.msg)
+            else:
+                reply = self._push(table, h.peer, h.msg, h.positions)
+            if reply is not None:
+                self.reply(h.peer, reply)
+
+    # ------------------------------------------------------------ relocation
+
+    def _localize(self, table: AdaptiveTable, keys: np.ndarray) -> None:
+        """A local worker asks for keys to live here: ask their homes."""
+        keys = keys[(table.presence[keys] != OWNED) & ~table.incoming[keys]]
+        if not keys.size:
+            return
+        table.incoming[keys] = True
+        table.stats["localize_requested"] += int(keys.size)
+        homes = home_of(keys, table.num_nodes)
+        for home in np.unique(homes):
+            part = keys[homes == home]
+            self._send(table, int(home), "relocate", {"to": self.node}, [part])
+
+    def _relocate_at_home(self, table: AdaptiveTable, keys: np.ndarray, to: int) -> None:
+        for owner, part in table.directory.move(keys, to).items():
+            self._send(table, owner, "handover", {"to": to, "hops": 0}, [part])
+
+    def _handover(self, table: AdaptiveTable, keys: np.ndarray, to: int, hops: int) -> None:
+        """Give up owned keys; pass on a request for keys we do not own."""
+        owned = keys[table.presence[keys] == OWNED]
+        if owned.size:
+            self._give(table, owned, to)
+        rest = keys[table.presence[keys] != OWNED]
+        coming = rest[table.incoming[rest]]
+        if coming.size:
+            table.deferred_handovers.append((coming, to))
+        rest = rest[~table.incoming[rest]]
+        if rest.size and hops < MAX_HOPS + 1:
+            for node, part in _group(table.hints.route(rest, hops), rest):
+                if node != self.node:
+                    self._send(table, node, "handover", {"to": to, "hops": hops + 1}, [part])
+
+    def _give(self, table: AdaptiveTable, keys: np.ndarray, to: int) -> None:
+        """Hand owned keys and their interest to ``to``; from now on requests for them are redirected."""
+        if to == self.node:
+            return
+        with table.store.hold(None, exclusive=True):
+            values = table.store.values[keys].copy()
+            table.presence[keys] = ABSENT
+        table.hints.learn(keys, to)
+        interest = table.interest.interest[keys].copy()
+        replicas = table.interest.replicas[keys].copy()
+        table.interest.interest[keys] = 0
+        table.interest.replicas[keys] = 0
+        table.stats["keys_relocated_away"] += int(keys.size)
+        self._send(table, to, "state", {}, [keys, values, interest, replicas])
+
+    def _receive_state(self, table: AdaptiveTable, keys: np.ndarray, values: np.ndarray, interest: np.ndarray,
+                       replicas: np.ndarray, sender: int) -> None:
+        store = table.store
+        assert store.pending is not None
+        with store.hold(None, exclusive=True):
+            # A replica here becomes the row: its changes not yet synced stay in.
+            was_replica = table.presence[keys] == REPLICA
+            values = values.copy()
+            values[was_replica] += store.pending[keys[was_replica]]
+            store.pending[keys] = 0
+            store.values[keys] = values
+            table.presence[keys] = OWNED
+        table.replica_owner[keys] = -1
+        table.dropping[keys] = False
+        table.incoming[keys] = False
+        table.hints.learn(keys, self.node)
+        table.interest.interest[keys] |= interest
+        table.interest.replicas[keys] |= replicas
+        table.stats["keys_relocated_here"] += int(keys.size)
+        # The homes already know: they started the move, or the old owner told them.
+        for holder in _bits(np.bitwise_or.reduce(replicas) if replicas.size else 0):
+            self._send(table, holder, "owner", {"owner": self.node}, [keys[(replicas >> holder) & 1 == 1]])
+        deferred, table.deferred_handovers = table.deferred_handovers, []
+        for k, to in deferred:
+            self._handover(table, k, to, 0)
+        self._replay_held(table)
+
+    def _tell_homes(self, table: AdaptiveTable, keys: np.ndarray, owner: int) -> None:
+        """Keys moved without their homes asking (an intent-driven move): tell the homes."""
+        homes = home_of(keys, table.num_nodes)
+        for home in np.unique(homes):
+            self._send(table, int(home), "owner", {"owner": owner}, [keys[homes == home]])
+
+    # ------------------------------------------------------------ replication
+
+    def _replicate_to(self, table: AdaptiveTable, keys: np.ndarray, node: int) -> None:
+        keys = keys[(table.interest.replicas[keys] >> node) & 1 == 0]
+        if not keys.size:
+            return
+        with table.store.hold(None, exclusive=False):
+            values = table.store.values[keys].copy()
+        table.interest.replicas[keys] |= 1 << node
+        table.stats["replicas_made"] += int(keys.size)
+        self._send(table, node, "replicate", {}, [keys, values])
+
+    def _receive_replica(self, table: AdaptiveTable, keys: np.ndarray, values: np.ndarray, owner: int) -> None:
+        assert table.store.pending is not None
+        with table.store.hold(None, exclusive=True):
+            fresh = table.presence[keys] == ABSENT
+            keys, values = keys[fresh], values[fresh]
+            table.store.values[keys] = values
+            table.store.pending[keys] = 0
+            table.presence[keys] = REPLICA
+        table.replica_owner[keys] = owner
+        table.dropping[keys] = False
+        table.stats["replicas_held"] += int(keys.size)
+        self._replay_held(table)
+
+    def _sync(self, table: AdaptiveTable) -> None:
+        """Send each owner the change its replicas here saw since the last sync (one sync in flight per owner)."""
+        store = table.store
+        assert store.pending is not None
+        replicas = np.flatnonzero(table.presence == REPLICA)
+        if not replicas.size:
+            return
+        owners = table.replica_owner[replicas]
+        for owner, keys in _group(owners, replicas):
+            if table.sync_in_flight[owner]:
+                continue
+            with store.hold(None, exclusive=True):
+                changed = keys[np.any(store.pending[keys] != 0, axis=1) | table.dropping[keys]]
+                deltas = store.pending[changed].copy()
+                store.pending[changed] = 0
+            if not changed.size:
+                continue
+            drop = table.dropping[changed]
+            table.sync_in_flight[owner] = True
+            table.stats["sync_sent"] += 1
+            self._send(table, owner, "sync", {"origin": self.node, "target": owner, "hops": 0},
+                       [changed, deltas, drop.astype(np.uint8)])
+
+    def _sync_at_owner(self, table: AdaptiveTable, keys: np.ndarray, deltas: np.ndarray, drop: np.ndarray,
+                       origin: int, target: int, hops: int) -> None:
+        """Add a replica's change; pass on the part for keys that moved on (their new owner adds it)."""
+        owned = table.presence[keys] == OWNED
+        if not owned.all() and hops <= MAX_HOPS:
+            rest = np.flatnonzero(~owned)
+            table.stats["sync_forwarded"] += int(rest.size)
+            for owner, part in _group(table.where(keys[rest]), rest):
+                if owner != self.node:
+                    self._send(table, owner, "sync", {"origin": origin, "target": target, "hops": hops + 1},
+                               [keys[part], deltas[part], drop[part]])
+        keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
+        with table.store.hold(None, exclusive=True):
+            np.add.at(table.store.values, keys, deltas)
+            values = table.store.values[keys].copy()
+        dropped = keys[drop.astype(bool)]
+        table.interest.replicas[dropped] &= ~(1 << origin)
+        self._send(table, origin, "synced", {"target": target}, [keys, values, drop])
+
+    def _synced(self, table: AdaptiveTable, keys: np.ndarray, values: np.ndarray, drop: np.ndarray,
+                target: int) -> None:
+        store = table.store
+        assert store.pending is not None
+        table.sync_in_flight[target] = False
+        with store.hold(None, exclusive=True):
+            replica = table.presence[keys] == REPLICA
+            keys, values, drop = keys[replica], values[replica], drop[replica].astype(bool)
+            store.values[keys] = values + store.pending[keys]
+            # A replica goes once its last change is in; changes made meanwhile go in the next sync.
+            gone = keys[drop & ~np.any(store.pending[keys] != 0, axis=1)]
+            table.presence[gone] = ABSENT
+        table.dropping[gone] = False
+        table.replica_owner[gone] = -1
+        table.stats["replicas_dropped"] += int(gone.size)
+
+    # ---------------------------------------------------------------- intent
+
+    def _announce(self, table: AdaptiveTable, keys: np.ndarray, active: bool, node: int, hops: int) -> None:
+        """At (what we think is) the owner: note a node's interest and act on it."""
+        owned = keys[table.presence[keys] == OWNED]
+        if owned.size:
+            if active:
+                table.interest.announce(owned, node)
+                for action, part in table.interest.decide(table.spec.techniques, owned, node, self.node).items():
+                    if action == Action.RELOCATE and part.size:
+                        self._give(table, part, node)
+                        self._tell_homes(table, part, node)
+                    elif action == Action.REPLICATE and part.size:
+                        self._replicate_to(table, part, node)
+            else:
+                table.interest.withdraw(owned, node)
+        rest = keys[table.presence[keys] != OWNED]
+        if rest.size and hops <= MAX_HOPS:
+            for owner, part in _group(table.where(rest) if hops < MAX_HOPS else home_of(rest, table.num_nodes), rest):
+                if owner != self.node:
+                    self._send(table, owner, "announce", {"active": active, "node": node, "hops": hops + 1}, [part])
+
+    def _act_on_intents(self, table: AdaptiveTable) -> None:
+        if table.spec.techniques == "static":
+            return
+        per_node = self.cluster.workers_per_node
+        local_workers = range(self.node * per_node, (self.node + 1) * per_node)
+        clock = min(int(self.clocks.clocks[w]) for w in local_workers) if per_node else 0
+        table.window = smoothed_window(_ACTION_S, self._clock_s, table.window)
+        start, stop = table.intents.due(clock, table.window)
+        if start.size:
+            table.stats["intents_announced"] += int(start.size)
+            self._announce(table, start, True, self.node, 0)
+        if stop.size:
+            table.stats["intents_withdrawn"] += int(stop.size)
+            replicas = stop[table.presence[stop] == REPLICA]
+            table.dropping[replicas] = True
+            self._announce(table, stop, False, self.node, 0)
+
+    # --------------------------------------------------------------- messages
+
+    def _send(self, table: AdaptiveTable, node: int, kind: str, body: dict[str, Any],
+              arrays: list[np.ndarray]) -> None:
+        msg = Message(Op.PLACEMENT, table=table.spec.name, body={"kind": kind, **body}, arrays=arrays)
+        self.stats[f"placement_{kind}_sent"] += 1
+        if node == self.node:  # to ourselves: no message
+            msg.sender = SERVER_SENDERS + self.node
+            self._placement(table, msg)
+        else:
+            self.peers.notify(node, msg)
+
+    def _placement(self, table: AdaptiveTable, msg: Message) -> None:
+        sender = msg.sender - SERVER_SENDERS
+        if not 0 <= sender < self.cluster.num_nodes:
+            raise ProtocolError(f"placement message from sender {msg.sender}, which is no server")
+        kind, body, arrays = msg.body.get("kind"), msg.body, msg.arrays
+        try:
+            keys = as_keys(arrays[0], table.spec)
+            if kind == "relocate":
+                self._relocate_at_home(table, keys, _node(body["to"], table))
+            elif kind == "handover":
+                self._handover(table, keys, _node(body["to"], table), int(body["hops"]))
+            elif kind == "state":
+                values = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True)
+                self._receive_state(table, keys, values, _ints(arrays[2], keys), _ints(arrays[3], keys), sender)
+            elif kind == "owner":
+                owner = _node(body["owner"], table)
+                table.directory.record(keys[table.directory.is_home(keys)], owner)
+                table.hints.learn(keys, owner)
+                held = keys[table.presence[keys] == REPLICA]
+                table.replica_owner[held] = owner
+            elif kind == "announce":
+                self._announce(table, keys, bool(body["active"]), _node(body["node"], table), int(body["hops"]))
+            elif kind == "replicate":
+                values = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True)
+                self._receive_replica(table, keys, values, sender)
+            elif kind == "sync":
+                deltas = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True)
+                self._sync_at_owner(table, keys, deltas, _ints(arrays[2], keys), _node(body["origin"], table),
+                                    _node(body["target"], table), int(body["hops"]))
+            elif kind == "synced":
+                values = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True)
+                self._synced(table, keys, values, _ints(arrays[2], keys), _node(body["target"], table))
+            else:
+                raise ProtocolError(f"unknown placement message {kind!r}")
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed placement message {kind!r}: {exc!r}") from None
+
+    # ----------------------------------------------------------------- timers
+
+    def tick(self) -> None:
+        """Act on intents that came into the window, sync replicas, and answer requests that waited
+        too long for rows that did not come (the requester then retries elsewhere)."""
+        slowest = self.clocks.slowest
+        seen, at = self._clock_seen
+        now = time.monotonic()
+        if slowest > seen:
+            per_clock = (now - at) / (slowest - seen)
+            self._clock_s = per_clock if self._clock_s == 0 else 0.8 * self._clock_s + 0.2 * per_clock
+            self._clock_seen = (slowest, now)
+        for table in self.tables.values():
+            self._act_on_intents(table)
+            if now >= table.next_sync:
+                table.next_sync = now + table.spec.sync_ms / 1000.0
+                self._sync(table)
+            stale = [h for h in table.held if now - h.since > _HELD_S]
+            if stale:
+                table.held = [h for h in table.held if h not in stale]
+                table.stats["held_requests_timed_out"] += len(stale)
+                for h in stale:  # serve what is here now; the rest is "moved"
+                    keys = as_keys(h.msg.arrays[0], table.spec)
+                    if h.msg.op == Op.PULL:
+                        values = np.zeros((keys.shape[0], table.spec.dim), dtype=table.spec.dtype)
+                        absent = table.store.read_present(keys, np.arange(keys.shape[0]), values)
+                        reply = self._answer(table, h.msg, keys, np.flatnonzero(absent), values)
+                    else:
+                        grads = as_rows(h.msg.arrays[1], keys.shape[0], table.spec, strict_dtype=True)
+                        absent = table.store.update_present(keys, grads, table.scale)
+                        reply = self._answer(table, h.msg, keys, np.flatnonzero(absent), None, h.positions)
+                    self.reply(h.peer, reply)
+
+    def next_timer(self) -> float | None:
+        return min((t.next_sync for t in self.tables.values()), default=None)
+
+    def describe(self) -> dict[str, Any]:
+        return {name: {"owned": int((t.presence == OWNED).sum()), "replicas": int((t.presence == REPLICA).sum()),
+                       "window": t.window, "held": len(t.held), **dict(t.stats)} for name, t in self.tables.items()}
+
+    def close(self) -> None:
+        self.peers.close()
+        for table in self.tables.values():
+            table.close()
+
+
+def _group(where: np.ndarray, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    return [(int(n), keys[where == n]) for n in np.unique(where)]
+
+
+def _bits(mask: int) -> list[int]:
+    return [i for i in range(64) if (int(mask) >> i) & 1]
+
+
+def _node(value: Any, table: AdaptiveTable) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < table.num_nodes:
+        raise ValueError(f"bad node {value!r}")
+    return value
+
+
+def _ints(arr: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    if arr.shape != keys.shape or arr.dtype.kind not in "iu":
+        raise ValueError(f"expected {keys.shape[0]} integers, got {arr.shape} {arr.dtype}")
+    return arr.astype(np.int64)

@@ -1,0 +1,126 @@
+"""Adaptive tables through real servers (threads): relocation, replication, intents, sampling."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import shoal
+from tests.support.cluster import ThreadCluster
+
+
+def wait_until(check, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_localize_moves_keys_and_later_access_is_local():
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("a", 20, 2, techniques="relocation", init=shoal.Constant(1.0))
+        t1 = w1.table("a", 20, 2, techniques="relocation", init=shoal.Constant(1.0))
+        odd = np.arange(1, 20, 2)  # home node 1
+        t0.push(odd, np.ones((10, 2), np.float32))
+        t0.localize(odd)
+        wait_until(lambda: c.servers[0].adaptive.describe()["a"]["owned"] == 20)
+        before = t0.counters["requests"]
+        np.testing.assert_array_equal(t0.pull(odd), 2.0)
+        assert t0.counters["requests"] == before  # all local now
+        t1.push(odd, np.ones((10, 2), np.float32))  # node 1 follows the keys to node 0
+        np.testing.assert_array_equal(t1.pull(np.arange(20))[odd], 3.0)
+        assert t1.counters["moved_retries"] >= 1
+
+
+def test_requests_during_a_move_are_answered_and_lose_nothing():
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("m", 200, 1, techniques="relocation")
+        t1 = w1.table("m", 200, 1, techniques="relocation")
+        keys = np.arange(200)
+        for i in range(20):
+            (t0 if i % 2 else t1).localize(keys)  # keys keep moving back and forth
+            t0.push(keys, np.ones((200, 1), np.float32))
+            t1.push(keys, np.ones((200, 1), np.float32))
+            t0.pull(keys)
+        w0.barrier() if False else None
+        wait_until(lambda: sum(s.adaptive.describe()["m"]["owned"] for s in c.servers) == 200)
+        np.testing.assert_array_equal(t0.pull(keys)[:, 0], 40.0)
+        np.testing.assert_array_equal(t1.pull(keys)[:, 0], 40.0)
+
+
+@pytest.mark.parametrize("technique", ["replication", "auto"])
+def test_intents_replicate_hot_keys_and_counts_stay_exact(technique):
+    with ThreadCluster(nodes=2) as c:
+        def body(w):
+            t = w.table("hot", 40, 1, techniques=technique, sync_ms=5)
+            hot = np.arange(10)
+            for clock in range(30):
+                if clock < 20:
+                    t.intent(hot, clock + 1, clock + 3)
+                t.push(hot, np.ones((10, 1), np.float32))
+                w.advance_clock()
+                time.sleep(0.005)
+            w.barrier()
+            return dict(t.counters)
+
+        counters = c.run_workers(body)
+        stats = [s.adaptive.describe()["hot"] for s in c.servers]
+        assert sum(s.get("replicas_made", 0) for s in stats) > 0
+        w = c.worker(0)
+        t = w.table("hot", 40, 1, techniques=technique, sync_ms=5)
+        wait_until(lambda: sum(s.adaptive.describe()["hot"]["replicas"] for s in c.servers) == 0)
+        np.testing.assert_array_equal(t.pull(np.arange(10))[:, 0], 60.0)
+        assert all(cn["rows_local"] > 0 for cn in counters)
+
+
+def test_adaptive_tables_check_their_settings():
+    with pytest.raises(shoal.ConfigError, match="additive update rule"):
+        shoal.TableSpec("x", 10, 1, techniques="auto", optimizer=shoal.optim.Adagrad())
+    with pytest.raises(shoal.ConfigError, match="techniques must be one of"):
+        shoal.TableSpec("x", 10, 1, techniques="teleport")
+    with ThreadCluster(nodes=1) as c:
+        t = c.worker(0).table("s", 10, 1)
+        with pytest.raises(shoal.TableError, match="is static"):
+            t.localize([1])
+        t.intent([1], 0, 1)  # static tables ignore intents
+
+
+@pytest.mark.parametrize("scheme", ["naive", "pool", "local"])
+def test_sampling_schemes_return_rows_of_the_drawn_keys(scheme):
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(0)
+        t = w.table("neg", 1000, 3, techniques="auto", init=shoal.Uniform(-1, 1))
+        weights = np.ones(1000)
+        weights[:10] = 100.0  # a skewed distribution
+        t.register_sampling(weights, scheme=scheme, reuse=2, pool_size=64)
+        handles = [t.prepare_sample(16, clock=None) for _ in range(5)]
+        for h in handles:
+            keys, rows = t.pull_sample(h)
+            assert keys.shape == (16,) and rows.shape == (16, 3)
+            np.testing.assert_array_equal(rows, t.pull(keys))
+            if scheme == "local":
+                assert (keys % 2 == 0).all()  # node 0's keys (home = key % 2)
+        with pytest.raises(shoal.TableError, match="no prepared sample"):
+            t.pull_sample(handles[0])
+
+
+def test_relocation_under_concurrent_pushes_from_four_processes_loses_nothing(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "adaptive_worker.py")
+    rounds = 60
+    proc = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node",
+                           "2", "--", sys.executable, script, str(tmp_path), str(rounds)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "counts.json").read_text())
+    np.testing.assert_array_equal(result["counts"], 4.0 * rounds)
+    moved = sum(s["adaptive"]["moving"].get("keys_relocated_here", 0) for s in result["servers"])
+    assert moved > 500  # keys really moved, many times

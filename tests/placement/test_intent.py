@@ -1,0 +1,64 @@
+"""Ownership bookkeeping and intent decisions, without a network."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
+from shoal.placement.ownership import Directory, LocationCache
+
+
+def test_home_directory_records_moves_and_who_must_hand_over():
+    d = Directory(num_keys=10, num_nodes=2, node=0)
+    assert d.owners(np.array([0, 2, 4])).tolist() == [0, 0, 0]
+    handover = d.move(np.array([0, 2, 3]), to=1)  # key 3 is not a home key of node 0: ignored
+    assert {k: v.tolist() for k, v in handover.items()} == {0: [0, 2]}
+    assert d.move(np.array([0]), to=1) == {}  # already there
+    d.record(np.array([2]), owner=0)
+    assert d.owners(np.array([0, 2])).tolist() == [1, 0]
+    assert d.moves[2] == 2
+
+
+def test_location_cache_falls_back_to_home_after_two_hops():
+    cache = LocationCache(num_keys=6, num_nodes=3)
+    cache.learn(np.array([4]), 2)
+    assert cache.route(np.array([4]), hops=0).tolist() == [2]
+    assert cache.route(np.array([4]), hops=2).tolist() == [1]  # 4 % 3
+    cache.learn(np.array([4]), 0)  # what the home said
+    assert cache.route(np.array([4]), hops=3).tolist() == [0]
+
+
+def test_node_intents_enter_the_window_and_expire():
+    book = NodeIntents(num_keys=20)
+    book.add(np.array([1, 2, 3]), start=5, end=8)
+    book.add(np.array([3, 4]), start=6, end=10)
+    assert [a.tolist() for a in book.due(clock=2, window=2)] == [[], []]
+    start, stop = book.due(clock=3, window=2)
+    assert start.tolist() == [1, 2, 3] and stop.tolist() == []
+    start, stop = book.due(clock=4, window=2)
+    assert start.tolist() == [4]  # 3 was announced already
+    start, stop = book.due(clock=8, window=2)
+    assert stop.tolist() == [1, 2]  # 3 stays: wanted until 10
+    assert book.due(clock=10, window=2)[1].tolist() == [3, 4]
+
+
+def test_owner_decisions_per_technique():
+    interest = OwnerInterest(num_keys=10)
+    keys = np.array([1, 2])
+    interest.announce(keys, node=1)
+    assert interest.decide("auto", keys, node=1, owner=0)[Action.RELOCATE].tolist() == [1, 2]
+    interest.announce(np.array([2]), node=2)  # a second node wants key 2
+    got = interest.decide("auto", keys, node=1, owner=0)
+    assert got[Action.RELOCATE].tolist() == [1] and got[Action.REPLICATE].tolist() == [2]
+    assert interest.decide("replication", keys, node=1, owner=0)[Action.REPLICATE].tolist() == [1, 2]
+    interest.replicas[1] = 1 << 2
+    assert interest.decide("relocation", keys, node=1, owner=0)[Action.RELOCATE].tolist() == [2]
+    assert interest.decide("auto", keys, node=0, owner=0) == {Action.NOTHING: keys}
+
+
+def test_action_window_follows_the_clock_rate():
+    w = 1
+    for _ in range(40):
+        w = smoothed_window(action_s=0.01, clock_s=0.001, current=w)
+    assert 9 <= w <= 12
+    assert smoothed_window(0.01, 1.0, 5) < 5
