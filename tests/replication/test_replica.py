@@ -73,12 +73,26 @@ def test_numbered_pushes_are_applied_once_and_in_order():
     assert rep.read(np.array([1, 2]))[:, 0].tolist() == [-3.0, -3.0]
 
 
+def test_a_held_push_that_gossip_overtakes_is_answered_not_applied_twice():
+    spec = TableSpec("t", 20, 1, optimizer=SGD(lr=1.0), replicas=3, write_quorum=2)
+    a, b = replicas(spec, 2)
+    worker = WORKER_ORIGINS + 1
+    one = np.ones((1, 1))
+    for seq in (1, 2):
+        a.push(np.array([0]), one, worker, seq)
+    assert b.push(np.array([0]), one, worker, 2, token="late") is None  # b missed push 1
+    assert b.push(np.array([0]), one, worker, 2, token="retry") is None
+    b.absorb(wire(a.answer(b.node, b.version(), ANSWER), 1))  # gossip brings 1 and 2
+    assert sorted(t for t, *_ in b.release_held()) == ["late", "retry"]
+    assert b.read(np.array([0]))[0, 0] == -2.0 and not b.held[worker]
+
+
 def test_a_lagging_replica_gets_whole_states_when_logs_no_longer_reach_back():
     spec = TableSpec("t", 20, 2, replicas=2)
     a, b = replicas(spec, 2)
     for _ in range(5):
         a.push(np.array([3]), np.ones((1, 2)))
-    a.lattice.truncate_log(a.origin, 4)  # as if every other peer already had 1..4
+    a.lattice.truncate_log(a.origin, 4)  # as if every peer but b already had 1..4
     answer = a.answer(b.node, b.version(), ANSWER)
     assert answer.states and not answer.deltas
     b.absorb(wire(answer, 2))

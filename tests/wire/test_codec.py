@@ -413,3 +413,12 @@ def test_message_not_fitting_its_op_is_rejected(msg: Message, error: type[ShoalE
     err = rejects(Codec(), on_the_wire(Codec().encode(msg)), error)
 
     assert err.req == REQ  # type: ignore[attr-defined]
+
+
+def test_absurd_dimensions_are_a_protocol_error_not_a_crash() -> None:
+    header = {"v": 1, "op": int(Op.PING), "req": 3, "table": "", "epoch": 0, "clock": 0, "sender": 0, "flags": 0,
+              "dtype": ["<f4"], "shapes": [[0, 2**64 - 1]], "body": {}}
+    frames = [msgpack.packb(header), b""]
+    with pytest.raises(ProtocolError) as info:
+        Codec().decode(frames)
+    assert info.value.req == 3

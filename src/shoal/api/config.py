@@ -71,7 +71,7 @@ class TableSpec:
     sync_ms: float = 50.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ConfigError(
                 f"table name must be 1-128 characters of letters, digits, '_.:-', got {self.name!r}"
             )
@@ -82,6 +82,8 @@ class TableSpec:
         _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _one_of("locking", self.locking, LOCKING_MODES)
         _int_at_least("seed", self.seed, 0)
+        if self.seed >= 1 << 31:
+            raise ConfigError(f"seed must be below 2**31, got {self.seed!r}")
         self._check_replication()
         self._check_adaptivity()
         if not isinstance(self.init, (Constant, Uniform, Normal)):
@@ -169,7 +171,9 @@ class TableSpec:
             if "read_quorum" in fields:
                 fields["read_quorum"] = read_quorum_from_wire(fields["read_quorum"])
             return cls(**fields)
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
             raise ConfigError(f"bad table spec {data!r}: {exc}") from exc
 
 
@@ -216,7 +220,7 @@ class ClusterSpec:
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.cluster_id, str) or not re.match(r"^[A-Za-z0-9_-]{1,64}$", self.cluster_id):
+        if not isinstance(self.cluster_id, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.cluster_id):
             raise ConfigError(f"cluster_id must be 1-64 letters, digits, '_-', got {self.cluster_id!r}")
         _int_at_least("num_nodes", self.num_nodes, 1)
         _int_at_least("workers_per_node", self.workers_per_node, 0)

@@ -27,7 +27,7 @@ from shoal.cluster import membership
 from shoal.lattice.sum_lattice import merged_value
 from shoal.replication.delays import DelaySamples
 from shoal.replication.pbs import ShardModel, choose_read_quorum
-from shoal.replication.replica import WORKER_ORIGINS
+from shoal.replication.replica import WORKER_ORIGINS, origin_node
 from shoal.storage import kernels
 from shoal.storage.initialize import fill_initial
 from shoal.wire.message import Message
@@ -245,7 +245,12 @@ class ReplicatedAccess:
                      start: float, issued: float) -> np.ndarray:
         """Merge; replace replicas that did not answer, widen until our own last push is covered."""
         shard = self.shards[shard_id]
+        deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
+        self._forget_writes_of_dead(shard)
         while True:
+            if time.monotonic() > deadline:
+                raise RequestTimeoutError(f"read of shard {shard_id} of {self.spec.name!r} found no answering "
+                                          f"replica within {self.worker.cluster.timeouts.request_s:.0f}s")
             if not replies:
                 self.view.refresh(force=True)
                 remaining = [n for n in self.view.live(shard.nodes) if n not in chosen]
@@ -291,6 +296,16 @@ class ReplicatedAccess:
             per_replica.append({int(o): (int(s), totals[i]) for i, (o, s) in enumerate(pairs)})
         return merged_value(base, per_replica)
 
+    def _forget_writes_of_dead(self, shard: _Shard) -> None:
+        """A W=1 push acknowledged by a replica that died before gossiping it is gone with it:
+        do not widen every later read looking for it."""
+        live = set(self.view.live(shard.nodes))
+        for origin in list(shard.own):
+            node = origin_node(origin)
+            if node is not None and node not in live:
+                del shard.own[origin]
+                self.counters["own_writes_lost_with_replica"] += 1
+
     @staticmethod
     def _covers(version: dict[int, int], own: dict[int, int]) -> bool:
         return all(version.get(o, 0) >= s for o, s in own.items())
@@ -334,8 +349,8 @@ class ReplicatedAccess:
         model = ShardModel(replicas=list(live))
         for node, reply in self._ask_all(batch).items():
             model.rates[node] = float(reply.body.get("rate", 0.0))
-            for origin_node, samples in reply.body.get("delays", []):
-                d = model.delays.setdefault((int(origin_node), node), DelaySamples())
+            for source, samples in reply.body.get("delays", []):
+                d = model.delays.setdefault((int(source), node), DelaySamples())
                 d.extend([float(x) for x in samples])
             model.read_latency[node] = self.read_latency[node]
         return model

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from shoal.client.worker import Worker
 
 _HEADER_ROOM = 64 * 1024
+_EAGER_WAIT_S = 5.0
 _ALL = np.empty(0, dtype=np.int64)  # stands for "every key, in order"
 
 
@@ -249,7 +250,8 @@ class Table:
         wait for that push instead of asking; rows never cached are pulled as usual."""
         assert self.cache is not None
         cached = self.cache.version[keys] >= 0
-        deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
+        # A push that does not come (a server's reply queue was full, say) ends in a pull.
+        deadline = time.monotonic() + min(self.worker.cluster.timeouts.request_s, _EAGER_WAIT_S)
         versions = self.cache.versions(keys, shard)
         self.counters["reads_awaiting_push"] += 1
         while (versions[cached] < required).any():

@@ -112,6 +112,9 @@ def fetch_fds(name: str, request: dict[str, Any], timeout: float = 10.0) -> tupl
             sock.connect(name)
         except OSError as exc:
             raise ClusterError(f"no local server listening at {name[1:]!r}: {exc}") from exc
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        if struct.unpack("3i", creds)[1] != os.getuid():  # only our own user's server may hand us memory
+            raise AuthError(f"the process listening at {name[1:]!r} belongs to another user")
         payload = msgpack.packb(request, use_bin_type=True)
         sock.sendall(_LEN.pack(len(payload)) + payload)
         data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, _MAX_FDS)

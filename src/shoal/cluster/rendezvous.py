@@ -76,8 +76,12 @@ class Rendezvous:
     def serve(self) -> None:
         while not self._stop.is_set():
             item = self.listener.recv(0.1)
-            if item is not None:
+            if item is None:
+                continue
+            try:
                 self._handle(*item)
+            except Exception:  # one bad message must not end the cluster's rendezvous
+                log.exception("rendezvous: failure handling a message")
 
     def stop(self) -> None:
         self._stop.set()

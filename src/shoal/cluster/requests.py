@@ -101,20 +101,27 @@ class RequestTracker:
                 raise ClosedError(f"not connected to peer {peer}")
             req = next(self._ids)
             msg.req, msg.sender = req, self.sender
-            frames = self.codec.encode(msg)
+            conn.send(self.codec.encode(msg))  # bounded wait for room; raises if the peer is stuck
             self._pending[req] = _Pending(peer, what or f"{msg.op.name} {msg.table!r}".strip(), on_reply)
-            conn.send(frames)
             return req
 
-    def notify(self, peer: int, msg: Message) -> None:
-        """Send a one-way message; nothing will answer it."""
+    def notify(self, peer: int, msg: Message, block: bool = False) -> bool:
+        """Send a one-way message; nothing will answer it.
+
+        By default it never blocks: False if it was dropped (no connection, or
+        the peer's queue is full because it stopped reading). With ``block``
+        it waits a bounded time for room and raises ``ClusterError`` after.
+        """
         with self._lock:
             conn = self._conns.get(peer)
             if conn is None or self._closed:
-                return
+                return False
             msg.sender = self.sender
             msg.flags |= Flag.NO_REPLY
-            conn.send(self.codec.encode(msg))
+            sent = conn.send(self.codec.encode(msg), block=block)
+            if not sent:
+                log.warning("dropped a one-way %s to peer %s: its queue is full", msg.op.name, peer)
+            return sent
 
     def done(self, reqs: set[int]) -> bool:
         return not any(r in self._pending for r in reqs)
@@ -145,8 +152,18 @@ class RequestTracker:
             frames = conn.recv(0)
 
     def wait_all(self, timeout: float) -> None:
-        """Pump until nothing is in flight (used before barriers and shutdown)."""
+        """Pump until nothing is in flight (used before barriers and shutdown).
+
+        Raises the first error of a request nobody waited for (an async push
+        that failed), so it does not vanish.
+        """
         self.wait(set(self._pending), timeout)
+        if self._errors:
+            errors, self._errors = self._errors, {}
+            first = errors[min(errors)]
+            if len(errors) > 1:
+                log.warning("%d more request(s) failed unobserved; the first is raised", len(errors) - 1)
+            raise first
 
     def _describe_missing(self, reqs: set[int], timeout: float) -> str:
         missing = [(r, self._pending[r]) for r in sorted(reqs) if r in self._pending]
@@ -170,6 +187,12 @@ class RequestTracker:
         return handled
 
     def _dispatch(self, peer: int, frames: list) -> None:
+        try:
+            self._dispatch_checked(peer, frames)
+        except Exception:  # a reply we cannot make sense of must not surface in an unrelated call
+            log.exception("dropping a message from peer %s that could not be handled", peer)
+
+    def _dispatch_checked(self, peer: int, frames: list) -> None:
         try:
             msg = self.codec.decode(frames)
         except ShoalError as exc:

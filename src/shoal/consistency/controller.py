@@ -25,6 +25,7 @@ class HeldPull(Generic[T]):
     clock: int
     required: int | None  # slowest clock the bound needs; None: no bound
     pushes_at_hold: int
+    since: float = 0.0
     lazy_deadline: float | None = None
 
 
@@ -65,7 +66,7 @@ class ShardController(Generic[T]):
         if bound_met and not self._lazy_applies(clock):
             self.stats.served_at_once += 1
             return True
-        pull = HeldPull(item, worker, clock, required, self.pushes)
+        pull = HeldPull(item, worker, clock, required, self.pushes, self.now())
         if bound_met:
             self._start_lazy_wait(pull)
             self.stats.held_lazily += 1
@@ -117,6 +118,14 @@ class ShardController(Generic[T]):
                 keep.append(pull)
         self.held = keep
         return out
+
+    def expire(self, max_age: float) -> list[HeldPull[T]]:
+        """Held pulls older than ``max_age`` seconds (their requester has given up): removed and returned."""
+        cutoff = self.now() - max_age
+        old = [p for p in self.held if p.since < cutoff]
+        if old:
+            self.held = [p for p in self.held if p.since >= cutoff]
+        return old
 
     def next_deadline(self) -> float | None:
         """When the earliest lazy wait runs out (for the server loop's timer)."""

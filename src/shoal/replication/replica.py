@@ -19,14 +19,14 @@ import numpy as np
 
 from shoal.api.config import TableSpec
 from shoal.api.optim import SGD, Adagrad, Adam, Sum
-from shoal.lattice.sum_lattice import Delta, SumLattice
+from shoal.lattice.sum_lattice import Delta, SumLattice, Update
 from shoal.replication.delays import DelaySamples
 from shoal.replication.gossip import DIGEST, GossipPayload
 from shoal.storage.initialize import fill_initial
 
 INCARNATION_STRIDE = 1024  # replica origin = incarnation * 1024 + node
 WORKER_ORIGINS = 1 << 40  # worker origin = WORKER_ORIGINS + rank
-_LOG_LIMIT = 20_000  # updates kept per origin for deltas; older peers get whole states
+_LOG_BYTES = 64 * 1024 * 1024  # logged updates kept per origin for deltas; older peers get whole states
 
 
 def replica_origin(node: int, incarnation: int) -> int:
@@ -40,11 +40,14 @@ def origin_node(origin: int) -> int | None:
 
 @dataclass
 class HeldPush:
-    """A numbered push that arrived before an earlier one (W > 1); answered once the gap fills."""
+    """A numbered push that arrived before an earlier one (W > 1); answered once the gap fills.
+
+    Every retry of it that arrives meanwhile adds a token: each gets an answer.
+    """
 
     rows: np.ndarray
     delta: np.ndarray
-    token: Any
+    tokens: list[Any]
 
 
 class ShardReplica:
@@ -119,21 +122,29 @@ class ShardReplica:
         if seq <= self.lattice.seq(origin):
             return origin, seq, now  # a retry: already applied
         if seq > self.lattice.seq(origin) + 1:
-            self.held[origin][seq] = HeldPush(rows, delta, token)
+            held = self.held[origin].get(seq)
+            if held is None:
+                self.held[origin][seq] = HeldPush(rows, delta, [token])
+            else:
+                held.tokens.append(token)
             return None
         self.lattice.accept(origin, rows, delta, now, seq=seq)
         self.accept_times.append(now)
         return origin, seq, now
 
     def release_held(self) -> list[tuple[Any, int, int, float]]:
-        """Held pushes whose predecessors have arrived: apply them; ``(token, origin, seq, accepted_at)``."""
+        """Held pushes that can be answered: those whose predecessors arrived (applied now) and those
+        gossip already brought (applied elsewhere); ``(token, origin, seq, accepted_at)`` each."""
         done = []
+        now = self.now()
         for origin, waiting in self.held.items():
+            have = self.lattice.seq(origin)
+            for seq in [s for s in waiting if s <= have]:
+                done += [(t, origin, seq, now) for t in waiting.pop(seq).tokens]
             while (seq := self.lattice.seq(origin) + 1) in waiting:
                 push = waiting.pop(seq)
-                now = self.now()
                 self.lattice.accept(origin, push.rows, push.delta, now, seq=seq)
-                done.append((push.token, origin, seq, now))
+                done += [(t, origin, seq, now) for t in push.tokens]
         return done
 
     # ------------------------------------------------------------------ reads
@@ -158,20 +169,28 @@ class ShardReplica:
     def digest(self) -> GossipPayload:
         return GossipPayload(self.shard, self.version(), DIGEST)
 
-    def answer(self, peer: int, peer_version: dict[int, int], stage: int) -> GossipPayload:
-        """What ``peer`` lacks, as deltas where the log reaches back, else whole states."""
+    def answer(self, peer: int, peer_version: dict[int, int], stage: int, budget: int = 1 << 62) -> GossipPayload:
+        """What ``peer`` lacks, as deltas where the log reaches back, else whole states,
+        up to about ``budget`` bytes (the rest goes in later rounds)."""
         self.peer_versions[peer] = peer_version
-        self._truncate_logs()
         payload = GossipPayload(self.shard, self.version(), stage)
+        used = 0
         for origin, state in self.lattice.origins.items():
             theirs = peer_version.get(origin, 0)
-            if state.seq <= theirs:
+            if state.seq <= theirs or used >= budget:
                 continue
             delta = self.lattice.delta_since(origin, theirs)
-            if delta is not None:
-                payload.deltas.append(delta)
-            else:
+            if delta is None:
                 payload.states.append((origin, state.seq, state.total))
+                used += state.total.nbytes
+                continue
+            taken: list[Update] = []
+            for update in delta.updates:  # a prefix is fine: the receiver replays in order
+                if taken and used + update.values.nbytes > budget:
+                    break
+                taken.append(update)
+                used += update.values.nbytes + update.rows.nbytes
+            payload.deltas.append(Delta(origin, delta.from_seq, tuple(taken)))
         return payload
 
     def absorb(self, payload: GossipPayload) -> int:
@@ -193,13 +212,23 @@ class ShardReplica:
                 new += seq - before
         return new
 
-    def _truncate_logs(self) -> None:
-        """Drop logged updates every known peer holds, and cap what is kept."""
+    def trim_log(self, live_peers: set[int]) -> None:
+        """Drop logged updates every live peer holds, and keep at most ``_LOG_BYTES`` per origin.
+
+        A dead peer's last known version does not pin the log; if it comes back
+        it gets whole states instead of deltas.
+        """
+        versions = [v for p, v in self.peer_versions.items() if p in live_peers]
         for origin, entries in self.lattice.log.items():
             if not entries:
                 continue
-            held_by_all = min((v.get(origin, 0) for v in self.peer_versions.values()), default=0)
-            upto = max(held_by_all, entries[-1].seq - _LOG_LIMIT)
+            held_by_all = min((v.get(origin, 0) for v in versions), default=0) if versions else 0
+            kept, upto = 0, held_by_all
+            for update in reversed(entries):
+                kept += update.values.nbytes + update.rows.nbytes
+                if kept > _LOG_BYTES:
+                    upto = max(upto, update.seq)
+                    break
             if entries[0].seq <= upto:
                 self.lattice.truncate_log(origin, upto)
 

@@ -121,6 +121,9 @@ class AdaptiveService:
         self.tables: dict[str, AdaptiveTable] = {}
         self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node)
         self._addresses: dict[int, str] = {}
+        #: messages for servers whose address we do not know yet (they must not be lost: a
+        #: state message is the only copy of its rows)
+        self._outbox: dict[int, list[Message]] = defaultdict(list)
         self.stats: Counter[str] = Counter()
         self._clock_seen = (0, time.monotonic())
         self._clock_s = 0.0
@@ -132,6 +135,8 @@ class AdaptiveService:
             if n != self.node and address and self._addresses.get(n) != address:
                 self._addresses[n] = address
                 self.peers.connect(n, address)
+                for msg in self._outbox.pop(n, []):
+                    self.peers.notify(n, msg)
 
     def create(self, spec: TableSpec) -> AdaptiveTable:
         table = AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
@@ -434,8 +439,11 @@ class AdaptiveService:
         if node == self.node:  # to ourselves: no message
             msg.sender = SERVER_SENDERS + self.node
             self._placement(table, msg)
+        elif node not in self._addresses:
+            self._outbox[node].append(msg)
+            self.stats["placement_queued_for_unknown_peer"] += 1
         else:
-            self.peers.notify(node, msg)
+            self.peers.notify(node, msg, block=True)  # placement messages carry rows: never dropped
 
     def _placement(self, table: AdaptiveTable, msg: Message) -> None:
         sender = msg.sender - SERVER_SENDERS

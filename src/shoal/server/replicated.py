@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import ConfigError, KeyRangeError, ProtocolError
+from shoal.api.errors import ConfigError, KeyRangeError, ProtocolError, ShoalError
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
-from shoal.replication.replica import WORKER_ORIGINS, ShardReplica
+from shoal.replication.replica import INCARNATION_STRIDE, WORKER_ORIGINS, ShardReplica
 from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
@@ -39,6 +39,8 @@ class ReplicatedTable:
     """This server's replicas of one replicated table."""
 
     def __init__(self, spec: TableSpec, num_nodes: int, node: int, incarnation: int, rng: random.Random) -> None:
+        if num_nodes > INCARNATION_STRIDE:
+            raise ConfigError(f"replicated tables support at most {INCARNATION_STRIDE} nodes")
         if spec.replicas > num_nodes:
             raise ConfigError(f"table {spec.name!r} wants {spec.replicas} replicas on {num_nodes} server(s)")
         self.spec = spec
@@ -134,6 +136,8 @@ class ReplicationService:
             seq = msg.body.get("seq")
             if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
                 raise ProtocolError("a push to a table with write_quorum > 1 must carry its number (body.seq >= 1)")
+            if not 0 <= msg.sender < self.cluster.num_workers:  # each origin costs a shard of state
+                raise ProtocolError(f"numbered push from sender {msg.sender}, which is no worker")
             origin = WORKER_ORIGINS + msg.sender
         self._tokens += 1
         accepted = replica.push(rows, grads, origin, seq, token=self._tokens)
@@ -143,7 +147,15 @@ class ReplicationService:
             self.stats["pushes_held_for_gap"] += 1
             return None
         o, s, at = accepted
+        self._answer_held(replica)  # this push may have been the one others waited for
         return msg.reply(Op.OK, {"origin": o, "seq": s, "at": at})
+
+    def _answer_held(self, replica: ShardReplica) -> None:
+        for token, origin, seq, at in replica.release_held():
+            waiting = self._held_replies.pop(token, None)
+            if waiting is not None:
+                peer, pushed = waiting
+                self.reply(peer, pushed.reply(Op.OK, {"origin": origin, "seq": seq, "at": at}))
 
     # ---------------------------------------------------------------- gossip
 
@@ -152,10 +164,12 @@ class ReplicationService:
 
     def tick(self) -> None:
         """Start the gossip rounds that are due."""
+        live = {n for n in range(self.cluster.num_nodes) if self.alive[n]}
         for table in self.tables.values():
             if not table.schedule.due():
                 continue
             for shard, replica in table.replicas.items():
+                replica.trim_log(live)
                 peers = [n for n in table.layout.replica_nodes(shard)
                          if n != self.node and self.alive[n] and n in self._addresses]
                 if peers:
@@ -164,7 +178,12 @@ class ReplicationService:
     def _send_gossip(self, table: ReplicatedTable, node: int, payload: GossipPayload) -> None:
         body, arrays = payload.to_wire(table.spec.dim)
         self.stats["gossip_sent"] += 1
-        self.peers.notify(node, Message(Op.GOSSIP, table=table.spec.name, body=body, arrays=arrays))
+        try:
+            self.peers.notify(node, Message(Op.GOSSIP, table=table.spec.name, body=body, arrays=arrays))
+        except ShoalError as exc:  # e.g. one origin's whole state exceeds the message limit
+            self.stats["gossip_failed"] += 1
+            log.error("server %d: gossip for table %r to server %d failed: %s (raise max_message_bytes?)",
+                      self.node, table.spec.name, node, exc)
 
     def _gossip_in(self, table: ReplicatedTable, msg: Message) -> None:
         sender = msg.sender - SERVER_SENDERS
@@ -177,13 +196,12 @@ class ReplicationService:
             raise ProtocolError(f"bad gossip from server {sender}: {exc}") from None
         self.stats["gossip_received"] += 1
         self.stats["gossip_updates_new"] += replica.absorb(payload)
-        for token, origin, seq, at in replica.release_held():
-            peer, pushed = self._held_replies.pop(token)
-            self.reply(peer, pushed.reply(Op.OK, {"origin": origin, "seq": seq, "at": at}))
+        self._answer_held(replica)
+        budget = self.cluster.limits.max_message_bytes // 2
         if payload.stage == DIGEST:
-            self._send_gossip(table, sender, replica.answer(sender, payload.version, ANSWER))
+            self._send_gossip(table, sender, replica.answer(sender, payload.version, ANSWER, budget))
         elif payload.stage == ANSWER:
-            final = replica.answer(sender, payload.version, FINAL)
+            final = replica.answer(sender, payload.version, FINAL, budget)
             if final.deltas or final.states:
                 self._send_gossip(table, sender, final)
 

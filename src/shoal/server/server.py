@@ -38,6 +38,7 @@ from shoal.wire.ops import Flag, Op
 log = logging.getLogger(__name__)
 
 _HEARTBEAT_S = 0.5
+_BURST_S = 0.01  # longest stretch of message handling between timer runs
 
 
 def is_loopback(address: str) -> bool:
@@ -77,7 +78,8 @@ class ParameterServer:
         self._clock_segment = Segment.create(f"shoal-{cluster.cluster_id}-clocks-n{node}",
                                              8 * max(cluster.num_workers, 1))
         self.clocks = ClockTable(self._clock_segment.array(0, (cluster.num_workers,), np.int64))
-        self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec))
+        self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec),
+                                 max_hold_s=cluster.timeouts.request_s)
         self.replication = ReplicationService(node, cluster, transport, self.codec,
                                               lambda peer, msg: self._send(peer, msg, self.codec))
         self.adaptive = AdaptiveService(node, cluster, transport, self.codec,
@@ -103,11 +105,14 @@ class ParameterServer:
         try:
             while not self._stop.is_set():
                 item = self.listener.recv(self._wait_s())
+                burst_until = time.monotonic() + _BURST_S
                 while item is not None:
                     try:
                         self.handle(*item)
                     except Exception:  # never let one message end the loop
                         log.exception("server %d: unexpected failure handling a message", self.node)
+                    if time.monotonic() > burst_until:
+                        break  # timers (heartbeat, gossip, lazy pulls) must run under sustained load too
                     item = self.listener.recv(0)
                 try:
                     self.sync.tick()

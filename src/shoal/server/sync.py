@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from shoal.api.errors import RequestTimeoutError, ShoalError
 from shoal.consistency.clocks import ClockTable
 from shoal.server.tables import ServedTable
 from shoal.storage.validate import as_keys
@@ -30,10 +31,12 @@ Send = Callable[[bytes, Message], None]
 class Synchroniser:
     """Clocks, held pulls and subscriptions for every table of one server."""
 
-    def __init__(self, clocks: ClockTable, tables: dict[str, ServedTable], send: Send) -> None:
+    def __init__(self, clocks: ClockTable, tables: dict[str, ServedTable], send: Send,
+                 max_hold_s: float = 600.0) -> None:
         self.clocks = clocks
         self.tables = tables
         self.send = send
+        self.max_hold_s = max_hold_s
         self.peers: dict[int, bytes] = {}  # worker rank -> its connection, for eager pushes
         self.stats: Counter[str] = Counter()
 
@@ -54,7 +57,11 @@ class Synchroniser:
                 self._push_eagerly(table)
 
     def pull(self, table: ServedTable, peer: bytes, msg: Message) -> Message | None:
-        """Answer now, or hold the pull (None) until the table's bound allows it."""
+        """Answer now, or hold the pull (None) until the table's bound allows it.
+
+        Keys are checked before a pull is held, so a held pull can always be served.
+        """
+        table.check(as_keys(msg.arrays[0], table.spec))
         if table.controller.admit((peer, msg), msg.sender, msg.clock):
             return self._serve(table, msg, self._values(table, msg))
         return None
@@ -64,10 +71,18 @@ class Synchroniser:
             self._release(table)
 
     def tick(self) -> None:
-        """Release pulls whose lazy wait ran out."""
+        """Release pulls whose lazy wait ran out; fail those held so long their requester gave up."""
         for table in self.tables.values():
-            if table.controller.held:
-                self._release(table)
+            if not table.controller.held:
+                continue
+            self._release(table)
+            for pull in table.controller.expire(self.max_hold_s):
+                peer, msg = pull.item
+                behind = self.clocks.behind(pull.required) if pull.required is not None else []
+                error = RequestTimeoutError(f"pull of {table.spec.name!r} at clock {pull.clock} held "
+                                            f"{self.max_hold_s:.0f}s waiting for worker(s) {behind}")
+                self.stats["held_pulls_expired"] += 1
+                self.send(peer, msg.reply(Op.ERROR, {"code": error.code, "message": str(error)}))
 
     def next_deadline(self) -> float | None:
         deadlines = [d for t in self.tables.values() if (d := t.controller.next_deadline()) is not None]
@@ -80,7 +95,8 @@ class Synchroniser:
         return table.pull(as_keys(msg.arrays[0], table.spec))
 
     def _serve(self, table: ServedTable, msg: Message, values: np.ndarray) -> Message:
-        table.subscribe(msg.sender, msg.arrays[0])
+        if 0 <= msg.sender < self.clocks.num_workers:  # only workers subscribe; ids are bounded
+            table.subscribe(msg.sender, msg.arrays[0])
         reply = msg.reply(Op.VALUES, arrays=[values])
         reply.clock = min(self.clocks.slowest, msg.clock)  # the rows hold every update before this clock
         return reply
@@ -91,14 +107,18 @@ class Synchroniser:
             return
         by_keys: dict[bytes, np.ndarray] = {}
         for peer, msg in released:
-            signature = msg.arrays[0].tobytes()
-            values = by_keys.get(signature)
-            if values is None:
-                values = by_keys[signature] = self._values(table, msg)
-            else:
-                self.stats["shared_serialisations"] += 1
-            self.stats["released_pulls"] += 1
-            self.send(peer, self._serve(table, msg, values))
+            try:
+                signature = msg.arrays[0].tobytes()
+                values = by_keys.get(signature)
+                if values is None:
+                    values = by_keys[signature] = self._values(table, msg)
+                else:
+                    self.stats["shared_serialisations"] += 1
+                self.stats["released_pulls"] += 1
+                reply = self._serve(table, msg, values)
+            except ShoalError as exc:  # this pull fails alone; the others are still answered
+                reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
+            self.send(peer, reply)
 
     def _push_eagerly(self, table: ServedTable) -> None:
         shards = sorted(table.stores)

@@ -73,6 +73,10 @@ class ServedTable:
                 parts.append((self.stores[sid], pos, rows[pos]))
         return parts
 
+    def check(self, keys: np.ndarray) -> None:
+        """Raise ``KeyRangeError`` unless every key is held here."""
+        self._split(keys)
+
     def pull(self, keys: np.ndarray) -> np.ndarray:
         parts = self._split(keys)
         if len(parts) == 1 and parts[0][1] is None:

@@ -38,7 +38,13 @@ class Connection(ABC):
     address: str
 
     @abstractmethod
-    def send(self, frames: Sequence[Any]) -> None: ...
+    def send(self, frames: Sequence[Any], block: bool = True) -> bool:
+        """Queue frames for the listener.
+
+        A blocking send waits a bounded time for room and then raises
+        ``ClusterError``; a non-blocking one returns False when there is no room
+        (the frames are dropped). True when queued.
+        """
 
     @abstractmethod
     def recv(self, timeout: float | None) -> Frames | None:

@@ -70,12 +70,13 @@ class InProcConnection(Connection):
         self.inbox = _Inbox(transport.cond)
         self.closed = False
 
-    def send(self, frames: Sequence[Any]) -> None:
+    def send(self, frames: Sequence[Any], block: bool = True) -> bool:
         listener = self.transport.listeners.get(self.address)
         if listener is None:
-            return  # like ZeroMQ: nobody is bound yet, or any more; the caller times out
+            return True  # like ZeroMQ: nobody is bound yet, or any more; the caller times out
         listener.peers[self.peer] = self
         listener.inbox.put((self.peer, _copy(frames)))
+        return True
 
     def recv(self, timeout: float | None) -> Frames | None:
         return self.inbox.get(timeout)  # type: ignore[no-any-return]

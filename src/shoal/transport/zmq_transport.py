@@ -13,12 +13,13 @@ from typing import Any
 
 import zmq
 
-from shoal.api.errors import ConfigError
+from shoal.api.errors import ClusterError, ConfigError
 from shoal.transport.base import Connection, Frames, Listener, Poller, Transport
 
 log = logging.getLogger(__name__)
 
-_SEND_TIMEOUT_MS = 10_000  # a peer that does not drain its socket for this long is treated as gone
+_REPLY_TIMEOUT_MS = 100  # a listener drops a reply to a peer that has stopped draining its socket
+_SEND_TIMEOUT_MS = 5_000  # a connection waits this long for room before calling the peer stuck
 _LINGER_MS = 1_000  # let one-way messages (clock ticks) leave before a socket closes
 # Frames below this are copied on send. Zero-copy hands the buffer to pyzmq's
 # garbage-collector thread, which costs more than copying a few hundred KB.
@@ -45,7 +46,7 @@ class ZmqListener(Listener):
     def __init__(self, ctx: zmq.Context, address: str, max_frame_bytes: int | None) -> None:
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        self.socket.setsockopt(zmq.SNDTIMEO, _REPLY_TIMEOUT_MS)
         self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
         self.socket.copy_threshold = _COPY_THRESHOLD
         if max_frame_bytes:
@@ -80,6 +81,7 @@ class ZmqConnection(Connection):
         self.address = address
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self.socket.copy_threshold = _COPY_THRESHOLD
         try:
             self.socket.connect(normalise_address(address))
@@ -87,8 +89,15 @@ class ZmqConnection(Connection):
             self.socket.close(0)
             raise ConfigError(f"cannot connect to {address!r}: {exc}") from exc
 
-    def send(self, frames: Sequence[Any]) -> None:
-        self.socket.send_multipart(list(frames), copy=False)
+    def send(self, frames: Sequence[Any], block: bool = True) -> bool:
+        try:
+            self.socket.send_multipart(list(frames), copy=False, flags=0 if block else zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if not block:
+                return False
+            raise ClusterError(f"the peer at {self.address} accepted nothing for {_SEND_TIMEOUT_MS / 1000:.0f}s "
+                               "(its queue is full: stopped or overloaded)") from None
 
     def recv(self, timeout: float | None) -> Frames | None:
         if not self.socket.poll(_ms(timeout), zmq.POLLIN):

@@ -26,6 +26,7 @@ from shoal.wire.schema import check_schema
 TAG_BYTES = 32
 WIRE_DTYPES = frozenset({"<f4", "<f8", "<i4", "<i8", "<u8", "|u1", "|b1"})
 MAX_RANK = 4
+_MAX_DIM = 1 << 40  # no real array has a dimension this long; larger ones only overflow reshape
 _HEADER_LIMIT = 1 << 20  # headers are small; a larger one is hostile or broken
 
 Frame = Any  # bytes, memoryview, numpy array, or zmq.Frame: anything with the buffer protocol
@@ -118,6 +119,8 @@ class Codec:
             check_schema(msg)
         except ShoalError as exc:
             raise _failure(exc, header) from None
+        except Exception as exc:  # anything else a hostile header provokes is malformed input too
+            raise _failure(ProtocolError(f"malformed message: {type(exc).__name__}: {exc}"), header) from None
         return msg
 
     def _header(self, view: memoryview) -> dict[str, Any]:
@@ -164,7 +167,7 @@ class Codec:
         if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
             raise ProtocolError(f"frame {i}: dtype {dtype!r} is not allowed on the wire")
         if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_RANK
-                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+                or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < _MAX_DIM for n in shape)):
             raise ProtocolError(f"frame {i}: bad shape {shape!r}")
         dt = np.dtype(dtype)
         count = 1
