@@ -95,3 +95,15 @@ def test_any_nonfinite_finds_nan_and_inf_in_either_float_width():
             dirty[63, 5] = bad
             assert kernels.any_nonfinite(dirty)
     assert not kernels.any_nonfinite(np.array([[np.finfo(np.float32).max, -0.0, 1e-45]], np.float32))
+
+
+def test_initialisers_can_leave_trailing_columns_at_zero():
+    from shoal.api.config import TableSpec
+    from shoal.api.initializers import Normal
+    from shoal.storage.initialize import fill_initial
+
+    full = np.empty((5, 8), np.float32)
+    part = np.empty((5, 8), np.float32)
+    fill_initial(TableSpec("t", 5, 8, init=Normal(std=1.0)), np.arange(5), full)
+    fill_initial(TableSpec("t", 5, 8, init=Normal(std=1.0, columns=3)), np.arange(5), part)
+    assert (part[:, 3:] == 0).all() and (part[:, :3] != 0).all()

@@ -31,14 +31,26 @@ class Constant:
         object.__setattr__(self, "value", _finite("Constant.value", self.value))
 
 
+def _columns(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}.columns must be an int >= 0, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Uniform:
-    """Values drawn uniformly from ``[low, high)``."""
+    """Values drawn uniformly from ``[low, high)``.
+
+    With ``columns=k`` only the first ``k`` columns are drawn and the rest
+    start at zero (e.g. optimiser accumulators kept in the row itself).
+    """
 
     low: float = -0.01
     high: float = 0.01
+    columns: int = 0
 
     def __post_init__(self) -> None:
+        _columns("Uniform", self.columns)
         low = _finite("Uniform.low", self.low)
         high = _finite("Uniform.high", self.high)
         if not low < high:
@@ -49,12 +61,14 @@ class Uniform:
 
 @dataclass(frozen=True)
 class Normal:
-    """Values drawn from a normal distribution."""
+    """Values drawn from a normal distribution (only the first ``columns`` columns if it is set)."""
 
     mean: float = 0.0
     std: float = 0.01
+    columns: int = 0
 
     def __post_init__(self) -> None:
+        _columns("Normal", self.columns)
         mean = _finite("Normal.mean", self.mean)
         std = _finite("Normal.std", self.std)
         if std < 0:

@@ -22,9 +22,15 @@ def fill_initial(spec: TableSpec, keys: np.ndarray, out: np.ndarray) -> None:
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     if isinstance(init, Constant):
         out[...] = init.value
-    elif isinstance(init, Uniform):
-        kernels.seeded_uniform(table_seed(spec), keys, out, init.low, init.high)
+        return
+    drawn = out if not init.columns or init.columns >= out.shape[1] else out[:, : init.columns]
+    target = drawn if drawn.flags.c_contiguous else np.empty(drawn.shape, dtype=out.dtype)
+    if isinstance(init, Uniform):
+        kernels.seeded_uniform(table_seed(spec), keys, target, init.low, init.high)
     elif isinstance(init, Normal):
-        kernels.seeded_normal(table_seed(spec), keys, out, init.mean, init.std)
+        kernels.seeded_normal(table_seed(spec), keys, target, init.mean, init.std)
     else:  # pragma: no cover - TableSpec validates this
         raise TypeError(f"unknown initializer {init!r}")
+    if target is not out:
+        out[...] = 0
+        out[:, : init.columns] = target
