@@ -52,7 +52,8 @@ def train(graph: Graph, h: Hyper, epochs: float = 1.0, seconds: float | None = N
         done += h.batch
         if step % 20 == 0:
             losses.append((time.perf_counter() - start, loss))
-            if loss_target is not None and time_to_target is None and np.mean([x for _, x in losses[-5:]]) <= loss_target:
+            recent = np.mean([x for _, x in losses[-5:]])
+            if loss_target is not None and time_to_target is None and recent <= loss_target:
                 time_to_target = time.perf_counter() - start
     elapsed = time.perf_counter() - start
     return {"triples_per_s": done / elapsed, "seconds": elapsed, "losses": losses, "time_to_target": time_to_target,

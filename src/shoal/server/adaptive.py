@@ -369,7 +369,7 @@ class AdaptiveService:
                                [keys[part], deltas[part], drop[part]])
         keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
         with table.store.hold(None, exclusive=True):
-            np.add.at(table.store.values, keys, deltas)
+            table.store.values[keys] += deltas  # keys of one sync are distinct
             values = table.store.values[keys].copy()
         dropped = keys[drop.astype(bool)]
         table.interest.replicas[dropped] &= ~(1 << origin)
