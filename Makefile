@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
-	$(PY) -m pip install --quiet --no-deps recbole==1.2.1
+	$(PY) -m pip install --quiet --no-deps recbole==1.2.1 pykeen==1.11.1 gensim==4.4.0
 	touch $(STAMP)
 
 demo: $(STAMP)

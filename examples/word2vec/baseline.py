@@ -1,0 +1,54 @@
+"""The single-process baseline: skip-gram with negative sampling on numpy arrays, the same compiled step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from corpus import load_lee
+from sgns import Hyper, evaluate, noise_weights, pairs, sgns_step
+
+
+def train(epochs: int, h: Hyper, seed: int = 0) -> dict[str, object]:
+    corpus = load_lee()
+    rng = np.random.default_rng(seed)
+    vin = ((rng.random((corpus.vocab, h.dim)) - 0.5) / h.dim).astype(np.float32)
+    vout = np.zeros((corpus.vocab, h.dim), np.float32)
+    cdf = np.cumsum(noise_weights(corpus.counts))
+    done, start = 0, time.perf_counter()
+    for epoch in range(epochs):
+        lr = h.lr * (1 - epoch / epochs)
+        batches = pairs(corpus, h, rng)
+        for s in range(0, batches.shape[0], h.batch):
+            batch = batches[s : s + h.batch]
+            negs = np.minimum(np.searchsorted(cdf, rng.random((batch.shape[0], h.negatives))), corpus.vocab - 1)
+            ins, in_slot = np.unique(batch[:, 0], return_inverse=True)
+            outs, out_slot = np.unique(np.concatenate([batch[:, 1], negs.reshape(-1)]), return_inverse=True)
+            d_in = np.zeros((ins.shape[0], h.dim), np.float32)
+            d_out = np.zeros((outs.shape[0], h.dim), np.float32)
+            n = batch.shape[0]
+            sgns_step(vin[ins], vout[outs], in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives),
+                      np.arange(ins.shape[0]), np.arange(outs.shape[0]), lr, d_in, d_out)
+            vin[ins] += d_in
+            vout[outs] += d_out
+            done += n
+    elapsed = time.perf_counter() - start
+    return {"pairs_per_s": done / elapsed, **evaluate(vin, corpus)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--out")
+    args = p.parse_args()
+    result = train(args.epochs, Hyper())
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main()

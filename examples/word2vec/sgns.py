@@ -1,0 +1,83 @@
+"""Skip-gram with negative sampling: batches of (centre, context) pairs and a compiled gradient step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from corpus import Corpus, analogies, wordsim_pairs
+
+
+@dataclass(frozen=True)
+class Hyper:
+    dim: int = 100
+    window: int = 5
+    negatives: int = 5
+    batch: int = 2048  # (centre, context) pairs
+    lr: float = 0.025
+    subsample: float = 1e-3
+
+
+def noise_weights(counts: np.ndarray) -> np.ndarray:
+    """The word2vec noise distribution: unigram counts to the power 3/4."""
+    w = counts.astype(np.float64) ** 0.75
+    return w / w.sum()
+
+
+def pairs(corpus: Corpus, h: Hyper, rng: np.random.Generator) -> np.ndarray:
+    """All (centre, context) pairs of one pass, with frequent words subsampled and random window sizes."""
+    freq = corpus.counts / corpus.counts.sum()
+    keep_p = np.minimum(1.0, np.sqrt(h.subsample / freq) + h.subsample / freq)
+    tokens = corpus.tokens[rng.random(corpus.tokens.shape[0]) < keep_p[corpus.tokens]]
+    out = []
+    for offset in range(1, h.window + 1):
+        reach = rng.integers(1, h.window + 1, tokens.shape[0] - offset) >= offset
+        left, right = tokens[:-offset][reach], tokens[offset:][reach]
+        out.append(np.stack([left, right], axis=1))
+        out.append(np.stack([right, left], axis=1))
+    all_pairs = np.concatenate(out)
+    return all_pairs[rng.permutation(all_pairs.shape[0])]
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def sgns_step(vin: np.ndarray, vout: np.ndarray, centres: np.ndarray, contexts: np.ndarray, negs: np.ndarray,
+              in_slot: np.ndarray, out_slot: np.ndarray, lr: float, d_in: np.ndarray, d_out: np.ndarray) -> float:
+    """SGD changes for a batch; rows are looked up through ``centres``/``contexts``/``negs`` and their
+    changes summed into ``d_in[in_slot[row]]`` / ``d_out[out_slot[row]]``. Returns the mean loss."""
+    loss = 0.0
+    dim = vin.shape[1]
+    for b in range(centres.shape[0]):
+        c = centres[b]
+        sc = in_slot[c]
+        for j in range(negs.shape[1] + 1):
+            o = contexts[b] if j == 0 else negs[b, j - 1]
+            so = out_slot[o]
+            s = 0.0
+            for k in range(dim):
+                s += vin[c, k] * vout[o, k]
+            label = 1.0 if j == 0 else 0.0
+            p = 1.0 / (1.0 + np.exp(-s))
+            loss += -np.log(p + 1e-7) if j == 0 else -np.log(1.0 - p + 1e-7)
+            g = lr * (label - p)
+            for k in range(dim):
+                d_in[sc, k] += g * vout[o, k]
+                d_out[so, k] += g * vin[c, k]
+    return loss / centres.shape[0]
+
+
+def evaluate(vin: np.ndarray, corpus: Corpus) -> dict[str, float]:
+    """Spearman correlation on WordSim-353 and accuracy on the analogies (3CosAdd, among the vocabulary)."""
+    norm = vin / np.maximum(np.linalg.norm(vin, axis=1, keepdims=True), 1e-9)
+    pairs_, human = wordsim_pairs(corpus)
+    cos = np.sum(norm[pairs_[:, 0]] * norm[pairs_[:, 1]], axis=1)
+    rho = float(np.corrcoef(np.argsort(np.argsort(cos)), np.argsort(np.argsort(human)))[0, 1])
+    quads = analogies(corpus)
+    correct = 0
+    for a, b, c, d in quads:
+        target = norm[b] - norm[a] + norm[c]
+        sims = norm @ target
+        sims[[a, b, c]] = -np.inf
+        correct += int(np.argmax(sims) == d)
+    return {"wordsim_spearman": rho, "wordsim_pairs": int(pairs_.shape[0]),
+            "analogy_accuracy": correct / max(len(quads), 1), "analogies": int(len(quads))}
