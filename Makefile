@@ -8,8 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -e '.[dev,bench,torch,examples]'
 	$(PY) -m pip install --quiet --no-deps recbole==1.2.1 pykeen==1.11.1 gensim==4.4.0
 	touch $(STAMP)
 

@@ -39,7 +39,6 @@ def main() -> None:
     vin = ps.table("w2v.in", corpus.vocab, h.dim, init=shoal.Uniform(-0.5 / h.dim, 0.5 / h.dim), **common)
     vout = ps.table("w2v.out", corpus.vocab, h.dim, **common)
     vout.register_sampling(noise_weights(corpus.counts), scheme="local" if adaptive else "naive")
-    rng = np.random.default_rng(7 + ps.rank)
     done = 0
     ps.barrier()
     start = time.perf_counter()

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from shoal.api import optim
 from shoal.api.config import ClusterSpec, Limits, TableSpec, Timeouts
@@ -45,12 +46,17 @@ __version__ = "0.1.0"
 
 
 def init(local_access: bool | None = None) -> Worker:
-    """Join the cluster this process was started in (by ``shoal run`` or another launcher)."""
-    from shoal.launch import env
+    """Join the cluster this process was started in: by ``shoal run``, by ``torchrun``
+    (see ``shoal.launch.torchrun``), or by anything that sets the ``SHOAL_*`` variables."""
+    from shoal.launch import env, torchrun
     from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers
     from shoal.transport.zmq_transport import ZmqTransport
 
-    role = env.role_from_env(server=False)
+    if "SHOAL_CLUSTER_ID" not in os.environ and torchrun.detected():
+        role = torchrun.role()
+        torchrun.start_node_services(role)
+    else:
+        role = env.role_from_env(server=False)
     bind_to_launcher(env.launcher_pid())
     keep_large_buffers()
     return Worker(role.cluster, role.rank, role.node, ZmqTransport(),

@@ -230,10 +230,11 @@ class Table:
         sel_shard = shard if whole else shard[pos]
         versions = self.cache.versions(sel_keys, sel_shard)
         clock = self.worker.clock
-        fresh = versions >= clock - self.bound
+        required = max(clock - self.bound, 0)  # a row never fetched (version -1) is never fresh
+        fresh = versions >= required
         if self.spec.consistency.eager and not fresh.all() and (versions >= 0).any():
-            versions = self._await_eager(sel_keys, sel_shard, clock - self.bound)
-            fresh = versions >= clock - self.bound
+            versions = self._await_eager(sel_keys, sel_shard, required)
+            fresh = versions >= required
         hits = int(np.count_nonzero(fresh))
         if not hits:
             return pos

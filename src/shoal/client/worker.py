@@ -13,6 +13,7 @@ from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import ClosedError, RequestTimeoutError, ShoalError, TableError
 from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
+from shoal.client.dense import DEFAULT_SLICE, DenseTable, rows_for
 from shoal.client.replicated import ReplicaView
 from shoal.client.table import Table
 from shoal.cluster import membership
@@ -100,6 +101,28 @@ class Worker:
         spec = TableSpec(name=name, num_keys=num_keys, dim=dim, dtype=dtype,
                          init=init or Constant(), optimizer=optimizer or Sum(), **options)
         return self.create_table(spec)
+
+    def dense(
+        self,
+        name: str,
+        shape: tuple[int, ...] | int,
+        dtype: str = "float32",
+        init: Initializer | None = None,
+        optimizer: Optimizer | None = None,
+        slice_size: int = DEFAULT_SLICE,
+        **options: Any,
+    ) -> DenseTable:
+        """A dense parameter (weight tensor) of ``shape``, split into rows of at most ``slice_size``
+        values that spread over the servers (round-robin unless ``mapping`` says otherwise)."""
+        shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+        size = 1
+        for n in shape:
+            size *= n
+        width = max(1, min(slice_size, size))
+        options.setdefault("mapping", "round_robin")
+        table = self.table(name, rows_for(shape, width), width, dtype=dtype, init=init, optimizer=optimizer,
+                           **options)
+        return DenseTable(table, shape, width)
 
     def create_table(self, spec: TableSpec) -> Table:
         existing = self.tables.get(spec.name)

@@ -79,6 +79,9 @@ class FdShareServer:
             log.warning("fd share: refused a process of uid %d", uid)
             self._send(conn, {"ok": False, "code": AuthError.code, "message": "different user"}, [])
             return
+        head = conn.recv(_LEN.size, socket.MSG_PEEK)
+        if not head:
+            return  # a liveness probe: connected and left
         (length,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
         if length > _MAX_REQUEST:
             raise ValueError(f"request of {length} bytes is too large")

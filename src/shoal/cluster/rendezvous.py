@@ -172,6 +172,9 @@ class Rendezvous:
             self.incarnations[member.node] = self.incarnations.get(member.node, 0) + 1
             self.last_seen[member.node] = self.now()
         else:
+            if member.rank in self.workers:  # a restarted worker: drop what its old self left waiting
+                for waiting in self._barriers.values():
+                    waiting[:] = [(p, m) for p, m in waiting if int(m.body["rank"]) != member.rank]
             self.workers[member.rank] = member
             self.left.discard(member.rank)
 

@@ -18,6 +18,8 @@ variable fails at once with a message that names it.
 | ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` | seconds |
 | ``SHOAL_BARRIER_TIMEOUT`` / ``SHOAL_REPLICA_TIMEOUT`` | seconds |
 | ``SHOAL_LAUNCHER_PID`` | pid of the launcher; its death ends the process |
+| ``SHOAL_WATCH_PID`` | a detached server ends when this process is gone (torchrun agent) |
+| ``SHOAL_HOST_RENDEZVOUS`` | ``1``: this server also hosts the rendezvous (torchrun, node 0) |
 | ``SHOAL_LOG_LEVEL`` | logging level of server processes |
 """
 
@@ -133,6 +135,18 @@ def launcher_pid(env: Mapping[str, str] | None = None) -> int | None:
     env = os.environ if env is None else env
     raw = env.get(PREFIX + "LAUNCHER_PID")
     return int(raw) if raw and raw.isdigit() else None
+
+
+def watch_pid(env: Mapping[str, str] | None = None) -> int | None:
+    """A process whose end ends a detached server (``SHOAL_WATCH_PID``)."""
+    env = os.environ if env is None else env
+    raw = env.get(PREFIX + "WATCH_PID")
+    return int(raw) if raw and raw.isdigit() else None
+
+
+def hosts_rendezvous(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return env.get(PREFIX + "HOST_RENDEZVOUS") == "1"
 
 
 def log_level(env: Mapping[str, str] | None = None) -> str:

@@ -1,0 +1,98 @@
+"""A sparse embedding whose rows live in a Shoal table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from shoal.client.table import Table
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``array``'s memory (no copy; writable arrays only)."""
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array)
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """An array sharing ``tensor``'s memory when it is a contiguous CPU tensor (else a copy)."""
+    t = tensor.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.cpu().contiguous()
+    return t.numpy()
+
+
+class _Rows(torch.autograd.Function):
+    """Pulled rows as a tensor; the gradient of the rows goes back to the table."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, keys: torch.Tensor, module: Embedding) -> torch.Tensor:
+        ctx.keys, ctx.module = keys, module
+        return to_torch(module.table.pull(to_numpy(keys).astype(np.int64, copy=False)))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.module._gradient(ctx.keys, grad)
+        return torch.zeros(()), None, None
+
+
+class Embedding(nn.Module):
+    """Rows of ``table`` as an embedding layer.
+
+    ``push="backward"`` pushes each batch's row gradients during ``backward()``
+    (asynchronously; they are waited for at the next ``forward`` or ``step``);
+    ``push="step"`` keeps them until ``step()``. Duplicate keys are summed by the
+    table, whose update rule (``SGD``, ``Adagrad``, ``Adam``) runs where the rows
+    live, so no torch optimiser is needed for these rows.
+    """
+
+    def __init__(self, table: Table, push: str = "backward") -> None:
+        super().__init__()
+        if push not in ("backward", "step"):
+            raise ValueError(f"push must be 'backward' or 'step', got {push!r}")
+        self.table = table
+        self.push = push
+        # Autograd calls backward only for outputs that depend on a parameter: this one does.
+        self._anchor = nn.Parameter(torch.zeros(()), requires_grad=True)
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._in_flight: list[Any] = []
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.table.dim
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.table.num_keys
+
+    def forward(self, keys: torch.Tensor) -> torch.Tensor:
+        self._wait()
+        flat = keys.reshape(-1)
+        rows = _Rows.apply(self._anchor, flat, self)
+        return rows.reshape(*keys.shape, self.table.dim)
+
+    def _gradient(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
+        k = to_numpy(keys).astype(np.int64, copy=False)
+        g = np.ascontiguousarray(to_numpy(grad), dtype=self.table.dtype)
+        if self.push == "backward":
+            self._in_flight.append(self.table.push_async(k, g))
+        else:
+            self._pending.append((k, g))
+
+    def step(self) -> None:
+        """Push gradients kept since the last step (``push="step"``) and wait for every push."""
+        if self._pending:
+            keys = np.concatenate([k for k, _ in self._pending])
+            grads = np.concatenate([g for _, g in self._pending])
+            self._pending.clear()
+            self._in_flight.append(self.table.push_async(keys, grads))
+        self._wait()
+
+    def _wait(self) -> None:
+        for f in self._in_flight:
+            f.wait()
+        self._in_flight.clear()

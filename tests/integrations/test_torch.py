@@ -1,0 +1,84 @@
+"""The PyTorch integration: Embedding rows in Shoal, dense models kept in sync, zero-copy views."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed: pip install torch==2.13.0")
+
+import shoal  # noqa: E402
+from shoal.integrations.torch import DenseSync, Embedding, to_numpy, to_torch  # noqa: E402
+from tests.support.cluster import ThreadCluster  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_views_share_memory():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = to_torch(a)
+    t[0, 0] = 7
+    assert a[0, 0] == 7
+    back = to_numpy(t)
+    assert np.shares_memory(back, a)
+
+
+@pytest.mark.parametrize("push", ["backward", "step"])
+def test_embedding_pulls_rows_and_pushes_their_gradients(push):
+    with ThreadCluster(nodes=2) as c:
+        table = c.worker(0).table("emb", 10, 3, init=shoal.Constant(1.0), optimizer=shoal.optim.SGD(lr=0.5))
+        emb = Embedding(table, push=push)
+        keys = torch.tensor([[1, 7], [7, 9]])
+        out = emb(keys)
+        assert out.shape == (2, 2, 3)
+        out.sum().backward()
+        emb.step()
+        rows = table.pull(np.array([1, 7, 9, 0]))
+        np.testing.assert_allclose(rows[:, 0], [0.5, 0.0, 0.5, 1.0])  # key 7 got two gradients of 1
+
+
+def test_dense_sync_keeps_workers_on_the_same_parameters():
+    with ThreadCluster(nodes=2, workers_per_node=1) as c:
+        def body(w):
+            torch.manual_seed(w.rank)  # different local initialisations: rank 0's win
+            model = torch.nn.Linear(4, 2)
+            sync = DenseSync(w, model, prefix="lin", consistency=shoal.SSP(1))
+            start = [p.detach().clone() for p in model.parameters()]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)  # each worker changes every parameter by +1
+            sync.step()
+            w.barrier()
+            # Under SSP(1) a read at clock 1 may miss clock-0 changes; at clock 2 it may not.
+            sync.step()
+            return start, [p.detach().clone() for p in model.parameters()]
+
+        (s0, e0), (s1, e1) = c.run_workers(body)
+        for a, b in zip(s0, s1, strict=True):
+            assert torch.equal(a, b)
+        for start, end, other in zip(s0, e0, e1, strict=True):
+            assert torch.allclose(end, start + 2.0) and torch.equal(end, other)
+
+
+def run(args: list[str], tmp: Path) -> dict:
+    out = tmp / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--", sys.executable,
+                           *args, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_mlp_on_digits_through_the_dense_synchroniser_under_ssp(tmp_path):
+    pytest.importorskip("sklearn", reason="the digits come from scikit-learn")
+    r = run([str(ROOT / "examples" / "digits" / "train.py"), "--staleness", "1", "--epochs", "20"], tmp_path)
+    assert r["accuracy"] >= 0.95, r
+
+
+def test_mf_with_shoal_embeddings_reaches_094(tmp_path):
+    r = run([str(ROOT / "examples" / "mf" / "train_torch.py"), "--epochs", "20"], tmp_path)
+    assert min(r["rmse"]) <= 0.94, r["rmse"]
