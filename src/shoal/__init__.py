@@ -50,7 +50,6 @@ def init(local_access: bool | None = None) -> Worker:
     (see ``shoal.launch.torchrun``), or by anything that sets the ``SHOAL_*`` variables."""
     from shoal.launch import env, torchrun
     from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers
-    from shoal.transport.zmq_transport import ZmqTransport
 
     if "SHOAL_CLUSTER_ID" not in os.environ and torchrun.detected():
         role = torchrun.role()
@@ -59,7 +58,7 @@ def init(local_access: bool | None = None) -> Worker:
         role = env.role_from_env(server=False)
     bind_to_launcher(env.launcher_pid())
     keep_large_buffers()
-    return Worker(role.cluster, role.rank, role.node, ZmqTransport(),
+    return Worker(role.cluster, role.rank, role.node, env.transport(),
                   local_access=role.local_access if local_access is None else local_access, owns_transport=True)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from shoal.transport.base import Connection, Listener, Transport
+from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.inproc import InProcTransport
 from shoal.transport.zmq_transport import ZmqTransport
 
@@ -42,6 +43,9 @@ BACKENDS = [
     Backend("zmq-ipc", ZmqTransport, lambda: f"ipc://@shoal-test-{uuid.uuid4().hex}",
             lambda: f"ipc://@shoal-test-{uuid.uuid4().hex}"),
     Backend("inproc", InProcTransport, lambda: "inproc://*", lambda: f"inproc://test-{uuid.uuid4().hex}"),
+    # The fault-injecting wrapper, with a little delay and reordering, must keep the contract too.
+    Backend("faulty-tcp", lambda: FaultyTransport(ZmqTransport(), Faults(delay_s=0.002, jitter_s=0.002, seed=1)),
+            lambda: "tcp://127.0.0.1:0", lambda: f"tcp://127.0.0.1:{free_tcp_port()}"),
 ]
 
 

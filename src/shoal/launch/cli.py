@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--replica-timeout", type=float, default=Timeouts().replica_s,
                      help="seconds before a silent replica is routed around (default %(default)s)")
     run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [w<rank>]")
+    run.add_argument("--faults", help="inject network faults into every process, e.g. 'delay_ms=2,loss=0.01'")
     run.add_argument("--on-server-failure", choices=("fail", "continue", "restart"), default="fail",
                      help="when a server dies: stop the job (default), go on without it, or start it again")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
@@ -58,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits=Limits(args.max_message_bytes),
             timeouts=Timeouts(args.connect_timeout, args.request_timeout, args.barrier_timeout, args.replica_timeout),
             prefix_output=not args.no_prefix, on_server_failure=args.on_server_failure,
+            extra_env={"SHOAL_FAULTS": args.faults} if args.faults else {},
         )
         return LocalCluster(options).run()
     except ShoalError as exc:

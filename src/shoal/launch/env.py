@@ -21,6 +21,7 @@ variable fails at once with a message that names it.
 | ``SHOAL_WATCH_PID`` | a detached server ends when this process is gone (torchrun agent) |
 | ``SHOAL_HOST_RENDEZVOUS`` | ``1``: this server also hosts the rendezvous (torchrun, node 0) |
 | ``SHOAL_LOG_LEVEL`` | logging level of server processes |
+| ``SHOAL_FAULTS`` | inject faults on arrival: ``delay_ms=2,jitter_ms=1,loss=0.01,duplicate=0.01,seed=3`` |
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from dataclasses import dataclass
 
 from shoal.api.config import ClusterSpec, Limits, Timeouts
 from shoal.api.errors import ConfigError
+from shoal.transport.base import Transport
+from shoal.transport.faulty import Faults, FaultyTransport
+from shoal.transport.zmq_transport import ZmqTransport
 
 PREFIX = "SHOAL_"
 _HINT = "start the script with `shoal run ...`, or set the SHOAL_* variables (see shoal.launch.env)"
@@ -135,6 +139,14 @@ def launcher_pid(env: Mapping[str, str] | None = None) -> int | None:
     env = os.environ if env is None else env
     raw = env.get(PREFIX + "LAUNCHER_PID")
     return int(raw) if raw and raw.isdigit() else None
+
+
+def transport(env: Mapping[str, str] | None = None) -> Transport:
+    """ZeroMQ, wrapped in the fault injector when ``SHOAL_FAULTS`` is set (tests, fault scenarios)."""
+    env = os.environ if env is None else env
+    zmq_transport: Transport = ZmqTransport()
+    spec = env.get(PREFIX + "FAULTS")
+    return FaultyTransport(zmq_transport, Faults.parse(spec)) if spec else zmq_transport
 
 
 def watch_pid(env: Mapping[str, str] | None = None) -> int | None:

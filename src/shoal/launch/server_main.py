@@ -15,7 +15,6 @@ from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch import env
 from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers
 from shoal.server.server import ParameterServer
-from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
 
 
@@ -38,7 +37,7 @@ def main() -> int:
     rendezvous: Rendezvous | None = None
     try:
         role = env.role_from_env(server=True)
-        transport = ZmqTransport()
+        transport = env.transport()
         if env.hosts_rendezvous():  # under torchrun, node 0's server is where peers meet
             cluster = role.cluster
             rendezvous = Rendezvous(transport, Codec(cluster.limits, cluster.secret), cluster.rendezvous,
