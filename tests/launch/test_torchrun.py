@@ -17,6 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 
 
+def _assert_servers_leave() -> None:
+    """The detached servers leave once the workers are done."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and b"server_main" in subprocess.run(["ps", "ax"], capture_output=True).stdout:
+        time.sleep(0.2)
+    assert b"shoal.launch.server_main" not in subprocess.run(["ps", "ax"], capture_output=True).stdout
+
+
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun comes with the torch extra: pip install torch==2.13.0")
 def test_two_torchrun_nodes_train_mf_like_the_local_launcher(tmp_path):
     port = random.randint(20000, 40000)
@@ -35,7 +43,40 @@ def test_two_torchrun_nodes_train_mf_like_the_local_launcher(tmp_path):
     a = json.loads((tmp_path / "torchrun.json").read_text())["rmse"][-1]
     b = json.loads((tmp_path / "local.json").read_text())["rmse"][-1]
     assert abs(a - b) <= 0.01, (a, b)
-    deadline = time.monotonic() + 10  # the detached servers leave once the workers are done
-    while time.monotonic() < deadline and b"server_main" in subprocess.run(["ps", "ax"], capture_output=True).stdout:
-        time.sleep(0.2)
-    assert b"shoal.launch.server_main" not in subprocess.run(["ps", "ax"], capture_output=True).stdout
+    _assert_servers_leave()
+
+
+RESTARTING_SCRIPT = """
+import os, sys
+import numpy as np
+import shoal
+
+ps = shoal.init()
+counts = ps.table("restart.counts", num_keys=4, dim=1, init=shoal.Constant(0.0))
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(20):
+    counts.push(np.array([ps.rank]), np.ones((1, 1), np.float32))
+    if attempt == 0 and ps.rank == 1 and step == 4:
+        os._exit(3)  # five acknowledged pushes, then the worker dies
+ps.barrier()
+if ps.rank == 0:
+    print("COUNTS", counts.pull(np.arange(2))[:, 0].tolist(), "ATTEMPT", attempt, flush=True)
+ps.shutdown()
+"""
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun comes with the torch extra: pip install torch==2.13.0")
+def test_workers_restarted_by_the_elastic_agent_rejoin_and_keep_the_parameters(tmp_path):
+    script = tmp_path / "restarting.py"
+    script.write_text(RESTARTING_SCRIPT)
+    port = random.randint(20000, 40000)
+    cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "--rdzv-backend", "static", str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if "COUNTS" in x)
+    counts = json.loads(line.split("COUNTS", 1)[1].split("ATTEMPT")[0])
+    assert line.rstrip().endswith("ATTEMPT 1")
+    assert counts[1] == 25.0  # 5 before the crash + 20 after the restart: the server kept them
+    assert counts[0] >= 20.0
+    _assert_servers_leave()
