@@ -6,9 +6,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-heavy bench lint typecheck clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[dev,bench,torch,examples]'
+	$(PY) -m pip install --quiet -e '.[dev,bench,torch,examples,ray]'
 	$(PY) -m pip install --quiet --no-deps recbole==1.2.1 pykeen==1.11.1 gensim==4.4.0
 	touch $(STAMP)
 

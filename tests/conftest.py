@@ -15,8 +15,13 @@ settings.register_profile("shoal", deadline=None)
 settings.load_profile("shoal")
 
 
-def _children(pid: int) -> list[int]:
-    """Live descendants of ``pid`` (from /proc)."""
+#: processes a module fixture keeps for several tests (a local Ray instance); they and
+#: their descendants are that fixture's to reap, not each test's
+LONG_LIVED: set[int] = set()
+
+
+def _children(pid: int, skip: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """Live descendants of ``pid`` (from /proc), not entering ``skip``."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -31,7 +36,7 @@ def _children(pid: int) -> list[int]:
     found, frontier = [], [pid]
     while frontier:
         p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
+        kids = [c for c, pp in parents.items() if pp == p and c not in skip]
         found += kids
         frontier += kids
     return found
@@ -57,10 +62,10 @@ def reap_children():
     """Fail a test that leaves child processes behind, after killing them."""
     yield
     deadline = time.monotonic() + 5
-    left = _children(os.getpid())
+    left = _children(os.getpid(), LONG_LIVED)
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = _children(os.getpid())
+        left = _children(os.getpid(), LONG_LIVED)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
