@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_local_access.py
 	$(PY) benchmarks/bench_mf.py
 	$(PY) benchmarks/bench_consistency.py
+	$(PY) benchmarks/bench_emulated_hosts.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

@@ -89,6 +89,19 @@ class Rendezvous:
             self._thread.join(timeout=5)
         self.listener.close()
 
+    def linger(self, host_node: int, timeout_s: float) -> None:
+        """Keep answering until every other live server has asked once more (and so learned that
+        the job is finished), at most ``timeout_s``: used where a server hosts the rendezvous."""
+        since = self.now()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive = self.alive()
+            waiting = [n for n in range(self.num_nodes)
+                       if n != host_node and alive[n] and self.last_seen.get(n, since) <= since]
+            if not waiting:
+                return
+            time.sleep(0.05)
+
     # ---------------------------------------------------------------- status
 
     @property

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from shoal.api.errors import (
+    AuthError,
     ClosedError,
     ProtocolError,
     RequestTimeoutError,
@@ -200,7 +201,11 @@ class RequestTracker:
             if isinstance(req, int) and req in self._pending:
                 # An unverifiable reply to our own request: most often a peer that
                 # rejected our tag and answered unsigned. Fail that request.
-                self._pending[req].error = exc
+                pending = self._pending[req]
+                if isinstance(exc, AuthError):
+                    exc = AuthError(f"{pending.what} to {self.address_of(peer)}: {exc} (do all processes share "
+                                    "the same secret, SHOAL_SECRET or SHOAL_SECRET_FILE?)")
+                pending.error = exc
                 self._finish(req, None)
             else:
                 log.warning("dropping undecodable message from peer %s: %s", peer, exc)

@@ -62,6 +62,7 @@ def main() -> int:
         return 1
     finally:
         if rendezvous is not None:
+            rendezvous.linger(role.node, timeout_s=2 * rendezvous.dead_after_s)
             rendezvous.stop()
         transport.close()
     return 0
