@@ -19,7 +19,8 @@ from shoal.api.initializers import (
 from shoal.api.optim import SGD, Adagrad, Adam, Optimizer, Sum, optimizer_from_dict, optimizer_to_dict
 from shoal.api.replication import Dynamic, ReadQuorum, read_quorum_from_wire, read_quorum_to_wire
 
-MAPPING_RULES = ("range", "hash", "round_robin")
+MAPPING_RULES = ("range", "hash", "round_robin", "bounded")
+PLACEMENTS = ("spread", "whole")
 NONFINITE_POLICIES = ("reject", "skip")
 LOCKING_MODES = ("exact", "hogwild")
 TECHNIQUES = ("static", "relocation", "replication", "auto")
@@ -46,7 +47,10 @@ class TableSpec:
     """Everything a server needs to create a table; identical on every worker.
 
     ``consistency`` bounds how stale a read may be (``shoal.ASP`` by default);
-    ``mapping`` picks how keys spread over shards; ``nonfinite`` what a push
+    ``mapping`` picks how keys spread over slices (``range``, ``hash``,
+    ``round_robin``, or ``bounded``: ranges of at most ``slice_bytes``);
+    ``slices`` how many slices (default one per server), ``placement`` whether
+    they ``spread`` over the servers or start ``whole`` on one; ``nonfinite`` what a push
     with NaN/Inf does ("reject" the whole push, or "skip" the bad rows);
     ``locking`` whether co-located writers exclude each other ("exact") or
     not ("hogwild").
@@ -69,6 +73,9 @@ class TableSpec:
     gossip_ms: float = 50.0
     techniques: str = "static"
     sync_ms: float = 50.0
+    slices: int = 0
+    slice_bytes: int = 4 << 20
+    placement: str = "spread"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -86,6 +93,7 @@ class TableSpec:
             raise ConfigError(f"seed must be below 2**31, got {self.seed!r}")
         self._check_replication()
         self._check_adaptivity()
+        self._check_slicing()
         if not isinstance(self.init, (Constant, Uniform, Normal)):
             raise ConfigError(f"init must be shoal.Constant, Uniform or Normal, got {self.init!r}")
         if not isinstance(self.optimizer, (Sum, SGD, Adagrad, Adam)):
@@ -117,6 +125,15 @@ class TableSpec:
                               "state such as Adagrad accumulators in the row itself")
         if self.replicated or not isinstance(self.consistency, ASP) or self.locking != "exact":
             raise ConfigError("adaptive tables are unreplicated, read under ASP, with locking='exact'")
+
+    def _check_slicing(self) -> None:
+        _int_at_least("slices", self.slices, 0)
+        _int_at_least("slice_bytes", self.slice_bytes, 1)
+        _one_of("placement", self.placement, PLACEMENTS)
+        sliced = self.slices or self.mapping == "bounded" or self.placement != "spread"
+        if sliced and (self.replicated or self.adaptive):
+            # Replica sets and key homes are laid out one shard per server.
+            raise ConfigError("slices, mapping='bounded' and placement='whole' are for static, unreplicated tables")
 
     def _check_replication(self) -> None:
         _int_at_least("replicas", self.replicas, 1)
@@ -157,6 +174,9 @@ class TableSpec:
             "gossip_ms": self.gossip_ms,
             "techniques": self.techniques,
             "sync_ms": self.sync_ms,
+            "slices": self.slices,
+            "slice_bytes": self.slice_bytes,
+            "placement": self.placement,
         }
 
     @classmethod
@@ -205,6 +225,36 @@ class Timeouts:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"Timeouts.{name} must be > 0 seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RebalancePolicy:
+    """When the rendezvous moves slices on its own.
+
+    Every ``window_s`` it sums the bytes each server served; when the busiest
+    server carries more than ``threshold`` times the mean for ``windows``
+    windows in a row, it moves up to ``max_moves`` slices (those that carry
+    the most load per byte moved), then waits ``windows`` windows before
+    judging again. Windows with less than ``min_bytes_per_s`` in all are idle
+    and do not count. A server that joins is given slices holding its share of
+    the bytes when ``balance_on_join``.
+    """
+
+    threshold: float = 1.25
+    windows: int = 3
+    window_s: float = 1.0
+    max_moves: int = 8
+    min_bytes_per_s: float = 1 << 20
+    balance_on_join: bool = True
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.threshold, (int, float)) or not self.threshold > 1.0:
+            raise ConfigError(f"rebalance threshold must be > 1.0 (max/mean load), got {self.threshold!r}")
+        _int_at_least("windows", self.windows, 1)
+        _int_at_least("max_moves", self.max_moves, 1)
+        if not isinstance(self.window_s, (int, float)) or not self.window_s > 0:
+            raise ConfigError(f"window_s must be > 0, got {self.window_s!r}")
 
 
 @dataclass(frozen=True)

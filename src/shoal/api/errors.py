@@ -91,6 +91,16 @@ class ClosedError(ShoalError):
     code = "ClosedError"
 
 
+class SliceMovedError(ShoalError):
+    """The keys' slice is no longer on the server asked (it moved, or the asker's layout is old).
+
+    Nothing of the request was applied; a worker refreshes its layout and
+    retries on its own, so callers only see this if a retry also fails.
+    """
+
+    code = "SliceMoved"
+
+
 ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
     cls.code: cls
     for cls in (
@@ -108,6 +118,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         ClusterError,
         ServerError,
         ClosedError,
+        SliceMovedError,
     )
 }
 

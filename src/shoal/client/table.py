@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shoal.api.config import TableSpec
-from shoal.api.errors import ProtocolError, RequestTimeoutError, ShapeError, TableError
+from shoal.api.errors import (
+    ProtocolError,
+    RequestTimeoutError,
+    ShapeError,
+    ShoalError,
+    SliceMovedError,
+    TableError,
+)
 from shoal.client.adaptive import AdaptiveAccess
 from shoal.client.replicated import ReplicatedAccess
 from shoal.client.sampling import Sampler, make_sampler
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
 
 _HEADER_ROOM = 64 * 1024
 _EAGER_WAIT_S = 5.0
+_MOVE_RETRIES = 8  # refreshes of the layout for one call before its slice is deemed lost
 _ALL = np.empty(0, dtype=np.int64)  # stands for "every key, in order"
 
 
@@ -103,19 +111,19 @@ class Table:
             access = self.replicated or self.adaptive
             finish = access.pull(keys, result.array())  # type: ignore[union-attr]
             return Future(None, set(), lambda: (finish(), result.get())[1], 0.0)
-        reqs = self._run(Op.PULL, keys, None, result)
-        return Future(self.worker.tracker, reqs, result.get, self.worker.cluster.timeouts.request_s)
+        sent = self._run(Op.PULL, keys, None, result)
+        return self._future(sent, Op.PULL, keys, None, result, result.get)
 
     def push_async(self, keys: Any, values: Any) -> Future[None]:
         """Start a push. ``values`` must not be modified until the future is done."""
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
+        keys, values, _ = drop_nonfinite(keys, values, self.spec)  # the policy applies before any row lands
         if self.replicated is not None or self.adaptive is not None:
-            keys, values, _ = drop_nonfinite(keys, values, self.spec)
             access = self.replicated or self.adaptive
             return Future(None, set(), access.push(keys, values), 0.0)  # type: ignore[union-attr]
-        reqs = self._run(Op.PUSH, keys, values, None)
-        return Future(self.worker.tracker, reqs, lambda: None, self.worker.cluster.timeouts.request_s)
+        sent = self._run(Op.PUSH, keys, values, None)
+        return self._future(sent, Op.PUSH, keys, values, None, lambda: None)
 
     def push_pull_async(self, keys: Any, values: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
         keys = as_keys(keys, self.spec)
@@ -126,11 +134,11 @@ class Table:
             access.push(finite_keys, finite_values)()  # type: ignore[union-attr]
             return self.pull_async(keys, out)
         if skipped:  # rare: the push shrinks but every key still wants its row back
-            self._run(Op.PUSH, finite_keys, finite_values, None)
+            self.push_async(finite_keys, finite_values).wait()
             return self.pull_async(keys, out)
         result = _Rows(keys.shape[0], self.dim, self.dtype, self._checked_out(keys.shape[0], out))
-        reqs = self._run(Op.PUSH_PULL, keys, values, result)
-        return Future(self.worker.tracker, reqs, result.get, self.worker.cluster.timeouts.request_s)
+        sent = self._run(Op.PUSH_PULL, keys, values, result)
+        return self._future(sent, Op.PUSH_PULL, keys, values, result, result.get)
 
     # ----------------------------------------------------- adaptive placement
 
@@ -179,25 +187,23 @@ class Table:
                              f"got {out.shape} {out.dtype}")
         return out
 
-    def _run(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: _Rows | None) -> set[int]:
-        """Serve local rows now, send the rest; returns the ids of requests in flight."""
-        if op == Op.PUSH:
-            # The NaN/Inf policy applies to the whole push, before any row lands anywhere.
-            keys, values, _ = drop_nonfinite(keys, values, self.spec)  # type: ignore[arg-type]
+    def _run(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: _Rows | None) -> dict[int, np.ndarray]:
+        """Serve local rows now, send the rest; returns the requests in flight and the positions each carries."""
         n = keys.shape[0]
+        sent: dict[int, np.ndarray] = {}
         if n == 0:
-            return set()
+            return sent
         if len(self.local) == 1:  # the common co-located case: try "all keys local" in one pass
             shard_id = next(iter(self.local))
             local_rows = self.layout.mapping.rows_in(keys, shard_id)
             if local_rows is not None:
-                self._local(op, None, local_rows, None, values, result)
-                return set()
+                self._local(op, keys, None, local_rows, None, values, result)
+                return sent
         owner, shard, rows, counts = self.layout.route(keys)
         me = self.worker.node
-        if self.local and counts[me] == n:
-            self._local(op, shard, rows, None, values, result)
-            return set()
+        if self.local and me < counts.shape[0] and counts[me] == n:
+            self._local(op, keys, shard, rows, None, values, result)
+            return sent
         single = np.flatnonzero(counts == n)
         parts: list[tuple[int, np.ndarray]]
         if single.size:  # every key on one remote node: the batch goes as it is
@@ -206,10 +212,9 @@ class Table:
             order, starts = kernels.partition_by_owner(owner, counts.shape[0])
             parts = [(node, order[starts[node] : starts[node + 1]]) for node in range(counts.shape[0])
                      if starts[node + 1] > starts[node]]
-        reqs: set[int] = set()
         for node, pos in parts:
             if node == me and self.local:
-                self._local(op, shard[pos], rows[pos], pos, values, result)
+                self._local(op, keys, shard[pos], rows[pos], pos, values, result)
                 continue
             if op == Op.PULL and self.cache is not None:
                 remaining = self._from_cache(keys, shard, pos, result)  # type: ignore[arg-type]
@@ -218,8 +223,50 @@ class Table:
                 pos = remaining
             count = n if pos is _ALL else pos.shape[0]
             for chunk in self._chunks(np.arange(n) if pos is _ALL and n > self._chunk else pos, count):
-                reqs.add(self._send(op, node, keys, values, result, chunk))
-        return reqs
+                sent[self._send(op, node, keys, values, result, chunk)] = chunk
+        return sent
+
+    def _future(self, sent: dict[int, np.ndarray], op: Op, keys: np.ndarray, values: np.ndarray | None,
+                result: _Rows | None, finish: Callable[[], Any], attempt: int = 0) -> Future[Any]:
+        recover = functools.partial(self._recover, op, keys, values, result, sent, attempt)
+        return Future(self.worker.tracker, set(sent), finish, self.worker.cluster.timeouts.request_s, recover)
+
+    def _recover(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: _Rows | None,
+                 sent: dict[int, np.ndarray], attempt: int, errors: dict[int, ShoalError]) -> None:
+        """Requests refused because their slice moved were not applied: send them where it is now."""
+        for error in errors.values():
+            if not isinstance(error, SliceMovedError) or attempt >= _MOVE_RETRIES:
+                raise error
+        positions = [np.arange(keys.shape[0]) if sent[r] is _ALL else sent[r] for r in sorted(errors)]
+        self._redo(op, keys, values, result, np.concatenate(positions), attempt + 1)
+
+    def _redo(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: _Rows | None,
+              pos: np.ndarray, attempt: int) -> None:
+        """Serve ``keys[pos]`` again with a fresh layout, into the same result."""
+        self.counters["moved_retries"] += 1
+        if attempt > 1:
+            time.sleep(min(0.01 * 2 ** attempt, 0.5))  # a slice moving again and again: let it settle
+        self.refresh_layout()
+        sub_keys = keys[pos]
+        sub_values = None if values is None else values[pos]
+        sub = None if result is None else _Rows(pos.shape[0], self.dim, self.dtype, None)
+        sent = self._run(op, sub_keys, sub_values, sub)
+        self._future(sent, op, sub_keys, sub_values, sub, lambda: None, attempt).wait()
+        if result is not None and sub is not None:
+            result.array()[pos] = sub.array()
+
+    # ------------------------------------------------------------- layout
+
+    def refresh_layout(self) -> None:
+        """Fetch this table's slice owners from the rendezvous; map the slices now on this node."""
+        reply = self.worker.fetch_layout(self.name)
+        epoch = int(reply["epoch"])
+        if epoch < self.layout.epoch:
+            return
+        self.layout = self.layout.at(reply["owners"], epoch)
+        if self.worker.local_access:
+            self.local = self.worker.local_slices(self.spec, self.layout, self.local)
+        self.counters["layout_refreshes"] += 1
 
     def _from_cache(self, keys: np.ndarray, shard: np.ndarray, pos: np.ndarray, result: _Rows) -> np.ndarray | None:
         """Serve keys whose cached rows are fresh enough; returns the positions still to pull."""
@@ -263,24 +310,30 @@ class Table:
             versions = self.cache.versions(keys, shard)
         return versions
 
-    def _local(self, op: Op, shard: np.ndarray | None, rows: np.ndarray, pos: np.ndarray | None,
+    def _local(self, op: Op, keys: np.ndarray, shard: np.ndarray | None, rows: np.ndarray, pos: np.ndarray | None,
                values: np.ndarray | None, result: _Rows | None) -> None:
         """Serve rows of this node's shards in shared memory, in the caller's process."""
         if result is not None:
             slowest = self._local_bound()
             self.staleness.record(self.worker.clock - slowest, rows.shape[0])
             self.counters["rows_local"] += rows.shape[0]
+        moved: list[np.ndarray] = []
         for store, sel in self._by_local_shard(shard):
             r = rows if sel is None else rows[sel]
             p = pos if sel is None else (sel if pos is None else pos[sel])
-            if values is not None:
-                v = values if p is None else values[p]
-                store.update(r, v)
-            if result is not None:
-                if p is None:
-                    store.read(r, out=result.array())
-                else:
-                    store.read_into(r, p, result.array())
+            try:
+                if values is not None:
+                    v = values if p is None else values[p]
+                    store.update(r, v)
+                if result is not None:
+                    if p is None:
+                        store.read(r, out=result.array())
+                    else:
+                        store.read_into(r, p, result.array())
+            except SliceMovedError:  # nothing of this part was applied: it goes to the new owner
+                moved.append(np.arange(keys.shape[0]) if p is None else p)
+        if moved:
+            self._redo(op, keys, values, result, np.concatenate(moved), 1)
 
     def _local_bound(self) -> int:
         """Wait until the local server's clocks allow a read at this worker's clock; the slowest clock."""

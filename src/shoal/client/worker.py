@@ -61,9 +61,8 @@ class Worker:
         timeout = cluster.timeouts.connect_s
         self.tracker.connect(membership.RENDEZVOUS_PEER, cluster.rendezvous)
         membership.register(self.tracker, "worker", node, rank, "", timeout)
-        self.servers = membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout)
-        for n, address in enumerate(self.servers):
-            self.tracker.connect(n, address)
+        self.servers: list[str | None] = []  # by node; None once a server has left
+        self._update_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
         self.tracker.on_unsolicited = self._on_server_message
         self.replica_view = ReplicaView(self)
         #: the local server's clock table in shared memory: local reads check bounds here
@@ -134,7 +133,7 @@ class Worker:
         reqs = {
             self.tracker.request(n, Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
                                  _ignore, f"CREATE_TABLE {spec.name!r}")
-            for n in range(self.num_nodes)
+            for n in self.live_servers()
         }
         self.tracker.wait(reqs, timeout)
         errors = [e for r in sorted(reqs) if (e := self.tracker.take_error(r))]
@@ -144,7 +143,12 @@ class Worker:
         self.tracker.notify(membership.RENDEZVOUS_PEER,
                             Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}))
         layout = TableLayout.initial(spec, self.num_nodes)
-        local = self._attach(spec) if self.local_access and not spec.replicated else {}
+        if spec.replicated or spec.adaptive:
+            local = self._attach(spec) if self.local_access and not spec.replicated else {}
+        else:  # slices may have moved since the table was made: start from the current layout
+            current = self.fetch_layout(spec.name)
+            layout = layout.at(current["owners"], int(current["epoch"]))
+            local = self.local_slices(spec, layout, {}) if self.local_access else {}
         table = Table(self, spec, layout, local)
         self.tables[spec.name] = table
         return table
@@ -166,9 +170,59 @@ class Worker:
         except ShoalError as exc:
             log.warning("worker %d: ignoring bad rows from server %d: %s", self.rank, peer, exc)
 
-    def _attach(self, spec: TableSpec) -> dict[int, ShardStore]:
-        """Map this node's shards of ``spec`` from the local server's shared memory."""
-        reply, fds = fetch_fds(socket_name(self.cluster.cluster_id, self.node), {"table": spec.name},
+    def local_slices(self, spec: TableSpec, layout: TableLayout, mapped: dict[int, ShardStore]
+                     ) -> dict[int, ShardStore]:
+        """The stores of every slice ``layout`` puts on this node, reusing ``mapped`` ones still here.
+
+        All or nothing: if one cannot be mapped (it is still arriving, say), the
+        table goes through the local server for now, never half-local.
+        """
+        mine = set(layout.shards_of(self.node))
+        keep = {s: st for s, st in mapped.items() if s in mine and not st.retired}
+        for s, st in mapped.items():
+            if s not in keep:
+                st.close()
+        missing = sorted(mine - set(keep))
+        if missing:
+            try:
+                keep.update(self._attach(spec, missing))
+            except ShoalError as exc:
+                log.info("worker %d: slices %s of %r not mappable yet (%s); using the server", self.rank, missing,
+                         spec.name, exc)
+            if set(keep) != mine:
+                for st in keep.values():
+                    st.close()
+                return {}
+        return keep
+
+    def fetch_layout(self, table: str) -> dict[str, Any]:
+        """A static table's slice owners and epoch, and the live servers, from the rendezvous."""
+        reply = membership.call(self.tracker, membership.RENDEZVOUS_PEER, Message(Op.LAYOUT, table=table),
+                                self.cluster.timeouts.request_s, f"LAYOUT of {table!r}")
+        self._update_servers(reply.body.get("servers") or [])
+        return reply.body
+
+    def _update_servers(self, addresses: list[str | None]) -> None:
+        """Connect to servers that joined, drop those that left."""
+        for n, address in enumerate(addresses):
+            known = self.servers[n] if n < len(self.servers) else None
+            if address == known:
+                continue
+            if known is not None:
+                self.tracker.disconnect(n)
+            if address is not None:
+                self.tracker.connect(n, address)
+        self.servers = list(addresses)
+
+    def live_servers(self) -> list[int]:
+        return [n for n, address in enumerate(self.servers) if address]
+
+    def _attach(self, spec: TableSpec, shards: list[int] | None = None) -> dict[int, ShardStore]:
+        """Map this node's shards of ``spec`` (or just ``shards``) from the local server's shared memory."""
+        request: dict[str, Any] = {"table": spec.name}
+        if shards is not None:
+            request["shards"] = shards
+        reply, fds = fetch_fds(socket_name(self.cluster.cluster_id, self.node), request,
                                self.cluster.timeouts.connect_s)
         stores: dict[int, ShardStore] = {}
         try:
@@ -192,7 +246,7 @@ class Worker:
             if table.adaptive is not None:
                 table.adaptive.flush_intents()
         self.clock += 1
-        for n in range(self.num_nodes):
+        for n in self.live_servers():
             self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}))
         return self.clock
 
@@ -226,14 +280,42 @@ class Worker:
         def keep(node: int) -> Callable[[Message], None]:
             return lambda msg: replies.__setitem__(node, msg.body)
 
-        reqs = {self.tracker.request(n, Message(Op.STATS), keep(n), "STATS") for n in range(self.num_nodes)}
+        nodes = self.live_servers()
+        reqs = {self.tracker.request(n, Message(Op.STATS), keep(n), "STATS") for n in nodes}
         try:
             self.tracker.wait(reqs, timeout)
         except RequestTimeoutError:
             pass
         for r in reqs:
             self.tracker.take_error(r)
-        return [replies.get(n, {"node": n, "unreachable": True}) for n in range(self.num_nodes)]
+        return [replies.get(n, {"node": n, "unreachable": True}) for n in nodes]
+
+    # ------------------------------------------------ slices and servers
+
+    def move_slice(self, table: str | Table, shard: int, to: int, timeout: float | None = None) -> None:
+        """Move slice ``shard`` of a static table to server ``to`` while training goes on; returns once moved."""
+        name = table if isinstance(table, str) else table.name
+        self._admin(Message(Op.MOVE_SLICE, table=name, body={"shard": int(shard), "to": int(to)}),
+                    f"moving slice {shard} of {name!r} to server {to}", timeout)
+
+    def remove_server(self, node: int, timeout: float | None = None) -> None:
+        """Hand every slice of server ``node`` to the others, then let it leave (scale in)."""
+        self._admin(Message(Op.DRAIN, body={"node": int(node)}), f"draining server {node}", timeout)
+
+    def cluster_status(self) -> dict[str, Any]:
+        """The rendezvous's view: servers (None once departed), workers, layouts, barriers."""
+        status = membership.status(self.tracker, self.cluster.timeouts.request_s)
+        self._update_servers(status.get("servers") or [])
+        return status
+
+    def _admin(self, msg: Message, what: str, timeout: float | None) -> None:
+        self._check_open()
+        membership.call(self.tracker, membership.RENDEZVOUS_PEER, msg,
+                        self.cluster.timeouts.request_s if timeout is None else timeout, what)
+        self.cluster_status()
+        for t in self.tables.values():
+            if not (t.spec.replicated or t.spec.adaptive):
+                t.refresh_layout()
 
     # -------------------------------------------------------------- shutdown
 
@@ -243,7 +325,7 @@ class Worker:
             return
         try:
             self.wait_all()
-            for n in range(self.num_nodes):  # a worker that left must not hold back anyone's reads
+            for n in self.live_servers():  # a worker that left must not hold back anyone's reads
                 self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank, "final": True}))
             membership.leave(self.tracker, self.rank, self.cluster.timeouts.connect_s)
         except ShoalError as exc:

@@ -49,8 +49,8 @@ def status(tracker: RequestTracker, timeout: float) -> dict[str, Any]:
     return _rendezvous_call(tracker, Message(Op.CLUSTER_STATUS), timeout)
 
 
-def wait_for_servers(tracker: RequestTracker, num_nodes: int, timeout: float) -> list[str]:
-    """Addresses of all ``num_nodes`` servers, once every one has registered."""
+def wait_for_servers(tracker: RequestTracker, num_nodes: int, timeout: float) -> list[str | None]:
+    """Addresses of all servers (None for one that has left), once every one has registered."""
     deadline = time.monotonic() + timeout
     delay = 0.02
     while True:
@@ -58,7 +58,7 @@ def wait_for_servers(tracker: RequestTracker, num_nodes: int, timeout: float) ->
         st = status(tracker, max(remaining, 1.0))
         servers = st["servers"]
         if st["ready"]:
-            return [str(a) for a in servers]
+            return [str(a) if a else None for a in servers]
         if time.monotonic() >= deadline:
             present = [n for n, a in enumerate(servers) if a]
             missing = [n for n, a in enumerate(servers) if not a]

@@ -1,8 +1,9 @@
 """The rendezvous: where servers and workers find each other, and where barriers meet.
 
-It holds only membership (who is there, at which address) and barrier
-generations, never parameters, so it is not a scheduler: once a worker knows
-the servers' addresses, the data path never touches it.
+It holds membership (who is there, at which address), barrier generations and
+the layouts of static tables (which server holds each slice, see
+``cluster.slices``), never parameters, so it is not a scheduler: once a worker
+knows the servers and layouts, the data path never touches it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.api.errors import ShoalError
+from shoal.api.config import RebalancePolicy, TableSpec
+from shoal.api.errors import ClusterError, ShoalError
+from shoal.cluster.slices import SliceAuthority
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
@@ -45,6 +48,7 @@ class Rendezvous:
         num_workers: int,
         dead_after_s: float = 2.0,
         now: Callable[[], float] = time.monotonic,
+        rebalance: RebalancePolicy | None = None,
     ) -> None:
         self.codec = codec
         self.cluster_id = cluster_id
@@ -63,6 +67,8 @@ class Rendezvous:
         #: table specs as created by workers, so a restarted server can recreate its tables
         self.tables: dict[str, dict[str, Any]] = {}
         self._barriers: dict[int, list[tuple[bytes, Message]]] = {}
+        #: layouts of static tables, slice moves, joins, drains and the rebalancer
+        self.slices = SliceAuthority(num_nodes, rebalance or RebalancePolicy(enabled=False), now)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,10 +82,10 @@ class Rendezvous:
     def serve(self) -> None:
         while not self._stop.is_set():
             item = self.listener.recv(0.1)
-            if item is None:
-                continue
             try:
-                self._handle(*item)
+                if item is not None:
+                    self._handle(*item)
+                self.slices.tick()
             except Exception:  # one bad message must not end the cluster's rendezvous
                 log.exception("rendezvous: failure handling a message")
 
@@ -106,7 +112,12 @@ class Rendezvous:
 
     @property
     def ready(self) -> bool:
-        return len(self.servers) == self.num_nodes
+        return all(n in self.servers or n in self.slices.departed for n in range(self.num_nodes))
+
+    @property
+    def departed(self) -> set[int]:
+        """Servers that handed over all their slices and left."""
+        return self.slices.departed
 
     @property
     def finished(self) -> bool:
@@ -115,14 +126,18 @@ class Rendezvous:
     def alive(self) -> list[bool]:
         """Servers heard from within ``dead_after_s`` (their heartbeats come every half second)."""
         now = self.now()
-        return [n in self.last_seen and now - self.last_seen[n] <= self.dead_after_s for n in range(self.num_nodes)]
+        return [n in self.last_seen and now - self.last_seen[n] <= self.dead_after_s and n not in self.departed
+                for n in range(self.num_nodes)]
 
     def status(self) -> dict[str, Any]:
         return {
             "cluster_id": self.cluster_id,
             "num_nodes": self.num_nodes,
             "num_workers": self.num_workers,
-            "servers": [self.servers[n].address if n in self.servers else None for n in range(self.num_nodes)],
+            "servers": [self.servers[n].address if n in self.servers and n not in self.departed else None
+                        for n in range(self.num_nodes)],
+            "departed": sorted(self.departed),
+            "layouts": self.slices.all_layouts(),
             "workers": sorted(self.workers),
             "left": sorted(self.left),
             "ready": self.ready,
@@ -148,17 +163,44 @@ class Rendezvous:
                 err = Message(Op.ERROR, req=req, body={"code": exc.code, "message": str(exc)})
                 self.listener.send(peer, Codec(self.codec.limits).encode(err))
             return
+        try:
+            self._dispatch(peer, msg)
+        except ShoalError as exc:  # a request that cannot be met gets a typed error, not silence
+            self._reply(peer, msg.reply(Op.ERROR, {"code": exc.code, "message": f"rendezvous: {exc}"}))
+
+    def _dispatch(self, peer: bytes, msg: Message) -> None:
         if msg.op == Op.REGISTER:
             self._register(msg)
             self._reply(peer, msg.reply(Op.OK, self.status()))
         elif msg.op == Op.CLUSTER_STATUS:
-            if msg.body.get("role") == "server" and isinstance(msg.body.get("node"), int):
-                self.last_seen[msg.body["node"]] = self.now()
-            self._reply(peer, msg.reply(Op.OK, self.status()))
+            status = self.status()
+            node = msg.body.get("node")
+            if msg.body.get("role") == "server" and isinstance(node, int):
+                self.last_seen[node] = self.now()
+                load = msg.body.get("load")
+                if isinstance(load, dict):
+                    self.slices.on_load(node, load)
+                status["moves"] = self.slices.commands(node)
+            self._reply(peer, msg.reply(Op.OK, status))
         elif msg.op == Op.CREATE_TABLE:
+            if msg.table not in self.tables:
+                self.slices.add_table(TableSpec.from_dict(msg.body["spec"]))
             self.tables.setdefault(msg.table, msg.body["spec"])
             if not msg.flags & Flag.NO_REPLY:
                 self._reply(peer, msg.reply(Op.OK))
+        elif msg.op == Op.LAYOUT:
+            body = self.slices.describe(msg.table)
+            body["servers"] = self.status()["servers"]
+            self._reply(peer, msg.reply(Op.OK, body))
+        elif msg.op == Op.MOVE_SLICE:
+            self.slices.request_move(msg.table, int(msg.body["shard"]), int(msg.body["to"]),
+                                     self._answer_when_done(peer, msg))
+        elif msg.op == Op.MOVE_DONE:
+            self.slices.move_done(msg.table, int(msg.body["shard"]), int(msg.body["to"]), int(msg.body["epoch"]),
+                                  bool(msg.body["ok"]))
+            self._reply(peer, msg.reply(Op.OK))
+        elif msg.op == Op.DRAIN:
+            self.slices.drain(int(msg.body["node"]), self._answer_when_done(peer, msg))
         elif msg.op == Op.BARRIER:
             self._barrier(peer, msg)
         elif msg.op == Op.LEAVE:
@@ -175,10 +217,25 @@ class Rendezvous:
             self._reply(peer, msg.reply(Op.ERROR, {"code": "ProtocolError",
                                                     "message": f"rendezvous does not serve {msg.op.name}"}))
 
+    def _answer_when_done(self, peer: bytes, msg: Message) -> Callable[[ClusterError | None], None]:
+        def done(error: ClusterError | None) -> None:
+            if error is None:
+                self._reply(peer, msg.reply(Op.OK))
+            else:
+                self._reply(peer, msg.reply(Op.ERROR, {"code": error.code, "message": str(error)}))
+        return done
+
     def _register(self, msg: Message) -> None:
         b = msg.body
         member = Member(b["role"], b["node"], b["rank"], b["address"], b["pid"])
+        if member.role == "server" and member.node >= self.num_nodes:
+            if member.node != self.num_nodes:
+                raise ClusterError(f"a joining server takes node {self.num_nodes}, the next free one, "
+                                   f"not {member.node}")
+            self.num_nodes += 1  # a server joining a running cluster: it gets slices to serve
+            log.info("server %d joined at %s", member.node, member.address)
         if member.role == "server":
+            self.slices.server_joined(member.node)
             if member.node in self.servers and self.servers[member.node].address != member.address:
                 log.info("server of node %d re-registered at %s", member.node, member.address)
             self.servers[member.node] = member

@@ -260,11 +260,14 @@ class Future(Generic[T]):
         reqs: set[int],
         finish: Callable[[], T],
         timeout: float,
+        recover: Callable[[dict[int, ShoalError]], None] | None = None,
     ) -> None:
         self._tracker = tracker
         self._reqs = reqs
         self._finish = finish
         self._timeout = timeout
+        #: given the failed requests, redo them (raising if it cannot) before ``finish``
+        self._recover = recover
         self._result: T | None = None
         self._error: ShoalError | None = None
         self._settled = False
@@ -280,9 +283,11 @@ class Future(Generic[T]):
             try:
                 if self._tracker is not None and self._reqs:
                     self._tracker.wait(self._reqs, self._timeout if timeout is None else timeout)
-                    errors = [e for r in sorted(self._reqs) if (e := self._tracker.take_error(r))]
+                    errors = {r: e for r in sorted(self._reqs) if (e := self._tracker.take_error(r))}
+                    if errors and self._recover is None:
+                        raise next(iter(errors.values()))
                     if errors:
-                        raise errors[0]
+                        self._recover(errors)  # type: ignore[misc]
                 self._result = self._finish()
             except ShoalError as exc:
                 self._error = exc

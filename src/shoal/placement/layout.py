@@ -1,7 +1,19 @@
-"""A table's placement: its key mapping plus which server owns each shard."""
+"""A table's placement: its key mapping plus which server owns each slice, at an epoch.
+
+A table is cut into *slices* (shards): one per server by default, more when
+``TableSpec.slices`` asks or when ``mapping="bounded"`` caps each slice at
+``slice_bytes``. With ``mapping="hash"`` and several slices per server this is
+consistent hashing with virtual nodes in the fixed-partition form (Dynamo's
+third strategy): keys hash onto equal slices, slices are dealt to servers, and a
+server that joins or leaves takes or gives whole slices, so only its share of
+the keys moves. Which server owns a slice starts from the table's placement
+rule and changes at run time when slices move (live rebalancing, servers
+joining or leaving); every change bumps the epoch.
+"""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,11 +21,42 @@ import numpy as np
 from shoal.api.config import TableSpec
 from shoal.placement import kernels
 from shoal.placement.mapping import KeyMapping, make_mapping
+from shoal.storage.rules import rule_for
+
+
+def row_bytes(spec: TableSpec) -> int:
+    """Bytes one row needs: values plus the update rule's per-row state."""
+    itemsize = np.dtype(spec.dtype).itemsize
+    per_row = spec.dim * itemsize
+    for st in rule_for(spec.optimizer).state:
+        width = spec.dim if st.per_value else 1
+        per_row += width * np.dtype(st.dtype or spec.dtype).itemsize
+    return per_row
+
+
+def slice_count(spec: TableSpec, num_servers: int) -> int:
+    """How many slices ``spec`` is cut into on a cluster of ``num_servers``."""
+    if spec.mapping == "bounded":
+        total = row_bytes(spec) * spec.num_keys
+        return max(1, min(spec.num_keys, -(-total // spec.slice_bytes)))
+    return min(spec.num_keys, spec.slices or num_servers)
+
+
+def initial_owners(spec: TableSpec, num_slices: int, servers: list[int]) -> np.ndarray:
+    """The server of each slice before anything moves."""
+    n = len(servers)
+    nodes = np.asarray(servers, dtype=np.int64)
+    if spec.placement == "whole":
+        # One server holds every slice: how MXNet and ps-lite place an array below their split size.
+        return np.full(num_slices, nodes[zlib.crc32(spec.name.encode()) % n], dtype=np.int64)
+    if spec.mapping in ("hash", "round_robin"):
+        return nodes[np.arange(num_slices) % n]
+    return nodes[np.arange(num_slices) * n // num_slices]  # contiguous ranges stay together
 
 
 @dataclass
 class TableLayout:
-    """Key -> (shard, row) -> owning server, at one epoch of the placement."""
+    """Key -> (slice, row) -> owning server, at one epoch of the placement."""
 
     spec: TableSpec
     mapping: KeyMapping
@@ -22,9 +65,14 @@ class TableLayout:
 
     @classmethod
     def initial(cls, spec: TableSpec, num_servers: int) -> TableLayout:
-        """One shard per server, shard ``s`` on server ``s``."""
-        mapping = make_mapping(spec.mapping, spec.num_keys, num_servers)
-        return cls(spec, mapping, np.arange(num_servers, dtype=np.int64))
+        num_slices = slice_count(spec, num_servers)
+        rule = "range" if spec.mapping == "bounded" else spec.mapping
+        mapping = make_mapping(rule, spec.num_keys, num_slices)
+        return cls(spec, mapping, initial_owners(spec, num_slices, list(range(num_servers))))
+
+    def at(self, owners: np.ndarray | list[int], epoch: int) -> TableLayout:
+        """The same mapping with other owners (a later epoch)."""
+        return TableLayout(self.spec, self.mapping, np.asarray(owners, dtype=np.int64), epoch)
 
     @property
     def num_shards(self) -> int:
@@ -49,3 +97,6 @@ class TableLayout:
 
     def shards_of(self, server: int) -> list[int]:
         return [int(s) for s in np.flatnonzero(self.owners == server)]
+
+    def slice_bytes(self, shard: int) -> int:
+        return row_bytes(self.spec) * self.mapping.shard_size(shard)

@@ -26,8 +26,9 @@ from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
 from shoal.server.adaptive import ADAPTIVE_SHARD, AdaptiveService
 from shoal.server.replicated import ReplicationService
+from shoal.server.slicing import SliceService
 from shoal.server.sync import Synchroniser
-from shoal.server.tables import ServedTable, table_bytes
+from shoal.server.tables import ServedTable, SliceMoving, table_bytes
 from shoal.storage.segment import Segment
 from shoal.storage.validate import as_keys, as_rows
 from shoal.transport.base import Transport
@@ -89,6 +90,9 @@ class ParameterServer:
         self._heartbeat_req: int | None = None
         self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
         self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
+        self.slicing = SliceService(node, cluster, transport, self.codec, self.tables, self.clocks, self._rendezvous,
+                                    self._serve)
+        self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
         self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
 
     # ------------------------------------------------------------------ loop
@@ -106,7 +110,9 @@ class ParameterServer:
             while not self._stop.is_set():
                 item = self.listener.recv(self._wait_s())
                 burst_until = time.monotonic() + _BURST_S
+                burst = 0
                 while item is not None:
+                    burst += 1
                     try:
                         self.handle(*item)
                     except Exception:  # never let one message end the loop
@@ -114,10 +120,12 @@ class ParameterServer:
                     if time.monotonic() > burst_until:
                         break  # timers (heartbeat, gossip, lazy pulls) must run under sustained load too
                     item = self.listener.recv(0)
+                self._backlog = max(self._backlog, burst)
                 try:
                     self.sync.tick()
                     self.replication.tick()
                     self.adaptive.tick()
+                    self.slicing.tick()
                 except Exception:  # timers must not end the loop either
                     log.exception("server %d: unexpected failure in a timer", self.node)
                 if register:
@@ -143,16 +151,24 @@ class ParameterServer:
             self.replication.incarnation = int(incarnations[self.node])
         self.replication.on_status(status)
         self.adaptive.on_status(status)
+        self._adopt_tables(status, "after a restart")
+
+    def _adopt_tables(self, status: dict[str, Any], why: str) -> None:
+        """Create the tables the rendezvous knows and this server lacks, at their current layouts."""
+        layouts = status.get("layouts") or {}
         for spec in status.get("tables") or []:
             parsed = TableSpec.from_dict(spec)
-            if parsed.name not in self.tables and parsed.name not in self.replication.tables \
-                    and parsed.name not in self.adaptive.tables:
-                try:
-                    self._add_table(parsed)
-                except ShoalError as exc:
-                    log.error("server %d: cannot recreate table %r: %s", self.node, parsed.name, exc)
-                    continue
-                log.warning("server %d: recreated table %r after a restart", self.node, parsed.name)
+            if parsed.name in self.tables or parsed.name in self.replication.tables \
+                    or parsed.name in self.adaptive.tables:
+                continue
+            if self.node >= self.cluster.num_nodes and (parsed.replicated or parsed.adaptive):
+                continue  # a server that joined later holds only slices of static tables
+            try:
+                self._add_table(parsed, layouts.get(parsed.name))
+            except ShoalError as exc:
+                log.error("server %d: cannot create table %r: %s", self.node, parsed.name, exc)
+                continue
+            log.info("server %d: created table %r %s", self.node, parsed.name, why)
 
     def _heartbeat(self) -> None:
         """Ask the rendezvous how the cluster is; leave when it is finished or gone."""
@@ -164,11 +180,10 @@ class ParameterServer:
         now = time.monotonic()
         if self._heartbeat_req is None and now >= self._next_heartbeat:
             self._next_heartbeat = now + _HEARTBEAT_S
+            body = {"role": "server", "node": self.node, "load": self.slicing.take_load(), "queue": self._backlog}
+            self._backlog = 0
             self._heartbeat_req = tracker.request(
-                membership.RENDEZVOUS_PEER,
-                Message(Op.CLUSTER_STATUS, body={"role": "server", "node": self.node}),
-                self._on_status, "heartbeat",
-            )
+                membership.RENDEZVOUS_PEER, Message(Op.CLUSTER_STATUS, body=body), self._on_status, "heartbeat")
         elif self._heartbeat_req is not None and now - self._last_heartbeat > self.cluster.timeouts.connect_s:
             log.error("server %d: rendezvous silent for %.0fs; shutting down", self.node, now - self._last_heartbeat)
             self.stop()
@@ -177,8 +192,13 @@ class ParameterServer:
         self._last_heartbeat = time.monotonic()
         self.replication.on_status(msg.body)
         self.adaptive.on_status(msg.body)
+        self._adopt_tables(msg.body, "created before it joined")
+        self.slicing.on_status(msg.body)
         if msg.body.get("finished"):
             log.info("server %d: all workers finished; shutting down", self.node)
+            self.stop()
+        elif self.slicing.leave_requested:
+            log.info("server %d: every slice handed over; leaving the cluster", self.node)
             self.stop()
 
     # -------------------------------------------------------------- handling
@@ -200,9 +220,16 @@ class ParameterServer:
             self._reply_error(peer, exc, self.codec)
             return
         self.stats[f"op_{msg.op.name.lower()}"] += 1
+        self._serve(peer, msg)
+
+    def _serve(self, peer: bytes, msg: Message) -> None:
+        """Serve a decoded request (again, for one that waited for a slice's move to end)."""
         try:
             self.sync.observe(peer, msg)
             reply = self.dispatch(msg, peer)
+        except SliceMoving:
+            self.slicing.hold(peer, msg)
+            return
         except ShoalError as exc:
             self.stats[f"error_{exc.code}"] += 1
             reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
@@ -255,6 +282,8 @@ class ParameterServer:
             return msg.reply(Op.OK)
         if op == Op.CREATE_TABLE:
             return self._create_table(msg)
+        if op == Op.SLICE_STATE:
+            return self.slicing.receive(msg)
         if op == Op.STATS:
             return msg.reply(Op.OK, self.describe())
         if op == Op.PING:
@@ -302,13 +331,15 @@ class ParameterServer:
             return msg.reply(Op.OK, {"shards": [ADAPTIVE_SHARD]})
         return msg.reply(Op.OK, {"shards": sorted(self.tables[spec.name].stores)})
 
-    def _add_table(self, spec: TableSpec) -> None:
+    def _add_table(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
         if spec.replicated:
             self.replication.create(spec)
         elif spec.adaptive:
             self.adaptive.create(spec)
         else:
             layout = TableLayout.initial(spec, self.cluster.num_nodes)
+            if current is not None:  # slices may have moved since the table was created
+                layout = layout.at(current["owners"], int(current["epoch"]))
             self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster.cluster_id, self.clocks)
 
     def describe(self) -> dict[str, Any]:
@@ -316,11 +347,12 @@ class ParameterServer:
             "node": self.node,
             "address": self.address,
             "pid": os.getpid(),
-            "tables": {n: {"shards": sorted(t.stores), "rows": sum(s.num_rows for s in t.stores.values())}
-                       for n, t in self.tables.items()},
+            "tables": {n: {"shards": sorted(t.stores), "rows": sum(s.num_rows for s in t.stores.values()),
+                           "epoch": t.layout.epoch} for n, t in self.tables.items()},
             "clocks": [int(c) for c in self.clocks.clocks],
             "slowest_clock": self.clocks.slowest,
-            "stats": dict(self.stats + self.sync.stats + self.replication.stats + self.adaptive.stats),
+            "stats": dict(self.stats + self.sync.stats + self.replication.stats + self.adaptive.stats
+                          + self.slicing.stats),
             "replicated": {n: sorted(t.replicas) for n, t in self.replication.tables.items()},
             "adaptive": self.adaptive.describe(),
             "controllers": {n: t.controller.stats.as_dict() for n, t in self.tables.items()},
@@ -340,10 +372,11 @@ class ParameterServer:
                     "shards": [{"shard": ADAPTIVE_SHARD, "num_rows": store.num_rows, "label": store.segment.label}]}, \
                 [store.fd]
         table = self._table(str(request.get("table")))
-        shards = sorted(table.stores)
-        info = [{"shard": s, "num_rows": table.stores[s].num_rows, "label": table.stores[s].segment.label}
-                for s in shards]
-        return {"spec": table.spec.to_dict(), "shards": info}, [table.stores[s].fd for s in shards]
+        stores = dict(table.stores)  # this runs beside the loop, which may move slices meanwhile
+        wanted = request.get("shards")
+        shards = [s for s in sorted(stores) if (wanted is None or s in wanted) and not stores[s].retired]
+        info = [{"shard": s, "num_rows": stores[s].num_rows, "label": stores[s].segment.label} for s in shards]
+        return {"spec": table.spec.to_dict(), "shards": info}, [stores[s].fd for s in shards]
 
     # --------------------------------------------------------------- closing
 
@@ -352,6 +385,7 @@ class ParameterServer:
             self._fdshare.close()
             self._fdshare = None
         self._rendezvous.close()
+        self.slicing.close()
         self.replication.close()
         self.adaptive.close()
         self.listener.close()

@@ -10,24 +10,22 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import TableSpec
-from shoal.api.errors import KeyRangeError
+from shoal.api.errors import SliceMovedError
 from shoal.consistency.clocks import ClockTable
 from shoal.consistency.controller import ShardController
-from shoal.placement.layout import TableLayout
+from shoal.placement.layout import TableLayout, row_bytes
 from shoal.storage import kernels
-from shoal.storage.rules import rule_for
 from shoal.storage.shard import ShardStore
 from shoal.storage.validate import drop_nonfinite
 
 
 def table_bytes(spec: TableSpec) -> int:
     """Bytes a whole table needs: values plus the update rule's per-row state."""
-    itemsize = np.dtype(spec.dtype).itemsize
-    per_row = spec.dim * itemsize
-    for st in rule_for(spec.optimizer).state:
-        width = spec.dim if st.per_value else 1
-        per_row += width * np.dtype(st.dtype or spec.dtype).itemsize
-    return spec.num_keys * per_row
+    return spec.num_keys * row_bytes(spec)
+
+
+class SliceMoving(Exception):
+    """A request touches a slice on its way to another server: hold it until the move ends."""
 
 
 @dataclass
@@ -54,13 +52,22 @@ class ServedTable:
         self.controller: ShardController[Any] = ShardController(spec.consistency, clocks, now)
         # ESSP: per shard, per worker, which rows that worker has fetched (and so caches).
         self._subscribed: dict[int, dict[int, np.ndarray]] = {s: {} for s in self.stores}
+        #: slices being handed to another server: requests for them wait for the move to end
+        self.moving: set[int] = set()
+        #: per slice: bytes in and out, requests, and seconds spent on them, since the last report
+        self.load: dict[int, np.ndarray] = {s: np.zeros(3) for s in self.stores}
+        self._row_bytes = spec.dim * np.dtype(spec.dtype).itemsize
 
     def _split(self, keys: np.ndarray) -> list[tuple[ShardStore, np.ndarray | None, np.ndarray]]:
         """``(store, positions, rows)`` per shard; positions None means all keys, in order."""
         owner, shard, rows, counts = self.layout.route(keys)
         if counts[self.node] != keys.shape[0]:
             bad = int(keys[np.flatnonzero(owner != self.node)[0]])
-            raise KeyRangeError(f"key {bad} of table {self.spec.name!r} is not held by server {self.node}")
+            s = int(self.layout.mapping.locate(np.array([bad], dtype=np.int64))[0][0])
+            raise SliceMovedError(f"key {bad} of table {self.spec.name!r} is in slice {s}, which server "
+                                  f"{self.node} does not hold at epoch {self.layout.epoch}")
+        if self.moving and np.isin(shard, list(self.moving)).any():
+            raise SliceMoving()
         if len(self.stores) == 1:
             return [(next(iter(self.stores.values())), None, rows)]
         shard_ids = sorted(self.stores)
@@ -73,18 +80,36 @@ class ServedTable:
                 parts.append((self.stores[sid], pos, rows[pos]))
         return parts
 
+    def _count(self, store: ShardStore, rows: int, started: float) -> None:
+        load = self.load[store.shard]
+        load[0] += rows * self._row_bytes
+        load[1] += 1
+        load[2] += time.perf_counter() - started
+
+    def take_load(self) -> dict[int, list[float]]:
+        """Per-slice load since the last call (and reset it)."""
+        out = {s: [float(x) for x in v] for s, v in self.load.items() if v[1]}
+        for v in self.load.values():
+            v[:] = 0
+        return out
+
     def check(self, keys: np.ndarray) -> None:
-        """Raise ``KeyRangeError`` unless every key is held here."""
+        """Raise ``SliceMovedError`` unless every key is held here (``SliceMoving`` if on its way out)."""
         self._split(keys)
 
     def pull(self, keys: np.ndarray) -> np.ndarray:
         parts = self._split(keys)
         if len(parts) == 1 and parts[0][1] is None:
-            return parts[0][0].read(parts[0][2])
+            started = time.perf_counter()
+            out = parts[0][0].read(parts[0][2])
+            self._count(parts[0][0], keys.shape[0], started)
+            return out
         out = np.empty((keys.shape[0], self.spec.dim), dtype=self.spec.dtype)
         for store, pos, rows in parts:
             assert pos is not None  # several shards: each part names its positions
+            started = time.perf_counter()
             kernels.place_rows(out, pos, store.read(rows))
+            self._count(store, rows.shape[0], started)
         return out
 
     def subscribe(self, worker: int, keys: np.ndarray) -> None:
@@ -124,11 +149,40 @@ class ServedTable:
         """Apply a push whole, or reject it whole; returns rows skipped as non-finite."""
         keys, grads, skipped = drop_nonfinite(keys, grads, self.spec)
         for store, pos, rows in self._split(keys):
+            started = time.perf_counter()
             store.update(rows, grads if pos is None else grads[pos])
+            self._count(store, rows.shape[0], started)
         self.controller.on_push()
         return skipped
+
+    # -------------------------------------------------------- moving slices
+
+    def release_slice(self, shard: int, to: int, epoch: int) -> None:
+        """The slice now lives on ``to``: forget it here."""
+        store = self.stores.pop(shard)
+        self._subscribed.pop(shard, None)
+        self.load.pop(shard, None)
+        self.moving.discard(shard)
+        self.layout = self.layout.at(_with_owner(self.layout.owners, shard, to), epoch)
+        store.close()
+
+    def adopt_slice(self, store: ShardStore, epoch: int, subscribers: dict[int, np.ndarray]) -> None:
+        """A slice handed over from another server is served here from now on."""
+        self.stores[store.shard] = store
+        self._subscribed[store.shard] = subscribers
+        self.load[store.shard] = np.zeros(3)
+        self.layout = self.layout.at(_with_owner(self.layout.owners, store.shard, self.node), epoch)
+
+    def subscribers(self, shard: int) -> dict[int, np.ndarray]:
+        return self._subscribed.get(shard, {})
 
     def close(self) -> None:
         for store in self.stores.values():
             store.close()
         self.stores.clear()
+
+
+def _with_owner(owners: np.ndarray, shard: int, node: int) -> np.ndarray:
+    out = owners.copy()
+    out[shard] = node
+    return out

@@ -6,12 +6,14 @@ and read and update rows themselves, under the same locks, with the same rule.
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 
 from shoal.api.config import TableSpec
+from shoal.api.errors import ProtocolError, ShapeError, SliceMovedError
 from shoal.storage import kernels
 from shoal.storage.initialize import fill_initial
 from shoal.storage.rules import UpdateRule, rule_for
@@ -35,7 +37,10 @@ class ShardLayout:
     @classmethod
     def of(cls, spec: TableSpec, rule: UpdateRule, num_rows: int) -> ShardLayout:
         slots: dict[str, ArraySlot] = {}
-        offset = 0
+        # Word 0: set once the shard has moved to another server; co-located readers
+        # and writers check it under the row locks and go through the new owner.
+        slots["header"] = ArraySlot(0, (8,), "uint64")
+        offset = 64
         slots["values"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
         offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
         for st in rule.state:
@@ -72,6 +77,7 @@ class ShardStore:
         self.rule = rule_for(spec.optimizer)
         layout = ShardLayout.of(spec, self.rule, num_rows)
         arrays = {name: segment.array(s.offset, s.shape, s.dtype) for name, s in layout.slots.items()}
+        self.header = arrays.pop("header")
         self.values = arrays.pop("values")
         self.dirty: np.ndarray | None = arrays.pop("dirty", None)
         self.presence: np.ndarray | None = arrays.pop("presence", None)
@@ -93,6 +99,13 @@ class ShardStore:
         return store
 
     @classmethod
+    def receive(cls, spec: TableSpec, shard: int, num_rows: int, cluster_id: str) -> ShardStore:
+        """An empty shard about to be filled with the rows and state of a slice moving here."""
+        rule = rule_for(spec.optimizer)
+        segment = Segment.create(segment_label(cluster_id, spec.name, shard), ShardLayout.of(spec, rule, num_rows).size)
+        return cls(spec, shard, num_rows, segment)
+
+    @classmethod
     def attach(cls, spec: TableSpec, shard: int, num_rows: int, fd: int, label: str) -> ShardStore:
         return cls(spec, shard, num_rows, Segment.attach(fd, label))
 
@@ -105,26 +118,72 @@ class ShardStore:
             return nullcontext()
         return self._locks.hold(rows, exclusive)
 
+    @property
+    def retired(self) -> bool:
+        return bool(self.header[0])
+
+    def _check_live(self) -> None:
+        if self.header[0]:
+            raise SliceMovedError(f"slice {self.shard} of table {self.spec.name!r} has moved off this node")
+
     def read(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Gather ``rows`` into ``out`` (a new array if None)."""
         if out is None:
             out = np.empty((rows.shape[0], self.spec.dim), dtype=self.values.dtype)
         with self._hold(rows, exclusive=False):
+            self._check_live()
             kernels.gather_rows(self.values, rows, out)
         return out
 
     def read_into(self, rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
         """``out[positions[i]] = row rows[i]``: gather straight into the caller's order."""
         with self._hold(rows, exclusive=False):
+            self._check_live()
             kernels.gather_place(self.values, rows, positions, out)
 
     def update(self, rows: np.ndarray, grads: np.ndarray) -> None:
         """Apply the table's rule to ``rows`` (finite values; see ``validate.drop_nonfinite``)."""
         rows, grads = self.rule.prepare(rows, grads)
         with self._hold(rows, exclusive=True):
+            self._check_live()
             self.rule.apply(self.values, self.state, rows, grads)
             if self.dirty is not None:
                 self.dirty[rows] = 1
+
+    # -------------------------------------------------------- moving slices
+
+    def retire(self, grace_s: float = 0.02) -> None:
+        """Mark the shard moved: from now on no co-located reader or writer touches it.
+
+        With exact locking the mark is set under every row lock, so a write
+        either landed before it (and is in the snapshot taken next) or sees it.
+        Lock-free (hogwild) writers check it without a lock, so wait a moment
+        for any write already past the check.
+        """
+        with self._hold(None, exclusive=True):
+            self.header[0] = 1
+        if self._locks is None:
+            time.sleep(grace_s)
+
+    def revive(self) -> None:
+        """Undo ``retire`` when a move fails: the shard stays here."""
+        self.header[0] = 0
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Values and optimiser state by name (views: the shard must be retired or otherwise quiet)."""
+        return {"values": self.values, **self.state}
+
+    def load_rows(self, first_row: int, arrays: dict[str, np.ndarray]) -> None:
+        """Fill rows ``first_row..`` of a received shard from a slice's arrays."""
+        for name, target in self.state_arrays().items():
+            source = arrays.get(name)
+            if source is None:
+                raise ProtocolError(f"slice state of {self.spec.name!r} lacks {name!r}")
+            end = first_row + source.shape[0]
+            if source.shape[1:] != target.shape[1:] or end > target.shape[0]:
+                raise ShapeError(f"slice state {name!r} of shape {source.shape} does not fit rows "
+                                 f"{first_row}..{end} of {target.shape}")
+            target[first_row:end] = source
 
     # ------------------------------------------------- adaptive placement
 
@@ -175,6 +234,7 @@ class ShardStore:
 
     def close(self) -> None:
         del self.values
+        del self.header
         self.dirty = None
         self.state = {}
         self.segment.close()

@@ -33,6 +33,11 @@ class Op(IntEnum):
     LOCALIZE = 30  # worker -> its node's server: move these keys here
     INTENT = 31  # worker -> its node's server: I will use these keys in clocks [start, end)
     PLACEMENT = 32  # server -> server: relocation, replication and intent traffic of adaptive tables
+    LAYOUT = 33  # -> rendezvous: a table's slice owners at the current epoch, and the servers
+    MOVE_SLICE = 34  # -> rendezvous: move a slice to a server (answered once it has moved)
+    SLICE_STATE = 35  # server -> server: a moving slice's rows, optimiser state, clocks and subscribers
+    MOVE_DONE = 36  # server -> rendezvous: a slice has been handed over (or could not be)
+    DRAIN = 37  # -> rendezvous: hand a server's slices to the others, then let it leave
 
 
 class Flag:

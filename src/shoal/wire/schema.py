@@ -59,6 +59,13 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.LOCALIZE: OpSchema(arrays=(KEYS,), needs_table=True),
     Op.INTENT: OpSchema(body={"start": _INT, "end": _INT}, arrays=(KEYS,), needs_table=True),
     Op.PLACEMENT: OpSchema(body={"kind": _STR}, needs_table=True, variadic=True),
+    Op.LAYOUT: OpSchema(needs_table=True),
+    Op.MOVE_SLICE: OpSchema(body={"shard": _INT, "to": _INT}, needs_table=True),
+    Op.SLICE_STATE: OpSchema(body={"shard": _INT, "epoch": _INT, "first_row": _INT, "num_rows": _INT,
+                                   "names": (list,), "clocks": (list,), "last": (bool,)},
+                             needs_table=True, variadic=True),
+    Op.MOVE_DONE: OpSchema(body={"shard": _INT, "to": _INT, "epoch": _INT, "ok": (bool,)}, needs_table=True),
+    Op.DRAIN: OpSchema(body={"node": _INT}),
 }
 
 

@@ -1,0 +1,234 @@
+"""Where each slice of each static table lives: the rendezvous keeps the authoritative layouts.
+
+It orders moves (asked for by a worker, planned by the rebalancer, or needed
+because a server joins or leaves), hands each one to the slice's owner in its
+heartbeat reply, and bumps the table's epoch when the owner reports the move
+done. One move per table is under way at a time, so epochs are a sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.api.config import RebalancePolicy, TableSpec
+from shoal.api.errors import ClusterError
+from shoal.placement.layout import TableLayout
+from shoal.placement.rebalance import Move, SliceInfo, imbalance, plan_drain, plan_moves
+
+log = logging.getLogger(__name__)
+
+#: called when a move ends: the error, or None when it succeeded
+Done = Callable[[ClusterError | None], None]
+
+
+@dataclass
+class _Move:
+    move: Move
+    epoch: int = 0
+    done: list[Done] = field(default_factory=list)
+
+
+class SliceAuthority:
+    """Layouts, the queue of moves, and the load windows the rebalancer judges."""
+
+    def __init__(self, num_nodes: int, policy: RebalancePolicy | None = None,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.initial_nodes = num_nodes
+        self.policy = policy
+        self.now = now
+        self.layouts: dict[str, TableLayout] = {}
+        self.queued: dict[str, deque[_Move]] = {}
+        self.active: dict[str, _Move] = {}
+        self.servers: set[int] = set(range(num_nodes))
+        self.leaving: set[int] = set()
+        self.departed: set[int] = set()
+        self._drains: dict[int, list[Done]] = {}
+        #: per (table, slice): bytes served in the current window
+        self._window: dict[tuple[str, int], float] = {}
+        self._window_start = now()
+        self._hot_windows = 0
+        self._cooldown = 0
+        self.history: list[dict[str, Any]] = []  # what the rebalancer saw and did, for reports
+        self.moves_done = 0
+
+    # ------------------------------------------------------------ tables
+
+    def add_table(self, spec: TableSpec) -> None:
+        if spec.name not in self.layouts and not spec.replicated and not spec.adaptive:
+            self.layouts[spec.name] = TableLayout.initial(spec, self.initial_nodes)
+
+    def describe(self, name: str) -> dict[str, Any]:
+        layout = self.layouts.get(name)
+        if layout is None:
+            raise ClusterError(f"the rendezvous knows no static table {name!r}")
+        return {"owners": [int(o) for o in layout.owners], "epoch": layout.epoch}
+
+    def all_layouts(self) -> dict[str, dict[str, Any]]:
+        return {name: self.describe(name) for name in self.layouts}
+
+    def live_servers(self) -> list[int]:
+        return sorted(self.servers - self.leaving - self.departed)
+
+    # ------------------------------------------------------------- moves
+
+    def request_move(self, table: str, shard: int, to: int, done: Done | None = None) -> None:
+        layout = self.layouts.get(table)
+        if layout is None:
+            raise ClusterError(f"cannot move a slice of {table!r}: not a static table the rendezvous knows")
+        if not 0 <= shard < layout.num_shards:
+            raise ClusterError(f"table {table!r} has slices 0..{layout.num_shards - 1}, not {shard}")
+        if to not in self.live_servers():
+            raise ClusterError(f"cannot move a slice to server {to}: live servers are {self.live_servers()}")
+        self._enqueue(Move(table, shard, -1, to), done)
+
+    def _enqueue(self, move: Move, done: Done | None) -> None:
+        queued = _Move(move, done=[done] if done else [])
+        self.queued.setdefault(move.table, deque()).append(queued)
+        self._start_next(move.table)
+
+    def _start_next(self, table: str) -> None:
+        """Make the next queued move of ``table`` active; moves to where a slice already is end at once."""
+        layout = self.layouts[table]
+        queue = self.queued.get(table)
+        while table not in self.active and queue:
+            item = queue.popleft()
+            source = int(layout.owners[item.move.shard])
+            if source == item.move.target:
+                for done in item.done:
+                    done(None)
+                continue
+            if item.move.target in self.departed or item.move.target in self.leaving:
+                for done in item.done:
+                    done(ClusterError(f"server {item.move.target} is leaving; slice {item.move.shard} of "
+                                      f"{table!r} stays on {source}"))
+                continue
+            item.move = Move(table, item.move.shard, source, item.move.target)
+            item.epoch = layout.epoch + 1
+            self.active[table] = item
+
+    def commands(self, node: int) -> list[dict[str, Any]]:
+        """Moves this server should make now (repeated in every heartbeat reply until done)."""
+        return [{"table": t, "shard": m.move.shard, "from": m.move.source, "to": m.move.target, "epoch": m.epoch}
+                for t, m in self.active.items() if m.move.source == node]
+
+    def move_done(self, table: str, shard: int, to: int, epoch: int, ok: bool) -> None:
+        item = self.active.get(table)
+        if item is None or item.move.shard != shard or item.epoch != epoch or item.move.target != to:
+            return  # a report of a move already settled
+        del self.active[table]
+        if ok:
+            layout = self.layouts[table]
+            owners = layout.owners.copy()
+            owners[shard] = to
+            self.layouts[table] = layout.at(owners, epoch)
+            self.moves_done += 1
+            log.info("slice %d of %r moved %d -> %d (epoch %d)", shard, table, item.move.source, to, epoch)
+        error = None if ok else ClusterError(
+            f"moving slice {shard} of {table!r} from server {item.move.source} to {to} failed; it stays put")
+        for done in item.done:
+            done(error)
+        self._start_next(table)
+        self._check_drains()
+
+    def busy(self) -> bool:
+        return bool(self.active) or any(self.queued.values())
+
+    # ------------------------------------------------------ join, leave
+
+    def server_joined(self, node: int) -> None:
+        if node in self.servers and node not in self.departed:
+            return
+        self.servers.add(node)
+        self.departed.discard(node)
+        self.leaving.discard(node)
+        if self.policy is not None and self.policy.balance_on_join:
+            infos = [SliceInfo(i.table, i.shard, i.owner, float(i.nbytes), i.nbytes) for i in self._slices()]
+            for move in plan_moves(infos, self.live_servers(), threshold=1.05, max_moves=1 << 16):
+                self._enqueue(move, None)
+
+    def drain(self, node: int, done: Done) -> None:
+        """Move every slice off ``node``; ``done`` once it holds none and may leave."""
+        if node not in self.live_servers():
+            raise ClusterError(f"server {node} is not a live server ({self.live_servers()})")
+        if len(self.live_servers()) < 2:
+            raise ClusterError("cannot drain the last server")
+        self.leaving.add(node)
+        self._drains.setdefault(node, []).append(done)
+        remaining = [s for s in self.live_servers() if s != node]
+        for move in plan_drain(self._slices(), node, remaining + [node]):
+            self._enqueue(move, None)
+        self._check_drains()
+
+    def _check_drains(self) -> None:
+        for node in list(self._drains):
+            holds = any((layout.owners == node).any() for layout in self.layouts.values())
+            if not holds and not any(m.move.source == node for m in self.active.values()):
+                self.departed.add(node)
+                for done in self._drains.pop(node):
+                    done(None)
+
+    # ---------------------------------------------------------- rebalancer
+
+    def _slices(self) -> list[SliceInfo]:
+        infos = []
+        for name, layout in self.layouts.items():
+            for shard in range(layout.num_shards):
+                nbytes = layout.slice_bytes(shard)
+                infos.append(SliceInfo(name, shard, int(layout.owners[shard]),
+                                       self._window.get((name, shard), 0.0), nbytes))
+        return infos
+
+    def on_load(self, node: int, load: dict[str, list[list[float]]]) -> None:
+        """A server's per-slice load since its last heartbeat."""
+        for table, rows in load.items():
+            for shard, nbytes, *_ in rows:
+                key = (table, int(shard))
+                self._window[key] = self._window.get(key, 0.0) + float(nbytes)
+
+    def tick(self) -> None:
+        """Close a load window when it is due; plan moves when the imbalance persisted."""
+        policy = self.policy
+        if policy is None or not policy.enabled:
+            return
+        elapsed = self.now() - self._window_start
+        if elapsed < policy.window_s:
+            return
+        infos = self._slices()
+        servers = self.live_servers()
+        per_server = {s: 0.0 for s in servers}
+        for info in infos:
+            if info.owner in per_server:
+                per_server[info.owner] += info.load / elapsed
+        ratio = imbalance(per_server)
+        total = sum(per_server.values())
+        self._window = {}
+        self._window_start = self.now()
+        record: dict[str, Any] = {"t": self._window_start, "bytes_per_s": per_server, "imbalance": ratio,
+                                  "moves": []}
+        self.history.append(record)
+        del self.history[:-1000]
+        if self._cooldown > 0 or self.busy():
+            self._cooldown = max(0, self._cooldown - 1)
+            return
+        if total < policy.min_bytes_per_s or ratio <= policy.threshold:
+            self._hot_windows = 0
+            return
+        self._hot_windows += 1
+        if self._hot_windows < policy.windows:
+            return
+        self._hot_windows = 0
+        self._cooldown = policy.windows
+        moves = plan_moves([SliceInfo(i.table, i.shard, i.owner, i.load / elapsed, i.nbytes) for i in infos],
+                           servers, threshold=max(1.0 + (policy.threshold - 1.0) / 2, 1.01),
+                           max_moves=policy.max_moves)
+        for move in moves:
+            self._enqueue(move, None)
+        record["moves"] = [[m.table, m.shard, m.source, m.target] for m in moves]
+        if moves:
+            log.info("rebalancer: max/mean %.2f over %d windows; moving %d slice(s)", ratio, policy.windows,
+                     len(moves))

@@ -1,0 +1,244 @@
+"""Moving slices of static tables between servers while training runs (DESIGN.md §3, QuanPS).
+
+The rendezvous decides which slice goes where (a move asked for, the
+rebalancer, a server joining or leaving) and hands the command to the owner in
+its next heartbeat reply. The owner then:
+
+1. marks the slice *moving*: requests for it are held, and co-located workers
+   stop touching its shared memory (``ShardStore.retire``);
+2. sends the rows, optimiser state, its clock table and the ESSP subscriptions
+   to the new owner in ``SLICE_STATE`` messages (chunked to the size limit);
+3. once the new owner has them, tells the rendezvous (``MOVE_DONE``), which
+   bumps the table's epoch;
+4. forgets the slice and answers every held request "moved": the worker
+   refreshes its layout and sends them to the new owner.
+
+Requests are held or refused whole, so nothing is applied twice or lost. A
+move that fails (the new owner does not answer) is undone: the slice is
+served here again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shoal.api.config import ClusterSpec
+from shoal.api.errors import ProtocolError, TableError
+from shoal.cluster import membership
+from shoal.cluster.requests import RequestTracker
+from shoal.consistency.clocks import ClockTable
+from shoal.server.tables import ServedTable
+from shoal.storage.shard import ShardStore
+from shoal.transport.base import Transport
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+log = logging.getLogger(__name__)
+
+_HEADER_ROOM = 64 * 1024
+
+
+@dataclass
+class _Outgoing:
+    table: str
+    shard: int
+    to: int
+    epoch: int
+    reqs: set[int] = field(default_factory=set)
+    report: int | None = None
+    failed: bool = False
+    handed: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Incoming:
+    store: ShardStore
+    subscribers: dict[int, np.ndarray]
+
+
+class SliceService:
+    """Hands slices of this server's static tables to other servers, and takes them in."""
+
+    def __init__(self, node: int, cluster: ClusterSpec, transport: Transport, codec: Codec,
+                 tables: dict[str, ServedTable], clocks: ClockTable, rendezvous: RequestTracker,
+                 redispatch: Callable[[bytes, Message], None]) -> None:
+        self.node = node
+        self.cluster = cluster
+        self.codec = codec
+        self.tables = tables
+        self.clocks = clocks
+        self.rendezvous = rendezvous
+        self.redispatch = redispatch
+        self.peers = RequestTracker(transport, codec, sender=node)
+        self.addresses: dict[int, str] = {}
+        self.outgoing: dict[tuple[str, int], _Outgoing] = {}
+        self.incoming: dict[tuple[str, int], _Incoming] = {}
+        #: requests for moving slices, answered when their move ends
+        self.held: list[tuple[bytes, Message]] = []
+        self.stats: Counter[str] = Counter()
+        self.leave_requested = False
+
+    # ------------------------------------------------------------ commands
+
+    def on_status(self, status: dict[str, Any]) -> None:
+        """Peers' addresses, and the moves the rendezvous wants this server to make."""
+        for n, address in enumerate(status.get("servers") or []):
+            if address and n != self.node and self.addresses.get(n) != address:
+                self.addresses[n] = address
+                self.peers.connect(n, address)
+        for cmd in status.get("moves") or []:
+            if int(cmd["from"]) == self.node and (cmd["table"], int(cmd["shard"])) not in self.outgoing:
+                self.start(str(cmd["table"]), int(cmd["shard"]), int(cmd["to"]), int(cmd["epoch"]))
+        if self.node in (status.get("departed") or []) and not self.outgoing:
+            self.leave_requested = True  # every slice is elsewhere now
+
+    def start(self, name: str, shard: int, to: int, epoch: int) -> None:
+        table = self.tables.get(name)
+        if table is not None and table.layout.epoch >= epoch:
+            return  # a command repeated by a heartbeat reply that crossed this move's end
+        move = _Outgoing(name, shard, to, epoch)
+        self.outgoing[(name, shard)] = move
+        if table is None or shard not in table.stores or to not in self.addresses:
+            why = "no such table here" if table is None else (
+                "slice not held here" if shard not in table.stores else f"server {to} unknown")
+            log.warning("server %d: cannot move slice %d of %r to %d: %s", self.node, shard, name, to, why)
+            move.failed = True
+            self._report(move)
+            return
+        store = table.stores[shard]
+        table.moving.add(shard)
+        store.retire()
+        self.stats["slices_sent"] += 1
+        subscribers = table.subscribers(shard)
+        ranks = sorted(subscribers)
+        names = list(store.state_arrays())
+        arrays = store.state_arrays()
+        per_row = sum(a[:1].nbytes for a in arrays.values()) + len(ranks)
+        chunk = max(1, (self.cluster.limits.max_message_bytes - _HEADER_ROOM) // max(per_row, 1))
+        clocks = [int(c) for c in self.clocks.clocks]
+        for first in range(0, max(store.num_rows, 1), chunk):
+            last_row = min(store.num_rows, first + chunk)
+            parts = [arrays[n][first:last_row] for n in names]
+            parts += [subscribers[r][first:last_row].view(np.uint8) for r in ranks]
+            msg = Message(Op.SLICE_STATE, table=name, body={
+                "shard": shard, "epoch": epoch, "first_row": first, "num_rows": store.num_rows, "names": names,
+                "clocks": clocks, "subscribers": ranks, "last": last_row >= store.num_rows}, arrays=parts)
+            move.reqs.add(self.peers.request(to, msg, _ignore, f"SLICE_STATE {name!r}/{shard} to server {to}"))
+
+    def tick(self) -> None:
+        """Advance moves: a handed-over slice is reported; one whose receiver is silent is undone."""
+        if not self.outgoing:
+            return
+        self.peers.pump(0)
+        for move in list(self.outgoing.values()):
+            if move.report is not None:
+                if self.rendezvous.done({move.report}) and (error := self.rendezvous.take_error(move.report)):
+                    log.error("server %d: the rendezvous did not take the end of moving slice %d of %r: %s",
+                              self.node, move.shard, move.table, error)
+                    self._finish(move)
+                continue
+            if self.peers.done(move.reqs):
+                errors = [e for r in sorted(move.reqs) if (e := self.peers.take_error(r))]
+                if errors:
+                    log.warning("server %d: server %d refused slice %d of %r: %s", self.node, move.to, move.shard,
+                                move.table, errors[0])
+                    move.failed = True
+                else:
+                    move.handed = True
+                self._report(move)
+            elif time.monotonic() - move.started > self.cluster.timeouts.request_s:
+                log.warning("server %d: server %d did not take slice %d of %r within %.0fs; keeping it",
+                            self.node, move.to, move.shard, move.table, self.cluster.timeouts.request_s)
+                move.failed = True
+                self._report(move)
+
+    def _report(self, move: _Outgoing) -> None:
+        msg = Message(Op.MOVE_DONE, table=move.table, body={
+            "shard": move.shard, "to": move.to, "epoch": move.epoch, "ok": move.handed})
+        move.report = self.rendezvous.request(membership.RENDEZVOUS_PEER, msg, lambda reply: self._finish(move),
+                                              f"MOVE_DONE {move.table!r}/{move.shard}")
+
+    def _finish(self, move: _Outgoing) -> None:
+        """The rendezvous knows: drop or keep the slice, then answer what waited for it."""
+        self.outgoing.pop((move.table, move.shard), None)
+        table = self.tables.get(move.table)
+        if table is not None and move.shard in table.stores:
+            if move.handed:
+                table.release_slice(move.shard, move.to, move.epoch)
+                self.stats["slices_handed"] += 1
+            else:
+                table.moving.discard(move.shard)
+                table.stores[move.shard].revive()
+                self.stats["slice_moves_failed"] += 1
+        held, self.held = self.held, []
+        for peer, msg in held:  # served here again, or refused "moved" and retried at the new owner
+            self.redispatch(peer, msg)
+
+    # ------------------------------------------------------------- receiving
+
+    def receive(self, msg: Message) -> Message:
+        """One chunk of a slice moving here; the last one makes this server its owner."""
+        table = self.tables.get(msg.table)
+        if table is None:
+            raise TableError(f"server {self.node} has no table {msg.table!r} to take slice {msg.body['shard']} of")
+        shard = int(msg.body["shard"])
+        names = [str(n) for n in msg.body["names"]]
+        ranks = [int(r) for r in msg.body.get("subscribers", [])]
+        if len(msg.arrays) != len(names) + len(ranks):
+            raise ProtocolError(f"SLICE_STATE names {len(names)} arrays and {len(ranks)} subscribers, "
+                                f"carries {len(msg.arrays)}")
+        key = (msg.table, shard)
+        incoming = self.incoming.get(key)
+        if incoming is None:
+            if not 0 <= shard < table.layout.num_shards:
+                raise ProtocolError(f"table {msg.table!r} has no slice {shard}")
+            rows = table.layout.mapping.shard_size(shard)
+            if int(msg.body["num_rows"]) != rows:
+                raise ProtocolError(f"slice {shard} of {msg.table!r} has {rows} rows, not {msg.body['num_rows']}")
+            store = ShardStore.receive(table.spec, shard, rows, self.cluster.cluster_id)
+            incoming = self.incoming[key] = _Incoming(store, {r: np.zeros(rows, dtype=np.bool_) for r in ranks})
+        first = int(msg.body["first_row"])
+        incoming.store.load_rows(first, dict(zip(names, msg.arrays[: len(names)], strict=True)))
+        for rank, mask in zip(ranks, msg.arrays[len(names):], strict=True):
+            incoming.subscribers[rank][first : first + mask.shape[0]] = mask.astype(np.bool_)
+        if msg.body["last"]:
+            del self.incoming[key]
+            for worker, clock in enumerate(msg.body["clocks"][: self.clocks.num_workers]):
+                self.clocks.observe(worker, int(clock))  # the sender's clock table comes with the slice
+            table.adopt_slice(incoming.store, int(msg.body["epoch"]), incoming.subscribers)
+            self.stats["slices_received"] += 1
+            log.info("server %d: now serving slice %d of %r", self.node, shard, msg.table)
+        return msg.reply(Op.OK)
+
+    def hold(self, peer: bytes, msg: Message) -> None:
+        self.stats["requests_held_for_moves"] += 1
+        self.held.append((peer, msg))
+
+    def take_load(self) -> dict[str, list[list[float]]]:
+        """Per table, ``[slice, bytes, requests, seconds]`` since the last heartbeat."""
+        out: dict[str, list[list[float]]] = {}
+        for name, table in self.tables.items():
+            load = table.take_load()
+            if load:
+                out[name] = [[float(s), *v] for s, v in sorted(load.items())]
+        return out
+
+    def close(self) -> None:
+        for incoming in self.incoming.values():
+            incoming.store.close()
+        self.incoming.clear()
+        self.peers.close()
+
+
+def _ignore(msg: Message) -> None:
+    pass
+
