@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from shoal.api.config import Limits, Timeouts
+from shoal.api.config import Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ShoalError
 from shoal.launch.env import read_secret
 from shoal.launch.local import LaunchOptions, LocalCluster
@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--faults", help="inject network faults into every process, e.g. 'delay_ms=2,loss=0.01'")
     run.add_argument("--on-server-failure", choices=("fail", "continue", "restart"), default="fail",
                      help="when a server dies: stop the job (default), go on without it, or start it again")
+    run.add_argument("--rebalance", type=float, metavar="MAX_OVER_MEAN",
+                     help="move slices between servers when the busiest serves more than this times the mean "
+                          "(e.g. 1.25); off by default")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     return parser
 
@@ -60,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeouts=Timeouts(args.connect_timeout, args.request_timeout, args.barrier_timeout, args.replica_timeout),
             prefix_output=not args.no_prefix, on_server_failure=args.on_server_failure,
             extra_env={"SHOAL_FAULTS": args.faults} if args.faults else {},
+            rebalance=RebalancePolicy(threshold=args.rebalance) if args.rebalance else None,
         )
         return LocalCluster(options).run()
     except ShoalError as exc:

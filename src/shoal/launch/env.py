@@ -20,6 +20,8 @@ variable fails at once with a message that names it.
 | ``SHOAL_LAUNCHER_PID`` | pid of the launcher; its death ends the process |
 | ``SHOAL_WATCH_PID`` | a detached server ends when this process is gone (torchrun agent) |
 | ``SHOAL_HOST_RENDEZVOUS`` | ``1``: this server also hosts the rendezvous (torchrun, node 0) |
+| ``SHOAL_JOIN`` | ``1``: this server joins a running cluster as node ``SHOAL_NODE`` (the next free one) |
+| ``SHOAL_REBALANCE`` | where a server hosts the rendezvous: max/mean load that triggers moving slices |
 | ``SHOAL_LOG_LEVEL`` | logging level of server processes |
 | ``SHOAL_FAULTS`` | inject faults on arrival: ``delay_ms=2,jitter_ms=1,loss=0.01,duplicate=0.01,seed=3`` |
 """
@@ -30,7 +32,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shoal.api.config import ClusterSpec, Limits, Timeouts
+from shoal.api.config import ClusterSpec, Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ConfigError
 from shoal.transport.base import Transport
 from shoal.transport.faulty import Faults, FaultyTransport
@@ -119,8 +121,10 @@ def role_from_env(server: bool, env: Mapping[str, str] | None = None) -> Process
     env = os.environ if env is None else env
     cluster = cluster_from_env(env)
     node = _int(env, "NODE")
-    if not 0 <= node < cluster.num_nodes:
-        raise ConfigError(f"{PREFIX}NODE={node} is outside [0, {cluster.num_nodes})")
+    joining = server and env.get(PREFIX + "JOIN") == "1"
+    if not 0 <= node < cluster.num_nodes and not (joining and node >= cluster.num_nodes):
+        hint = f"; a server joining a running cluster sets {PREFIX}JOIN=1" if server else ""
+        raise ConfigError(f"{PREFIX}NODE={node} is outside [0, {cluster.num_nodes}){hint}")
     rank = -1
     if not server:
         rank = _int(env, "RANK")
@@ -159,6 +163,18 @@ def watch_pid(env: Mapping[str, str] | None = None) -> int | None:
 def hosts_rendezvous(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     return env.get(PREFIX + "HOST_RENDEZVOUS") == "1"
+
+
+def rebalance(env: Mapping[str, str] | None = None) -> RebalancePolicy | None:
+    """The rebalancing policy of a rendezvous hosted by a server (``SHOAL_REBALANCE=1.25``), if any."""
+    env = os.environ if env is None else env
+    raw = env.get(PREFIX + "REBALANCE")
+    if not raw:
+        return None
+    try:
+        return RebalancePolicy(threshold=float(raw))
+    except ValueError:
+        raise ConfigError(f"{PREFIX}REBALANCE must be a number above 1 (max/mean load), got {raw!r}") from None
 
 
 def log_level(env: Mapping[str, str] | None = None) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
 
-from shoal.api.config import ClusterSpec, Limits, Timeouts
+from shoal.api.config import ClusterSpec, Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ConfigError
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch.env import child_env
@@ -54,6 +54,8 @@ class LaunchOptions:
     #: what a server's death does: end the job ("fail"), nothing ("continue": replicated
     #: tables route around it), or start it again ("restart": it rejoins and catches up)
     on_server_failure: str = "fail"
+    #: move slices between servers when load is uneven (None: only when asked)
+    rebalance: RebalancePolicy | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -129,7 +131,7 @@ class LocalCluster:
         codec = Codec(opts.limits, opts.secret)
         num_workers = opts.nodes * opts.workers_per_node
         rendezvous = Rendezvous(transport, codec, self._address("rendezvous"), self.cluster_id,
-                                opts.nodes, num_workers)
+                                opts.nodes, num_workers, rebalance=opts.rebalance)
         cluster = ClusterSpec(self.cluster_id, opts.nodes, opts.workers_per_node, rendezvous.address,
                               opts.secret, opts.limits, opts.timeouts)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -203,6 +205,9 @@ class LocalCluster:
             for s in list(servers):
                 code = s.proc.poll()
                 if code is None or rendezvous.finished:
+                    continue
+                if code == 0 and int(s.name[1:]) in rendezvous.departed:
+                    servers.remove(s)  # drained: it handed its slices over and left, as asked
                     continue
                 policy = self.options.on_server_failure
                 print(f"shoal: server {s.name} exited with status {code} before the workers finished; "

@@ -41,7 +41,8 @@ def main() -> int:
         if env.hosts_rendezvous():  # under torchrun, node 0's server is where peers meet
             cluster = role.cluster
             rendezvous = Rendezvous(transport, Codec(cluster.limits, cluster.secret), cluster.rendezvous,
-                                    cluster.cluster_id, cluster.num_nodes, cluster.num_workers).start()
+                                    cluster.cluster_id, cluster.num_nodes, cluster.num_workers,
+                                    rebalance=env.rebalance()).start()
         server = ParameterServer(role.node, role.cluster, transport, bind=role.bind)
     except ShoalError as exc:
         print(f"shoal server: {exc}", file=sys.stderr)

@@ -62,17 +62,19 @@ class TableLayout:
     mapping: KeyMapping
     owners: np.ndarray
     epoch: int = 0
+    #: servers the layout was made for; with owners, how long per-server counts are
+    num_servers: int = 1
 
     @classmethod
     def initial(cls, spec: TableSpec, num_servers: int) -> TableLayout:
         num_slices = slice_count(spec, num_servers)
         rule = "range" if spec.mapping == "bounded" else spec.mapping
         mapping = make_mapping(rule, spec.num_keys, num_slices)
-        return cls(spec, mapping, initial_owners(spec, num_slices, list(range(num_servers))))
+        return cls(spec, mapping, initial_owners(spec, num_slices, list(range(num_servers))), 0, num_servers)
 
     def at(self, owners: np.ndarray | list[int], epoch: int) -> TableLayout:
         """The same mapping with other owners (a later epoch)."""
-        return TableLayout(self.spec, self.mapping, np.asarray(owners, dtype=np.int64), epoch)
+        return TableLayout(self.spec, self.mapping, np.asarray(owners, dtype=np.int64), epoch, self.num_servers)
 
     @property
     def num_shards(self) -> int:
@@ -80,7 +82,7 @@ class TableLayout:
 
     @property
     def num_owners(self) -> int:
-        return int(self.owners.max()) + 1
+        return max(int(self.owners.max()) + 1, self.num_servers)
 
     def route(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(owner, shard, row)`` for each key, and the number of keys per owner."""

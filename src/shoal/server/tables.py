@@ -61,7 +61,7 @@ class ServedTable:
     def _split(self, keys: np.ndarray) -> list[tuple[ShardStore, np.ndarray | None, np.ndarray]]:
         """``(store, positions, rows)`` per shard; positions None means all keys, in order."""
         owner, shard, rows, counts = self.layout.route(keys)
-        if counts[self.node] != keys.shape[0]:
+        if self.node >= counts.shape[0] or counts[self.node] != keys.shape[0]:
             bad = int(keys[np.flatnonzero(owner != self.node)[0]])
             s = int(self.layout.mapping.locate(np.array([bad], dtype=np.int64))[0][0])
             raise SliceMovedError(f"key {bad} of table {self.spec.name!r} is in slice {s}, which server "
