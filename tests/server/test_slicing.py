@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import shoal
+from shoal.api.config import RebalancePolicy
 from shoal.api.errors import ClusterError
 from tests.support.cluster import ThreadCluster
 
@@ -93,3 +94,25 @@ def test_moving_to_an_unknown_server_or_slice_is_refused_by_name():
         start = time.monotonic()
         w.move_slice("moving", 0, to=0)  # already there: nothing to do
         assert time.monotonic() - start < 1.0
+
+
+def test_the_rebalancer_spreads_a_table_that_started_whole_on_one_server():
+    policy = RebalancePolicy(threshold=1.3, windows=2, window_s=0.3, min_bytes_per_s=1.0)
+    with ThreadCluster(nodes=2, rebalance=policy) as c:
+        w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
+        t0, t1 = (_table(w, placement="whole") for w in (w0, w1))
+        keys = np.arange(KEYS)
+        t0.push(keys, np.ones((KEYS, 4), np.float32) * keys[:, None])
+        start_owner = int(t0.layout.owners[0])
+        assert (t0.layout.owners == start_owner).all()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            t0.pull(keys)
+            t1.pull(keys)
+            if c.rendezvous.slices.moves_done >= 3 and not c.rendezvous.slices.busy():
+                break
+        owners = c.rendezvous.slices.layouts["moving"].owners
+        assert 3 <= np.count_nonzero(owners != start_owner) <= 5, owners
+        np.testing.assert_array_equal(t1.pull(keys)[:, 0], keys)
+        history = c.rendezvous.slices.history
+        assert any(h["moves"] for h in history) and max(h["imbalance"] for h in history) > 1.8

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from shoal.api.config import ClusterSpec, Limits, Timeouts
+from shoal.api.config import ClusterSpec, Limits, RebalancePolicy, Timeouts
 from shoal.client.worker import Worker
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.server.server import ParameterServer
@@ -25,14 +25,15 @@ FAST = Timeouts(connect_s=10.0, request_s=10.0, barrier_s=20.0)
 
 class ThreadCluster:
     def __init__(self, nodes: int = 2, workers_per_node: int = 1, transport: Transport | None = None,
-                 secret: bytes | None = None, limits: Limits | None = None, timeouts: Timeouts = FAST) -> None:
+                 secret: bytes | None = None, limits: Limits | None = None, timeouts: Timeouts = FAST,
+                 rebalance: RebalancePolicy | None = None) -> None:
         self.transport = transport or InProcTransport()
         self.inproc = isinstance(self.transport, InProcTransport)
         cluster_id = "t" + uuid.uuid4().hex[:10]
         limits = limits or Limits()
         address = "inproc://rendezvous" if self.inproc else "tcp://127.0.0.1:0"
         self.rendezvous = Rendezvous(self.transport, Codec(limits, secret), address, cluster_id, nodes,
-                                     nodes * workers_per_node).start()
+                                     nodes * workers_per_node, rebalance=rebalance).start()
         self.spec = ClusterSpec(cluster_id, nodes, workers_per_node, self.rendezvous.address, secret, limits,
                                 timeouts)
         bind = "inproc://*" if self.inproc else "tcp://127.0.0.1:0"

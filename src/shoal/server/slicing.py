@@ -52,6 +52,7 @@ class _Outgoing:
     shard: int
     to: int
     epoch: int
+    store: ShardStore | None = None
     reqs: set[int] = field(default_factory=set)
     report: int | None = None
     failed: bool = False
@@ -114,7 +115,7 @@ class SliceService:
             move.failed = True
             self._report(move)
             return
-        store = table.stores[shard]
+        store = move.store = table.stores[shard]
         table.moving.add(shard)
         store.retire()
         self.stats["slices_sent"] += 1
@@ -171,13 +172,16 @@ class SliceService:
         """The rendezvous knows: drop or keep the slice, then answer what waited for it."""
         self.outgoing.pop((move.table, move.shard), None)
         table = self.tables.get(move.table)
-        if table is not None and move.shard in table.stores:
-            if move.handed:
+        if table is not None and move.store is not None:
+            if table.stores.get(move.shard) is not move.store:
+                move.store.close()  # the slice came back (a later move) before this report was answered
+                table.moving.discard(move.shard)
+            elif move.handed:
                 table.release_slice(move.shard, move.to, move.epoch)
                 self.stats["slices_handed"] += 1
             else:
                 table.moving.discard(move.shard)
-                table.stores[move.shard].revive()
+                move.store.revive()
                 self.stats["slice_moves_failed"] += 1
         held, self.held = self.held, []
         for peer, msg in held:  # served here again, or refused "moved" and retried at the new owner

@@ -163,7 +163,7 @@ class ServedTable:
         self._subscribed.pop(shard, None)
         self.load.pop(shard, None)
         self.moving.discard(shard)
-        self.layout = self.layout.at(_with_owner(self.layout.owners, shard, to), epoch)
+        self.layout = self.layout.at(_with_owner(self.layout.owners, shard, to), max(epoch, self.layout.epoch))
         store.close()
 
     def adopt_slice(self, store: ShardStore, epoch: int, subscribers: dict[int, np.ndarray]) -> None:
@@ -171,7 +171,8 @@ class ServedTable:
         self.stores[store.shard] = store
         self._subscribed[store.shard] = subscribers
         self.load[store.shard] = np.zeros(3)
-        self.layout = self.layout.at(_with_owner(self.layout.owners, store.shard, self.node), epoch)
+        self.layout = self.layout.at(_with_owner(self.layout.owners, store.shard, self.node),
+                                     max(epoch, self.layout.epoch))
 
     def subscribers(self, shard: int) -> dict[int, np.ndarray]:
         return self._subscribed.get(shard, {})
