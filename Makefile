@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_mf.py
 	$(PY) benchmarks/bench_consistency.py
 	$(PY) benchmarks/bench_emulated_hosts.py
+	$(PY) benchmarks/bench_slicing.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

@@ -243,7 +243,7 @@ class RebalancePolicy:
     threshold: float = 1.25
     windows: int = 3
     window_s: float = 1.0
-    max_moves: int = 8
+    max_moves: int = 16
     min_bytes_per_s: float = 1 << 20
     balance_on_join: bool = True
     enabled: bool = True

@@ -51,7 +51,11 @@ def initial_owners(spec: TableSpec, num_slices: int, servers: list[int]) -> np.n
         return np.full(num_slices, nodes[zlib.crc32(spec.name.encode()) % n], dtype=np.int64)
     if spec.mapping in ("hash", "round_robin"):
         return nodes[np.arange(num_slices) % n]
-    return nodes[np.arange(num_slices) * n // num_slices]  # contiguous ranges stay together
+    blocks = np.arange(num_slices) * n // num_slices  # contiguous ranges stay together
+    if spec.mapping == "bounded":
+        # Many tables of a few slices each (a model's layers): start each on a different server.
+        blocks = (blocks + zlib.crc32(spec.name.encode())) % n
+    return nodes[blocks]
 
 
 @dataclass

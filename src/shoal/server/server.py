@@ -178,6 +178,9 @@ class ParameterServer:
             tracker.take_error(self._heartbeat_req)
             self._heartbeat_req = None
         now = time.monotonic()
+        if self.slicing.heartbeat_now:
+            self.slicing.heartbeat_now = False
+            self._next_heartbeat = now
         if self._heartbeat_req is None and now >= self._next_heartbeat:
             self._next_heartbeat = now + _HEARTBEAT_S
             body = {"role": "server", "node": self.node, "load": self.slicing.take_load(), "queue": self._backlog}

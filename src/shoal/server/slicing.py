@@ -87,6 +87,8 @@ class SliceService:
         self.held: list[tuple[bytes, Message]] = []
         self.stats: Counter[str] = Counter()
         self.leave_requested = False
+        #: ask the rendezvous again now: the next move of a table starts once the last one is known done
+        self.heartbeat_now = False
 
     # ------------------------------------------------------------ commands
 
@@ -171,6 +173,7 @@ class SliceService:
     def _finish(self, move: _Outgoing) -> None:
         """The rendezvous knows: drop or keep the slice, then answer what waited for it."""
         self.outgoing.pop((move.table, move.shard), None)
+        self.heartbeat_now = True
         table = self.tables.get(move.table)
         if table is not None and move.store is not None:
             if table.stores.get(move.shard) is not move.store:
