@@ -42,4 +42,5 @@ def test_a_server_joins_and_another_leaves_mid_training_without_losing_updates(t
     assert 2 in result["joined_owners"], result  # the new server received slices
     assert 1 not in result["drained_owners"], result  # the leaving one handed all of its slices over
     assert result["servers"].keys() == {"0", "2"}, result
-    assert min(result["rounds"]) > 50, result
+    # rank 0 pushed through the join, the drain and 50 rounds after; the others until told to stop
+    assert result["rounds"][0] > 50 and min(result["rounds"]) >= 10, result

@@ -116,3 +116,49 @@ def test_the_rebalancer_spreads_a_table_that_started_whole_on_one_server():
         np.testing.assert_array_equal(t1.pull(keys)[:, 0], keys)
         history = c.rendezvous.slices.history
         assert any(h["moves"] for h in history) and max(h["imbalance"] for h in history) > 1.8
+
+
+def test_bsp_reads_keep_their_bound_while_slices_move():
+    clocks = 12
+    with ThreadCluster(nodes=2) as c:
+        workers = c.all_workers(local_access=False)
+        tables = [w.table("bsp", KEYS, 1, optimizer=shoal.optim.Sum(), slices=6, consistency=shoal.BSP())
+                  for w in workers]
+        seen: list[tuple[int, float, float]] = []
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def train(rank: int) -> None:
+            try:
+                run(rank)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                errors.append(exc)
+
+        def run(rank: int) -> None:
+            for clock in range(clocks):
+                rows = tables[rank].pull(np.arange(KEYS))[:, 0]
+                seen.append((clock, float(rows.min()), float(rows.max())))
+                tables[rank].push(np.arange(KEYS), np.ones((KEYS, 1), np.float32))
+                workers[rank].advance_clock()
+                time.sleep(0.05)
+
+        def mover() -> None:
+            shard = 0
+            while not done.is_set():
+                to = 1 - int(tables[0].layout.owners[shard % 6])
+                workers[0].move_slice("bsp", shard % 6, to=to)
+                shard += 1
+
+        threads = [threading.Thread(target=train, args=(r,)) for r in range(2)]
+        moving = threading.Thread(target=mover)
+        for t in threads:
+            t.start()
+        moving.start()
+        for t in threads:
+            t.join(timeout=120)
+        done.set()
+        moving.join(timeout=60)
+        assert not errors, errors
+        assert c.rendezvous.slices.moves_done >= 2 and len(seen) == 2 * clocks
+        for clock, low, high in seen:  # every push of earlier clocks, and at most the other worker's of this one
+            assert 2 * clock <= low and high <= 2 * clock + 1, (clock, low, high)

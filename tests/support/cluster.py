@@ -33,7 +33,8 @@ class ThreadCluster:
         limits = limits or Limits()
         address = "inproc://rendezvous" if self.inproc else "tcp://127.0.0.1:0"
         self.rendezvous = Rendezvous(self.transport, Codec(limits, secret), address, cluster_id, nodes,
-                                     nodes * workers_per_node, rebalance=rebalance).start()
+                                     nodes * workers_per_node, rebalance=rebalance,
+                                     end_when_workers_leave=False).start()
         self.spec = ClusterSpec(cluster_id, nodes, workers_per_node, self.rendezvous.address, secret, limits,
                                 timeouts)
         bind = "inproc://*" if self.inproc else "tcp://127.0.0.1:0"

@@ -139,14 +139,16 @@ class Worker:
         errors = [e for r in sorted(reqs) if (e := self.tracker.take_error(r))]
         if errors:
             raise errors[0]
-        # The rendezvous keeps every table's spec, so that a restarted server can recreate it.
-        self.tracker.notify(membership.RENDEZVOUS_PEER,
-                            Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}))
+        # The rendezvous keeps every table's spec, so that a restarted server can recreate it; it
+        # answers with the current layout (slices may have moved since the table was made).
+        current = membership.call(self.tracker, membership.RENDEZVOUS_PEER,
+                                  Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
+                                  timeout, f"CREATE_TABLE {spec.name!r} at the rendezvous").body
+        self._update_servers(current.get("servers") or [])
         layout = TableLayout.initial(spec, self.num_nodes)
         if spec.replicated or spec.adaptive:
             local = self._attach(spec) if self.local_access and not spec.replicated else {}
-        else:  # slices may have moved since the table was made: start from the current layout
-            current = self.fetch_layout(spec.name)
+        else:
             layout = layout.at(current["owners"], int(current["epoch"]))
             local = self.local_slices(spec, layout, {}) if self.local_access else {}
         table = Table(self, spec, layout, local)

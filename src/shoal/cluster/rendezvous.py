@@ -25,6 +25,8 @@ from shoal.wire.ops import Flag, Op
 
 log = logging.getLogger(__name__)
 
+_POLL_S = 0.4  # longest a server's heartbeat is held waiting for a move to hand it
+
 
 @dataclass
 class Member:
@@ -49,6 +51,7 @@ class Rendezvous:
         dead_after_s: float = 2.0,
         now: Callable[[], float] = time.monotonic,
         rebalance: RebalancePolicy | None = None,
+        end_when_workers_leave: bool = True,
     ) -> None:
         self.codec = codec
         self.cluster_id = cluster_id
@@ -60,6 +63,8 @@ class Rendezvous:
         self.workers: dict[int, Member] = {}
         self.left: set[int] = set()
         self.shutdown_requested = False
+        #: False: the cluster lives on after every worker left, until shut down (embedded clusters, tests)
+        self.end_when_workers_leave = end_when_workers_leave
         self.dead_after_s = dead_after_s
         self.now = now
         self.last_seen: dict[int, float] = {}
@@ -69,6 +74,9 @@ class Rendezvous:
         self._barriers: dict[int, list[tuple[bytes, Message]]] = {}
         #: layouts of static tables, slice moves, joins, drains and the rebalancer
         self.slices = SliceAuthority(num_nodes, rebalance or RebalancePolicy(enabled=False), now)
+        #: servers' heartbeats held as long polls: node -> (peer, request, answer-by time)
+        self._polls: dict[int, tuple[bytes, Message, float]] = {}
+        self._told_finished: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -81,11 +89,12 @@ class Rendezvous:
 
     def serve(self) -> None:
         while not self._stop.is_set():
-            item = self.listener.recv(0.1)
+            item = self.listener.recv(0.02 if self._polls else 0.1)
             try:
                 if item is not None:
                     self._handle(*item)
                 self.slices.tick()
+                self._answer_polls()
             except Exception:  # one bad message must not end the cluster's rendezvous
                 log.exception("rendezvous: failure handling a message")
 
@@ -96,14 +105,12 @@ class Rendezvous:
         self.listener.close()
 
     def linger(self, host_node: int, timeout_s: float) -> None:
-        """Keep answering until every other live server has asked once more (and so learned that
-        the job is finished), at most ``timeout_s``: used where a server hosts the rendezvous."""
-        since = self.now()
+        """Keep answering until every other live server has been told that the job is finished,
+        at most ``timeout_s``: used where a server hosts the rendezvous."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             alive = self.alive()
-            waiting = [n for n in range(self.num_nodes)
-                       if n != host_node and alive[n] and self.last_seen.get(n, since) <= since]
+            waiting = [n for n in range(self.num_nodes) if n != host_node and alive[n] and n not in self._told_finished]
             if not waiting:
                 return
             time.sleep(0.05)
@@ -121,7 +128,8 @@ class Rendezvous:
 
     @property
     def finished(self) -> bool:
-        return self.shutdown_requested or (self.num_workers > 0 and len(self.left) >= self.num_workers)
+        return self.shutdown_requested or (self.end_when_workers_leave and self.num_workers > 0
+                                           and len(self.left) >= self.num_workers)
 
     def alive(self) -> list[bool]:
         """Servers heard from within ``dead_after_s`` (their heartbeats come every half second)."""
@@ -173,21 +181,27 @@ class Rendezvous:
             self._register(msg)
             self._reply(peer, msg.reply(Op.OK, self.status()))
         elif msg.op == Op.CLUSTER_STATUS:
-            status = self.status()
             node = msg.body.get("node")
             if msg.body.get("role") == "server" and isinstance(node, int):
                 self.last_seen[node] = self.now()
                 load = msg.body.get("load")
                 if isinstance(load, dict):
                     self.slices.on_load(node, load)
-                status["moves"] = self.slices.commands(node)
-            self._reply(peer, msg.reply(Op.OK, status))
+                if msg.body.get("poll") and not self.slices.commands(node) and not self.finished:
+                    # Long poll: answer when there is a move for this server, or in a moment anyway.
+                    self._polls[node] = (peer, msg, time.monotonic() + _POLL_S)
+                    return
+                self._answer_server(node, peer, msg)
+                return
+            self._reply(peer, msg.reply(Op.OK, self.status()))
         elif msg.op == Op.CREATE_TABLE:
             if msg.table not in self.tables:
                 self.slices.add_table(TableSpec.from_dict(msg.body["spec"]))
             self.tables.setdefault(msg.table, msg.body["spec"])
-            if not msg.flags & Flag.NO_REPLY:
-                self._reply(peer, msg.reply(Op.OK))
+            if not msg.flags & Flag.NO_REPLY:  # the reply carries where the slices are now
+                body = self.slices.describe(msg.table) if msg.table in self.slices.layouts else {}
+                body["servers"] = self.status()["servers"]
+                self._reply(peer, msg.reply(Op.OK, body))
         elif msg.op == Op.LAYOUT:
             body = self.slices.describe(msg.table)
             body["servers"] = self.status()["servers"]
@@ -216,6 +230,23 @@ class Rendezvous:
         else:
             self._reply(peer, msg.reply(Op.ERROR, {"code": "ProtocolError",
                                                     "message": f"rendezvous does not serve {msg.op.name}"}))
+
+    def _answer_server(self, node: int, peer: bytes, msg: Message) -> None:
+        self._polls.pop(node, None)
+        status = self.status()
+        status["moves"] = self.slices.commands(node)
+        if status["finished"]:
+            self._told_finished.add(node)
+        self._reply(peer, msg.reply(Op.OK, status))
+
+    def _answer_polls(self) -> None:
+        """Servers waiting on a long poll: answer those with a move to make, or whose wait is over."""
+        if not self._polls:
+            return
+        now = time.monotonic()
+        for node, (peer, msg, deadline) in list(self._polls.items()):
+            if now >= deadline or self.finished or self.slices.commands(node):
+                self._answer_server(node, peer, msg)
 
     def _answer_when_done(self, peer: bytes, msg: Message) -> Callable[[ClusterError | None], None]:
         def done(error: ClusterError | None) -> None:

@@ -92,6 +92,7 @@ class ParameterServer:
         self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
         self.slicing = SliceService(node, cluster, transport, self.codec, self.tables, self.clocks, self._rendezvous,
                                     self._serve)
+        self.sync.hold_for_move = self.slicing.hold
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
         self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
 
@@ -183,7 +184,8 @@ class ParameterServer:
             self._next_heartbeat = now
         if self._heartbeat_req is None and now >= self._next_heartbeat:
             self._next_heartbeat = now + _HEARTBEAT_S
-            body = {"role": "server", "node": self.node, "load": self.slicing.take_load(), "queue": self._backlog}
+            body = {"role": "server", "node": self.node, "load": self.slicing.take_load(), "queue": self._backlog,
+                    "poll": True}
             self._backlog = 0
             self._heartbeat_req = tracker.request(
                 membership.RENDEZVOUS_PEER, Message(Op.CLUSTER_STATUS, body=body), self._on_status, "heartbeat")

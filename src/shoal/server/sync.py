@@ -16,7 +16,7 @@ import numpy as np
 
 from shoal.api.errors import RequestTimeoutError, ShoalError
 from shoal.consistency.clocks import ClockTable
-from shoal.server.tables import ServedTable
+from shoal.server.tables import ServedTable, SliceMoving
 from shoal.storage.validate import as_keys
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
@@ -32,10 +32,12 @@ class Synchroniser:
     """Clocks, held pulls and subscriptions for every table of one server."""
 
     def __init__(self, clocks: ClockTable, tables: dict[str, ServedTable], send: Send,
-                 max_hold_s: float = 600.0) -> None:
+                 max_hold_s: float = 600.0, hold_for_move: Send | None = None) -> None:
         self.clocks = clocks
         self.tables = tables
         self.send = send
+        #: where a released pull goes when its slice is on its way to another server
+        self.hold_for_move = hold_for_move
         self.max_hold_s = max_hold_s
         self.peers: dict[int, bytes] = {}  # worker rank -> its connection, for eager pushes
         self.stats: Counter[str] = Counter()
@@ -116,6 +118,10 @@ class Synchroniser:
                     self.stats["shared_serialisations"] += 1
                 self.stats["released_pulls"] += 1
                 reply = self._serve(table, msg, values)
+            except SliceMoving:
+                if self.hold_for_move is not None:
+                    self.hold_for_move(peer, msg)
+                continue
             except ShoalError as exc:  # this pull fails alone; the others are still answered
                 reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
             self.send(peer, reply)

@@ -133,6 +133,8 @@ class ServedTable:
             return []
         per_worker: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         for shard, store in self.stores.items():
+            if shard in self.moving:
+                continue  # its changed rows travel with it; the new owner pushes them
             changed = store.take_dirty()
             keys_of_rows = self.layout.mapping.keys_of(shard)
             for worker, mask in self._subscribed[shard].items():

@@ -170,8 +170,11 @@ class ShardStore:
         self.header[0] = 0
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """Values and optimiser state by name (views: the shard must be retired or otherwise quiet)."""
-        return {"values": self.values, **self.state}
+        """Values, optimiser state and change marks by name (views: the shard must be retired or quiet)."""
+        arrays = {"values": self.values, **self.state}
+        if self.dirty is not None:
+            arrays["dirty"] = self.dirty
+        return arrays
 
     def load_rows(self, first_row: int, arrays: dict[str, np.ndarray]) -> None:
         """Fill rows ``first_row..`` of a received shard from a slice's arrays."""
