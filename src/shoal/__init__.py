@@ -20,6 +20,7 @@ from shoal.api.config import ClusterSpec, Limits, TableSpec, Timeouts
 from shoal.api.consistency import ASP, BSP, ESSP, SSP, LazyPull
 from shoal.api.errors import (
     AuthError,
+    CheckpointError,
     ClosedError,
     ClusterError,
     ConfigError,
@@ -32,6 +33,7 @@ from shoal.api.errors import (
     ServerError,
     ShapeError,
     ShoalError,
+    SliceMovedError,
     TableError,
 )
 from shoal.api.initializers import Constant, Normal, Uniform
@@ -64,8 +66,8 @@ def init(local_access: bool | None = None) -> Worker:
 
 __all__ = [
     "ASP", "BSP", "Dynamic", "ESSP", "LazyPull", "SSP",
-    "AuthError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError", "Constant", "DTypeError",
-    "Future", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError", "Normal", "ProtocolError",
-    "RequestTimeoutError", "ServerError", "ShapeError", "ShoalError", "Table", "TableError", "TableSpec",
-    "Timeouts", "Uniform", "Worker", "init", "optim",
+    "AuthError", "CheckpointError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError", "Constant",
+    "DTypeError", "Future", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError", "Normal",
+    "ProtocolError", "RequestTimeoutError", "ServerError", "ShapeError", "ShoalError", "SliceMovedError", "Table",
+    "TableError", "TableSpec", "Timeouts", "Uniform", "Worker", "init", "optim",
 ]

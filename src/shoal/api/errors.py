@@ -101,6 +101,12 @@ class SliceMovedError(ShoalError):
     code = "SliceMoved"
 
 
+class CheckpointError(ShoalError):
+    """A checkpoint cannot be written, found, or trusted (missing part, wrong size or checksum, other spec)."""
+
+    code = "CheckpointError"
+
+
 ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
     cls.code: cls
     for cls in (
@@ -119,6 +125,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         ServerError,
         ClosedError,
         SliceMovedError,
+        CheckpointError,
     )
 }
 

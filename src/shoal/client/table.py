@@ -257,6 +257,11 @@ class Table:
 
     # ------------------------------------------------------------- layout
 
+    def forget_cached(self) -> None:
+        """Drop cached remote rows (their values changed under us: a restore)."""
+        if self.cache is not None:
+            self.cache = RowCache(self.spec.num_keys, self.spec.dim, self.dtype, self.layout.num_shards)
+
     def refresh_layout(self) -> None:
         """Fetch this table's slice owners from the rendezvous; map the slices now on this node."""
         reply = self.worker.fetch_layout(self.name)

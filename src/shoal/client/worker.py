@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import ClosedError, RequestTimeoutError, ShoalError, TableError
 from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
+from shoal.client import checkpoints
 from shoal.client.dense import DEFAULT_SLICE, DenseTable, rows_for
 from shoal.client.replicated import ReplicaView
 from shoal.client.table import Table
@@ -252,6 +254,31 @@ class Worker:
             self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}))
         return self.clock
 
+    def resume_clock(self, clock: int) -> None:
+        """Continue from ``clock`` (after a restore): tell every server, forget cached rows."""
+        self.clock = int(clock)
+        for table in self.tables.values():
+            table.forget_cached()
+        for n in self.live_servers():
+            self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}))
+
+    # ------------------------------------------------------------ checkpoints
+
+    def checkpoint(self, root: str | os.PathLike[str], tables: Iterable[str] | None = None, keep: int = 3) -> Path:
+        """Snapshot every static table (values, optimiser state, clock) under ``root``; collective.
+
+        Every worker calls it at the same point of its loop; returns the new
+        checkpoint's directory. A kill at any moment leaves the previous one intact.
+        """
+        self._check_open()
+        return checkpoints.save(self, root, tables, keep)
+
+    def restore(self, root: str | os.PathLike[str]) -> int:
+        """Load the newest checkpoint under ``root`` (or the checkpoint directory ``root``) into the
+        tables created so far, onto any number of servers; collective. Returns the clock to go on from."""
+        self._check_open()
+        return checkpoints.restore(self, root)
+
     def intent(self, table: Table, keys: Any, start: int, end: int | None = None) -> None:
         """``table.intent(keys, start, end)``: this worker will use ``keys`` in clocks ``[start, end)``."""
         table.intent(keys, start, end)
@@ -264,12 +291,17 @@ class Worker:
         """Wait for every request still in flight (async pushes included)."""
         self.tracker.wait_all(self.cluster.timeouts.request_s)
 
-    def barrier(self) -> None:
-        """Wait until every worker reaches this barrier; own pushes are applied first."""
+    def barrier(self, note: str | None = None) -> dict[int, str]:
+        """Wait until every worker reaches this barrier; own pushes are applied first.
+
+        Returns the ``note`` each rank passed (by rank), so one rank can tell the
+        others an outcome.
+        """
         self._check_open()
         self.wait_all()
         self._barrier_generation += 1
-        membership.barrier(self.tracker, self.rank, self._barrier_generation, self.cluster.timeouts.barrier_s)
+        return membership.barrier(self.tracker, self.rank, self._barrier_generation,
+                                  self.cluster.timeouts.barrier_s, note)
 
     def server_stats(self, timeout: float = 5.0) -> list[dict[str, Any]]:
         """What each server reports about itself (tables, clocks, counters).

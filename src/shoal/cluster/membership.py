@@ -70,11 +70,16 @@ def wait_for_servers(tracker: RequestTracker, num_nodes: int, timeout: float) ->
         delay = min(delay * 2, 0.25)
 
 
-def barrier(tracker: RequestTracker, rank: int, generation: int, timeout: float) -> None:
-    """Block until every worker reaches barrier ``generation``."""
-    msg = Message(Op.BARRIER, body={"rank": rank, "generation": generation})
+def barrier(tracker: RequestTracker, rank: int, generation: int, timeout: float,
+            note: str | None = None) -> dict[int, str]:
+    """Block until every worker reaches barrier ``generation``; returns each rank's ``note``, if it gave one."""
+    body: dict[str, object] = {"rank": rank, "generation": generation}
+    if note is not None:
+        body["note"] = note
     try:
-        call(tracker, RENDEZVOUS_PEER, msg, timeout, f"barrier {generation}")
+        reply = call(tracker, RENDEZVOUS_PEER, Message(Op.BARRIER, body=body), timeout, f"barrier {generation}")
+        notes = reply.body.get("notes") if isinstance(reply.body, dict) else None
+        return {int(r): str(n) for r, n in (notes or {}).items()}
     except RequestTimeoutError as exc:
         try:
             st = status(tracker, 5.0)

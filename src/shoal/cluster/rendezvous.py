@@ -285,5 +285,7 @@ class Rendezvous:
         waiting.append((peer, msg))
         arrived = {int(m.body["rank"]) for _, m in waiting}
         if len(arrived) >= self.num_workers:
+            # What ranks said on arrival (an outcome rank 0 decided, say) goes back to everyone.
+            notes = {str(m.body["rank"]): m.body["note"] for _, m in waiting if isinstance(m.body.get("note"), str)}
             for p, m in self._barriers.pop(gen):
-                self._reply(p, m.reply(Op.OK))
+                self._reply(p, m.reply(Op.OK, {"notes": notes}))

@@ -25,6 +25,7 @@ from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
 from shoal.server.adaptive import ADAPTIVE_SHARD, AdaptiveService
+from shoal.server.checkpoints import CheckpointService
 from shoal.server.replicated import ReplicationService
 from shoal.server.slicing import SliceService
 from shoal.server.sync import Synchroniser
@@ -93,6 +94,7 @@ class ParameterServer:
         self.slicing = SliceService(node, cluster, transport, self.codec, self.tables, self.clocks, self._rendezvous,
                                     self._serve)
         self.sync.hold_for_move = self.slicing.hold
+        self.checkpoints = CheckpointService(node, self.tables)
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
         self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
 
@@ -289,6 +291,10 @@ class ParameterServer:
             return self._create_table(msg)
         if op == Op.SLICE_STATE:
             return self.slicing.receive(msg)
+        if op == Op.CHECKPOINT:
+            return self.checkpoints.write(msg)
+        if op == Op.RESTORE:
+            return self.checkpoints.restore(msg)
         if op == Op.STATS:
             return msg.reply(Op.OK, self.describe())
         if op == Op.PING:

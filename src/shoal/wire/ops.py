@@ -38,6 +38,8 @@ class Op(IntEnum):
     SLICE_STATE = 35  # server -> server: a moving slice's rows, optimiser state, clocks and subscribers
     MOVE_DONE = 36  # server -> rendezvous: a slice has been handed over (or could not be)
     DRAIN = 37  # -> rendezvous: hand a server's slices to the others, then let it leave
+    CHECKPOINT = 38  # worker -> server: write your slices of these tables into a staging directory
+    RESTORE = 39  # worker -> server: load the rows you own from a checkpoint
 
 
 class Flag:

@@ -1,0 +1,141 @@
+"""Collective checkpoint and restore, coordinated by rank 0 between two barriers.
+
+Every worker calls ``ps.checkpoint(root)`` at the same point of its loop (a
+clock boundary). The first barrier stops everyone with their pushes applied;
+rank 0 has every server write its slices into a staging directory, checks that
+each slice was written exactly once, and commits; the second barrier tells
+every rank the outcome. ``root`` must be a directory every server writes and
+every worker reads (a shared file system when the cluster spans machines).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shoal.api.errors import CheckpointError, ShoalError
+from shoal.storage import checkpoint
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+if TYPE_CHECKING:
+    from shoal.client.worker import Worker
+
+log = logging.getLogger(__name__)
+
+_ATTEMPTS = 5  # a slice on its way to another server makes a server refuse; try again a little later
+_OK = "ok:"
+_FAILED = "failed:"
+
+
+def save(worker: Worker, root: str | os.PathLike[str], tables: Iterable[str] | None, keep: int) -> Path:
+    names = _static_tables(worker, tables)
+    worker.barrier()
+    note = _OK
+    if worker.rank == 0:
+        try:
+            note = _OK + str(_write(worker, Path(root), names, keep))
+        except ShoalError as exc:
+            note = _FAILED + f"{type(exc).__name__}: {exc}"
+    outcome = worker.barrier(note if worker.rank == 0 else None).get(0, _FAILED + "rank 0 said nothing")
+    if not outcome.startswith(_OK):
+        raise CheckpointError(f"checkpoint at clock {worker.clock} under {str(root)!r} failed on rank 0: "
+                              f"{outcome[len(_FAILED):]}")
+    return Path(outcome[len(_OK):])
+
+
+def restore(worker: Worker, root: str | os.PathLike[str]) -> int:
+    path = checkpoint.latest(root)
+    manifest = checkpoint.read_manifest(path)
+    for name, entry in manifest["tables"].items():
+        table = worker.tables.get(name)
+        if table is not None and table.spec.to_dict() != entry["spec"]:
+            raise CheckpointError(f"table {name!r} was saved with spec {entry['spec']}, "
+                                  f"not {table.spec.to_dict()}")
+    worker.barrier()
+    note = _OK
+    if worker.rank == 0:
+        try:
+            _load(worker, path, manifest)
+        except ShoalError as exc:
+            note = _FAILED + f"{type(exc).__name__}: {exc}"
+    outcome = worker.barrier(note if worker.rank == 0 else None).get(0, _FAILED + "rank 0 said nothing")
+    if not outcome.startswith(_OK):
+        raise CheckpointError(f"restoring {str(path)!r} failed on rank 0: {outcome[len(_FAILED):]}")
+    clock = int(manifest["clock"])
+    worker.resume_clock(clock)
+    return clock
+
+
+def _static_tables(worker: Worker, tables: Iterable[str] | None) -> list[str]:
+    names = sorted(worker.tables) if tables is None else list(tables)
+    for name in names:
+        table = worker.tables.get(name)
+        if table is None:
+            raise CheckpointError(f"no table {name!r} here to checkpoint")
+        if table.spec.replicated or table.spec.adaptive:
+            kind = "replicated" if table.spec.replicated else "adaptive"
+            raise CheckpointError(f"table {name!r} is {kind}; checkpoints cover static tables "
+                                  f"(pass tables=[...] to leave it out)")
+    return names
+
+
+def _write(worker: Worker, root: Path, names: list[str], keep: int) -> Path:
+    for attempt in range(_ATTEMPTS):
+        staging = checkpoint.new_staging(root, worker.clock)
+        try:
+            replies = _ask_servers(worker, Op.CHECKPOINT, {"staging": str(staging), "tables": names})
+            tables = {name: {"spec": worker.tables[name].spec.to_dict(), "parts": _parts(worker, name, replies)}
+                      for name in names}
+        except CheckpointError as exc:
+            checkpoint.discard(staging)
+            if attempt == _ATTEMPTS - 1:
+                raise
+            log.info("checkpoint attempt %d: %s", attempt + 1, exc)
+            time.sleep(0.2 * (attempt + 1))
+            continue
+        except BaseException:
+            checkpoint.discard(staging)
+            raise
+        manifest = {"clock": worker.clock, "num_workers": worker.num_workers,
+                    "num_servers": len(worker.live_servers()), "tables": tables}
+        return checkpoint.commit(root, staging, manifest, keep)
+    raise AssertionError("unreachable")
+
+
+def _parts(worker: Worker, name: str, replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The parts of table ``name``; each slice must have been written exactly once (none moved meanwhile)."""
+    parts = [p for body in replies for p in body["parts"].get(name, [])]
+    written = sorted(int(p["shard"]) for p in parts)
+    expected = list(range(worker.tables[name].layout.num_shards))
+    if written != expected:
+        raise CheckpointError(f"slices of {name!r} written {written}, expected each of {expected} once "
+                              f"(a slice moved during the checkpoint)")
+    return parts
+
+
+def _load(worker: Worker, path: Path, manifest: dict[str, Any]) -> None:
+    replies = _ask_servers(worker, Op.RESTORE, {"path": str(path)})
+    for name, entry in manifest["tables"].items():
+        if name not in worker.tables:
+            continue
+        rows = sum(int(body["rows"].get(name, 0)) for body in replies)
+        if rows != int(entry["spec"]["num_keys"]):
+            raise CheckpointError(f"servers loaded {rows} rows of {name!r} from {str(path)!r}, "
+                                  f"expected {entry['spec']['num_keys']}")
+
+
+def _ask_servers(worker: Worker, op: Op, body: dict[str, Any]) -> list[dict[str, Any]]:
+    replies: list[dict[str, Any]] = []
+    keep: Callable[[Message], None] = lambda reply: replies.append(reply.body)
+    reqs = {worker.tracker.request(n, Message(op, body=body), keep, f"{op.name} on server {n}")
+            for n in worker.live_servers()}
+    worker.tracker.wait(reqs, worker.cluster.timeouts.request_s)
+    errors = [e for r in sorted(reqs) if (e := worker.tracker.take_error(r))]
+    if errors:
+        raise errors[0]
+    return replies

@@ -1,0 +1,89 @@
+"""Writing this server's slices into a checkpoint, and loading the rows it owns from one.
+
+The worker that coordinates a checkpoint stops every worker at a barrier first,
+so what a server writes is a snapshot at a clock boundary. A server writes the
+slices it holds (values and optimiser state, by global key); on restore it
+loads, from every part of a table, the rows whose keys it owns under its own
+layout, whatever the number of servers that wrote them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shoal.api.config import TableSpec
+from shoal.api.errors import CheckpointError, TableError
+from shoal.server.tables import ServedTable
+from shoal.storage import checkpoint
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+
+class CheckpointService:
+    def __init__(self, node: int, tables: dict[str, ServedTable]) -> None:
+        self.node = node
+        self.tables = tables
+
+    def write(self, msg: Message) -> Message:
+        """Write every slice this server holds of the named tables; reply with the parts' entries."""
+        staging = checkpoint.check_staging(str(msg.body["staging"]))
+        parts: dict[str, list[dict[str, Any]]] = {}
+        for index, name in enumerate(msg.body["tables"]):
+            table = self._table(str(name))
+            if table.moving:
+                raise CheckpointError(f"slices {sorted(table.moving)} of {name!r} are moving; try again")
+            entries = []
+            for shard, store in sorted(table.stores.items()):
+                snapshot = store.snapshot()
+                entry = checkpoint.write_part(staging, index, f"n{self.node}-s{shard}",
+                                              table.layout.mapping.keys_of(shard), snapshot)
+                entries.append({**entry, "shard": shard})
+            parts[str(name)] = entries
+        return msg.reply(Op.OK, {"parts": parts})
+
+    def restore(self, msg: Message) -> Message:
+        """Load the rows this server owns of every table the checkpoint and this server share."""
+        path = Path(str(msg.body["path"]))
+        manifest = checkpoint.read_manifest(path)
+        loaded: dict[str, int] = {}
+        for name, entry in manifest["tables"].items():
+            table = self.tables.get(name)
+            if table is None:
+                continue
+            saved = TableSpec.from_dict(entry["spec"])
+            if saved != table.spec:
+                raise CheckpointError(f"table {name!r} was saved with spec {saved.to_dict()}, "
+                                      f"not {table.spec.to_dict()}")
+            if table.moving:
+                raise CheckpointError(f"slices {sorted(table.moving)} of {name!r} are moving; try again")
+            loaded[name] = sum(self._load(table, keys, arrays) for keys, arrays in checkpoint.read_parts(path, entry))
+        return msg.reply(Op.OK, {"rows": loaded})
+
+    def _load(self, table: ServedTable, keys: np.ndarray, arrays: dict[str, np.ndarray]) -> int:
+        shards, rows = table.layout.mapping.locate(keys.astype(np.int64, copy=False))
+        count = 0
+        for shard, store in table.stores.items():
+            mine = np.flatnonzero(shards == shard)
+            if not mine.size:
+                continue
+            with store.hold(None, exclusive=True):
+                for name, target in store.state_arrays().items():
+                    if name == "dirty":
+                        target[rows[mine]] = 0
+                        continue
+                    source = arrays.get(name)
+                    if source is None or source.shape[1:] != target.shape[1:]:
+                        raise CheckpointError(f"part of {table.spec.name!r} lacks {name!r} of rows "
+                                              f"{target.shape[1:]} (has {sorted(arrays)})")
+                    target[rows[mine]] = source[mine]
+            count += int(mine.size)
+        return count
+
+    def _table(self, name: str) -> ServedTable:
+        table = self.tables.get(name)
+        if table is None:
+            raise TableError(f"server {self.node} has no static table {name!r} to checkpoint")
+        return table
