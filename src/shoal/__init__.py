@@ -61,7 +61,8 @@ def init(local_access: bool | None = None) -> Worker:
     bind_to_launcher(env.launcher_pid())
     keep_large_buffers()
     return Worker(role.cluster, role.rank, role.node, env.transport(),
-                  local_access=role.local_access if local_access is None else local_access, owns_transport=True)
+                  local_access=role.local_access if local_access is None else local_access, owns_transport=True,
+                  metrics_port=env.metrics_port(role.node, role.rank))
 
 
 __all__ = [

@@ -16,10 +16,12 @@ from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
 from shoal.client import checkpoints
 from shoal.client.dense import DEFAULT_SLICE, DenseTable, rows_for
+from shoal.client.metrics import worker_families
 from shoal.client.replicated import ReplicaView
 from shoal.client.table import Table
 from shoal.cluster import membership
 from shoal.cluster.fdshare import fetch_fds, socket_name
+from shoal.cluster.metrics import MetricsEndpoint, render
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
 from shoal.storage.segment import Segment
@@ -48,6 +50,7 @@ class Worker:
         transport: Transport,
         local_access: bool = True,
         owns_transport: bool = False,
+        metrics_port: int | None = None,
     ) -> None:
         self.cluster = cluster
         self.rank = rank
@@ -61,8 +64,12 @@ class Worker:
         self._barrier_generation = 0
         self._closed = False
         timeout = cluster.timeouts.connect_s
+        #: Prometheus metrics on loopback (``metrics_port`` 0: any free port)
+        self.metrics = None if metrics_port is None else MetricsEndpoint(
+            lambda: render(worker_families(self), {"rank": self.rank, "node": self.node}), port=metrics_port)
         self.tracker.connect(membership.RENDEZVOUS_PEER, cluster.rendezvous)
-        membership.register(self.tracker, "worker", node, rank, "", timeout)
+        membership.register(self.tracker, "worker", node, rank, "", timeout,
+                            metrics=self.metrics.url if self.metrics else None)
         self.servers: list[str | None] = []  # by node; None once a server has left
         self._update_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
         self.tracker.on_unsolicited = self._on_server_message
@@ -373,6 +380,8 @@ class Worker:
             if self._clock_segment is not None:
                 self._clock_segment.close()
             self.tracker.close()
+            if self.metrics is not None:
+                self.metrics.close()
             if self._owns_transport:
                 self.transport.close()
 

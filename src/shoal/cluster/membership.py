@@ -39,9 +39,12 @@ def _rendezvous_call(tracker: RequestTracker, msg: Message, timeout: float) -> d
 
 
 def register(
-    tracker: RequestTracker, role: str, node: int, rank: int, address: str, timeout: float
+    tracker: RequestTracker, role: str, node: int, rank: int, address: str, timeout: float,
+    metrics: str | None = None,
 ) -> dict[str, Any]:
-    body = {"role": role, "node": node, "rank": rank, "address": address, "pid": os.getpid()}
+    body: dict[str, Any] = {"role": role, "node": node, "rank": rank, "address": address, "pid": os.getpid()}
+    if metrics:
+        body["metrics"] = metrics
     return _rendezvous_call(tracker, Message(Op.REGISTER, body=body), timeout)
 
 

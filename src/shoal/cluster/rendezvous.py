@@ -35,6 +35,7 @@ class Member:
     rank: int
     address: str
     pid: int
+    metrics: str | None = None  # its Prometheus endpoint, if it has one
 
 
 class Rendezvous:
@@ -147,6 +148,10 @@ class Rendezvous:
             "departed": sorted(self.departed),
             "layouts": self.slices.all_layouts(),
             "workers": sorted(self.workers),
+            "pids": {f"{m.role} {m.node if m.role == 'server' else m.rank}": m.pid
+                     for m in [*self.servers.values(), *self.workers.values()]},
+            "metrics": {f"{m.role} {m.node if m.role == 'server' else m.rank}": m.metrics
+                        for m in [*self.servers.values(), *self.workers.values()] if m.metrics},
             "left": sorted(self.left),
             "ready": self.ready,
             "finished": self.finished,
@@ -258,7 +263,9 @@ class Rendezvous:
 
     def _register(self, msg: Message) -> None:
         b = msg.body
-        member = Member(b["role"], b["node"], b["rank"], b["address"], b["pid"])
+        metrics = b.get("metrics")
+        member = Member(b["role"], b["node"], b["rank"], b["address"], b["pid"],
+                        metrics if isinstance(metrics, str) else None)
         if member.role == "server" and member.node >= self.num_nodes:
             if member.node != self.num_nodes:
                 raise ClusterError(f"a joining server takes node {self.num_nodes}, the next free one, "

@@ -12,9 +12,10 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from shoal.api.errors import (
     AuthError,
@@ -24,6 +25,7 @@ from shoal.api.errors import (
     ShoalError,
     error_from_code,
 )
+from shoal.cluster.metrics import LatencyHistogram
 from shoal.transport.base import Connection, Transport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
@@ -40,6 +42,8 @@ class _Pending:
     peer: int
     what: str
     on_reply: ReplyHandler
+    op: str = ""
+    started: float = 0.0
     error: ShoalError | None = None
 
 
@@ -58,6 +62,11 @@ class RequestTracker:
         self._lock = threading.RLock()
         self._errors: dict[int, ShoalError] = {}
         self._closed = False
+        #: for metrics: requests and one-way messages sent per op, bytes each way, reply latency per op
+        self.sent: Counter[str] = Counter()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.latency = LatencyHistogram()
         #: called with (peer, message) for messages that answer no request (server pushes)
         self.on_unsolicited: Callable[[int, Message], None] | None = None
 
@@ -102,8 +111,13 @@ class RequestTracker:
                 raise ClosedError(f"not connected to peer {peer}")
             req = next(self._ids)
             msg.req, msg.sender = req, self.sender
-            conn.send(self.codec.encode(msg))  # bounded wait for room; raises if the peer is stuck
-            self._pending[req] = _Pending(peer, what or f"{msg.op.name} {msg.table!r}".strip(), on_reply)
+            frames = self.codec.encode(msg)
+            conn.send(frames)  # bounded wait for room; raises if the peer is stuck
+            op = msg.op.name
+            self._pending[req] = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op,
+                                          time.perf_counter())
+            self.sent[op] += 1
+            self.bytes_sent += _size(frames)
             return req
 
     def notify(self, peer: int, msg: Message, block: bool = False) -> bool:
@@ -119,7 +133,11 @@ class RequestTracker:
                 return False
             msg.sender = self.sender
             msg.flags |= Flag.NO_REPLY
-            sent = conn.send(self.codec.encode(msg), block=block)
+            frames = self.codec.encode(msg)
+            sent = conn.send(frames, block=block)
+            if sent:
+                self.sent[msg.op.name] += 1
+                self.bytes_sent += _size(frames)
             if not sent:
                 log.warning("dropped a one-way %s to peer %s: its queue is full", msg.op.name, peer)
             return sent
@@ -194,6 +212,7 @@ class RequestTracker:
             log.exception("dropping a message from peer %s that could not be handled", peer)
 
     def _dispatch_checked(self, peer: int, frames: list) -> None:
+        self.bytes_received += _size(frames)
         try:
             msg = self.codec.decode(frames)
         except ShoalError as exc:
@@ -227,6 +246,8 @@ class RequestTracker:
 
     def _finish(self, req: int, msg: Message | None) -> None:
         pending = self._pending.pop(req)
+        if pending.started:
+            self.latency.observe(pending.op, time.perf_counter() - pending.started)
         error = pending.error
         if msg is not None and error is None:
             try:
@@ -297,3 +318,7 @@ class Future(Generic[T]):
         return self._result  # type: ignore[return-value]
 
     result = wait
+
+
+def _size(frames: list[Any]) -> int:
+    return sum(len(f) if isinstance(f, bytes) else memoryview(getattr(f, "buffer", f)).nbytes for f in frames)

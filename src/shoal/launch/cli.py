@@ -1,12 +1,14 @@
 """The ``shoal`` command.
 
     shoal run --nodes 2 --workers-per-node 1 -- python train.py
+    shoal status --watch 1
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -14,6 +16,7 @@ from shoal.api.config import Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ShoalError
 from shoal.launch.env import read_secret
 from shoal.launch.local import LaunchOptions, LocalCluster
+from shoal.launch.status import running_jobs, watch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,12 +48,43 @@ def _parser() -> argparse.ArgumentParser:
                      help="move slices between servers when the busiest serves more than this times the mean "
                           "(e.g. 1.25); off by default")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
+    status = sub.add_parser("status", help="print a table of a running cluster",
+                            description="Ask the rendezvous and every server of a running cluster how they are. "
+                                        "Without --rendezvous: the newest job `shoal run` started on this machine.")
+    status.add_argument("--rendezvous", help="the rendezvous address, e.g. tcp://10.0.0.1:29400")
+    status.add_argument("--secret-file", help="the cluster's secret, if its messages are signed")
+    status.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS (with rates)")
+    status.add_argument("--count", type=int, default=None, help="tables to print (default 1, or 3600 with --watch)")
     return parser
+
+
+def _status(args: argparse.Namespace) -> int:
+    rendezvous = args.rendezvous or os.environ.get("SHOAL_RENDEZVOUS")
+    signed = False
+    if not rendezvous:
+        jobs = running_jobs()
+        if not jobs:
+            print("shoal status: no running job found (give --rendezvous ADDRESS)", file=sys.stderr)
+            return 1
+        rendezvous, signed = jobs[0]["rendezvous"], bool(jobs[0].get("signed"))
+    secret = read_secret({"SHOAL_SECRET_FILE": args.secret_file} if args.secret_file else dict(os.environ))
+    if signed and secret is None:
+        print("shoal status: this job signs its messages; give --secret-file", file=sys.stderr)
+        return 1
+    count = args.count if args.count is not None else (3600 if args.watch else 1)
+    watch(rendezvous, secret, args.watch or 1.0, count, sys.stdout)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="shoal: %(levelname)s %(message)s")
+    if args.command == "status":
+        try:
+            return _status(args)
+        except ShoalError as exc:
+            print(f"shoal status: {exc}", file=sys.stderr)
+            return 2
     command = list(args.cmd)
     if command and command[0] == "--":
         command = command[1:]

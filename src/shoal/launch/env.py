@@ -24,6 +24,8 @@ variable fails at once with a message that names it.
 | ``SHOAL_REBALANCE`` | where a server hosts the rendezvous: max/mean load that triggers moving slices |
 | ``SHOAL_LOG_LEVEL`` | logging level of server processes |
 | ``SHOAL_FAULTS`` | inject faults on arrival: ``delay_ms=2,jitter_ms=1,loss=0.01,duplicate=0.01,seed=3`` |
+| ``SHOAL_METRICS`` | ``0`` turns off the Prometheus endpoint every process serves on 127.0.0.1 |
+| ``SHOAL_METRICS_PORT`` | fixed ports: servers serve on this plus their node, workers on this plus nodes plus rank |
 """
 
 from __future__ import annotations
@@ -151,6 +153,17 @@ def transport(env: Mapping[str, str] | None = None) -> Transport:
     zmq_transport: Transport = ZmqTransport()
     spec = env.get(PREFIX + "FAULTS")
     return FaultyTransport(zmq_transport, Faults.parse(spec)) if spec else zmq_transport
+
+
+def metrics_port(node: int, rank: int | None, env: Mapping[str, str] | None = None) -> int | None:
+    """Where this process serves Prometheus metrics (0: any free port), or None when turned off."""
+    env = os.environ if env is None else env
+    if env.get(PREFIX + "METRICS", "1") in ("0", "false", "no", "off"):
+        return None
+    if not env.get(PREFIX + "METRICS_PORT"):
+        return 0
+    base = _int(env, "METRICS_PORT")
+    return base + node if rank is None else base + _int(env, "NUM_NODES") + rank
 
 
 def watch_pid(env: Mapping[str, str] | None = None) -> int | None:

@@ -27,6 +27,7 @@ from shoal.api.errors import ConfigError
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch.env import child_env
 from shoal.launch.lifecycle import die_with_parent
+from shoal.launch.status import record_run
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
 
@@ -135,6 +136,7 @@ class LocalCluster:
         cluster = ClusterSpec(self.cluster_id, opts.nodes, opts.workers_per_node, rendezvous.address,
                               opts.secret, opts.limits, opts.timeouts)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        run_file = None
         try:
             # Children are forked before any launcher thread exists, so the
             # pre-exec hook cannot deadlock on a lock held by another thread.
@@ -147,10 +149,13 @@ class LocalCluster:
                 self._spawn(f"w{rank}", list(opts.command),
                             child_env(cluster, node, rank, opts.local_access, None, os.getpid()), is_worker=True)
             rendezvous.start()
+            run_file = record_run(self.cluster_id, rendezvous.address, opts.secret is not None)
             for child in self.children:
                 self._start_pump(child)
             return self._watch(rendezvous)
         finally:
+            if run_file is not None:
+                run_file.unlink(missing_ok=True)
             self._teardown()
             rendezvous.stop()
             transport.close()

@@ -43,7 +43,8 @@ def main() -> int:
             rendezvous = Rendezvous(transport, Codec(cluster.limits, cluster.secret), cluster.rendezvous,
                                     cluster.cluster_id, cluster.num_nodes, cluster.num_workers,
                                     rebalance=env.rebalance()).start()
-        server = ParameterServer(role.node, role.cluster, transport, bind=role.bind)
+        server = ParameterServer(role.node, role.cluster, transport, bind=role.bind,
+                                 metrics_port=env.metrics_port(role.node, None))
     except ShoalError as exc:
         print(f"shoal server: {exc}", file=sys.stderr)
         return 2

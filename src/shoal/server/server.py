@@ -21,11 +21,13 @@ from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import AuthError, ConfigError, ProtocolError, ServerError, ShoalError, TableError
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
+from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, render
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
 from shoal.server.adaptive import ADAPTIVE_SHARD, AdaptiveService
 from shoal.server.checkpoints import CheckpointService
+from shoal.server.metrics import server_families
 from shoal.server.replicated import ReplicationService
 from shoal.server.slicing import SliceService
 from shoal.server.sync import Synchroniser
@@ -61,6 +63,7 @@ class ParameterServer:
         transport: Transport,
         bind: str = "tcp://127.0.0.1:0",
         share_memory: bool = True,
+        metrics_port: int | None = None,
     ) -> None:
         self.node = node
         self.cluster = cluster
@@ -96,6 +99,11 @@ class ParameterServer:
         self.sync.hold_for_move = self.slicing.hold
         self.checkpoints = CheckpointService(node, self.tables)
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
+        self.queue_length = 0  # the same, as last reported
+        self.latency = LatencyHistogram()
+        #: Prometheus metrics on loopback (``metrics_port`` 0: any free port)
+        self.metrics = None if metrics_port is None else MetricsEndpoint(
+            lambda: render(server_families(self), {"node": self.node}), port=metrics_port)
         self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
 
     # ------------------------------------------------------------------ loop
@@ -105,8 +113,8 @@ class ParameterServer:
         if register:
             self._rendezvous.connect(membership.RENDEZVOUS_PEER, self.cluster.rendezvous)
             status = membership.register(
-                self._rendezvous, "server", self.node, self.node, self.address, self.cluster.timeouts.connect_s
-            )
+                self._rendezvous, "server", self.node, self.node, self.address, self.cluster.timeouts.connect_s,
+                metrics=self.metrics.url if self.metrics is not None else None)
             self._rejoin(status)
             log.info("server %d serving at %s", self.node, self.address)
         try:
@@ -188,7 +196,7 @@ class ParameterServer:
             self._next_heartbeat = now + _HEARTBEAT_S
             body = {"role": "server", "node": self.node, "load": self.slicing.take_load(), "queue": self._backlog,
                     "poll": True}
-            self._backlog = 0
+            self.queue_length, self._backlog = self._backlog, 0
             self._heartbeat_req = tracker.request(
                 membership.RENDEZVOUS_PEER, Message(Op.CLUSTER_STATUS, body=body), self._on_status, "heartbeat")
         elif self._heartbeat_req is not None and now - self._last_heartbeat > self.cluster.timeouts.connect_s:
@@ -231,6 +239,7 @@ class ParameterServer:
 
     def _serve(self, peer: bytes, msg: Message) -> None:
         """Serve a decoded request (again, for one that waited for a slice's move to end)."""
+        started = time.perf_counter()
         try:
             self.sync.observe(peer, msg)
             reply = self.dispatch(msg, peer)
@@ -247,6 +256,7 @@ class ParameterServer:
             reply = msg.reply(Op.ERROR, {"code": err.code, "message": str(err)})
         if reply is not None and not msg.flags & Flag.NO_REPLY:
             self._send(peer, reply, self.codec)
+        self.latency.observe(msg.op.name, time.perf_counter() - started)
 
     def _reply_error(self, peer: bytes, exc: ShoalError, codec: Codec) -> None:
         if getattr(exc, "flags", 0) & Flag.NO_REPLY:
@@ -358,6 +368,9 @@ class ParameterServer:
             "node": self.node,
             "address": self.address,
             "pid": os.getpid(),
+            "metrics": self.metrics.url if self.metrics is not None else None,
+            "queue": self.queue_length,
+            "held": self.sync.held_count(),
             "tables": {n: {"shards": sorted(t.stores), "rows": sum(s.num_rows for s in t.stores.values()),
                            "epoch": t.layout.epoch} for n, t in self.tables.items()},
             "clocks": [int(c) for c in self.clocks.clocks],
@@ -392,6 +405,9 @@ class ParameterServer:
     # --------------------------------------------------------------- closing
 
     def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self._fdshare is not None:
             self._fdshare.close()
             self._fdshare = None

@@ -42,6 +42,10 @@ class Synchroniser:
         self.peers: dict[int, bytes] = {}  # worker rank -> its connection, for eager pushes
         self.stats: Counter[str] = Counter()
 
+    def held_count(self) -> int:
+        """Pulls waiting for their staleness bound (or lazy deadline), over all tables."""
+        return sum(len(t.controller.held) for t in list(self.tables.values()))
+
     def observe(self, peer: bytes, msg: Message) -> None:
         """Learn the sender's clock from any worker message; act if the slowest clock moved."""
         if msg.op not in _WORKER_OPS or not 0 <= msg.sender < self.clocks.num_workers:

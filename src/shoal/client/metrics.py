@@ -1,0 +1,40 @@
+"""What a worker exposes to Prometheus, built at scrape time from its counters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shoal.cluster.metrics import Family, counters
+
+if TYPE_CHECKING:
+    from shoal.client.worker import Worker
+
+
+def worker_families(worker: Worker) -> list[Family]:
+    tracker = worker.tracker
+    families = [
+        counters("shoal_worker_requests_total", "Requests and one-way messages sent, by op.", dict(tracker.sent),
+                 "op"),
+        tracker.latency.family("shoal_worker_request_seconds", "Time from sending a request to its reply.", "op"),
+        Family("shoal_worker_bytes_total", "counter", "Bytes sent to and received from servers.")
+        .add(tracker.bytes_sent, direction="out").add(tracker.bytes_received, direction="in"),
+        Family("shoal_worker_clock", "gauge", "Iterations this worker has finished.").add(worker.clock),
+    ]
+    events = Family("shoal_worker_table_events_total", "counter",
+                    "Per table: rows served locally or from cache, retries, failovers, samples.")
+    staleness = Family("shoal_worker_read_staleness_clocks", "histogram",
+                       "Clocks between a read and the clock its rows were current at.")
+    for name, table in list(worker.tables.items()):
+        for event, count in sorted(dict(table.counters).items()):
+            events.add(count, table=name, event=event)
+        counts = table.staleness.counts.copy()
+        cumulative = np.cumsum(counts)
+        total = float(cumulative[-1])
+        if total:
+            bounds = [(float(b), float(cumulative[b])) for b in (0, 1, 2, 4, 8, 16, 32, 64, 128)]
+            bounds.append((float("inf"), total))
+            weighted = float((counts * np.arange(counts.shape[0])).sum())
+            staleness.histograms.append(({"table": name}, bounds, weighted, total))
+    return [*families, events, staleness]

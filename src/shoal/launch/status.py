@@ -1,0 +1,185 @@
+"""``shoal status``: a live table of a running cluster, from its rendezvous and its servers.
+
+``shoal run`` leaves a small run file (rendezvous address, cluster id, launcher
+pid; never the secret) in a per-user directory while the job runs, so that
+``shoal status`` finds the newest running job by itself. For a cluster started
+any other way, pass ``--rendezvous`` (and ``--secret-file`` if it signs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from shoal.api.config import Limits
+from shoal.api.errors import ClusterError, RequestTimeoutError
+from shoal.cluster import membership
+from shoal.cluster.requests import RequestTracker
+from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+STATUS_SENDER = -3  # not a worker rank: servers keep no clock for it
+
+
+def runs_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"shoal-runs-{os.getuid()}"
+
+
+def record_run(cluster_id: str, rendezvous: str, signed: bool) -> Path:
+    folder = runs_dir()
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / f"{cluster_id}.json"
+    path.write_text(json.dumps({"cluster_id": cluster_id, "rendezvous": rendezvous, "pid": os.getpid(),
+                                "signed": signed, "started": time.time()}))
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running_jobs() -> list[dict[str, Any]]:
+    """Jobs whose launcher is still alive, newest first (files of dead ones are removed)."""
+    jobs = []
+    for path in runs_dir().glob("*.json") if runs_dir().is_dir() else []:
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(int(info.get("pid", 0))):
+            jobs.append(info)
+        else:
+            path.unlink(missing_ok=True)
+    return sorted(jobs, key=lambda j: -float(j.get("started", 0)))
+
+
+@dataclass
+class Snapshot:
+    at: float
+    status: dict[str, Any]
+    servers: dict[int, dict[str, Any]]
+
+
+class StatusClient:
+    """Asks the rendezvous and every live server how they are."""
+
+    def __init__(self, rendezvous: str, secret: bytes | None, timeout: float = 5.0) -> None:
+        self.timeout = timeout
+        self.transport = ZmqTransport()
+        self.tracker = RequestTracker(self.transport, Codec(Limits(), secret), sender=STATUS_SENDER)
+        self.tracker.connect(membership.RENDEZVOUS_PEER, rendezvous)
+        self._connected: dict[int, str] = {}
+
+    def snapshot(self) -> Snapshot:
+        status = membership.status(self.tracker, self.timeout)
+        replies: dict[int, dict[str, Any]] = {}
+        reqs = set()
+        for node, address in enumerate(status.get("servers") or []):
+            if address is None:
+                continue
+            if self._connected.get(node) != address:
+                if node in self._connected:
+                    self.tracker.disconnect(node)
+                self.tracker.connect(node, address)
+                self._connected[node] = address
+            reqs.add(self.tracker.request(node, Message(Op.STATS), _keep(replies, node), f"STATS of server {node}"))
+        try:
+            self.tracker.wait(reqs, self.timeout)
+        except RequestTimeoutError:
+            pass  # a server that does not answer shows as unreachable
+        for r in reqs:
+            self.tracker.take_error(r)
+        return Snapshot(time.monotonic(), status, replies)
+
+    def close(self) -> None:
+        self.tracker.close()
+        self.transport.close()
+
+
+def _keep(replies: dict[int, dict[str, Any]], node: int) -> Callable[[Message], None]:
+    return lambda msg: replies.__setitem__(node, msg.body)
+
+
+def _rate(now: Snapshot, before: Snapshot | None, node: int, key: str) -> float | None:
+    if before is None or node not in before.servers or node not in now.servers:
+        return None
+    dt = now.at - before.at
+    return (now.servers[node]["stats"].get(key, 0) - before.servers[node]["stats"].get(key, 0)) / dt if dt else None
+
+
+def render_table(now: Snapshot, before: Snapshot | None = None) -> str:
+    st = now.status
+    workers, left = st.get("workers") or [], st.get("left") or []
+    state = "finished" if st.get("finished") else "ready" if st.get("ready") else "starting"
+    lines = [f"cluster {st.get('cluster_id')} · {state} · {sum(1 for a in st['servers'] if a)} server(s) · "
+             f"{len(workers)} worker(s) registered, {len(left)} done, of {st.get('num_workers')}"]
+    header = f"{'node':>4}  {'pid':>7}  {'slices':>6}  {'rows':>10}  {'msg/s':>8}  {'MB/s in':>8}  {'MB/s out':>8}  " \
+             f"{'queue':>5}  {'held':>4}  {'clocks':>9}  {'errors':>6}  metrics"
+    lines.append(header)
+    for node, address in enumerate(st.get("servers") or []):
+        if address is None:
+            lines.append(f"{node:>4}  (departed)")
+            continue
+        info = now.servers.get(node)
+        if info is None:
+            lines.append(f"{node:>4}  unreachable at {address}")
+            continue
+        stats = info.get("stats", {})
+        slices = sum(len(t["shards"]) for t in info.get("tables", {}).values())
+        rows = sum(int(t["rows"]) for t in info.get("tables", {}).values())
+        msgs = _rate(now, before, node, "messages")
+        mb_in, mb_out = _rate(now, before, node, "bytes_in"), _rate(now, before, node, "bytes_out")
+        clocks = [c for c in info.get("clocks", []) if c < 1 << 60]
+        clock_text = f"{min(clocks)}/{max(clocks)}" if clocks else "-"
+        errors = sum(v for k, v in stats.items() if k.startswith("error_"))
+        held = int(info.get("held", 0))
+
+        def num(x: float | None, scale: float = 1.0) -> str:
+            return "-" if x is None else f"{x / scale:.1f}"
+
+        lines.append(f"{node:>4}  {info.get('pid', '-'):>7}  {slices:>6}  {rows:>10}  {num(msgs):>8}  "
+                     f"{num(mb_in, 1e6):>8}  {num(mb_out, 1e6):>8}  {info.get('queue', 0):>5}  {held:>4}  "
+                     f"{clock_text:>9}  {errors:>6}  {info.get('metrics') or '-'}")
+    metrics = st.get("metrics") or {}
+    for rank in workers:
+        url = metrics.get(f"worker {rank}")
+        lines.append(f"worker {rank}: pid {st.get('pids', {}).get(f'worker {rank}', '-')}"
+                     f"{' (done)' if rank in left else ''}  metrics {url or '-'}")
+    return "\n".join(lines)
+
+
+def watch(rendezvous: str, secret: bytes | None, interval: float, count: int, out: IO[str]) -> None:
+    """Print the table ``count`` times, ``interval`` seconds apart (rates need two samples); on a
+    terminal each table replaces the last."""
+    client = StatusClient(rendezvous, secret)
+    live = out.isatty()
+    try:
+        before = None
+        for i in range(count):
+            try:
+                now = client.snapshot()
+            except (ClusterError, RequestTimeoutError) as exc:
+                raise ClusterError(f"no answer from the rendezvous at {rendezvous}: {exc}") from None
+            if i:
+                out.write("\x1b[H\x1b[2J" if live else "\n")
+            out.write(render_table(now, before) + "\n")
+            out.flush()
+            before = now
+            if i + 1 < count:
+                time.sleep(interval)
+    finally:
+        client.close()

@@ -1,0 +1,65 @@
+"""What a server exposes to Prometheus, built at scrape time from its counters and state."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shoal.cluster.metrics import Family, counters
+from shoal.consistency.clocks import FINISHED
+
+if TYPE_CHECKING:
+    from shoal.server.server import ParameterServer
+
+#: counters with a family of their own; every other one goes to shoal_server_events_total
+_REJECTED = {"dropped_unauthenticated": "unauthenticated", "rejected_malformed": "malformed"}
+_RELOCATIONS = {"keys_relocated_here": "here", "keys_relocated_away": "away"}
+_SLICES = {"slices_sent": "sent", "slices_received": "received", "slice_moves_failed": "failed"}
+_OWN = {"messages", "bytes_in", "bytes_out", *_REJECTED, *_RELOCATIONS, *_SLICES}
+
+
+def server_families(server: ParameterServer) -> list[Family]:
+    stats = dict(server.stats)  # one copy: the loop thread keeps counting meanwhile
+    for service in (server.sync, server.replication, server.adaptive, server.slicing):
+        for key, value in dict(service.stats).items():
+            stats[key] = stats.get(key, 0) + value
+    ops = {k[3:]: v for k, v in stats.items() if k.startswith("op_")}
+    errors = {k[6:]: v for k, v in stats.items() if k.startswith("error_")}
+    events = {k: v for k, v in stats.items() if k not in _OWN and not k.startswith(("op_", "error_"))}
+    clocks = server.clocks.clocks
+    running = clocks[clocks < FINISHED]  # workers that left count as finished, not as fastest
+    families = [
+        counters("shoal_server_requests_total", "Messages served, by op.", ops, "op"),
+        server.latency.family("shoal_server_request_seconds", "Time to serve a message (held pulls: until held).",
+                              "op"),
+        Family("shoal_server_bytes_total", "counter", "Bytes received and sent.")
+        .add(stats.get("bytes_in", 0), direction="in").add(stats.get("bytes_out", 0), direction="out"),
+        counters("shoal_server_errors_total", "Requests answered with an error, by error code.", errors, "code"),
+        counters("shoal_server_rejected_messages_total", "Messages dropped or rejected before serving.",
+                 {r: stats.get(k, 0) for k, r in _REJECTED.items()}, "reason"),
+        counters("shoal_server_relocated_keys_total", "Keys of adaptive tables relocated, by direction.",
+                 {d: stats.get(k, 0) for k, d in _RELOCATIONS.items()}, "direction"),
+        counters("shoal_server_slice_moves_total", "Slices handed over or taken in.",
+                 {d: stats.get(k, 0) for k, d in _SLICES.items()}, "outcome"),
+        counters("shoal_server_events_total", "Other events counted by the server.", events, "event"),
+        Family("shoal_server_queue_length", "gauge", "Most messages handled in one burst lately.")
+        .add(server.queue_length),
+        Family("shoal_server_held_requests", "gauge", "Pulls held until their staleness bound is met.")
+        .add(server.sync.held_count()),
+        Family("shoal_server_clock", "gauge", "Slowest and fastest worker clock this server knows.")
+        .add(int(running.min(initial=0)), bound="slowest")
+        .add(int(running.max(initial=0)), bound="fastest"),
+    ]
+    rows = Family("shoal_server_rows", "gauge", "Rows held, by table.")
+    for name, table in list(server.tables.items()):
+        rows.add(sum(s.num_rows for s in list(table.stores.values())), table=name)
+    families.append(rows)
+    lag = Family("shoal_server_replica_lag_seconds", "gauge",
+                 "Delay before updates from another replica arrive here (quantiles of recent updates).")
+    for name, replicated in list(server.replication.tables.items()):
+        for shard, replica in list(replicated.replicas.items()):
+            for origin, samples in list(replica.delays.items()):
+                if len(samples):
+                    for q in (0.5, 0.99):
+                        lag.add(samples.quantile(q), table=name, shard=shard, origin=origin, quantile=str(q))
+    families.append(lag)
+    return families

@@ -1,0 +1,101 @@
+"""Metrics and status of a running job: every process serves Prometheus metrics on 127.0.0.1, and
+``shoal status`` finds the job and prints its servers' live figures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shoal.api.errors import ConfigError
+from shoal.cluster.metrics import Family, LatencyHistogram, MetricsEndpoint, render
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "scripts" / "busy_worker.py"
+
+
+def scrape(url: str) -> dict[str, list]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def total(samples, name: str, **labels) -> float:
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_the_exposition_parses_with_the_prometheus_client_and_escapes_labels():
+    hist = LatencyHistogram()
+    for seconds in (2e-5, 3e-4, 3e-4, 7.0, 20.0):
+        hist.observe("PULL", seconds)
+    odd = Family("shoal_test_total", "counter", "A label with \"quotes\", a \\ and a\nnewline.")
+    odd.add(3, table='we"ird\\na\nme')
+    parsed = {f.name: f for f in text_string_to_metric_families(render([hist.family("lat", "h", "op"), odd]))}
+    buckets = {s.labels["le"]: s.value for s in parsed["lat"].samples if s.name == "lat_bucket"}
+    assert buckets["2.5e-05"] == 1 and buckets["0.0005"] == 3 and buckets["10.0"] == 4 and buckets["+Inf"] == 5
+    assert parsed["shoal_test"].samples[0].labels["table"] == 'we"ird\\na\nme'
+
+
+def test_metrics_bind_loopback_only():
+    with pytest.raises(ConfigError, match="loopback only"):
+        MetricsEndpoint(lambda: "", host="0.0.0.0")
+    endpoint = MetricsEndpoint(lambda: "x 1\n")
+    try:
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(endpoint.url.replace("/metrics", "/other"), timeout=5)
+    finally:
+        endpoint.close()
+
+
+def test_a_running_job_serves_metrics_and_shoal_status_shows_it(tmp_path):
+    job = subprocess.Popen([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node", "1",
+                            "--classic", "--", sys.executable, str(SCRIPT), str(tmp_path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=10)[0]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        status = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "status", "--watch", "0.5", "--count", "2"],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        table = status.stdout.split("\n\n")[-1]  # the second table has rates
+        lines = table.splitlines()
+        assert "2 server(s)" in lines[0] and "2 worker(s) registered" in lines[0], table
+        rows = [line.split() for line in lines[2:4]]
+        assert [r[0] for r in rows] == ["0", "1"], table
+        assert all(float(r[4]) > 0 for r in rows), table  # messages per second while training runs
+        urls = [r[-1] for r in rows]
+        workers = [line.split("metrics ")[-1] for line in lines if line.startswith("worker ")]
+        assert len(workers) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls + workers), table
+
+        server = scrape(urls[0])
+        assert total(server["shoal_server_requests"], "shoal_server_requests_total", op="pull") > 0
+        assert total(server["shoal_server_request_seconds"], "shoal_server_request_seconds_count", op="PULL") > 0
+        assert total(server["shoal_server_bytes"], "shoal_server_bytes_total", direction="in") > 0
+        assert server["shoal_server_clock"][1].value >= server["shoal_server_clock"][0].value  # fastest >= slowest
+        worker = scrape(workers[0])
+        assert total(worker["shoal_worker_requests"], "shoal_worker_requests_total", op="PULL") > 0
+        assert total(worker["shoal_worker_request_seconds"], "shoal_worker_request_seconds_count", op="PULL") > 0
+        assert total(worker["shoal_worker_read_staleness_clocks"], "shoal_worker_read_staleness_clocks_count",
+                     table="busy") > 0
+        assert worker["shoal_worker_clock"][0].value > 0
+    finally:
+        (tmp_path / "stop").touch()
+        output = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, output
+
+
+def test_status_without_a_job_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "status"], capture_output=True, text=True,
+                          timeout=30, env={k: v for k, v in __import__("os").environ.items()
+                                           if k != "SHOAL_RENDEZVOUS"})
+    assert done.returncode == 1 and "no running job found" in done.stderr
