@@ -27,6 +27,7 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--workers-per-node", type=int, default=1)
     p.add_argument("--epochs", type=int, default=Hyper.epochs)
+    p.add_argument("--report", default="shoal-report", help="where the run report goes (default %(default)s)")
     args = p.parse_args()
 
     print(f"MovieLens 100k, biased MF rank {Hyper.rank}, SGD, {args.epochs} epochs")
@@ -38,7 +39,7 @@ def main() -> int:
         out = Path(tmp) / "mf.json"
         status = shoal.launch.local.run(
             [sys.executable, str(HERE / "train.py"), "--epochs", str(args.epochs), "--out", str(out)],
-            nodes=args.nodes, workers_per_node=args.workers_per_node,
+            nodes=args.nodes, workers_per_node=args.workers_per_node, report=args.report,
         )
         if status != 0 or not out.exists():
             print(f"the Shoal run failed (exit status {status})", file=sys.stderr)
@@ -54,6 +55,7 @@ def main() -> int:
     print(f"numpy baseline (1 process):        {base['ratings_per_s']:>12,.0f} ratings/s")
     print(f"ratio Shoal / baseline:             {ratio:12.2f}x")
     print(f"final test RMSE: Shoal {ps['rmse'][-1]:.4f}, baseline {base['rmse'][-1]:.4f}")  # type: ignore[index]
+    print(f"run report (plots of RMSE, throughput, per-server load, staleness): {args.report}/report.html")
     return 0
 
 

@@ -91,6 +91,7 @@ def main() -> None:
         all_items = items.pull(np.arange(data.num_items))
         history.append(rmse(all_users, all_items, data.test.users, data.test.items, data.test.values, mu))
         times.append(time.perf_counter() - start)
+        ps.log(test_rmse=history[-1])  # for the run report (`shoal run --report DIR`)
 
     ps.barrier()
     start = time.perf_counter()
@@ -98,12 +99,15 @@ def main() -> None:
     for epoch in range(hyper.epochs):
         order = np.random.default_rng((1000 + epoch) * 7919 + ps.rank).permutation(len(mine))
         epoch_start = time.perf_counter()
+        squared_error = 0.0
         for s in range(0, len(mine), hyper.batch):
             idx = order[s : s + hyper.batch]
             u, i = mine.users[idx], mine.items[idx]
             user_rows = users.pull_async(u)
             item_rows = items.pull_async(i)
-            grad_u, grad_i, _ = gradients(user_rows.wait(), item_rows.wait(), mine.values[idx], mu, hyper.reg)
+            grad_u, grad_i, batch_error = gradients(user_rows.wait(), item_rows.wait(), mine.values[idx], mu,
+                                                    hyper.reg)
+            squared_error += batch_error
             pushed = [users.push_async(u, grad_u), items.push_async(i, grad_i)]
             for f in pushed:
                 f.wait()
@@ -113,6 +117,7 @@ def main() -> None:
             if progress:
                 note = f"epoch {epoch + 1}/{hyper.epochs}" + (f"  RMSE {history[-1]:.4f}" if history else "")
                 progress.update(1, note)
+        ps.log(train_rmse=(squared_error / len(mine)) ** 0.5)
         if not args.free_running:
             ps.barrier()  # every worker's epoch is applied before anyone evaluates
         train_seconds += time.perf_counter() - epoch_start

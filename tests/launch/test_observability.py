@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -99,3 +100,21 @@ def test_status_without_a_job_says_so(tmp_path, monkeypatch):
                           timeout=30, env={k: v for k, v in __import__("os").environ.items()
                                            if k != "SHOAL_RENDEZVOUS"})
     assert done.returncode == 1 and "no running job found" in done.stderr
+
+
+def test_a_finished_run_writes_a_report_with_plots(tmp_path):
+    report = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--report", str(report),
+                           "--", sys.executable, str(ROOT / "examples" / "mf" / "train.py"), "--quiet", "--epochs",
+                           "3"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"run report in {report / 'report.html'}" in done.stderr
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["workers"] == 2 and set(summary["clocks"]) == {"0", "1"}
+    assert 0.8 < summary["last_logged"]["test_rmse (rank 0)"] < 1.2
+    assert summary["samples"] >= 2 and set(summary["server_bytes"]) == {"0", "1"}
+    assert set(summary["staleness_mean"]) == {"mf.users", "mf.items"}
+    page = (report / "report.html").read_text()
+    for image in ("metrics.png", "throughput.png", "staleness.png"):
+        assert f'src="{image}"' in page
+        assert (report / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ class Worker:
         local_access: bool = True,
         owns_transport: bool = False,
         metrics_port: int | None = None,
+        run_dir: str | None = None,
     ) -> None:
         self.cluster = cluster
         self.rank = rank
@@ -61,6 +64,9 @@ class Worker:
         self.tracker = RequestTracker(transport, Codec(cluster.limits, cluster.secret), sender=rank)
         self.clock = 0
         self.tables: dict[str, Table] = {}
+        #: where shutdown writes what this worker logged, for the run report (see ``log``)
+        self.run_dir = run_dir
+        self.run_log: list[dict[str, Any]] = []
         self._barrier_generation = 0
         self._closed = False
         timeout = cluster.timeouts.connect_s
@@ -261,6 +267,23 @@ class Worker:
             self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}))
         return self.clock
 
+    def log(self, **values: float) -> None:
+        """Record scalars (``loss=...``, ``rmse=...``) at this moment and clock, for the run report."""
+        self.run_log.append({"t": time.time(), "clock": self.clock, "values": {k: float(v) for k, v in values.items()}})
+
+    def _write_run_record(self) -> None:
+        if self.run_dir is None:
+            return
+        record = {"rank": self.rank, "node": self.node, "clock": self.clock, "log": self.run_log,
+                  "requests": dict(self.tracker.sent),
+                  "tables": {n: {"staleness": t.staleness.as_dict(), "counters": dict(t.counters)}
+                             for n, t in self.tables.items()}}
+        try:
+            path = Path(self.run_dir) / f"worker-{self.rank}.json"
+            path.write_text(json.dumps(record))
+        except OSError as exc:
+            log.warning("worker %d: cannot write its run record to %s: %s", self.rank, self.run_dir, exc)
+
     def resume_clock(self, clock: int) -> None:
         """Continue from ``clock`` (after a restore): tell every server, forget cached rows."""
         self.clock = int(clock)
@@ -364,6 +387,7 @@ class Worker:
         """Flush, tell the rendezvous this worker is done, and close every connection."""
         if self._closed:
             return
+        self._write_run_record()
         try:
             self.wait_all()
             for n in self.live_servers():  # a worker that left must not hold back anyone's reads

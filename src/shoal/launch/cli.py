@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rebalance", type=float, metavar="MAX_OVER_MEAN",
                      help="move slices between servers when the busiest serves more than this times the mean "
                           "(e.g. 1.25); off by default")
+    run.add_argument("--report", metavar="DIR",
+                     help="write a run report into DIR: plots of what workers log with ps.log(...), "
+                          "throughput, per-server load and read staleness, on one HTML page")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     status = sub.add_parser("status", help="print a table of a running cluster",
                             description="Ask the rendezvous and every server of a running cluster how they are. "
@@ -98,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefix_output=not args.no_prefix, on_server_failure=args.on_server_failure,
             extra_env={"SHOAL_FAULTS": args.faults} if args.faults else {},
             rebalance=RebalancePolicy(threshold=args.rebalance) if args.rebalance else None,
+            report=args.report,
         )
         return LocalCluster(options).run()
     except ShoalError as exc:

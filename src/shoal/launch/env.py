@@ -24,6 +24,7 @@ variable fails at once with a message that names it.
 | ``SHOAL_REBALANCE`` | where a server hosts the rendezvous: max/mean load that triggers moving slices |
 | ``SHOAL_LOG_LEVEL`` | logging level of server processes |
 | ``SHOAL_FAULTS`` | inject faults on arrival: ``delay_ms=2,jitter_ms=1,loss=0.01,duplicate=0.01,seed=3`` |
+| ``SHOAL_RUN_DIR`` | workers write their run records here at shutdown, for the run report |
 | ``SHOAL_METRICS`` | ``0`` turns off the Prometheus endpoint every process serves on 127.0.0.1 |
 | ``SHOAL_METRICS_PORT`` | fixed ports: servers serve on this plus their node, workers on this plus nodes plus rank |
 """
@@ -164,6 +165,12 @@ def metrics_port(node: int, rank: int | None, env: Mapping[str, str] | None = No
         return 0
     base = _int(env, "METRICS_PORT")
     return base + node if rank is None else base + _int(env, "NUM_NODES") + rank
+
+
+def run_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """Where workers write their run records (``SHOAL_RUN_DIR``), if a report was asked for."""
+    env = os.environ if env is None else env
+    return env.get(PREFIX + "RUN_DIR") or None
 
 
 def watch_pid(env: Mapping[str, str] | None = None) -> int | None:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import IO
 
@@ -27,6 +28,7 @@ from shoal.api.errors import ConfigError
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch.env import child_env
 from shoal.launch.lifecycle import die_with_parent
+from shoal.launch.report import LoadSampler, write_report
 from shoal.launch.status import record_run
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
@@ -57,6 +59,8 @@ class LaunchOptions:
     on_server_failure: str = "fail"
     #: move slices between servers when load is uneven (None: only when asked)
     rebalance: RebalancePolicy | None = None
+    #: write a run report (plots and an HTML page) into this directory
+    report: str | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -137,6 +141,9 @@ class LocalCluster:
                               opts.secret, opts.limits, opts.timeouts)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         run_file = None
+        sampler: LoadSampler | None = None
+        if opts.report:
+            Path(opts.report).mkdir(parents=True, exist_ok=True)
         try:
             # Children are forked before any launcher thread exists, so the
             # pre-exec hook cannot deadlock on a lock held by another thread.
@@ -150,10 +157,19 @@ class LocalCluster:
                             child_env(cluster, node, rank, opts.local_access, None, os.getpid()), is_worker=True)
             rendezvous.start()
             run_file = record_run(self.cluster_id, rendezvous.address, opts.secret is not None)
+            if opts.report:
+                sampler = LoadSampler(rendezvous.address, opts.secret, Path(opts.report))
             for child in self.children:
                 self._start_pump(child)
-            return self._watch(rendezvous)
+            status = self._watch(rendezvous)
+            if sampler is not None:
+                sampler.stop()
+                sampler = None
+                print(f"shoal: run report in {write_report(str(opts.report))}", file=sys.stderr)
+            return status
         finally:
+            if sampler is not None:
+                sampler.stop()
             if run_file is not None:
                 run_file.unlink(missing_ok=True)
             self._teardown()
@@ -167,6 +183,8 @@ class LocalCluster:
 
     def _popen(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         full_env = {**os.environ, **self.options.extra_env, **env, "PYTHONUNBUFFERED": "1"}
+        if self.options.report:
+            full_env["SHOAL_RUN_DIR"] = str(Path(self.options.report).resolve())
         try:
             return subprocess.Popen(
                 command, env=full_env, stdin=subprocess.DEVNULL,
