@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-heavy bench lint typecheck clean
+.PHONY: demo test test-heavy bench soak lint typecheck clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_consistency.py
 	$(PY) benchmarks/bench_emulated_hosts.py
 	$(PY) benchmarks/bench_slicing.py
+
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
