@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-heavy bench soak lint typecheck clean
+.PHONY: demo test test-heavy bench soak faults lint typecheck clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,6 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info
+
+faults: $(STAMP)
+	$(PY) benchmarks/faults.py

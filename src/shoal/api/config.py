@@ -219,9 +219,12 @@ class Timeouts:
     barrier_s: float = 600.0
     #: a replica that does not answer within this is treated as down and the request goes elsewhere
     replica_s: float = 2.0
+    #: a request without a reply is sent again after this, then after twice as long (up to 8 s);
+    #: the receiver answers a repeat without serving it twice
+    resend_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("connect_s", "request_s", "barrier_s", "replica_s"):
+        for name in ("connect_s", "request_s", "barrier_s", "replica_s", "resend_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"Timeouts.{name} must be > 0 seconds, got {value!r}")

@@ -46,6 +46,7 @@ _HEADER_ROOM = 64 * 1024
 _EAGER_WAIT_S = 5.0
 _MOVE_RETRIES = 8  # refreshes of the layout for one call before its slice is deemed lost
 _ALL = np.empty(0, dtype=np.int64)  # stands for "every key, in order"
+_EAGER_GAP = 32  # eager messages held behind a missing one before it is taken as lost
 
 
 class Table:
@@ -63,6 +64,9 @@ class Table:
         #: the process cache of remote rows (bounded models only: ASP always asks)
         self.cache = (RowCache(spec.num_keys, spec.dim, self.dtype, layout.num_shards)
                       if self.bound is not None else None)
+        #: ESSP: per server stream, the next eager message expected and the bumps waiting for it
+        self._eager_next: dict[tuple[int, str], int] = {}
+        self._eager_pending: dict[tuple[int, str], dict[int, tuple[list[int], int]]] = {}
         #: how stale each read row was: reader's clock minus the clock its row is current at
         self.staleness = StalenessHistogram()
         self.counters: Counter[str] = Counter()
@@ -362,6 +366,7 @@ class Table:
                     f"{self.worker.cluster.timeouts.request_s:.1f}s for worker(s) {behind} to reach clock {required}")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+            self.worker.tracker.pump(0)  # own requests overdue (a lost clock, say) go out again meanwhile
             slowest = int(clocks.min())
         return min(slowest, self.worker.clock)
 
@@ -414,10 +419,30 @@ class Table:
         keys, rows = msg.arrays
         if rows.shape[1:] != (self.dim,) or rows.dtype != self.dtype:
             raise ProtocolError(f"server pushed rows of shape {rows.shape} {rows.dtype} for table {self.name!r}")
-        self.cache.store(keys.astype(np.int64, copy=False), rows, msg.clock)
-        self.cache.bump([int(s) for s in msg.body["shards"]], msg.clock)
+        self.cache.store(keys.astype(np.int64, copy=False), rows, msg.clock)  # newer rows: safe in any order
         self.counters["eager_messages"] += 1
         self.counters["eager_rows"] += keys.shape[0]
+        bump = ([int(s) for s in msg.body["shards"]], msg.clock)
+        seq = msg.body.get("seq")
+        if not isinstance(seq, int):
+            self.cache.bump(*bump)
+            return
+        # "Rows not resent did not change" holds only after every earlier message of the stream
+        # arrived: apply bumps in order, and forget the cache if one never comes (it was lost).
+        stream = (msg.sender, str(msg.body.get("stream")))
+        expected = self._eager_next.get(stream, 1)
+        pending = self._eager_pending.setdefault(stream, {})
+        if seq >= expected:
+            pending[seq] = bump
+        while expected in pending:
+            self.cache.bump(*pending.pop(expected))
+            expected += 1
+        if len(pending) > _EAGER_GAP:
+            self.counters["eager_gaps"] += 1
+            self.forget_cached()
+            expected = max(pending) + 1
+            pending.clear()
+        self._eager_next[stream] = expected
 
 
 class _Rows:

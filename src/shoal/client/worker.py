@@ -35,6 +35,8 @@ from shoal.wire.ops import Op
 
 log = logging.getLogger(__name__)
 
+_FINAL_CLOCK_S = 5.0  # how long a leaving worker waits for servers to acknowledge its last clock
+
 
 class Worker:
     """Joins a cluster through its rendezvous; ``rank`` is unique among workers, ``node`` names the machine slot.
@@ -61,7 +63,8 @@ class Worker:
         self.local_access = local_access
         self.transport = transport
         self._owns_transport = owns_transport
-        self.tracker = RequestTracker(transport, Codec(cluster.limits, cluster.secret), sender=rank)
+        self.tracker = RequestTracker(transport, Codec(cluster.limits, cluster.secret), sender=rank,
+                                      resend_s=cluster.timeouts.resend_s)
         self.clock = 0
         self.tables: dict[str, Table] = {}
         #: where shutdown writes what this worker logged, for the run report (see ``log``)
@@ -257,14 +260,18 @@ class Worker:
     # ---------------------------------------------------------- clock, sync
 
     def advance_clock(self) -> int:
-        """Finish an iteration: tell every server this worker's new clock (one-way)."""
+        """Finish an iteration: tell every server this worker's new clock."""
         self._check_open()
         for table in self.tables.values():
             if table.adaptive is not None:
                 table.adaptive.flush_intents()
         self.clock += 1
+        # A request, not a one-way message: a lost clock would hold back every bounded read for good.
+        # Nobody waits for the acknowledgements; they are taken in here and by later calls.
         for n in self.live_servers():
-            self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}))
+            self.tracker.request(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}), _ignore,
+                                 f"CLOCK {self.clock} to server {n}")
+        self.tracker.pump(0)
         return self.clock
 
     def log(self, **values: float) -> None:
@@ -286,11 +293,10 @@ class Worker:
 
     def resume_clock(self, clock: int) -> None:
         """Continue from ``clock`` (after a restore): tell every server, forget cached rows."""
-        self.clock = int(clock)
+        self.clock = int(clock) - 1
         for table in self.tables.values():
             table.forget_cached()
-        for n in self.live_servers():
-            self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}))
+        self.advance_clock()
 
     # ------------------------------------------------------------ checkpoints
 
@@ -390,8 +396,15 @@ class Worker:
         self._write_run_record()
         try:
             self.wait_all()
-            for n in self.live_servers():  # a worker that left must not hold back anyone's reads
-                self.tracker.notify(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank, "final": True}))
+            # A worker that left must not hold back anyone's reads: this last clock is a request,
+            # sent again until acknowledged (the earlier ones ride on every later message).
+            body = {"rank": self.rank, "final": True}
+            final = {self.tracker.request(n, Message(Op.CLOCK, clock=self.clock, body=body), _ignore,
+                                          f"final CLOCK to server {n}") for n in self.live_servers()}
+            try:  # a server that is gone must not keep this worker from leaving
+                self.tracker.wait(final, min(_FINAL_CLOCK_S, self.cluster.timeouts.connect_s))
+            except RequestTimeoutError as exc:
+                log.warning("worker %d: leaving without every server's acknowledgement: %s", self.rank, exc)
             membership.leave(self.tracker, self.rank, self.cluster.timeouts.connect_s)
         except ShoalError as exc:
             log.warning("worker %d: unclean shutdown: %s", self.rank, exc)

@@ -17,6 +17,7 @@ from typing import Any
 
 from shoal.api.config import RebalancePolicy, TableSpec
 from shoal.api.errors import ClusterError, ShoalError
+from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.slices import SliceAuthority
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
@@ -77,6 +78,8 @@ class Rendezvous:
         self.slices = SliceAuthority(num_nodes, rebalance or RebalancePolicy(enabled=False), now)
         #: servers' heartbeats held as long polls: node -> (peer, request, answer-by time)
         self._polls: dict[int, tuple[bytes, Message, float]] = {}
+        # A request sent again is answered again, never served twice (a REGISTER counts incarnations).
+        self._replay = ReplayGuard(keep_reply_bytes=1 << 20)
         self._told_finished: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -164,7 +167,10 @@ class Rendezvous:
     # -------------------------------------------------------------- handling
 
     def _reply(self, peer: bytes, msg: Message) -> None:
-        self.listener.send(peer, self.codec.encode(msg))
+        frames = self.codec.encode(msg)
+        if msg.req:
+            self._replay.answered(peer, msg.req, frames, sum(len(f) for f in frames))
+        self.listener.send(peer, frames)
 
     def _handle(self, peer: bytes, frames: list) -> None:
         try:
@@ -176,6 +182,12 @@ class Rendezvous:
                 err = Message(Op.ERROR, req=req, body={"code": exc.code, "message": str(exc)})
                 self.listener.send(peer, Codec(self.codec.limits).encode(err))
             return
+        if msg.req and not msg.flags & Flag.NO_REPLY:
+            verdict, reply = self._replay.admit(peer, msg.req)
+            if verdict is not Verdict.NEW:  # sent again by a peer that did not hear back: never twice
+                if reply is not None:
+                    self.listener.send(peer, reply)
+                return
         try:
             self._dispatch(peer, msg)
         except ShoalError as exc:  # a request that cannot be met gets a typed error, not silence

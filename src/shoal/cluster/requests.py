@@ -34,6 +34,10 @@ from shoal.wire.ops import Flag, Op
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+RESEND_S = 1.0  # first resend of an unanswered request
+RESEND_MAX_S = 8.0
+RESEND_CHECK_S = 0.1
 ReplyHandler = Callable[[Message], None]
 
 
@@ -45,12 +49,16 @@ class _Pending:
     op: str = ""
     started: float = 0.0
     error: ShoalError | None = None
+    #: kept to send again if no reply comes (the receiver answers a repeat, never serves it twice)
+    frames: list[Any] | None = None
+    resend_at: float = float("inf")
+    resends: int = 0
 
 
 class RequestTracker:
     """Connections to a set of peers (by integer id) and the requests in flight to them."""
 
-    def __init__(self, transport: Transport, codec: Codec, sender: int) -> None:
+    def __init__(self, transport: Transport, codec: Codec, sender: int, resend_s: float | None = RESEND_S) -> None:
         self.transport = transport
         self.codec = codec
         self.sender = sender
@@ -67,6 +75,11 @@ class RequestTracker:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.latency = LatencyHistogram()
+        self.resent = 0
+        #: seconds before a request without a reply is sent again (then twice as long, up to
+        #: ``RESEND_MAX_S``); None: never (for peers that do not recognise repeats)
+        self.resend_s = resend_s
+        self._next_resend_check = 0.0
         #: called with (peer, message) for messages that answer no request (server pushes)
         self.on_unsolicited: Callable[[int, Message], None] | None = None
 
@@ -114,8 +127,11 @@ class RequestTracker:
             frames = self.codec.encode(msg)
             conn.send(frames)  # bounded wait for room; raises if the peer is stuck
             op = msg.op.name
-            self._pending[req] = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op,
-                                          time.perf_counter())
+            now = time.perf_counter()
+            pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now)
+            if self.resend_s is not None:
+                pending.frames, pending.resend_at = frames, now + self.resend_s
+            self._pending[req] = pending
             self.sent[op] += 1
             self.bytes_sent += _size(frames)
             return req
@@ -156,6 +172,7 @@ class RequestTracker:
                 peers = {self._pending[r].peer for r in reqs if r in self._pending}
                 if len(peers) == 1:
                     self._receive_from(peers.pop(), min(remaining, 0.5))
+                    self._resend_due()
                 else:
                     self.pump(min(remaining, 0.5))
 
@@ -203,7 +220,27 @@ class RequestTracker:
                         break
                     self._dispatch(peer, frames)
                     handled += 1
+            self._resend_due()
         return handled
+
+    def _resend_due(self) -> None:
+        """Send again the requests whose reply is overdue: a message lost on the way (or a peer that
+        restarted) costs a delay, not the request. Checked at most every ``RESEND_CHECK_S``."""
+        now = time.perf_counter()
+        if self.resend_s is None or now < self._next_resend_check:
+            return
+        self._next_resend_check = now + RESEND_CHECK_S
+        for req, pending in list(self._pending.items()):
+            if pending.resend_at > now or pending.frames is None:
+                continue
+            conn = self._conns.get(pending.peer)
+            if conn is None or not conn.send(pending.frames, block=False):
+                continue  # gone, or its queue is full: the next check tries again
+            pending.resends += 1
+            pending.resend_at = now + min(self.resend_s * 2 ** pending.resends, RESEND_MAX_S)
+            self.resent += 1
+            log.debug("resent %s (request %d) to peer %s, time %d", pending.what, req, pending.peer,
+                      pending.resends)
 
     def _dispatch(self, peer: int, frames: list) -> None:
         try:

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--barrier-timeout", type=float, default=Timeouts().barrier_s)
     run.add_argument("--replica-timeout", type=float, default=Timeouts().replica_s,
                      help="seconds before a silent replica is routed around (default %(default)s)")
+    run.add_argument("--resend-timeout", type=float, default=Timeouts().resend_s,
+                     help="seconds before an unanswered request is sent again (default %(default)s)")
     run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [w<rank>]")
     run.add_argument("--faults", help="inject network faults into every process, e.g. 'delay_ms=2,loss=0.01'")
     run.add_argument("--on-server-failure", choices=("fail", "continue", "restart"), default="fail",
@@ -97,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             command=command, nodes=args.nodes, workers_per_node=args.workers_per_node, host=args.host,
             transport=args.transport, secret=secret, local_access=not args.classic,
             limits=Limits(args.max_message_bytes),
-            timeouts=Timeouts(args.connect_timeout, args.request_timeout, args.barrier_timeout, args.replica_timeout),
+            timeouts=Timeouts(args.connect_timeout, args.request_timeout, args.barrier_timeout, args.replica_timeout,
+                              args.resend_timeout),
             prefix_output=not args.no_prefix, on_server_failure=args.on_server_failure,
             extra_env={"SHOAL_FAULTS": args.faults} if args.faults else {},
             rebalance=RebalancePolicy(threshold=args.rebalance) if args.rebalance else None,

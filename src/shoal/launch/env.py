@@ -17,6 +17,7 @@ variable fails at once with a message that names it.
 | ``SHOAL_MAX_MESSAGE_BYTES`` | largest message accepted |
 | ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` | seconds |
 | ``SHOAL_BARRIER_TIMEOUT`` / ``SHOAL_REPLICA_TIMEOUT`` | seconds |
+| ``SHOAL_RESEND_TIMEOUT`` | seconds before an unanswered request is sent again (default 1) |
 | ``SHOAL_LAUNCHER_PID`` | pid of the launcher; its death ends the process |
 | ``SHOAL_WATCH_PID`` | a detached server ends when this process is gone (torchrun agent) |
 | ``SHOAL_HOST_RENDEZVOUS`` | ``1``: this server also hosts the rendezvous (torchrun, node 0) |
@@ -116,6 +117,7 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterSpec:
             request_s=_seconds(env, "REQUEST_TIMEOUT", defaults.request_s),
             barrier_s=_seconds(env, "BARRIER_TIMEOUT", defaults.barrier_s),
             replica_s=_seconds(env, "REPLICA_TIMEOUT", defaults.replica_s),
+            resend_s=_seconds(env, "RESEND_TIMEOUT", defaults.resend_s),
         ),
     )
 
@@ -216,6 +218,7 @@ def child_env(cluster: ClusterSpec, node: int, rank: int | None, local_access: b
         PREFIX + "REQUEST_TIMEOUT": str(cluster.timeouts.request_s),
         PREFIX + "BARRIER_TIMEOUT": str(cluster.timeouts.barrier_s),
         PREFIX + "REPLICA_TIMEOUT": str(cluster.timeouts.replica_s),
+        PREFIX + "RESEND_TIMEOUT": str(cluster.timeouts.resend_s),
         PREFIX + "LOCAL_ACCESS": "1" if local_access else "0",
         PREFIX + "LAUNCHER_PID": str(launcher),
     }

@@ -119,7 +119,8 @@ class AdaptiveService:
         self.reply = reply
         self.clocks = clocks
         self.tables: dict[str, AdaptiveTable] = {}
-        self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node)
+        self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node,
+                                    resend_s=cluster.timeouts.resend_s)
         self._addresses: dict[int, str] = {}
         #: messages for servers whose address we do not know yet (they must not be lost: a
         #: state message is the only copy of its rows)

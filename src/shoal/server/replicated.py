@@ -83,7 +83,8 @@ class ReplicationService:
         self.tables: dict[str, ReplicatedTable] = {}
         self.incarnation = 0
         self.alive = [True] * cluster.num_nodes
-        self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node)
+        self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node,
+                                    resend_s=cluster.timeouts.resend_s)
         self.stats: Counter[str] = Counter()
         self._addresses: dict[int, str] = {}
         self._held_replies: dict[int, tuple[bytes, Message]] = {}  # token -> waiting push (W > 1)

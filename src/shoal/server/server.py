@@ -22,6 +22,7 @@ from shoal.api.errors import AuthError, ConfigError, ProtocolError, ServerError,
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, render
+from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 _HEARTBEAT_S = 0.5
 _BURST_S = 0.01  # longest stretch of message handling between timer runs
+#: requests served again when repeated after their reply was too large to keep
+_IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS})
 
 
 def is_loopback(address: str) -> bool:
@@ -90,7 +93,7 @@ class ParameterServer:
         self.adaptive = AdaptiveService(node, cluster, transport, self.codec,
                                         lambda peer, msg: self._send(peer, msg, self.codec), self.clocks)
         self._stop = threading.Event()
-        self._rendezvous = RequestTracker(transport, self.codec, sender=node)
+        self._rendezvous = RequestTracker(transport, self.codec, sender=node, resend_s=cluster.timeouts.resend_s)
         self._heartbeat_req: int | None = None
         self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
         self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
@@ -101,6 +104,7 @@ class ParameterServer:
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
         self.queue_length = 0  # the same, as last reported
         self.latency = LatencyHistogram()
+        self.replay = ReplayGuard()  # a request sent again is answered again, never served twice
         #: Prometheus metrics on loopback (``metrics_port`` 0: any free port)
         self.metrics = None if metrics_port is None else MetricsEndpoint(
             lambda: render(server_families(self), {"node": self.node}), port=metrics_port)
@@ -235,6 +239,18 @@ class ParameterServer:
             self._reply_error(peer, exc, self.codec)
             return
         self.stats[f"op_{msg.op.name.lower()}"] += 1
+        if msg.req and not msg.flags & Flag.NO_REPLY:
+            verdict, reply = self.replay.admit(peer, msg.req)
+            if verdict is not Verdict.NEW:  # sent again by a requester that did not hear back
+                self.stats[f"repeats_{verdict.name.lower()}"] += 1
+                if reply is not None:
+                    self.listener.send(peer, reply)
+                elif verdict is Verdict.ANSWERED and msg.op in _IDEMPOTENT:
+                    self._serve(peer, msg)  # a read whose (large) reply was not kept: read again
+                elif verdict is Verdict.ANSWERED and msg.op == Op.PUSH_PULL:  # the push is in: only read
+                    self._serve(peer, Message(Op.PULL, req=msg.req, table=msg.table, epoch=msg.epoch,
+                                              clock=msg.clock, sender=msg.sender, arrays=msg.arrays[:1]))
+                return
         self._serve(peer, msg)
 
     def _serve(self, peer: bytes, msg: Message) -> None:
@@ -275,7 +291,10 @@ class ParameterServer:
             error = Message(Op.ERROR, req=reply.req, sender=self.node,
                             body={"code": exc.code, "message": f"server {self.node}: reply refused: {exc}"})
             frames = codec.encode(error)
-        self.stats["bytes_out"] += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        self.stats["bytes_out"] += size
+        if reply.req and reply.op in (Op.OK, Op.VALUES, Op.ERROR):
+            self.replay.answered(peer, reply.req, frames, size)
         self.listener.send(peer, frames)
 
     def dispatch(self, msg: Message, peer: bytes = b"") -> Message | None:

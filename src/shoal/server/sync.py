@@ -9,6 +9,7 @@ and serialised once.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Callable
 
@@ -40,6 +41,8 @@ class Synchroniser:
         self.hold_for_move = hold_for_move
         self.max_hold_s = max_hold_s
         self.peers: dict[int, bytes] = {}  # worker rank -> its connection, for eager pushes
+        self._rows_seq: Counter[tuple[int, str]] = Counter()  # eager messages sent per (worker, table)
+        self._stream = secrets.token_hex(4)  # a restarted server numbers its messages afresh
         self.stats: Counter[str] = Counter()
 
     def held_count(self) -> int:
@@ -138,5 +141,8 @@ class Synchroniser:
                 continue
             self.stats["eager_messages"] += 1
             self.stats["eager_rows"] += int(update.keys.shape[0])
-            self.send(peer, Message(Op.ROWS, table=table.spec.name, clock=self.clocks.slowest,
-                                    body={"shards": shards}, arrays=[update.keys, update.values]))
+            # Numbered per worker and table: a worker applies "the rest did not change" only in order.
+            self._rows_seq[(update.worker, table.spec.name)] += 1
+            body = {"shards": shards, "seq": self._rows_seq[(update.worker, table.spec.name)], "stream": self._stream}
+            self.send(peer, Message(Op.ROWS, table=table.spec.name, clock=self.clocks.slowest, body=body,
+                                    arrays=[update.keys, update.values]))
