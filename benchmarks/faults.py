@@ -48,7 +48,7 @@ def main() -> int:
     if not args.only:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "faults.json").write_text(json.dumps({
-            "machine": {"python": platform.python_version(), "cpus": platform.machine()},
+            "machine": {"python": platform.python_version(), "arch": platform.machine()},
             "held": len(held), "ran": len(ran), "skipped": len(outcomes) - len(ran),
             "scenarios": [{**asdict(o), "holds": o.holds} for o in outcomes]}, indent=1, default=str))
         lines = ["# Fault-injection scenarios", "",

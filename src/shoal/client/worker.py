@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from shoal.wire.ops import Op
 
 log = logging.getLogger(__name__)
 
+_RUN_LOG_ENTRIES = 100_000  # ps.log(...) keeps the newest this many in memory for the run report
 _FINAL_CLOCK_S = 5.0  # how long a leaving worker waits for servers to acknowledge its last clock
 
 
@@ -69,7 +71,7 @@ class Worker:
         self.tables: dict[str, Table] = {}
         #: where shutdown writes what this worker logged, for the run report (see ``log``)
         self.run_dir = run_dir
-        self.run_log: list[dict[str, Any]] = []
+        self.run_log: deque[dict[str, Any]] = deque(maxlen=_RUN_LOG_ENTRIES)
         self._barrier_generation = 0
         self._closed = False
         timeout = cluster.timeouts.connect_s
@@ -281,7 +283,7 @@ class Worker:
     def _write_run_record(self) -> None:
         if self.run_dir is None:
             return
-        record = {"rank": self.rank, "node": self.node, "clock": self.clock, "log": self.run_log,
+        record = {"rank": self.rank, "node": self.node, "clock": self.clock, "log": list(self.run_log),
                   "requests": dict(self.tracker.sent),
                   "tables": {n: {"staleness": t.staleness.as_dict(), "counters": dict(t.counters)}
                              for n, t in self.tables.items()}}
