@@ -317,7 +317,7 @@ SCENARIOS = [
     Scenario("reorder", 2, "delay 0-5 ms jitter, so messages reorder", f"{EXACT}; staleness <= 1",
              network("jitter_ms=5")),
     Scenario("loss-2%", 3, "2% of all messages lost", f"{EXACT}; lost requests sent again",
-             network("loss=0.02", resent=True), quick=True),
+             network("loss=0.02", resent=True)),
     Scenario("loss-10%", 4, "10% of all messages lost", f"{EXACT}; lost requests sent again",
              network("loss=0.1", resent=True, rounds=80)),
     Scenario("duplicate-10%", 5, "10% of all messages delivered twice", EXACT,

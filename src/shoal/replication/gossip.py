@@ -77,9 +77,12 @@ class GossipPayload:
             raise ValueError("gossip names rows outside the shard")
         deltas, at = [], 0
         for meta in deltas_meta:
-            origin, start = _int(meta["origin"]), _int(meta["from"])
+            if not isinstance(meta, dict) or not isinstance(meta.get("nrows"), list) \
+                    or not isinstance(meta.get("times"), list):
+                raise ValueError(f"malformed gossip delta {meta!r}")
+            origin, start = _int(meta.get("origin")), _int(meta.get("from"))
             counts, times = meta["nrows"], meta["times"]
-            if len(counts) != len(times):
+            if len(counts) != len(times) or not all(isinstance(t, (int, float)) for t in times):
                 raise ValueError("gossip delta counts and times disagree")
             updates = []
             for i, (n, t) in enumerate(zip(counts, times, strict=True)):
@@ -100,8 +103,8 @@ class GossipPayload:
 
 
 def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected an int, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not -(1 << 63) <= value < 1 << 63:
+        raise ValueError(f"expected a 64-bit int, got {value!r}")
     return value
 
 

@@ -40,6 +40,7 @@ from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
+from shoal.wire.schema import is_int64
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class SliceService:
         self.clocks = clocks
         self.rendezvous = rendezvous
         self.redispatch = redispatch
-        self.peers = RequestTracker(transport, codec, sender=node)
+        self.peers = RequestTracker(transport, codec, sender=node, resend_s=cluster.timeouts.resend_s)
         self.addresses: dict[int, str] = {}
         self.outgoing: dict[tuple[str, int], _Outgoing] = {}
         self.incoming: dict[tuple[str, int], _Incoming] = {}
@@ -199,7 +200,8 @@ class SliceService:
             raise TableError(f"server {self.node} has no table {msg.table!r} to take slice {msg.body['shard']} of")
         shard = int(msg.body["shard"])
         names = [str(n) for n in msg.body["names"]]
-        ranks = [int(r) for r in msg.body.get("subscribers", [])]
+        ranks = _ints(msg.body.get("subscribers", []), "subscribers")
+        clocks = _ints(msg.body["clocks"], "clocks")
         if len(msg.arrays) != len(names) + len(ranks):
             raise ProtocolError(f"SLICE_STATE names {len(names)} arrays and {len(ranks)} subscribers, "
                                 f"carries {len(msg.arrays)}")
@@ -214,13 +216,20 @@ class SliceService:
             store = ShardStore.receive(table.spec, shard, rows, self.cluster.cluster_id)
             incoming = self.incoming[key] = _Incoming(store, {r: np.zeros(rows, dtype=np.bool_) for r in ranks})
         first = int(msg.body["first_row"])
+        for rank, mask in zip(ranks, msg.arrays[len(names):], strict=True):
+            if rank not in incoming.subscribers or mask.ndim != 1 \
+                    or not 0 <= first <= first + mask.shape[0] <= incoming.store.num_rows:
+                raise ProtocolError(f"SLICE_STATE of {msg.table!r}/{shard}: subscriber {rank}'s rows {first}.. "
+                                    f"of shape {mask.shape} do not fit the slice or its first chunk")
+        if first < 0:
+            raise ProtocolError(f"SLICE_STATE of {msg.table!r}/{shard} starts at row {first}")
         incoming.store.load_rows(first, dict(zip(names, msg.arrays[: len(names)], strict=True)))
         for rank, mask in zip(ranks, msg.arrays[len(names):], strict=True):
             incoming.subscribers[rank][first : first + mask.shape[0]] = mask.astype(np.bool_)
         if msg.body["last"]:
             del self.incoming[key]
-            for worker, clock in enumerate(msg.body["clocks"][: self.clocks.num_workers]):
-                self.clocks.observe(worker, int(clock))  # the sender's clock table comes with the slice
+            for worker, clock in enumerate(clocks[: self.clocks.num_workers]):
+                self.clocks.observe(worker, clock)  # the sender's clock table comes with the slice
             table.adopt_slice(incoming.store, int(msg.body["epoch"]), incoming.subscribers)
             self.stats["slices_received"] += 1
             log.info("server %d: now serving slice %d of %r", self.node, shard, msg.table)
@@ -248,4 +257,11 @@ class SliceService:
 
 def _ignore(msg: Message) -> None:
     pass
+
+
+def _ints(values: Any, name: str) -> list[int]:
+    """A body field that must be a list of 64-bit ints (ranks, clocks), checked before any of it is used."""
+    if not isinstance(values, list) or not all(is_int64(v) for v in values):
+        raise ProtocolError(f"SLICE_STATE {name} must be a list of 64-bit ints, got {values!r}")
+    return values
 

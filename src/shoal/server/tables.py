@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import TableSpec
-from shoal.api.errors import SliceMovedError
+from shoal.api.errors import ShoalError, SliceMovedError, TableError
 from shoal.consistency.clocks import ClockTable
 from shoal.consistency.controller import ShardController
 from shoal.placement.layout import TableLayout, row_bytes
@@ -45,10 +45,15 @@ class ServedTable:
         self.spec = spec
         self.layout = layout
         self.node = node
-        self.stores: dict[int, ShardStore] = {
-            shard: ShardStore.create(spec, shard, layout.mapping.keys_of(shard), cluster_id)
-            for shard in layout.shards_of(node)
-        }
+        self.stores: dict[int, ShardStore] = {}
+        try:
+            for shard in layout.shards_of(node):
+                self.stores[shard] = ShardStore.create(spec, shard, layout.mapping.keys_of(shard), cluster_id)
+        except BaseException as exc:
+            self.close()  # a table is made whole or not at all: a failed one keeps no memory or descriptors
+            if isinstance(exc, (OSError, ShoalError)):  # e.g. out of descriptors for a table of very many slices
+                raise TableError(f"server {node} cannot hold the slices of table {spec.name!r}: {exc}") from None
+            raise
         self.controller: ShardController[Any] = ShardController(spec.consistency, clocks, now)
         # ESSP: per shard, per worker, which rows that worker has fetched (and so caches).
         self._subscribed: dict[int, dict[int, np.ndarray]] = {s: {} for s in self.stores}

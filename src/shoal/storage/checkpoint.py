@@ -86,12 +86,18 @@ def write_part(staging: Path, table_index: int, part: str, keys: np.ndarray,
                arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     """Write one part (``keys`` and the rows' ``arrays``); returns its manifest entry."""
     folder = staging / f"t{table_index}"
-    folder.mkdir(exist_ok=True)
     path = folder / f"{part}.npz"
-    with open(path, "xb") as f:  # never overwrite: a part name is written once per checkpoint
-        np.savez(f, keys=keys, **arrays)  # type: ignore[arg-type]
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        folder.mkdir(exist_ok=True)
+        with open(path, "xb") as f:  # never overwrite: a part name is written once per checkpoint
+            np.savez(f, keys=keys, **arrays)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+    except FileExistsError:
+        raise CheckpointError(f"part {str(path)!r} was written already (the same checkpoint asked for twice?)") \
+            from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot write part {str(path)!r}: {exc}") from None
     return {"file": f"t{table_index}/{path.name}", "rows": int(keys.shape[0]), "bytes": path.stat().st_size,
             "sha256": _sha256(path)}
 
@@ -150,8 +156,19 @@ def read_manifest(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read the manifest of {str(path)!r}: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{str(path)!r} has checkpoint format {manifest.get('format')!r}, not {FORMAT}")
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"{str(path)!r} has checkpoint format {found!r}, not {FORMAT}")
+    tables = manifest.get("tables")
+    if not isinstance(tables, dict) or not all(_is_entry(e) for e in tables.values()):
+        # A RESTORE names its path on the wire: what lies there is checked before it is read.
+        raise CheckpointError(f"the manifest of {str(path)!r} does not list its tables' specs and parts")
     return manifest
+
+
+def _is_entry(entry: Any) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("spec"), dict) and isinstance(entry.get("parts"), list)
+            and all(isinstance(p, dict) and isinstance(p.get("file"), str) and type(p.get("bytes")) is int
+                    and isinstance(p.get("sha256"), str) for p in entry["parts"]))
 
 
 def read_parts(path: Path, entry: dict[str, Any]) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
@@ -167,13 +184,19 @@ def read_parts(path: Path, entry: dict[str, Any]) -> Iterator[tuple[np.ndarray, 
             raise CheckpointError(f"checkpoint {str(path)!r} lacks its part {part['file']!r}") from None
         if size != part["bytes"] or _sha256(file) != part["sha256"]:
             raise CheckpointError(f"part {part['file']!r} of {str(path)!r} is damaged (size or SHA-256 differ)")
-        with np.load(file, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
+        try:
+            with np.load(file, allow_pickle=False) as data:
+                arrays = {name: data[name] for name in data.files}
+        except Exception as exc:  # numpy and zipfile raise many types on a file that is no .npz
+            raise CheckpointError(f"part {part['file']!r} of {str(path)!r} is not an .npz of arrays: {exc!r}") \
+                from None
         keys = arrays.pop("keys", None)
         if keys is None or keys.ndim != 1 or keys.dtype.kind != "i":
             raise CheckpointError(f"part {part['file']!r} has no integer keys")
         if keys.size and (keys.min() < 0 or keys.max() >= num_keys):
             raise CheckpointError(f"part {part['file']!r} has keys outside [0, {num_keys})")
-        if any(a.shape[0] != keys.shape[0] for a in arrays.values()):
+        if any(a.dtype.kind not in "biuf" for a in arrays.values()):
+            raise CheckpointError(f"part {part['file']!r} holds arrays that are not numbers")
+        if any(a.ndim == 0 or a.shape[0] != keys.shape[0] for a in arrays.values()):
             raise CheckpointError(f"part {part['file']!r}: arrays and keys disagree on the number of rows")
         yield keys, arrays

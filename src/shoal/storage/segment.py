@@ -48,8 +48,12 @@ class Segment:
             fd = os.memfd_create(label, os.MFD_CLOEXEC)
         except OSError as exc:  # pragma: no cover - platform specific
             raise ShoalError(f"cannot create shared memory segment {label!r}: {exc}") from exc
-        os.ftruncate(fd, max(size, 1))
-        return cls(fd, label)
+        try:
+            os.ftruncate(fd, max(size, 1))
+            return cls(fd, label)
+        except OSError as exc:  # no memory or no descriptor left to map it with
+            os.close(fd)
+            raise ShoalError(f"cannot map shared memory segment {label!r} of {size} bytes: {exc}") from None
 
     @classmethod
     def attach(cls, fd: int, label: str) -> Segment:

@@ -21,7 +21,7 @@ from shoal.api.config import Limits
 from shoal.api.errors import AuthError, MessageTooLargeError, ProtocolError, ShoalError
 from shoal.wire.message import Message
 from shoal.wire.ops import PROTOCOL_VERSION, Flag, Op
-from shoal.wire.schema import check_schema
+from shoal.wire.schema import check_schema, is_int64
 
 TAG_BYTES = 32
 WIRE_DTYPES = frozenset({"<f4", "<f8", "<i4", "<i8", "<u8", "|u1", "|b1"})
@@ -36,7 +36,7 @@ def _failure(exc: ShoalError, header: dict[str, Any] | None) -> ShoalError:
     """Attach what we know of the request, so the error reply can name it."""
     req = header.get("req") if isinstance(header, dict) else None
     flags = header.get("flags") if isinstance(header, dict) else None
-    exc.req = req if isinstance(req, int) and not isinstance(req, bool) else None  # type: ignore[attr-defined]
+    exc.req = req if is_int64(req) else None  # type: ignore[attr-defined]
     exc.flags = flags if isinstance(flags, int) and not isinstance(flags, bool) else 0  # type: ignore[attr-defined]
     return exc
 
@@ -145,6 +145,8 @@ class Codec:
                             ("table", str), ("body", dict), ("dtype", list), ("shapes", list)):
             if not isinstance(header.get(name), types) or isinstance(header.get(name), bool):
                 raise ProtocolError(f"header field {name!r} must be {types.__name__}, got {header.get(name)!r}")
+            if types is int and not is_int64(header[name]):  # clocks and ids land in int64 arrays
+                raise ProtocolError(f"header field {name!r} must fit in 64 signed bits, got {header[name]!r}")
         raw_op = header.get("op")
         try:
             if not isinstance(raw_op, int) or isinstance(raw_op, bool):

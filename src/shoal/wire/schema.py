@@ -71,12 +71,17 @@ SCHEMAS: dict[Op, OpSchema] = {
 }
 
 
+def is_int64(value: object) -> bool:
+    """An int that fits in 64 signed bits: ids, clocks and body ints end up in int64 arrays."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < 1 << 63
+
+
 def check_schema(msg: Message) -> None:
     """Raise ``ProtocolError`` (or ``ShapeError``) if ``msg`` does not fit its op."""
     schema = SCHEMAS[msg.op]
     for name, types in schema.body.items():
         value = msg.body.get(name)
-        if not isinstance(value, types) or (types == _INT and isinstance(value, bool)):
+        if not isinstance(value, types) or (types == _INT and not is_int64(value)):
             raise ProtocolError(
                 f"{msg.op.name} needs body field {name!r} of type "
                 f"{'/'.join(t.__name__ for t in types)}, got {value!r}"
