@@ -313,7 +313,11 @@ class Worker:
 
     def restore(self, root: str | os.PathLike[str]) -> int:
         """Load the newest checkpoint under ``root`` (or the checkpoint directory ``root``) into the
-        tables created so far, onto any number of servers; collective. Returns the clock to go on from."""
+        tables created so far, onto any number of servers; collective. Returns the clock to go on from.
+
+        Call it at the start of a job, right after creating the tables: worker clocks only move
+        forward, so restoring an earlier clock in a running job would leave the bounds behind.
+        """
         self._check_open()
         return checkpoints.restore(self, root)
 
