@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-heavy bench soak faults lint typecheck clean
+.PHONY: demo test test-heavy bench soak faults fuzz lint typecheck clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py
+
+fuzz: $(STAMP)
+	$(PY) -m pip install --quiet 'atheris>=2.3' || true
+	$(PY) benchmarks/fuzz.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

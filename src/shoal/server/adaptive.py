@@ -53,7 +53,7 @@ _ACTION_S = 0.005  # about how long a relocation or replication takes here: sets
 _HELD_S = 2.0  # a request waiting for rows on their way here longer than this is answered "moved"
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: field equality would compare arrays (and raise)
 class Held:
     """A worker request waiting for keys on their way here."""
 

@@ -1,0 +1,118 @@
+"""Requests the fuzzer found a handler failing on (tests/wire/test_fuzz.py, benchmarks/fuzz.py).
+
+Each was answered with a ``ServerError`` (a handler raised something untyped) or
+broke a timer later; now each gets a typed error, and the server keeps its
+tables and goes on serving.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import numpy as np
+import pytest
+
+from shoal import CheckpointError, ProtocolError, ShoalError, TableError, TableSpec
+from shoal.server.replicated import SERVER_SENDERS
+from shoal.wire import Message, Op
+from tests.support.fuzz_server import FuzzServer
+from tests.support.fuzzing import FUZZ_DIR, STAGING, encoded
+
+PEER_SERVER = SERVER_SENDERS + 1
+
+
+def rows(n: int, dtype: type = np.float32) -> np.ndarray:
+    return np.ones((n, 4), dtype=dtype)
+
+
+def restore(name: str) -> Message:
+    return Message(Op.RESTORE, req=9, body={"path": str(FUZZ_DIR / name)})
+
+
+def slice_chunk(first: int, subscribers: list[int], clocks: list[object]) -> Message:
+    """Two rows of slice 0 of ``fz_essp`` (Adagrad, ESSP) moving here."""
+    masks = [np.ones(2, dtype=np.uint8) for _ in subscribers]
+    return Message(Op.SLICE_STATE, req=9 + first, table="fz_essp", sender=PEER_SERVER, body={
+        "shard": 0, "epoch": 1, "first_row": first, "num_rows": 32, "names": ["values", "accum", "dirty"],
+        "clocks": clocks, "subscribers": subscribers, "last": False},
+        arrays=[rows(2), rows(2), np.zeros(2, dtype=np.uint8), *masks])
+
+
+FINDINGS = [
+    pytest.param([Message(Op.CLOCK, req=9, sender=0, clock=2**64 - 1, body={"rank": 0})], ProtocolError,
+                 id="worker clock past 64 bits"),
+    pytest.param([Message(Op.PUSH, req=9, table="fz_plain", sender=0, clock=2**64 - 2,
+                          arrays=[np.array([1]), rows(1)])], ProtocolError, id="push at a clock past 64 bits"),
+    pytest.param([Message(Op.INTENT, req=9, table="fz_adapt", body={"start": 0, "end": 2**64 - 1},
+                          arrays=[np.array([1, 2])])], ProtocolError, id="intent ending past 64 bits"),
+    pytest.param([restore("list")], CheckpointError, id="restore: manifest is a list"),
+    pytest.param([restore("tables-list")], CheckpointError, id="restore: manifest tables are a list"),
+    pytest.param([restore("entry-int")], CheckpointError, id="restore: manifest entry is a number"),
+    pytest.param([restore("part-garbage")], CheckpointError, id="restore: part is not an npz"),
+    pytest.param([restore("part-strings")], CheckpointError, id="restore: part holds strings"),
+    pytest.param([Message(Op.CHECKPOINT, req=r, body={"staging": str(STAGING), "tables": ["fz_plain"]})
+                  for r in (9, 10)], CheckpointError, id="checkpoint into the same staging twice"),
+    pytest.param([Message(Op.GOSSIP, req=9, table="fz_repl", sender=PEER_SERVER, body={
+        "shard": 0, "vv": [], "stage": 0, "deltas": [[0, 0]], "states": []},
+        arrays=[np.zeros(0, dtype=np.int64), np.zeros((0, 4))])], ProtocolError, id="gossip delta not a map"),
+    pytest.param([slice_chunk(0, [], [0]), slice_chunk(2, [0], [0])], ProtocolError,
+                 id="slice chunk with a subscriber the first chunk lacked"),
+    pytest.param([slice_chunk(0, [], ["x"])], ProtocolError, id="slice clocks not numbers"),
+    pytest.param([slice_chunk(-2, [], [0])], ProtocolError, id="slice chunk before row 0"),
+]
+
+
+@pytest.mark.parametrize(("requests", "error"), FINDINGS)
+def test_found_request_gets_a_typed_error_and_changes_nothing(requests: list[Message],
+                                                              error: type[ShoalError]) -> None:
+    with FuzzServer() as fuzz:
+        for msg in requests[:-1]:
+            assert [r.op for r in fuzz.feed(encoded(msg))] == [Op.OK]
+
+        replies = fuzz.feed(encoded(requests[-1]))
+
+        assert [(r.op, r.body["code"]) for r in replies] == [(Op.ERROR, error.code)]
+        fuzz.tick()  # the timers, too, survive what was sent
+        fuzz.check_intact()
+
+
+def test_table_of_more_slices_than_descriptors_is_refused_whole() -> None:
+    # Each slice is a memfd and a mapping: enough of them run a server out of descriptors.
+    # Before, the slices made so far were kept (descriptors and memory leaked) and the
+    # reply was a ServerError.
+    spec = TableSpec("many", num_keys=4000, dim=1, slices=4000)  # 2000 slices here
+    with FuzzServer() as fuzz:
+        open_before = len(os.listdir("/proc/self/fd"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_before + 500, hard))
+        try:
+            replies = fuzz.feed(encoded(Message(Op.CREATE_TABLE, req=9, table="many", body={"spec": spec.to_dict()})))
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+        assert [(r.op, r.body["code"]) for r in replies] == [(Op.ERROR, TableError.code)]
+        assert len(os.listdir("/proc/self/fd")) <= open_before + 2  # the reply's connection, give or take
+        assert "many" not in fuzz.server.tables
+        fuzz.check_intact()
+
+
+def test_identical_requests_held_for_moving_keys_time_out_one_by_one() -> None:
+    # A peer sends the same pull twice (request id 0: not told apart as a repeat); both
+    # wait for keys on their way here, and the first has waited too long. Telling the
+    # waiting requests apart compared them field by field, arrays included, which
+    # raised: the adaptive timer failed on every tick and no waiting request was answered.
+    with FuzzServer() as fuzz:
+        table = fuzz.server.adaptive.tables["fz_adapt"]
+        odd = np.array([1, 3])  # homed on node 1: asked here by a local worker, they are on their way
+        assert [r.op for r in fuzz.feed(encoded(Message(Op.LOCALIZE, req=9, table="fz_adapt", arrays=[odd])))] \
+            == [Op.OK]
+        pull = encoded(Message(Op.PULL, table="fz_adapt", arrays=[odd]))
+        assert fuzz.feed(pull) == [] and fuzz.feed(pull, same_peer=True) == []
+        first, second = table.held
+        first.since -= 60  # long overdue
+
+        fuzz.server.adaptive.tick()
+
+        assert table.held == [second]
+        fuzz.check_intact()
