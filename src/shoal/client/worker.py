@@ -73,6 +73,7 @@ class Worker:
         self.run_dir = run_dir
         self.run_log: deque[dict[str, Any]] = deque(maxlen=_RUN_LOG_ENTRIES)
         self._barrier_generation = 0
+        self._clock_requests: dict[int, int] = {}  # per server: the newest clock not yet acknowledged
         self._closed = False
         timeout = cluster.timeouts.connect_s
         #: Prometheus metrics on loopback (``metrics_port`` 0: any free port)
@@ -269,10 +270,15 @@ class Worker:
                 table.adaptive.flush_intents()
         self.clock += 1
         # A request, not a one-way message: a lost clock would hold back every bounded read for good.
-        # Nobody waits for the acknowledgements; they are taken in here and by later calls.
+        # Nobody waits for the acknowledgement, and a newer clock supersedes an unanswered older one
+        # (so a server that died costs nothing here).
         for n in self.live_servers():
-            self.tracker.request(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}), _ignore,
-                                 f"CLOCK {self.clock} to server {n}")
+            older = self._clock_requests.get(n)
+            if older is not None:
+                self.tracker.forget(older)
+            self._clock_requests[n] = self.tracker.request(
+                n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}), _ignore,
+                f"CLOCK {self.clock} to server {n}", background=True)
         self.tracker.pump(0)
         return self.clock
 

@@ -53,6 +53,8 @@ class _Pending:
     frames: list[Any] | None = None
     resend_at: float = float("inf")
     resends: int = 0
+    #: nobody waits for it (``wait_all`` skips it) and its failure is not reported
+    background: bool = False
 
 
 class RequestTracker:
@@ -114,8 +116,13 @@ class RequestTracker:
 
     # -------------------------------------------------------------- requests
 
-    def request(self, peer: int, msg: Message, on_reply: ReplyHandler, what: str = "") -> int:
-        """Send ``msg`` to ``peer``; ``on_reply`` runs (inside a later pump) with the reply."""
+    def request(self, peer: int, msg: Message, on_reply: ReplyHandler, what: str = "",
+                background: bool = False) -> int:
+        """Send ``msg`` to ``peer``; ``on_reply`` runs (inside a later pump) with the reply.
+
+        A ``background`` request is sent again like any other, but nobody waits for it: ``wait_all``
+        skips it, and it ends silently if ``forget`` drops it (a newer one superseding it, say).
+        """
         with self._lock:
             if self._closed:
                 raise ClosedError("this handle has been shut down")
@@ -128,7 +135,7 @@ class RequestTracker:
             conn.send(frames)  # bounded wait for room; raises if the peer is stuck
             op = msg.op.name
             now = time.perf_counter()
-            pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now)
+            pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background)
             if self.resend_s is not None:
                 pending.frames, pending.resend_at = frames, now + self.resend_s
             self._pending[req] = pending
@@ -193,13 +200,19 @@ class RequestTracker:
         Raises the first error of a request nobody waited for (an async push
         that failed), so it does not vanish.
         """
-        self.wait(set(self._pending), timeout)
+        self.wait({r for r, p in self._pending.items() if not p.background}, timeout)
         if self._errors:
             errors, self._errors = self._errors, {}
             first = errors[min(errors)]
             if len(errors) > 1:
                 log.warning("%d more request(s) failed unobserved; the first is raised", len(errors) - 1)
             raise first
+
+    def forget(self, req: int) -> None:
+        """Stop tracking ``req``: no resend, a late reply is dropped, no error is kept."""
+        with self._lock:
+            self._pending.pop(req, None)
+            self._errors.pop(req, None)
 
     def _describe_missing(self, reqs: set[int], timeout: float) -> str:
         missing = [(r, self._pending[r]) for r in sorted(reqs) if r in self._pending]
@@ -293,7 +306,7 @@ class RequestTracker:
                 error = exc
             except Exception as exc:  # a reply that does not fit what we asked for
                 error = ProtocolError(f"bad reply to {pending.what}: {exc!r}")
-        if error is not None:
+        if error is not None and not pending.background:
             self._errors[req] = error
 
     def take_error(self, req: int) -> ShoalError | None:
