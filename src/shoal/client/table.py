@@ -19,6 +19,7 @@ import numpy as np
 
 from shoal.api.config import TableSpec
 from shoal.api.errors import (
+    ClosedError,
     ProtocolError,
     RequestTimeoutError,
     ShapeError,
@@ -227,7 +228,13 @@ class Table:
                 pos = remaining
             count = n if pos is _ALL else pos.shape[0]
             for chunk in self._chunks(np.arange(n) if pos is _ALL and n > self._chunk else pos, count):
-                sent[self._send(op, node, keys, values, result, chunk)] = chunk
+                try:
+                    sent[self._send(op, node, keys, values, result, chunk)] = chunk
+                except ClosedError:
+                    if self.worker.tracker.closed or self.worker.server_alive(node):
+                        raise
+                    # The server left (drained) and this layout predates it: its slices are elsewhere.
+                    self._redo(op, keys, values, result, np.arange(n) if chunk is _ALL else chunk, 1)
         return sent
 
     def _future(self, sent: dict[int, np.ndarray], op: Op, keys: np.ndarray, values: np.ndarray | None,

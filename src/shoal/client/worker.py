@@ -240,6 +240,10 @@ class Worker:
     def live_servers(self) -> list[int]:
         return [n for n, address in enumerate(self.servers) if address]
 
+    def server_alive(self, node: int) -> bool:
+        """False for a server that has left the cluster (or that this worker has not heard of)."""
+        return 0 <= node < len(self.servers) and self.servers[node] is not None
+
     def _attach(self, spec: TableSpec, shards: list[int] | None = None) -> dict[int, ShardStore]:
         """Map this node's shards of ``spec`` (or just ``shards``) from the local server's shared memory."""
         request: dict[str, Any] = {"table": spec.name}

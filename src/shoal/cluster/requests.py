@@ -208,6 +208,10 @@ class RequestTracker:
                 log.warning("%d more request(s) failed unobserved; the first is raised", len(errors) - 1)
             raise first
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def forget(self, req: int) -> None:
         """Stop tracking ``req``: no resend, a late reply is dropped, no error is kept."""
         with self._lock:
