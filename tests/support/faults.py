@@ -321,7 +321,7 @@ SCENARIOS = [
     Scenario("loss-10%", 4, "10% of all messages lost", f"{EXACT}; lost requests sent again",
              network("loss=0.1", resent=True, rounds=80)),
     Scenario("duplicate-10%", 5, "10% of all messages delivered twice", EXACT,
-             network("duplicate=0.1"), quick=True),
+             network("duplicate=0.1")),
     Scenario("loss-dup-reorder", 6, "5% lost, 5% twice, 2 ms jitter", EXACT,
              network("loss=0.05,duplicate=0.05,jitter_ms=2", rounds=100)),
     Scenario("bsp-under-loss", 7, "BSP with 5% loss", f"{EXACT}; staleness 0",
