@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_consistency.py
 	$(PY) benchmarks/bench_emulated_hosts.py
 	$(PY) benchmarks/bench_slicing.py
+	$(PY) benchmarks/bench_kge_hosts.py
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py
