@@ -396,3 +396,20 @@ def test_a_table_larger_than_the_limit_is_refused_before_any_memory_is_taken():
     finally:
         server.close()
         transport.close()
+
+
+def test_a_table_of_more_slices_than_the_limit_is_refused_before_any_segment_is_made():
+    transport = ZmqTransport()
+    spec = ClusterSpec("cap", 1, 1, "tcp://127.0.0.1:1", limits=Limits(max_slices=64))
+    server = ParameterServer(0, spec, transport, share_memory=False)
+    try:
+        many = TableSpec("many", 10_000, 4, slices=1000)
+        with pytest.raises(TableError, match="1000 slices; the limit is 64"):
+            server.dispatch(Message(Op.CREATE_TABLE, req=1, table="many", body={"spec": many.to_dict()}))
+        assert "many" not in server.tables
+        bounded = TableSpec("bounded", 100_000, 64, mapping="bounded", slice_bytes=4096)
+        with pytest.raises(TableError, match="larger slice_bytes"):
+            server.dispatch(Message(Op.CREATE_TABLE, req=2, table="bounded", body={"spec": bounded.to_dict()}))
+    finally:
+        server.close()
+        transport.close()

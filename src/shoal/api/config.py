@@ -204,10 +204,14 @@ class Limits:
     max_message_bytes: int = 256 * 1024 * 1024
     #: largest table (values and optimiser state, all shards) a CREATE_TABLE may ask for
     max_table_bytes: int = 64 * 1024**3
+    #: most slices one table may be cut into: each is a shared-memory segment (a descriptor in the
+    #: server and in every co-located worker)
+    max_slices: int = 4096
 
     def __post_init__(self) -> None:
         _int_at_least("max_message_bytes", self.max_message_bytes, 4096)
         _int_at_least("max_table_bytes", self.max_table_bytes, 4096)
+        _int_at_least("max_slices", self.max_slices, 1)
 
 
 @dataclass(frozen=True)

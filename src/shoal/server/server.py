@@ -25,7 +25,7 @@ from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, render
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
-from shoal.placement.layout import TableLayout
+from shoal.placement.layout import TableLayout, slice_count
 from shoal.server.adaptive import ADAPTIVE_SHARD, AdaptiveService
 from shoal.server.checkpoints import CheckpointService
 from shoal.server.metrics import server_families
@@ -363,6 +363,10 @@ class ParameterServer:
             if size > self.cluster.limits.max_table_bytes:
                 raise TableError(f"table {spec.name!r} needs {size} bytes with its optimiser state; "
                                  f"the limit is {self.cluster.limits.max_table_bytes}")
+            slices = slice_count(spec, self.cluster.num_nodes)
+            if slices > self.cluster.limits.max_slices:
+                raise TableError(f"table {spec.name!r} would be cut into {slices} slices; the limit is "
+                                 f"{self.cluster.limits.max_slices} (fewer slices=, or a larger slice_bytes)")
             self._add_table(spec)
             log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
         if spec.replicated:
