@@ -105,3 +105,16 @@ def test_a_checkpoint_of_another_spec_or_a_replicated_table_is_refused_by_name(t
     assert paths[0] == paths[1]  # rank 0 told every rank where it wrote
     with ThreadCluster(nodes=2) as cluster:
         cluster.run_workers(load)
+
+
+def test_an_unwritable_root_fails_on_every_rank_by_name(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+
+    def body(w):
+        w.table("emb", KEYS, DIM)
+        with pytest.raises(CheckpointError, match="failed on rank 0: .*Error"):
+            w.checkpoint(blocker / "ckpt")
+
+    with ThreadCluster(nodes=2) as cluster:
+        cluster.run_workers(body)

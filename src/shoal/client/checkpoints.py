@@ -39,7 +39,7 @@ def save(worker: Worker, root: str | os.PathLike[str], tables: Iterable[str] | N
     if worker.rank == 0:
         try:
             note = _OK + str(_write(worker, Path(root), names, keep))
-        except ShoalError as exc:
+        except (ShoalError, OSError) as exc:  # every rank hears of it at the barrier below
             note = _FAILED + f"{type(exc).__name__}: {exc}"
     outcome = worker.barrier(note if worker.rank == 0 else None).get(0, _FAILED + "rank 0 said nothing")
     if not outcome.startswith(_OK):
@@ -61,7 +61,7 @@ def restore(worker: Worker, root: str | os.PathLike[str]) -> int:
     if worker.rank == 0:
         try:
             _load(worker, path, manifest)
-        except ShoalError as exc:
+        except (ShoalError, OSError) as exc:
             note = _FAILED + f"{type(exc).__name__}: {exc}"
     outcome = worker.barrier(note if worker.rank == 0 else None).get(0, _FAILED + "rank 0 said nothing")
     if not outcome.startswith(_OK):
