@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 from shoal.api import optim
 from shoal.api.config import ClusterSpec, Limits, TableSpec, Timeouts
@@ -53,7 +52,7 @@ def init(local_access: bool | None = None) -> Worker:
     from shoal.launch import env, torchrun
     from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers
 
-    if "SHOAL_CLUSTER_ID" not in os.environ and torchrun.detected():
+    if not env.configured() and torchrun.detected():
         role = torchrun.role()
         torchrun.start_node_services(role)
     else:

@@ -144,10 +144,20 @@ def role_from_env(server: bool, env: Mapping[str, str] | None = None) -> Process
     )
 
 
-def launcher_pid(env: Mapping[str, str] | None = None) -> int | None:
+def configured(env: Mapping[str, str] | None = None) -> bool:
+    """True when a launcher or scheduler set this process's ``SHOAL_*`` variables."""
     env = os.environ if env is None else env
-    raw = env.get(PREFIX + "LAUNCHER_PID")
+    return PREFIX + "CLUSTER_ID" in env
+
+
+def _pid(env: Mapping[str, str] | None, name: str) -> int | None:
+    env = os.environ if env is None else env
+    raw = env.get(PREFIX + name)
     return int(raw) if raw and raw.isdigit() else None
+
+
+def launcher_pid(env: Mapping[str, str] | None = None) -> int | None:
+    return _pid(env, "LAUNCHER_PID")
 
 
 def transport(env: Mapping[str, str] | None = None) -> Transport:
@@ -177,9 +187,7 @@ def run_dir(env: Mapping[str, str] | None = None) -> str | None:
 
 def watch_pid(env: Mapping[str, str] | None = None) -> int | None:
     """A process whose end ends a detached server (``SHOAL_WATCH_PID``)."""
-    env = os.environ if env is None else env
-    raw = env.get(PREFIX + "WATCH_PID")
-    return int(raw) if raw and raw.isdigit() else None
+    return _pid(env, "WATCH_PID")
 
 
 def hosts_rendezvous(env: Mapping[str, str] | None = None) -> bool:
