@@ -142,6 +142,8 @@ class Rendezvous:
                 for n in range(self.num_nodes)]
 
     def status(self) -> dict[str, Any]:
+        members = {f"{m.role} {m.node if m.role == 'server' else m.rank}": m
+                   for m in [*self.servers.values(), *self.workers.values()]}
         return {
             "cluster_id": self.cluster_id,
             "num_nodes": self.num_nodes,
@@ -151,10 +153,8 @@ class Rendezvous:
             "departed": sorted(self.departed),
             "layouts": self.slices.all_layouts(),
             "workers": sorted(self.workers),
-            "pids": {f"{m.role} {m.node if m.role == 'server' else m.rank}": m.pid
-                     for m in [*self.servers.values(), *self.workers.values()]},
-            "metrics": {f"{m.role} {m.node if m.role == 'server' else m.rank}": m.metrics
-                        for m in [*self.servers.values(), *self.workers.values()] if m.metrics},
+            "pids": {name: m.pid for name, m in members.items()},
+            "metrics": {name: m.metrics for name, m in members.items() if m.metrics},
             "left": sorted(self.left),
             "ready": self.ready,
             "finished": self.finished,
