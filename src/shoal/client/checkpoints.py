@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,12 +130,6 @@ def _load(worker: Worker, path: Path, manifest: dict[str, Any]) -> None:
 
 
 def _ask_servers(worker: Worker, op: Op, body: dict[str, Any]) -> list[dict[str, Any]]:
-    replies: list[dict[str, Any]] = []
-    keep: Callable[[Message], None] = lambda reply: replies.append(reply.body)
-    reqs = {worker.tracker.request(n, Message(op, body=body), keep, f"{op.name} on server {n}")
-            for n in worker.live_servers()}
-    worker.tracker.wait(reqs, worker.cluster.timeouts.request_s)
-    errors = [e for r in sorted(reqs) if (e := worker.tracker.take_error(r))]
-    if errors:
-        raise errors[0]
-    return replies
+    replies = worker.tracker.gather(worker.live_servers(), lambda n: Message(op, body=body), op.name,
+                                    worker.cluster.timeouts.request_s)
+    return list(replies.values())

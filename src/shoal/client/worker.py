@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -151,15 +151,9 @@ class Worker:
                 raise TableError(f"table {spec.name!r} was already created here with a different spec")
             return existing
         timeout = self.cluster.timeouts.request_s
-        reqs = {
-            self.tracker.request(n, Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
-                                 _ignore, f"CREATE_TABLE {spec.name!r}")
-            for n in self.live_servers()
-        }
-        self.tracker.wait(reqs, timeout)
-        errors = [e for r in sorted(reqs) if (e := self.tracker.take_error(r))]
-        if errors:
-            raise errors[0]
+        self.tracker.gather(self.live_servers(),
+                            lambda n: Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
+                            f"CREATE_TABLE {spec.name!r}", timeout)
         # The rendezvous keeps every table's spec, so that a restarted server can recreate it; it
         # answers with the current layout (slices may have moved since the table was made).
         current = membership.call(self.tracker, membership.RENDEZVOUS_PEER,
@@ -361,19 +355,8 @@ class Worker:
         A server that does not answer within ``timeout`` is listed as
         ``{"node": n, "unreachable": True}``.
         """
-        replies: dict[int, dict[str, Any]] = {}
-
-        def keep(node: int) -> Callable[[Message], None]:
-            return lambda msg: replies.__setitem__(node, msg.body)
-
         nodes = self.live_servers()
-        reqs = {self.tracker.request(n, Message(Op.STATS), keep(n), "STATS") for n in nodes}
-        try:
-            self.tracker.wait(reqs, timeout)
-        except RequestTimeoutError:
-            pass
-        for r in reqs:
-            self.tracker.take_error(r)
+        replies = self.tracker.gather(nodes, lambda n: Message(Op.STATS), "STATS", timeout, partial=True)
         return [replies.get(n, {"node": n, "unreachable": True}) for n in nodes]
 
     # ------------------------------------------------ slices and servers

@@ -208,6 +208,29 @@ class RequestTracker:
                 log.warning("%d more request(s) failed unobserved; the first is raised", len(errors) - 1)
             raise first
 
+    def gather(self, peers: list[int], make: Callable[[int], Message], what: str, timeout: float,
+               partial: bool = False) -> dict[int, dict[str, Any]]:
+        """Send ``make(peer)`` to every peer at once; the reply bodies by peer.
+
+        Raises the first error (or the timeout) unless ``partial``: then peers that fail or do not
+        answer within ``timeout`` are simply missing from the result.
+        """
+        replies: dict[int, dict[str, Any]] = {}
+
+        def keep(peer: int) -> ReplyHandler:
+            return lambda msg: replies.__setitem__(peer, msg.body)
+
+        reqs = {self.request(p, make(p), keep(p), f"{what} to peer {p}") for p in peers}
+        try:
+            self.wait(reqs, timeout)
+        except RequestTimeoutError:
+            if not partial:
+                raise
+        errors = [e for r in sorted(reqs) if (e := self.take_error(r))]
+        if errors and not partial:
+            raise errors[0]
+        return replies
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -12,7 +12,6 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -86,8 +85,7 @@ class StatusClient:
 
     def snapshot(self) -> Snapshot:
         status = membership.status(self.tracker, self.timeout)
-        replies: dict[int, dict[str, Any]] = {}
-        reqs = set()
+        nodes = []
         for node, address in enumerate(status.get("servers") or []):
             if address is None:
                 continue
@@ -96,22 +94,14 @@ class StatusClient:
                     self.tracker.disconnect(node)
                 self.tracker.connect(node, address)
                 self._connected[node] = address
-            reqs.add(self.tracker.request(node, Message(Op.STATS), _keep(replies, node), f"STATS of server {node}"))
-        try:
-            self.tracker.wait(reqs, self.timeout)
-        except RequestTimeoutError:
-            pass  # a server that does not answer shows as unreachable
-        for r in reqs:
-            self.tracker.take_error(r)
+            nodes.append(node)
+        # A server that does not answer shows as unreachable.
+        replies = self.tracker.gather(nodes, lambda n: Message(Op.STATS), "STATS", self.timeout, partial=True)
         return Snapshot(time.monotonic(), status, replies)
 
     def close(self) -> None:
         self.tracker.close()
         self.transport.close()
-
-
-def _keep(replies: dict[int, dict[str, Any]], node: int) -> Callable[[Message], None]:
-    return lambda msg: replies.__setitem__(node, msg.body)
 
 
 def _rate(now: Snapshot, before: Snapshot | None, node: int, key: str) -> float | None:
