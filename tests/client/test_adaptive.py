@@ -46,7 +46,6 @@ def test_requests_during_a_move_are_answered_and_lose_nothing():
             t0.push(keys, np.ones((200, 1), np.float32))
             t1.push(keys, np.ones((200, 1), np.float32))
             t0.pull(keys)
-        w0.barrier() if False else None
         wait_until(lambda: sum(s.adaptive.describe()["m"]["owned"] for s in c.servers) == 200)
         np.testing.assert_array_equal(t0.pull(keys)[:, 0], 40.0)
         np.testing.assert_array_equal(t1.pull(keys)[:, 0], 40.0)
@@ -106,6 +105,26 @@ def test_sampling_schemes_return_rows_of_the_drawn_keys(scheme):
                 assert (keys % 2 == 0).all()  # node 0's keys (home = key % 2)
         with pytest.raises(shoal.TableError, match="no prepared sample"):
             t.pull_sample(handles[0])
+
+
+def test_local_sampling_draws_only_keys_still_here_after_some_moved_away():
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("neg", 40, 2, techniques="relocation")
+        t1 = w1.table("neg", 40, 2, techniques="relocation")
+        t0.register_sampling(scheme="local")
+        keys, _ = t0.pull_sample(t0.prepare_sample(50))  # lists node 0's keys: the even ones
+        assert (keys % 2 == 0).all()
+        leaving = np.arange(0, 20, 2)
+        t1.localize(leaving)
+        wait_until(lambda: c.servers[0].adaptive.describe()["neg"]["owned"] == 10)
+        requests = t0.counters["requests"]
+        for _ in range(5):  # the list of local keys is older than the move
+            keys, rows = t0.pull_sample(t0.prepare_sample(200))
+            assert ((keys % 2 == 0) & (keys >= 20)).all(), "drew a key that left this node"
+            assert rows.shape == (200, 2)
+        assert t0.counters["requests"] == requests  # nothing asked of a server
+        assert t0.counters["samples_redrawn"] > 0
 
 
 def test_relocation_under_concurrent_pushes_from_four_processes_loses_nothing(tmp_path):

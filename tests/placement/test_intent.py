@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
@@ -57,8 +59,17 @@ def test_owner_decisions_per_technique():
 
 
 def test_action_window_follows_the_clock_rate():
-    w = 1
+    w = 1.0
     for _ in range(40):
         w = smoothed_window(action_s=0.01, clock_s=0.001, current=w)
-    assert 9 <= w <= 12
+    assert 9 <= math.ceil(w) <= 12
     assert smoothed_window(0.01, 1.0, 5) < 5
+
+
+def test_action_window_grows_by_less_than_a_clock():
+    # An action a seventh of a clock long must be started a clock earlier than its intent's
+    # first clock: small steps add up instead of being rounded away.
+    w = 1.0
+    for _ in range(30):
+        w = smoothed_window(action_s=0.005, clock_s=0.035, current=w)
+    assert math.ceil(w) == 2

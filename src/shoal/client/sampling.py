@@ -114,17 +114,37 @@ class Sampler:
     def _draw_local(self, n: int) -> np.ndarray:
         adaptive = self.table.adaptive
         store = adaptive.store if adaptive is not None else None
-        if store is None or store.presence is None:
+        presence = store.presence if store is not None else None
+        if presence is None:
             local = self._static_local_keys()
+        elif self._local is None or self._local_age >= _LOCAL_REFRESH:
+            local = self._refresh_local(presence)
         else:
-            if self._local is None or self._local_age >= _LOCAL_REFRESH:
-                self._local = np.flatnonzero(store.presence != ABSENT)
-                self._local_cdf = None
-                self._local_age = 0
             local = self._local
         self._local_age += 1
         if local.size == 0:
             return self._draw(n)  # nothing here yet: fall back to the true distribution
+        keys = self._draw_among(local, n)
+        if presence is None:
+            return keys
+        # Keys move while the list ages: a sample that left would cost a message for its row and
+        # another for its update. Draw those again from a fresh list.
+        gone = np.flatnonzero(presence[keys] == ABSENT)
+        if gone.size:
+            local = self._refresh_local(presence)
+            if local.size:
+                keys[gone] = self._draw_among(local, gone.size)
+            self.table.counters["samples_redrawn"] += int(gone.size)
+        return keys
+
+    def _refresh_local(self, presence: np.ndarray) -> np.ndarray:
+        self._local = np.flatnonzero(presence != ABSENT)
+        self._local_cdf = None
+        self._local_age = 0
+        return self._local
+
+    def _draw_among(self, local: np.ndarray, n: int) -> np.ndarray:
+        """``n`` keys of ``local``, by their weights renormalised (uniform without weights)."""
         if self.weights is None:
             return local[self.rng.integers(0, local.size, n)]
         if self._local_cdf is None:

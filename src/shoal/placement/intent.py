@@ -101,9 +101,10 @@ class OwnerInterest:
         return {Action.RELOCATE: keys[alone], Action.REPLICATE: keys[~alone]}
 
 
-def smoothed_window(action_s: float, clock_s: float, current: int) -> int:
-    """How many clocks ahead to act: enough for an action to complete before its clock comes."""
+def smoothed_window(action_s: float, clock_s: float, current: float) -> float:
+    """How many clocks ahead to act, smoothed: enough for an action to complete before its clock
+    comes. Kept fractional (callers act ``ceil`` of it ahead) so that small changes accumulate."""
     if clock_s <= 0:
-        return max(current, 1)
-    target = int(np.ceil(action_s / clock_s)) + 1
-    return max(1, min(64, round(0.8 * current + 0.2 * target)))
+        return max(current, 1.0)
+    target = action_s / clock_s + 1.0
+    return max(1.0, min(64.0, 0.8 * current + 0.2 * target))

@@ -23,6 +23,7 @@ Between servers (all one-way messages, op ``PLACEMENT``):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -90,7 +91,8 @@ class AdaptiveTable:
         self.dropping = np.zeros(spec.num_keys, dtype=np.bool_)
         self.sync_in_flight: dict[int, bool] = defaultdict(bool)
         self.next_sync = 0.0
-        self.window = 1
+        self.window = 1  # clocks ahead that intents are acted on
+        self.window_estimate = 1.0
         self.stats: Counter[str] = Counter()
 
     @property
@@ -420,9 +422,13 @@ class AdaptiveService:
         per_node = self.cluster.workers_per_node
         local_workers = range(self.node * per_node, (self.node + 1) * per_node)
         clock = min(int(self.clocks.clocks[w]) for w in local_workers) if per_node else 0
-        table.window = smoothed_window(_ACTION_S, self._clock_s, table.window)
+        table.window_estimate = smoothed_window(_ACTION_S, self._clock_s, table.window_estimate)
+        table.window = math.ceil(table.window_estimate)
         start, stop = table.intents.due(clock, table.window)
         if start.size:
+            # Interest came back before a replica here sent its last change: keep the replica (the
+            # owner, still counting it, would not send it again).
+            table.dropping[start] = False
             table.stats["intents_announced"] += int(start.size)
             self._announce(table, start, True, self.node, 0)
         if stop.size:

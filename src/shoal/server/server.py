@@ -391,6 +391,7 @@ class ParameterServer:
             "node": self.node,
             "address": self.address,
             "pid": os.getpid(),
+            "cpu_s": time.process_time(),  # this server's CPU time so far, every thread
             "metrics": self.metrics.url if self.metrics is not None else None,
             "queue": self.queue_length,
             "held": self.sync.held_count(),
