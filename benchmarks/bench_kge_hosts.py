@@ -60,16 +60,18 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for mode in MODES:
         r = across_hosts(mode, args.seconds, args.rate)
-        rows.append({"mode": mode, "triples_per_s": r["triples_per_s"], "losses": r["losses"]})
+        rows.append({"mode": mode, "triples_per_s": r["triples_per_s"], "losses": r["losses"],
+                     "worker_cores": r["worker_cores"], "server_cores": r["server_cores"]})
         print(f"{mode} on 2 emulated hosts: {r['triples_per_s']:,.0f} triples/s", flush=True)
     classic = rows[0]["triples_per_s"]
     lines = [f"Synthetic Zipf(1.1) graph, ComplEx d=100, 6 negatives, {args.seconds:.0f} s per contender; "
              f"2 emulated hosts (network namespaces, {args.rate} tbf each, HMAC on) sharing 2 cores.", "",
-             "| contender | triples/s | vs baseline | vs classic PS |", "|---|---:|---:|---:|",
-             f"| single-process baseline | {base:,.0f} | 1.00 | {base / classic:.2f} |"]
+             "| contender | triples/s | vs baseline | vs classic PS | cores busy: workers | servers |",
+             "|---|---:|---:|---:|---:|---:|",
+             f"| single-process baseline | {base:,.0f} | 1.00 | {base / classic:.2f} | 1.00 | 0.00 |"]
     for r in rows:
         lines.append(f"| {r['mode']} (2 hosts) | {r['triples_per_s']:,.0f} | {r['triples_per_s'] / base:.2f} | "
-                     f"{r['triples_per_s'] / classic:.2f} |")
+                     f"{r['triples_per_s'] / classic:.2f} | {r['worker_cores']:.2f} | {r['server_cores']:.2f} |")
     table = "\n".join(lines)
     print("\n" + table)
     write_results("kge_hosts", {"seconds": args.seconds, "rate": args.rate, "baseline_triples_per_s": base,

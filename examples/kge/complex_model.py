@@ -128,15 +128,13 @@ def complex_step(ent: np.ndarray, rel: np.ndarray, heads: np.ndarray, rels: np.n
 
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
-def adagrad_delta(rows: np.ndarray, which: np.ndarray, grads: np.ndarray, lr: float, d: int, out: np.ndarray) -> None:
-    """``out[i]`` = the additive change of one Adagrad step of row ``rows[which[i]]`` with gradient
-    ``grads[i]``: ``[-lr g / sqrt(acc + g^2), g^2]``. (Indexing here saves gathering the rows.)"""
+def adagrad_delta(rows: np.ndarray, grads: np.ndarray, lr: float, d: int, out: np.ndarray) -> None:
+    """``out`` = the additive change of one Adagrad step: ``[-lr g / sqrt(acc + g^2), g^2]``."""
     for i in range(grads.shape[0]):
-        row = which[i]
         for k in range(2 * d):
             g = grads[i, k]
             sq = g * g
-            out[i, k] = -lr * g / (np.sqrt(rows[row, 2 * d + k] + sq) + 1e-10)
+            out[i, k] = -lr * g / (np.sqrt(rows[i, 2 * d + k] + sq) + 1e-10)
             out[i, 2 * d + k] = sq
 
 

@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=Hyper.dim)
     p.add_argument("--lookahead", type=int, default=4, help="batches ahead declared as intent")
     p.add_argument("--loss-target", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial rows and the batches")
     p.add_argument("--out", help="rank 0 writes results as JSON here")
     args = p.parse_args()
 
@@ -46,13 +47,13 @@ def main() -> None:
     d = h.dim
     adaptive = args.mode in ("relocation", "replication", "auto")
     ps = shoal.init(local_access=args.mode != "classic")
-    options = dict(init=shoal.Normal(std=h.init_std, columns=2 * d), optimizer=shoal.optim.Sum(),
+    options = dict(init=shoal.Normal(std=h.init_std, columns=2 * d), optimizer=shoal.optim.Sum(), seed=args.seed,
                    techniques=args.mode if adaptive else "static", mapping="round_robin")
     ent = ps.table("kge.entities", graph.num_entities, row_width(h), **options)
     rel = ps.table("kge.relations", graph.num_relations, row_width(h), **options)
     ent.register_sampling(scheme="local" if adaptive else "naive")
 
-    rng = np.random.default_rng(1000 + ps.rank)
+    rng = np.random.default_rng([args.seed, ps.rank])
     n = graph.train.shape[0]
     budget = int((args.epochs or 1e9) * n / (h.batch * ps.num_workers))
     schedule = [rng.integers(0, n, h.batch) for _ in range(min(budget, args.lookahead + 1))]
@@ -83,31 +84,25 @@ def main() -> None:
                 ent.intent(np.concatenate([heads_a, tails_a]), clock, clock + 1)
                 rel.intent(rels_a, clock, clock + 1)
         heads, rels, tails = graph.train[idx].T
-        pos_keys = np.unique(np.concatenate([heads, tails]))
-        rel_keys = np.unique(rels)
-        pos_rows, rel_rows = ent.pull_async(pos_keys), rel.pull_async(rel_keys)
-        neg_keys, neg_rows = ent.pull_sample(ent.prepare_sample(h.batch * h.negatives))
-        # One array of entity rows: the batch's distinct heads and tails, then the negatives as
-        # sampled; rows of the same key share one gradient slot.
-        e = np.concatenate([pos_rows.wait(), neg_rows])
-        r = rel_rows.wait()
-        all_keys = np.concatenate([pos_keys, neg_keys])
-        keys_e, slot = np.unique(all_keys, return_inverse=True)
-        first = np.empty(keys_e.shape[0], dtype=np.int64)
-        first[slot[::-1]] = np.arange(slot.shape[0])[::-1]  # a row of each key, for its accumulator
-        negs = (pos_keys.shape[0] + np.arange(neg_keys.shape[0])).reshape(h.batch, h.negatives)
+        # As the baseline does: one gather of the batch's distinct entities (heads, tails and the
+        # negatives, drawn among rows present here unless in classic mode) and one of its relations.
+        negatives = ent.sample_keys(h.batch * h.negatives)
+        keys_e, inv = np.unique(np.concatenate([heads, tails, negatives]), return_inverse=True)
+        keys_r, inv_r = np.unique(rels, return_inverse=True)
+        e_rows, r_rows = ent.pull_async(keys_e), rel.pull_async(keys_r)
+        e, r = e_rows.wait(), r_rows.wait()
+        b = h.batch
         g_e = np.zeros((keys_e.shape[0], 2 * d), np.float32)
-        g_r = np.zeros((rel_keys.shape[0], 2 * d), np.float32)
-        loss = complex_step(e, r, np.searchsorted(pos_keys, heads), np.searchsorted(rel_keys, rels),
-                            np.searchsorted(pos_keys, tails), negs, slot, np.arange(rel_keys.shape[0]), d, h.reg,
-                            g_e, g_r)
-        delta_e = np.empty((keys_e.shape[0], row_width(h)), np.float32)
-        adagrad_delta(e, first, g_e, h.lr, d, delta_e)
+        g_r = np.zeros((keys_r.shape[0], 2 * d), np.float32)
+        loss = complex_step(e, r, inv[:b], inv_r, inv[b:2 * b], inv[2 * b:].reshape(b, h.negatives),
+                            np.arange(keys_e.shape[0]), np.arange(keys_r.shape[0]), d, h.reg, g_e, g_r)
+        delta_e = np.empty_like(e)
+        adagrad_delta(e, g_e, h.lr, d, delta_e)
         delta_r = np.empty_like(r)
-        adagrad_delta(r, np.arange(rel_keys.shape[0]), g_r, h.lr, d, delta_r)
+        adagrad_delta(r, g_r, h.lr, d, delta_r)
         for f in pushes:  # the last step's updates of rows elsewhere are in: one step in flight at most
             f.wait()
-        pushes = [ent.push_async(keys_e, delta_e), rel.push_async(rel_keys, delta_r)]
+        pushes = [ent.push_async(keys_e, delta_e), rel.push_async(keys_r, delta_r)]
         ps.advance_clock()
         step += 1
         if step % 20 == 0:

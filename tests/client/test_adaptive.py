@@ -125,6 +125,22 @@ def test_local_sampling_draws_only_keys_still_here_after_some_moved_away():
             assert rows.shape == (200, 2)
         assert t0.counters["requests"] == requests  # nothing asked of a server
         assert t0.counters["samples_redrawn"] > 0
+        keys = t0.sample_keys(100)  # keys only, for the caller's own pull
+        assert ((keys % 2 == 0) & (keys >= 20)).all()
+        t0.pull(keys)
+        assert t0.counters["requests"] == requests
+
+
+def test_sample_keys_follows_the_scheme_and_refuses_pools():
+    with ThreadCluster(nodes=2) as c:
+        t = c.worker(0).table("neg", 100, 1, techniques="auto")
+        weights = np.zeros(100)
+        weights[[3, 7]] = 1.0
+        t.register_sampling(weights, scheme="naive")
+        assert set(t.sample_keys(50).tolist()) <= {3, 7}
+        t.register_sampling(scheme="pool")
+        with pytest.raises(shoal.TableError, match="pool"):
+            t.sample_keys(5)
 
 
 def test_relocation_under_concurrent_pushes_from_four_processes_loses_nothing(tmp_path):

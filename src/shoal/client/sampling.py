@@ -91,6 +91,14 @@ class Sampler:
         self.table.counters[f"samples_{self.scheme}"] += n
         return handle.id
 
+    def draw(self, n: int) -> np.ndarray:
+        """Keys only; the caller pulls them (a pool hands out rows with its keys, so it has no part here)."""
+        if self.scheme == "pool":
+            raise TableError("the pool scheme hands out pooled rows: use prepare_sample and pull_sample")
+        keys = self._draw(n) if self.scheme == "naive" else self._draw_local(n)
+        self.table.counters[f"samples_{self.scheme}"] += n
+        return keys
+
     def pull(self, handle_id: int) -> tuple[np.ndarray, np.ndarray]:
         handle = self._handles.pop(handle_id, None)
         if handle is None:

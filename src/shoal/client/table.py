@@ -177,6 +177,13 @@ class Table:
             raise TableError(f"register_sampling() on table {self.name!r} first")
         return self._sampler.prepare(n, clock)
 
+    def sample_keys(self, n: int) -> np.ndarray:
+        """Draw ``n`` keys under the ``naive`` or ``local`` scheme without their rows, for a caller
+        that pulls them together with other keys (one gather, one request per server)."""
+        if self._sampler is None:
+            raise TableError(f"register_sampling() on table {self.name!r} first")
+        return self._sampler.draw(n)
+
     def pull_sample(self, handle: int) -> tuple[np.ndarray, np.ndarray]:
         """The keys of a prepared sample and their rows."""
         if self._sampler is None:
