@@ -45,7 +45,21 @@ def machine() -> dict[str, Any]:
     import os
 
     return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), "shmem_huge_pages": shmem_huge_pages()}
+
+
+def shmem_huge_pages() -> str:
+    """The kernel's transparent huge page policy for shared memory (the bracketed word), or "unknown".
+
+    Private arrays get huge pages where numpy asks for them; Shoal's shared memory only where this
+    policy is "advise" or "always", so it matters to any comparison of the two.
+    """
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        return "unknown"
+    chosen = [w.strip("[]") for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else "unknown"
 
 
 def write_results(name: str, data: dict[str, Any], table: str) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import shoal
+from shoal.storage.kernels import REPLICA
 from tests.support.cluster import ThreadCluster
 
 
@@ -74,6 +75,25 @@ def test_intents_replicate_hot_keys_and_counts_stay_exact(technique):
         wait_until(lambda: sum(s.adaptive.describe()["hot"]["replicas"] for s in c.servers) == 0)
         np.testing.assert_array_equal(t.pull(np.arange(10))[:, 0], 60.0)
         assert all(cn["rows_local"] > 0 for cn in counters)
+
+
+def test_a_replica_wanted_again_before_its_last_sync_is_kept():
+    with ThreadCluster(nodes=2) as c:
+        w1 = c.worker(1)
+        t = w1.table("r", 10, 1, techniques="replication", sync_ms=1000)
+        store = c.servers[1].adaptive.tables["r"]
+        t.intent([0], 1, 2)  # key 0 lives on node 0; node 1 wants it at clock 1
+        w1.advance_clock()
+        wait_until(lambda: store.presence[0] == REPLICA)
+        w1.advance_clock()  # clock 2: the intent is over; the replica goes with its next sync
+        wait_until(lambda: bool(store.dropping[0]))
+        t.intent([0], 3, 50)  # wanted again before that sync
+        w1.advance_clock()
+        time.sleep(2.5)  # two syncs: a drop still pending would have gone out
+        assert store.presence[0] == REPLICA
+        requests = t.counters["requests"]
+        t.pull([0])
+        assert t.counters["requests"] == requests
 
 
 def test_adaptive_tables_check_their_settings():
