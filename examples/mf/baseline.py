@@ -1,7 +1,9 @@
-"""The efficient single-process baseline: the same model and batches, vectorised numpy, no PS.
+"""The efficient single-process baseline: the same model and batches, no PS.
 
-The scatter-add sorts the batch's rows once and sums duplicates with
-``np.add.reduceat``, which is about 1.4x faster end to end than ``np.add.at``.
+Gradients are vectorised numpy; rows are gathered and updated with compiled
+loops, as Shoal's shared-memory path does (duplicates accumulate in order).
+For a batch of 1,000 rows of 65 floats the loop takes about 9 us where a
+sort-and-``np.add.reduceat`` scatter takes 380 us and ``table[rows]`` 20 us.
 """
 
 from __future__ import annotations
@@ -10,17 +12,31 @@ import argparse
 import json
 import time
 
+import numba
 import numpy as np
 from data import MovieLens, load_movielens
 from model import Hyper, gradients, rmse
 
 
+@numba.njit(nogil=True, cache=True)
+def gather_rows(table: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``table[rows]``."""
+    out = np.empty((rows.shape[0], table.shape[1]), dtype=table.dtype)
+    for k in range(rows.shape[0]):
+        r = rows[k]
+        for j in range(table.shape[1]):
+            out[k, j] = table[r, j]
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
 def scatter_sub(table: np.ndarray, rows: np.ndarray, grads: np.ndarray, lr: float) -> None:
     """``table[rows] -= lr * grads`` with duplicate rows summed."""
-    order = np.argsort(rows, kind="stable")
-    sorted_rows = rows[order]
-    starts = np.flatnonzero(np.r_[True, sorted_rows[1:] != sorted_rows[:-1]])
-    table[sorted_rows[starts]] -= lr * np.add.reduceat(grads[order], starts, axis=0)
+    a = table.dtype.type(lr)
+    for k in range(rows.shape[0]):
+        r = rows[k]
+        for j in range(table.shape[1]):
+            table[r, j] -= a * grads[k, j]
 
 
 def train_baseline(data: MovieLens, hyper: Hyper, seed: int = 0) -> dict[str, object]:
@@ -38,7 +54,8 @@ def train_baseline(data: MovieLens, hyper: Hyper, seed: int = 0) -> dict[str, ob
         for s in range(0, len(train), hyper.batch):
             idx = order[s : s + hyper.batch]
             u, i = train.users[idx], train.items[idx]
-            grad_u, grad_i, _ = gradients(users[u], items[i], train.values[idx], mu, hyper.reg)
+            grad_u, grad_i, _ = gradients(gather_rows(users, u), gather_rows(items, i), train.values[idx], mu,
+                                          hyper.reg)
             scatter_sub(users, u, grad_u, hyper.lr)
             scatter_sub(items, i, grad_i, hyper.lr)
         train_seconds += time.perf_counter() - start
@@ -48,7 +65,7 @@ def train_baseline(data: MovieLens, hyper: Hyper, seed: int = 0) -> dict[str, ob
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="single-process numpy baseline for MF on MovieLens 100k")
+    parser = argparse.ArgumentParser(description="single-process baseline for MF on MovieLens 100k")
     parser.add_argument("--epochs", type=int, default=Hyper.epochs)
     parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args()
