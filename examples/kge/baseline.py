@@ -7,8 +7,10 @@ import json
 import time
 
 import numpy as np
-from complex_model import Hyper, adagrad_delta, add_rows, complex_step, filtered_ranks, gather_rows, mrr_hits, row_width
+from complex_model import Hyper, adagrad_delta, complex_step, filtered_ranks, mrr_hits, row_width
 from graphs import Graph, load
+
+from shoal.storage.kernels import add_rows, gather_rows
 
 
 def init_rows(n: int, h: Hyper, rng: np.random.Generator) -> np.ndarray:
@@ -38,7 +40,7 @@ def train(graph: Graph, h: Hyper, epochs: float = 1.0, seconds: float | None = N
         negs = rng.integers(0, graph.num_entities, (h.batch, h.negatives))
         keys, inv = np.unique(np.concatenate([heads, tails, negs.reshape(-1)]), return_inverse=True)
         rkeys, rinv = np.unique(rels, return_inverse=True)
-        # Compiled gathers and in-place adds, as the parameter server's shared-memory path uses.
+        # Shoal's compiled row kernels (no parameter server): its shared-memory path uses the same.
         e = np.empty((keys.shape[0], ent.shape[1]), ent.dtype)
         gather_rows(ent, keys, e)
         r = np.empty((rkeys.shape[0], rel.shape[1]), rel.dtype)
@@ -50,10 +52,10 @@ def train(graph: Graph, h: Hyper, epochs: float = 1.0, seconds: float | None = N
                             np.arange(keys.shape[0]), np.arange(rkeys.shape[0]), d, h.reg, g_e, g_r)
         delta_e = np.empty_like(e)
         adagrad_delta(e, g_e, h.lr, d, delta_e)
-        add_rows(ent, keys, delta_e)
+        add_rows(ent, keys, delta_e, 1.0)
         delta_r = np.empty_like(r)
         adagrad_delta(r, g_r, h.lr, d, delta_r)
-        add_rows(rel, rkeys, delta_r)
+        add_rows(rel, rkeys, delta_r, 1.0)
         done += h.batch
         if step % 20 == 0:
             losses.append((time.perf_counter() - start, loss))

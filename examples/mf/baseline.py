@@ -1,7 +1,7 @@
 """The efficient single-process baseline: the same model and batches, no PS.
 
-Gradients are vectorised numpy; rows are gathered and updated with compiled
-loops, as Shoal's shared-memory path does (duplicates accumulate in order).
+Gradients are vectorised numpy; rows are gathered and updated with Shoal's
+compiled row kernels (no parameter server), as its shared-memory path does.
 For a batch of 1,000 rows of 65 floats the loop takes about 9 us where a
 sort-and-``np.add.reduceat`` scatter takes 380 us and ``table[rows]`` 20 us.
 """
@@ -12,31 +12,11 @@ import argparse
 import json
 import time
 
-import numba
 import numpy as np
 from data import MovieLens, load_movielens
 from model import Hyper, gradients, rmse
 
-
-@numba.njit(nogil=True, cache=True)
-def gather_rows(table: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``table[rows]``."""
-    out = np.empty((rows.shape[0], table.shape[1]), dtype=table.dtype)
-    for k in range(rows.shape[0]):
-        r = rows[k]
-        for j in range(table.shape[1]):
-            out[k, j] = table[r, j]
-    return out
-
-
-@numba.njit(nogil=True, cache=True)
-def scatter_sub(table: np.ndarray, rows: np.ndarray, grads: np.ndarray, lr: float) -> None:
-    """``table[rows] -= lr * grads`` with duplicate rows summed."""
-    a = table.dtype.type(lr)
-    for k in range(rows.shape[0]):
-        r = rows[k]
-        for j in range(table.shape[1]):
-            table[r, j] -= a * grads[k, j]
+from shoal.storage.kernels import add_rows, gather_rows
 
 
 def train_baseline(data: MovieLens, hyper: Hyper, seed: int = 0) -> dict[str, object]:
@@ -48,16 +28,20 @@ def train_baseline(data: MovieLens, hyper: Hyper, seed: int = 0) -> dict[str, ob
     mu = float(train.values.mean())
     train_seconds = 0.0
     history = []
+    user_rows = np.empty((hyper.batch, users.shape[1]), users.dtype)
+    item_rows = np.empty((hyper.batch, items.shape[1]), items.dtype)
     for epoch in range(hyper.epochs):
         order = np.random.default_rng(1000 + epoch).permutation(len(train))
         start = time.perf_counter()
         for s in range(0, len(train), hyper.batch):
             idx = order[s : s + hyper.batch]
             u, i = train.users[idx], train.items[idx]
-            grad_u, grad_i, _ = gradients(gather_rows(users, u), gather_rows(items, i), train.values[idx], mu,
+            gather_rows(users, u, user_rows[: u.shape[0]])
+            gather_rows(items, i, item_rows[: i.shape[0]])
+            grad_u, grad_i, _ = gradients(user_rows[: u.shape[0]], item_rows[: i.shape[0]], train.values[idx], mu,
                                           hyper.reg)
-            scatter_sub(users, u, grad_u, hyper.lr)
-            scatter_sub(items, i, grad_i, hyper.lr)
+            add_rows(users, u, grad_u, -hyper.lr)  # duplicates accumulate in order
+            add_rows(items, i, grad_i, -hyper.lr)
         train_seconds += time.perf_counter() - start
         history.append(rmse(users, items, test.users, test.items, test.values, mu))
     return {"rmse": history, "ratings_per_s": len(train) * hyper.epochs / train_seconds,
