@@ -53,6 +53,21 @@ def test_partition_by_owner_is_a_stable_grouping(owners):
         assert (np.diff(part) > 0).all()
 
 
+@given(arrays(np.int64, st.integers(0, 20), elements=st.integers(0, 19), unique=True), st.integers(0, 2**20))
+def test_take_pending_returns_and_clears_exactly_the_changed_or_marked_rows(rows, seed):
+    rng = np.random.default_rng(seed)
+    pending = np.where(rng.random((20, 3)) < 0.3, rng.standard_normal((20, 3)), 0.0).astype(np.float32)
+    marked = rng.random(len(rows)) < 0.2
+    before = pending.copy()
+    want = rows[np.any(before[rows] != 0, axis=1) | marked]
+    taken, deltas = kernels.take_pending(pending, rows, marked)
+    np.testing.assert_array_equal(taken, want)
+    np.testing.assert_array_equal(deltas, before[want])
+    assert not pending[rows].any()
+    untouched = np.setdiff1d(np.arange(20), rows)
+    np.testing.assert_array_equal(pending[untouched], before[untouched])
+
+
 def test_gather_and_place_are_inverse_orders():
     src = np.arange(40, dtype=np.float32).reshape(10, 4)
     rows = np.array([9, 0, 5])

@@ -39,7 +39,7 @@ from shoal.consistency.clocks import ClockTable
 from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
 from shoal.placement.ownership import MAX_HOPS, Directory, LocationCache, home_of
 from shoal.server.replicated import SERVER_SENDERS
-from shoal.storage.kernels import ABSENT, OWNED, REPLICA
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA, take_pending
 from shoal.storage.shard import ShardStore
 from shoal.storage.validate import as_keys, as_rows
 from shoal.transport.base import Transport
@@ -283,12 +283,13 @@ class AdaptiveService:
         store = table.store
         assert store.pending is not None
         with store.hold(None, exclusive=True):
-            # A replica here becomes the row: its changes not yet synced stay in.
-            was_replica = table.presence[keys] == REPLICA
-            values = values.copy()
-            values[was_replica] += store.pending[keys[was_replica]]
-            store.pending[keys] = 0
+            # A replica here becomes the row: its changes not yet synced stay in. Only a replica's
+            # pending row can be non-zero; the others are left untouched (a first write to a page of
+            # shared memory costs a page fault: 2 ms for 250 rows here).
+            replica_keys = keys[table.presence[keys] == REPLICA]
             store.values[keys] = values
+            store.values[replica_keys] += store.pending[replica_keys]
+            store.pending[replica_keys] = 0
             table.presence[keys] = OWNED
         table.replica_owner[keys] = -1
         table.dropping[keys] = False
@@ -324,12 +325,10 @@ class AdaptiveService:
         self._send(table, node, "replicate", {}, [keys, values])
 
     def _receive_replica(self, table: AdaptiveTable, keys: np.ndarray, values: np.ndarray, owner: int) -> None:
-        assert table.store.pending is not None
         with table.store.hold(None, exclusive=True):
             fresh = table.presence[keys] == ABSENT
             keys, values = keys[fresh], values[fresh]
-            table.store.values[keys] = values
-            table.store.pending[keys] = 0
+            table.store.values[keys] = values  # pending rows of absent keys are zero already
             table.presence[keys] = REPLICA
         table.replica_owner[keys] = owner
         table.dropping[keys] = False
@@ -348,9 +347,7 @@ class AdaptiveService:
             if table.sync_in_flight[owner]:
                 continue
             with store.hold(None, exclusive=True):
-                changed = keys[np.any(store.pending[keys] != 0, axis=1) | table.dropping[keys]]
-                deltas = store.pending[changed].copy()
-                store.pending[changed] = 0
+                changed, deltas = take_pending(store.pending, keys, table.dropping[keys])
             if not changed.size:
                 continue
             drop = table.dropping[changed]

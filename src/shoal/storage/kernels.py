@@ -101,6 +101,37 @@ def add_present(values: np.ndarray, pending: np.ndarray, presence: np.ndarray, r
                 pending[r, j] += d
 
 
+@_jit
+def take_pending(pending: np.ndarray, rows: np.ndarray, also: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A replica sync's payload: the rows among ``rows`` with a non-zero pending change (or marked in
+    ``also``) and their changes, which are reset to zero. One pass, no row-sized temporaries."""
+    dim = pending.shape[1]
+    chosen = np.zeros(rows.shape[0], dtype=np.bool_)
+    count = 0
+    for i in range(rows.shape[0]):
+        take = also[i]
+        if not take:
+            r = rows[i]
+            for j in range(dim):
+                if pending[r, j] != 0:
+                    take = True
+                    break
+        chosen[i] = take
+        count += take
+    taken = np.empty(count, dtype=np.int64)
+    deltas = np.empty((count, dim), dtype=pending.dtype)
+    k = 0
+    for i in range(rows.shape[0]):
+        if chosen[i]:
+            r = rows[i]
+            taken[k] = r
+            for j in range(dim):
+                deltas[k, j] = pending[r, j]
+                pending[r, j] = 0
+            k += 1
+    return taken, deltas
+
+
 # ------------------------------------------------------------- key bookkeeping
 
 
