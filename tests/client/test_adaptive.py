@@ -33,7 +33,8 @@ def test_localize_moves_keys_and_later_access_is_local():
         assert t0.counters["requests"] == before  # all local now
         t1.push(odd, np.ones((10, 2), np.float32))  # node 1 follows the keys to node 0
         np.testing.assert_array_equal(t1.pull(np.arange(20))[odd], 3.0)
-        assert t1.counters["moved_retries"] >= 1
+        # Their home moved them: its workers read where from the node's cache, no "moved" answer.
+        assert t1.counters["moved_retries"] == 0
 
 
 def test_requests_during_a_move_are_answered_and_lose_nothing():

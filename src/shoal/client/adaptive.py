@@ -37,6 +37,8 @@ class AdaptiveAccess:
         self.worker = table.worker
         self.store = store  # None in classic mode: every row is asked for
         self.hints = LocationCache(self.spec.num_keys, self.worker.num_nodes)
+        #: where this node's server believes keys live (None in classic mode)
+        self.node_hints = store.location if store is not None else None
         self.counters = table.counters
         self._intents: list[tuple[np.ndarray, int, int]] = []
         self._replies: dict[int, Message] = {}
@@ -120,6 +122,11 @@ class AdaptiveAccess:
     def _send(self, op: Op, keys: np.ndarray, values: np.ndarray | None, pos: np.ndarray, hops: int
               ) -> list[tuple[np.ndarray, int]]:
         where = self.hints.route(keys[pos], hops)
+        if hops == 0 and self.node_hints is not None:
+            # A key absent here that this worker last saw here left with its owner's consent:
+            # the node's server handed it over and knows where it went (one hop saved).
+            stale = where == self.worker.node
+            where[stale] = self.node_hints[keys[pos[stale]]]
         sent = []
         for node in np.unique(where):
             part = pos[where == node]

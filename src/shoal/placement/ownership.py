@@ -49,11 +49,18 @@ class Directory:
 
 
 class LocationCache:
-    """Hints of where keys live; start at home, learn from answers."""
+    """Hints of where keys live; start at home, learn from answers.
 
-    def __init__(self, num_keys: int, num_nodes: int) -> None:
+    Given ``shared`` (an array in shared memory), the cache lives there: a node's
+    server keeps its own that way so that its workers can read it.
+    """
+
+    def __init__(self, num_keys: int, num_nodes: int, shared: np.ndarray | None = None) -> None:
         self.num_nodes = num_nodes
-        self.hint = home_of(np.arange(num_keys, dtype=np.int64), num_nodes)
+        self.hint = home_of(np.arange(num_keys, dtype=np.int64), num_nodes) if shared is None else shared
+
+    def start_at_home(self) -> None:
+        self.hint[...] = home_of(np.arange(self.hint.shape[0], dtype=np.int64), self.num_nodes)
 
     def learn(self, keys: np.ndarray, owners: np.ndarray | int) -> None:
         self.hint[keys] = owners

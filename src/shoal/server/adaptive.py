@@ -78,10 +78,13 @@ class AdaptiveTable:
         keys = np.arange(spec.num_keys, dtype=np.int64)
         self.store = ShardStore.create(spec, ADAPTIVE_SHARD, keys, cluster_id)
         assert self.store.presence is not None and self.store.pending is not None
+        assert self.store.location is not None
         self.presence = self.store.presence
         self.presence[node::num_nodes] = OWNED  # keys start at home
         self.directory = Directory(spec.num_keys, num_nodes, node)
-        self.hints = LocationCache(spec.num_keys, num_nodes)
+        # In shared memory: this node's workers read where the keys that left went.
+        self.hints = LocationCache(spec.num_keys, num_nodes, shared=self.store.location)
+        self.hints.start_at_home()
         self.incoming = np.zeros(spec.num_keys, dtype=np.bool_)
         self.held: list[Held] = []
         self.deferred_handovers: list[tuple[np.ndarray, int]] = []
@@ -102,7 +105,7 @@ class AdaptiveTable:
 
     def where(self, keys: np.ndarray) -> np.ndarray:
         """Best knowledge of each key's owner: the directory for home keys, else the hint."""
-        owners = self.hints.hint[keys].copy()
+        owners = self.hints.hint[keys].astype(np.int64)
         home = self.directory.is_home(keys)
         owners[home] = self.directory.owner[keys[home]]
         return owners
@@ -245,6 +248,7 @@ class AdaptiveService:
             self._send(table, int(home), "relocate", {"to": self.node}, [part])
 
     def _relocate_at_home(self, table: AdaptiveTable, keys: np.ndarray, to: int) -> None:
+        table.hints.learn(keys[table.directory.is_home(keys)], to)
         for owner, part in table.directory.move(keys, to).items():
             self._send(table, owner, "handover", {"to": to, "hops": 0}, [part])
 

@@ -53,9 +53,12 @@ class ShardLayout:
             slots["dirty"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
         if spec.adaptive:
-            # Whether this node owns a row, holds a replica of it, or neither; and, for
-            # replicas, the change made here since the owner last heard of it.
+            # Whether this node owns a row, holds a replica of it, or neither; where the node's
+            # server believes an absent row lives (its location cache, read by its workers);
+            # and, for replicas, the change made here since the owner last heard of it.
             slots["presence"] = ArraySlot(offset, (num_rows,), "uint8")
+            offset = align(offset + num_rows)
+            slots["location"] = ArraySlot(offset, (num_rows,), "int8")
             offset = align(offset + num_rows)
             slots["pending"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
             offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
@@ -81,6 +84,7 @@ class ShardStore:
         self.values = arrays.pop("values")
         self.dirty: np.ndarray | None = arrays.pop("dirty", None)
         self.presence: np.ndarray | None = arrays.pop("presence", None)
+        self.location: np.ndarray | None = arrays.pop("location", None)
         self.pending: np.ndarray | None = arrays.pop("pending", None)
         self.state = arrays
         self._locks = StripedLocks(segment.fd) if spec.locking == "exact" else None
