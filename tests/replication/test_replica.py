@@ -114,6 +114,7 @@ def test_absorbing_measures_propagation_delay_per_origin():
     lambda body, arrays: body["deltas"][0].update(nrows=[99]),
     lambda body, arrays: arrays.__setitem__(0, np.array([1000], dtype=np.int64)),
     lambda body, arrays: body.update(vv=[["x", 1]]),
+    lambda body, arrays: arrays.__setitem__(1, np.full_like(arrays[1], np.nan)),
 ])
 def test_malformed_gossip_is_refused(mutate):
     spec = TableSpec("t", 20, 2, replicas=2)

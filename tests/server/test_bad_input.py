@@ -35,9 +35,11 @@ from shoal import (
     TableError,
     TableSpec,
 )
+from shoal.server.replicated import SERVER_SENDERS
 from shoal.server.server import ParameterServer
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire import Codec, Message, Op
+from shoal.wire.ops import Flag
 
 REPLY_WAIT_S = 30.0  # generous: the first request may wait for numba to compile the kernels
 SECRET = b"k" * 32
@@ -293,6 +295,47 @@ def test_skip_policy_applies_finite_rows_and_drops_the_others(client: RawClient)
     expected[1] += 1
     expected[3] += 2
     np.testing.assert_array_equal(client.pull(all_keys, table="s"), expected)
+
+
+ADAPTIVE = TableSpec("a", num_keys=8, dim=3, init=Normal(std=1.0), techniques="auto")
+
+
+@pytest.mark.parametrize("policy", ["reject", "skip"])
+def test_nonfinite_push_to_an_adaptive_table_follows_the_policy(client: RawClient, policy: str) -> None:
+    spec = TableSpec(f"a_{policy}", num_keys=8, dim=3, init=Normal(std=1.0), techniques="auto", nonfinite=policy)
+    client.create_table(spec)
+    all_keys = np.arange(spec.num_keys)
+    before = client.pull(all_keys, table=spec.name)
+    grads = np.array([[1, 1, 1], [np.nan, 1, 1], [2, 2, 2]], dtype=np.float32)
+
+    reply = client.push(keys(1, 2, 3), grads, table=spec.name)
+
+    expected = before.copy()
+    if policy == "reject":
+        assert reply.op == Op.ERROR and reply.body["code"] == NonFiniteError.code
+    else:  # the finite rows land, the bad one adds nothing
+        assert reply.op == Op.OK
+        expected[1] += 1
+        expected[3] += 2
+    np.testing.assert_array_equal(client.pull(all_keys, table=spec.name), expected)
+
+
+@pytest.mark.parametrize("kind", ["state", "sync"])
+def test_placement_rows_with_nan_from_a_peer_are_dropped_and_the_server_keeps_serving(
+    client: RawClient, kind: str
+) -> None:
+    client.create_table(ADAPTIVE)
+    all_keys = np.arange(ADAPTIVE.num_keys)
+    before = client.pull(all_keys, table="a")
+    rows = np.ones((2, ADAPTIVE.dim), np.float32)
+    rows[1, 0] = np.nan
+    extra = [np.zeros(2, np.int64)] * 2 if kind == "state" else [np.zeros(2, np.uint8)]
+    body = {"kind": kind} if kind == "state" else {"kind": kind, "origin": 0, "target": 0, "hops": 0}
+    client.send_frames(frames_of(Message(Op.PLACEMENT, table="a", sender=SERVER_SENDERS, flags=Flag.NO_REPLY,
+                                         body=body, arrays=[keys(1, 2), rows, *extra])))
+
+    np.testing.assert_array_equal(client.pull(all_keys, table="a"), before)  # answered after the bad message
+    assert client.live.server.stats["error_ProtocolError"] == 1
 
 
 def test_oversized_message_is_refused(start_server: Callable[..., LiveServer],

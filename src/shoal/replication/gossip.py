@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from shoal.lattice.sum_lattice import Delta, Update
+from shoal.storage.kernels import any_nonfinite
 
 DIGEST, ANSWER, FINAL = 0, 1, 2
 
@@ -75,6 +76,8 @@ class GossipPayload:
             raise ValueError(f"gossip rows {all_rows.shape} and values {all_values.shape} do not match dim {dim}")
         if all_rows.size and (all_rows.min() < 0 or all_rows.max() >= num_rows):
             raise ValueError("gossip names rows outside the shard")
+        if any_nonfinite(all_values):  # pushes are checked where they enter: a peer sending these is broken
+            raise ValueError("gossip carries NaN/Inf values")
         deltas, at = [], 0
         for meta in deltas_meta:
             if not isinstance(meta, dict) or not isinstance(meta.get("nrows"), list) \
@@ -98,6 +101,8 @@ class GossipPayload:
         for (origin, seq), total in zip(states_meta, arrays[2:], strict=True):
             if total.shape != (num_rows, dim):
                 raise ValueError(f"gossip state of shape {total.shape}, expected {(num_rows, dim)}")
+            if any_nonfinite(total):
+                raise ValueError("gossip state carries NaN/Inf values")
             states.append((origin, seq, total.astype(np.float64, copy=False)))
         return cls(shard, version, stage, deltas, states)
 

@@ -39,9 +39,9 @@ from shoal.consistency.clocks import ClockTable
 from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
 from shoal.placement.ownership import MAX_HOPS, Directory, LocationCache, home_of
 from shoal.server.replicated import SERVER_SENDERS
-from shoal.storage.kernels import ABSENT, OWNED, REPLICA, take_pending
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA, any_nonfinite, take_pending
 from shoal.storage.shard import ShardStore
-from shoal.storage.validate import as_keys, as_rows
+from shoal.storage.validate import as_keys, as_rows, zero_nonfinite
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
@@ -49,6 +49,7 @@ from shoal.wire.ops import Op
 
 log = logging.getLogger(__name__)
 
+_CARRIES_ROWS = ("state", "replicate", "sync", "synced")  # placement messages with rows in their second array
 ADAPTIVE_SHARD = -1  # the node-wide store of an adaptive table has no shard number
 _ACTION_S = 0.005  # about how long a relocation or replication takes here: sets the action window
 _HELD_S = 2.0  # a request waiting for rows on their way here longer than this is answered "moved"
@@ -208,6 +209,9 @@ class AdaptiveService:
               positions: np.ndarray | None = None) -> Message | None:
         keys = as_keys(msg.arrays[0], table.spec)
         grads = as_rows(msg.arrays[1], keys.shape[0], table.spec, strict_dtype=True)
+        if positions is None:  # first arrival (a held rest was checked then)
+            grads, skipped = zero_nonfinite(grads, table.spec)
+            table.stats["rows_skipped_nonfinite"] += skipped
         absent = table.store.update_present(keys, grads, table.scale)
         pos, coming = self._moved(table, keys, absent)
         if coming.size:
@@ -460,13 +464,16 @@ class AdaptiveService:
         kind, body, arrays = msg.body.get("kind"), msg.body, msg.arrays
         try:
             keys = as_keys(arrays[0], table.spec)
+            rows = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True) if kind in _CARRIES_ROWS else None
+            if rows is not None and any_nonfinite(rows):
+                # Rows are checked where they enter (pushes): a peer sending NaN/Inf is broken. Nothing applied.
+                log.error("server %d: %s message of %r from server %d carries NaN/Inf: dropped",
+                          self.node, kind, table.spec.name, sender)
+                raise ProtocolError(f"placement {kind!r} from server {sender} carries NaN/Inf")
             if kind == "relocate":
                 self._relocate_at_home(table, keys, _node(body["to"], table))
             elif kind == "handover":
                 self._handover(table, keys, _node(body["to"], table), int(body["hops"]))
-            elif kind == "state":
-                values = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True)
-                self._receive_state(table, keys, values, _ints(arrays[2], keys), _ints(arrays[3], keys), sender)
             elif kind == "owner":
                 owner = _node(body["owner"], table)
                 table.directory.record(keys[table.directory.is_home(keys)], owner)
@@ -475,18 +482,17 @@ class AdaptiveService:
                 table.replica_owner[held] = owner
             elif kind == "announce":
                 self._announce(table, keys, bool(body["active"]), _node(body["node"], table), int(body["hops"]))
-            elif kind == "replicate":
-                values = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True)
-                self._receive_replica(table, keys, values, sender)
-            elif kind == "sync":
-                deltas = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True)
-                self._sync_at_owner(table, keys, deltas, _ints(arrays[2], keys), _node(body["origin"], table),
-                                    _node(body["target"], table), int(body["hops"]))
-            elif kind == "synced":
-                values = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True)
-                self._synced(table, keys, values, _ints(arrays[2], keys), _node(body["target"], table))
-            else:
+            elif rows is None:
                 raise ProtocolError(f"unknown placement message {kind!r}")
+            elif kind == "state":
+                self._receive_state(table, keys, rows, _ints(arrays[2], keys), _ints(arrays[3], keys), sender)
+            elif kind == "replicate":
+                self._receive_replica(table, keys, rows, sender)
+            elif kind == "sync":
+                self._sync_at_owner(table, keys, rows, _ints(arrays[2], keys), _node(body["origin"], table),
+                                    _node(body["target"], table), int(body["hops"]))
+            else:  # synced
+                self._synced(table, keys, rows, _ints(arrays[2], keys), _node(body["target"], table))
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed placement message {kind!r}: {exc!r}") from None
 

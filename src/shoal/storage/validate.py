@@ -67,3 +67,20 @@ def drop_nonfinite(keys: np.ndarray, values: np.ndarray, spec: TableSpec) -> tup
         )
     keep = ~bad
     return keys[keep], values[keep], count
+
+
+def zero_nonfinite(values: np.ndarray, spec: TableSpec) -> tuple[np.ndarray, int]:
+    """The NaN/Inf policy for a push whose rows must keep their positions (an adaptive table's
+    answer names positions): under ``skip`` the bad rows become zeros, which add nothing."""
+    if not kernels.any_nonfinite(values):
+        return values, 0
+    bad = kernels.nonfinite_rows(values)
+    count = int(bad.sum())
+    if spec.nonfinite == "reject":
+        raise NonFiniteError(
+            f"push to table {spec.name!r} has NaN/Inf in {count} row(s); rejected, nothing applied "
+            "(set nonfinite='skip' to drop such rows instead)"
+        )
+    values = values.copy()
+    values[bad] = 0
+    return values, count
