@@ -3,11 +3,14 @@ servers, and a deterministic BSP run resumed from one ends bit-identical to the 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 import shoal
 from shoal.api.errors import CheckpointError
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA
 from tests.support.cluster import ThreadCluster
 
 KEYS, DIM, STEPS, AT = 600, 4, 10, 5
@@ -118,3 +121,54 @@ def test_an_unwritable_root_fails_on_every_rank_by_name(tmp_path):
 
     with ThreadCluster(nodes=2) as cluster:
         cluster.run_workers(body)
+
+
+def _wait_until(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_an_adaptive_table_is_saved_with_every_replica_change_and_restored_at_home(tmp_path):
+    hot, moved, everything = np.arange(10), np.arange(10, 20), np.arange(40)
+    # Replicas send their changes only when a checkpoint settles the table (no background sync in 60 s).
+    options = dict(techniques="auto", init=shoal.Constant(0.0), sync_ms=60_000)
+
+    with ThreadCluster(nodes=2) as cluster:
+        presence = [s.adaptive.tables for s in cluster.servers]
+
+        def save(w):
+            t = w.table("ad", 40, 2, **options)
+            t.intent(hot, 1, 1000)  # both nodes: the hot keys are replicated
+            w.advance_clock()
+            if w.rank == 1:
+                t.localize(moved)
+            _wait_until(lambda: all((p["ad"].presence[hot] != ABSENT).all() for p in presence)
+                        and (presence[1]["ad"].presence[moved] == OWNED).all())
+            w.barrier()
+            t.push(everything, np.full((40, 2), w.rank + 1.0, np.float32))
+            w.barrier()
+            if w.rank == 0:
+                pending = [p["ad"].store.pending[p["ad"].presence == REPLICA] for p in presence]
+                assert any(part.any() for part in pending), "no replica change was left to settle"
+            return w.checkpoint(tmp_path)
+
+        cluster.run_workers(save)
+
+    with ThreadCluster(nodes=2) as cluster:
+        def load(w):
+            t = w.table("ad", 40, 2, **options)
+            assert w.restore(tmp_path) == 1
+            w.barrier()
+            np.testing.assert_array_equal(t.pull(everything), 3.0)  # 1 + 2 from each key's two pushes
+            w.barrier()
+            if w.rank == 1:
+                t.localize(hot)
+                _wait_until(lambda: (cluster.servers[1].adaptive.tables["ad"].presence[hot] == OWNED).all())
+            w.barrier()
+            with pytest.raises(CheckpointError, match="restore right after creating the tables"):
+                w.restore(tmp_path)
+
+        cluster.run_workers(load)
+        assert [s.adaptive.describe()["ad"]["owned"] for s in cluster.servers] == [15, 25]

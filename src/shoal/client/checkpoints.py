@@ -6,6 +6,11 @@ rank 0 has every server write its slices into a staging directory, checks that
 each slice was written exactly once, and commits; the second barrier tells
 every rank the outcome. ``root`` must be a directory every server writes and
 every worker reads (a shared file system when the cluster spans machines).
+
+Adaptive tables are settled first: rank 0 asks every server to send its
+replicas' changes to their owners until no server has any left or waiting for
+an answer; then each owner writes its keys, and rank 0 checks that every key
+was written exactly once (a key that moved meanwhile makes it try again).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from shoal.api.errors import CheckpointError, ShoalError
 from shoal.storage import checkpoint
 from shoal.wire.message import Message
@@ -27,13 +34,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ATTEMPTS = 5  # a slice on its way to another server makes a server refuse; try again a little later
+_ATTEMPTS = 5  # a slice or key on its way to another server makes a server refuse; try again a little later
 _OK = "ok:"
 _FAILED = "failed:"
 
 
 def save(worker: Worker, root: str | os.PathLike[str], tables: Iterable[str] | None, keep: int) -> Path:
-    names = _static_tables(worker, tables)
+    names = _covered_tables(worker, tables)
     worker.barrier()
     note = _OK
     if worker.rank == 0:
@@ -71,26 +78,43 @@ def restore(worker: Worker, root: str | os.PathLike[str]) -> int:
     return clock
 
 
-def _static_tables(worker: Worker, tables: Iterable[str] | None) -> list[str]:
+def _covered_tables(worker: Worker, tables: Iterable[str] | None) -> list[str]:
     names = sorted(worker.tables) if tables is None else list(tables)
     for name in names:
         table = worker.tables.get(name)
         if table is None:
             raise CheckpointError(f"no table {name!r} here to checkpoint")
-        if table.spec.replicated or table.spec.adaptive:
-            kind = "replicated" if table.spec.replicated else "adaptive"
-            raise CheckpointError(f"table {name!r} is {kind}; checkpoints cover static tables "
+        if table.spec.replicated:
+            raise CheckpointError(f"table {name!r} is replicated; checkpoints cover static and adaptive tables "
                                   f"(pass tables=[...] to leave it out)")
     return names
+
+
+def _settle(worker: Worker, names: list[str]) -> None:
+    """Until every server says its adaptive tables' rows are final (every replica change at its owner)."""
+    adaptive = [name for name in names if worker.tables[name].spec.adaptive]
+    if not adaptive:
+        return
+    timeout_s = worker.cluster.timeouts.request_s
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replies = _ask_servers(worker, Op.SETTLE, {"tables": adaptive})
+        why = sorted({f"{name}: {w}" for body in replies for name, ws in body["unsettled"].items() for w in ws})
+        if not why:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"adaptive tables did not settle within {timeout_s:.0f}s: {'; '.join(why)}")
+        time.sleep(0.02)
 
 
 def _write(worker: Worker, root: Path, names: list[str], keep: int) -> Path:
     for attempt in range(_ATTEMPTS):
         staging = checkpoint.new_staging(root, worker.clock)
         try:
+            _settle(worker, names)
             replies = _ask_servers(worker, Op.CHECKPOINT, {"staging": str(staging), "tables": names})
-            tables = {name: {"spec": worker.tables[name].spec.to_dict(), "parts": _parts(worker, name, replies)}
-                      for name in names}
+            tables = {name: {"spec": worker.tables[name].spec.to_dict(),
+                             "parts": _parts(worker, name, replies, staging)} for name in names}
         except CheckpointError as exc:
             checkpoint.discard(staging)
             if attempt == _ATTEMPTS - 1:
@@ -107,9 +131,18 @@ def _write(worker: Worker, root: Path, names: list[str], keep: int) -> Path:
     raise AssertionError("unreachable")
 
 
-def _parts(worker: Worker, name: str, replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The parts of table ``name``; each slice must have been written exactly once (none moved meanwhile)."""
+def _parts(worker: Worker, name: str, replies: list[dict[str, Any]], staging: Path) -> list[dict[str, Any]]:
+    """The parts of table ``name``; each slice (each key of an adaptive table) must have been written
+    exactly once (none moved meanwhile)."""
     parts = [p for body in replies for p in body["parts"].get(name, [])]
+    spec = worker.tables[name].spec
+    if spec.adaptive:
+        keys = np.concatenate([checkpoint.part_keys(staging, p) for p in parts]) if parts else np.empty(0, np.int64)
+        counts = np.bincount(keys, minlength=spec.num_keys) if keys.size else np.zeros(spec.num_keys, np.int64)
+        if counts.shape[0] != spec.num_keys or (counts != 1).any():
+            raise CheckpointError(f"keys of {name!r}: {int((counts == 0).sum())} written by no server, "
+                                  f"{int((counts > 1).sum())} by several (a key moved during the checkpoint)")
+        return parts
     written = sorted(int(p["shard"]) for p in parts)
     expected = list(range(worker.tables[name].layout.num_shards))
     if written != expected:

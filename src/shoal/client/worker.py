@@ -307,7 +307,7 @@ class Worker:
     # ------------------------------------------------------------ checkpoints
 
     def checkpoint(self, root: str | os.PathLike[str], tables: Iterable[str] | None = None, keep: int = 3) -> Path:
-        """Snapshot every static table (values, optimiser state, clock) under ``root``; collective.
+        """Snapshot every static and adaptive table (values, optimiser state, clock) under ``root``; collective.
 
         Every worker calls it at the same point of its loop; returns the new
         checkpoint's directory. A kill at any moment leaves the previous one intact.

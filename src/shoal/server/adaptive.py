@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import ConfigError, ProtocolError
+from shoal.api.errors import CheckpointError, ConfigError, ProtocolError
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
@@ -53,6 +53,7 @@ _CARRIES_ROWS = ("state", "replicate", "sync", "synced")  # placement messages w
 ADAPTIVE_SHARD = -1  # the node-wide store of an adaptive table has no shard number
 _ACTION_S = 0.005  # about how long a relocation or replication takes here: sets the action window
 _HELD_S = 2.0  # a request waiting for rows on their way here longer than this is answered "moved"
+_SYNC_HOPS = 16  # a replica's change chasing a key that keeps moving: after this many hops it is logged and lost
 
 
 @dataclass(eq=False)  # compared by identity: field equality would compare arrays (and raise)
@@ -93,7 +94,10 @@ class AdaptiveTable:
         self.intents = NodeIntents(spec.num_keys)
         self.replica_owner = np.full(spec.num_keys, -1, dtype=np.int64)
         self.dropping = np.zeros(spec.num_keys, dtype=np.bool_)
-        self.sync_in_flight: dict[int, bool] = defaultdict(bool)
+        #: per owner: answers ("synced") still due for this node's syncs, forwarded parts included
+        self.syncs_unanswered: Counter[int] = Counter()
+        #: parts of replicas' syncs for keys on their way here: added when the keys arrive
+        self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]] = []
         self.next_sync = 0.0
         self.window = 1  # clocks ahead that intents are acted on
         self.window_estimate = 1.0
@@ -312,6 +316,9 @@ class AdaptiveService:
         deferred, table.deferred_handovers = table.deferred_handovers, []
         for k, to in deferred:
             self._handover(table, k, to, 0)
+        syncs, table.deferred_syncs = table.deferred_syncs, []
+        for k, deltas, drop, origin, target, hops in syncs:
+            self._sync_at_owner(table, k, deltas, drop, origin, target, hops)
         self._replay_held(table)
 
     def _tell_homes(self, table: AdaptiveTable, keys: np.ndarray, owner: int) -> None:
@@ -352,27 +359,41 @@ class AdaptiveService:
             return
         owners = table.replica_owner[replicas]
         for owner, keys in _group(owners, replicas):
-            if table.sync_in_flight[owner]:
+            if table.syncs_unanswered[owner]:
                 continue
             with store.hold(None, exclusive=True):
                 changed, deltas = take_pending(store.pending, keys, table.dropping[keys])
             if not changed.size:
                 continue
             drop = table.dropping[changed]
-            table.sync_in_flight[owner] = True
+            table.syncs_unanswered[owner] = 1
             table.stats["sync_sent"] += 1
             self._send(table, owner, "sync", {"origin": self.node, "target": owner, "hops": 0},
                        [changed, deltas, drop.astype(np.uint8)])
 
     def _sync_at_owner(self, table: AdaptiveTable, keys: np.ndarray, deltas: np.ndarray, drop: np.ndarray,
                        origin: int, target: int, hops: int) -> None:
-        """Add a replica's change; pass on the part for keys that moved on (their new owner adds it)."""
+        """Add a replica's change. The part for keys that moved on is passed on (their owner adds it),
+        the part for keys on their way here waits for them; the answer says how many such parts there
+        are, and the replica waits for their answers too (nothing it sent is unaccounted for)."""
         owned = table.presence[keys] == OWNED
-        if not owned.all() and hops <= MAX_HOPS:
-            rest = np.flatnonzero(~owned)
+        rest = np.flatnonzero(~owned)
+        parts = 0
+        if rest.size and hops >= _SYNC_HOPS:
+            table.stats["sync_rows_lost"] += int(rest.size)
+            log.error("server %d: a replica's change to %d key(s) of %r found no owner in %d hops: lost",
+                      self.node, rest.size, table.spec.name, hops)
+        elif rest.size:
+            dest = table.where(keys[rest])
+            if hops >= MAX_HOPS:  # the home knows the owner
+                away = ~table.directory.is_home(keys[rest])
+                dest[away] = home_of(keys[rest][away], table.num_nodes)
             table.stats["sync_forwarded"] += int(rest.size)
-            for owner, part in _group(table.where(keys[rest]), rest):
-                if owner != self.node:
+            for owner, part in _group(dest, rest):
+                parts += 1
+                if owner == self.node:  # ours, not here yet
+                    table.deferred_syncs.append((keys[part], deltas[part], drop[part], origin, target, hops))
+                else:
                     self._send(table, owner, "sync", {"origin": origin, "target": target, "hops": hops + 1},
                                [keys[part], deltas[part], drop[part]])
         keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
@@ -381,13 +402,13 @@ class AdaptiveService:
             values = table.store.values[keys].copy()
         dropped = keys[drop.astype(bool)]
         table.interest.replicas[dropped] &= ~(1 << origin)
-        self._send(table, origin, "synced", {"target": target}, [keys, values, drop])
+        self._send(table, origin, "synced", {"target": target, "parts": parts}, [keys, values, drop])
 
     def _synced(self, table: AdaptiveTable, keys: np.ndarray, values: np.ndarray, drop: np.ndarray,
-                target: int) -> None:
+                target: int, parts: int) -> None:
         store = table.store
         assert store.pending is not None
-        table.sync_in_flight[target] = False
+        table.syncs_unanswered[target] = max(0, table.syncs_unanswered[target] + parts - 1)
         with store.hold(None, exclusive=True):
             replica = table.presence[keys] == REPLICA
             keys, values, drop = keys[replica], values[replica], drop[replica].astype(bool)
@@ -492,7 +513,8 @@ class AdaptiveService:
                 self._sync_at_owner(table, keys, rows, _ints(arrays[2], keys), _node(body["origin"], table),
                                     _node(body["target"], table), int(body["hops"]))
             else:  # synced
-                self._synced(table, keys, rows, _ints(arrays[2], keys), _node(body["target"], table))
+                self._synced(table, keys, rows, _ints(arrays[2], keys), _node(body["target"], table),
+                             _count(body.get("parts", 0)))
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed placement message {kind!r}: {exc!r}") from None
 
@@ -532,6 +554,59 @@ class AdaptiveService:
     def next_timer(self) -> float | None:
         return min((t.next_sync for t in self.tables.values()), default=None)
 
+    # ----------------------------------------------------------- checkpoints
+
+    def settle(self, table: AdaptiveTable) -> list[str]:
+        """Send replicas' changes to their owners now; what still keeps the owners' rows from being final.
+
+        With every worker stopped at a barrier nothing new starts: once every server has nothing
+        unsettled, each owned row holds every change, wherever it was made.
+        """
+        self._sync(table)
+        return self.unsettled(table)
+
+    def unsettled(self, table: AdaptiveTable) -> list[str]:
+        assert table.store.pending is not None
+        why = []
+        replicas = np.flatnonzero(table.presence == REPLICA)
+        if replicas.size and table.store.pending[replicas].any():
+            why.append("replicas have changes not yet sent to their owners")
+        if sum(table.syncs_unanswered.values()):
+            why.append(f"{sum(table.syncs_unanswered.values())} replica sync(s) unanswered")
+        if table.incoming.any() or table.deferred_syncs or table.deferred_handovers:
+            why.append(f"{int(table.incoming.sum())} key(s) on their way here")
+        if table.held:
+            why.append(f"{len(table.held)} request(s) waiting for keys")
+        if any(self._outbox.values()):
+            why.append("messages wait for servers not yet known")
+        return why
+
+    def owned_rows(self, table: AdaptiveTable) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The keys this node owns and their values and optimiser state (replicas are left out:
+        their owners write them, with every replica's change once settled)."""
+        store = table.store
+        with store.hold(None, exclusive=False):
+            keys = np.flatnonzero(table.presence == OWNED)
+            arrays = {name: array[keys] for name, array in {"values": store.values, **store.state}.items()}
+        return keys, arrays
+
+    def load_home_rows(self, table: AdaptiveTable, keys: np.ndarray, arrays: dict[str, np.ndarray]) -> int:
+        """Restore: put the rows of this node's home keys in place; a job restores before keys move."""
+        home = np.zeros(table.spec.num_keys, dtype=np.uint8)
+        home[self.node::table.num_nodes] = OWNED
+        if not np.array_equal(table.presence, home):
+            raise CheckpointError(f"adaptive table {table.spec.name!r} has moved or replicated keys already: "
+                                  "restore right after creating the tables, before training")
+        mine = np.flatnonzero(home_of(keys, table.num_nodes) == self.node)
+        store = table.store
+        with store.hold(None, exclusive=True):
+            for name, target in {"values": store.values, **store.state}.items():
+                source = arrays.get(name)
+                if source is None or source.shape[1:] != target.shape[1:] or source.shape[0] != keys.shape[0]:
+                    raise CheckpointError(f"part of {table.spec.name!r} lacks {name!r} of rows {target.shape[1:]}")
+                target[keys[mine]] = source[mine]
+        return int(mine.size)
+
     def describe(self) -> dict[str, Any]:
         return {name: {"owned": int((t.presence == OWNED).sum()), "replicas": int((t.presence == REPLICA).sum()),
                        "window": t.window, "held": len(t.held), **dict(t.stats)} for name, t in self.tables.items()}
@@ -553,6 +628,12 @@ def _bits(mask: int) -> list[int]:
 def _node(value: Any, table: AdaptiveTable) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < table.num_nodes:
         raise ValueError(f"bad node {value!r}")
+    return value
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 20:
+        raise ValueError(f"bad count {value!r}")
     return value
 
 

@@ -5,6 +5,10 @@ so what a server writes is a snapshot at a clock boundary. A server writes the
 slices it holds (values and optimiser state, by global key); on restore it
 loads, from every part of a table, the rows whose keys it owns under its own
 layout, whatever the number of servers that wrote them.
+
+Adaptive tables are settled first (``SETTLE``: replicas' changes reach their
+owners); then each server writes the keys it owns, and on restore loads its
+home keys: the coordinator checks that every key was written exactly once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 
 from shoal.api.config import TableSpec
 from shoal.api.errors import CheckpointError, TableError
+from shoal.server.adaptive import AdaptiveService
 from shoal.server.tables import ServedTable
 from shoal.storage import checkpoint
 from shoal.wire.message import Message
@@ -23,15 +28,35 @@ from shoal.wire.ops import Op
 
 
 class CheckpointService:
-    def __init__(self, node: int, tables: dict[str, ServedTable]) -> None:
+    def __init__(self, node: int, tables: dict[str, ServedTable], adaptive: AdaptiveService) -> None:
         self.node = node
         self.tables = tables
+        self.adaptive = adaptive
+
+    def settle(self, msg: Message) -> Message:
+        """Send the named adaptive tables' pending replica changes; reply with what is still unsettled."""
+        unsettled = {}
+        for name in msg.body["tables"]:
+            table = self.adaptive.tables.get(str(name))
+            if table is None:
+                raise TableError(f"server {self.node} has no adaptive table {name!r}")
+            unsettled[str(name)] = self.adaptive.settle(table)
+        return msg.reply(Op.OK, {"unsettled": unsettled})
 
     def write(self, msg: Message) -> Message:
         """Write every slice this server holds of the named tables; reply with the parts' entries."""
         staging = checkpoint.check_staging(str(msg.body["staging"]))
         parts: dict[str, list[dict[str, Any]]] = {}
         for index, name in enumerate(msg.body["tables"]):
+            adaptive = self.adaptive.tables.get(str(name))
+            if adaptive is not None:
+                why = self.adaptive.unsettled(adaptive)
+                if why:
+                    raise CheckpointError(f"placement of {name!r} is still settling ({'; '.join(why)}); try again")
+                keys, arrays = self.adaptive.owned_rows(adaptive)
+                entry = checkpoint.write_part(staging, index, f"n{self.node}-owned", keys, arrays)
+                parts[str(name)] = [{**entry, "node": self.node}]
+                continue
             table = self._table(str(name))
             if table.moving:
                 raise CheckpointError(f"slices {sorted(table.moving)} of {name!r} are moving; try again")
@@ -50,13 +75,19 @@ class CheckpointService:
         manifest = checkpoint.read_manifest(path)
         loaded: dict[str, int] = {}
         for name, entry in manifest["tables"].items():
+            adaptive = self.adaptive.tables.get(name)
             table = self.tables.get(name)
-            if table is None:
+            spec = adaptive.spec if adaptive is not None else table.spec if table is not None else None
+            if spec is None:
                 continue
             saved = TableSpec.from_dict(entry["spec"])
-            if saved != table.spec:
-                raise CheckpointError(f"table {name!r} was saved with spec {saved.to_dict()}, "
-                                      f"not {table.spec.to_dict()}")
+            if saved != spec:
+                raise CheckpointError(f"table {name!r} was saved with spec {saved.to_dict()}, not {spec.to_dict()}")
+            if adaptive is not None:
+                loaded[name] = sum(self.adaptive.load_home_rows(adaptive, keys.astype(np.int64, copy=False), arrays)
+                                   for keys, arrays in checkpoint.read_parts(path, entry))
+                continue
+            assert table is not None
             if table.moving:
                 raise CheckpointError(f"slices {sorted(table.moving)} of {name!r} are moving; try again")
             loaded[name] = sum(self._load(table, keys, arrays) for keys, arrays in checkpoint.read_parts(path, entry))

@@ -171,6 +171,15 @@ def _is_entry(entry: Any) -> bool:
                     and isinstance(p.get("sha256"), str) for p in entry["parts"]))
 
 
+def part_keys(path: Path, part: dict[str, Any]) -> np.ndarray:
+    """The keys of one part just written under ``path`` (its rows are not read)."""
+    try:
+        with np.load(path / part["file"], allow_pickle=False) as data:
+            return np.asarray(data["keys"])
+    except Exception as exc:
+        raise CheckpointError(f"part {part['file']!r} under {str(path)!r} cannot be read back: {exc!r}") from None
+
+
 def read_parts(path: Path, entry: dict[str, Any]) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
     """Each part of one table's manifest entry: its keys and arrays, after checking size and checksum."""
     num_keys = int(entry["spec"]["num_keys"])

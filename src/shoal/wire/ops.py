@@ -40,6 +40,7 @@ class Op(IntEnum):
     DRAIN = 37  # -> rendezvous: hand a server's slices to the others, then let it leave
     CHECKPOINT = 38  # worker -> server: write your slices of these tables into a staging directory
     RESTORE = 39  # worker -> server: load the rows you own from a checkpoint
+    SETTLE = 40  # worker -> server: finish the placement traffic of these adaptive tables; say if it has
 
 
 class Flag:

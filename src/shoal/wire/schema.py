@@ -68,6 +68,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.DRAIN: OpSchema(body={"node": _INT}),
     Op.CHECKPOINT: OpSchema(body={"staging": _STR, "tables": (list,)}),
     Op.RESTORE: OpSchema(body={"path": _STR}),
+    Op.SETTLE: OpSchema(body={"tables": (list,)}),
 }
 
 
