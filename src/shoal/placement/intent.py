@@ -45,6 +45,10 @@ class NodeIntents:
         if end > start and keys.size:
             heapq.heappush(self._starting, (start, next(self._seq), np.unique(keys), end))
 
+    def any_due(self, clock: int, window: int) -> bool:
+        return bool((self._starting and self._starting[0][0] <= clock + window)
+                    or (self._ending and self._ending[0][0] <= clock))
+
     def due(self, clock: int, window: int) -> tuple[np.ndarray, np.ndarray]:
         """``(to_announce, to_withdraw)`` at node clock ``clock`` with an action window of ``window`` clocks."""
         newly: list[np.ndarray] = []

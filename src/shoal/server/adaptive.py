@@ -100,6 +100,7 @@ class AdaptiveTable:
         self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]] = []
         self.next_sync = 0.0
         self.window = 1  # clocks ahead that intents are acted on
+        self.acted_at = -1  # the node clock the window was last estimated at
         self.window_estimate = 1.0
         self.stats: Counter[str] = Counter()
 
@@ -447,9 +448,13 @@ class AdaptiveService:
             return
         per_node = self.cluster.workers_per_node
         local_workers = range(self.node * per_node, (self.node + 1) * per_node)
-        clock = min(int(self.clocks.clocks[w]) for w in local_workers) if per_node else 0
-        table.window_estimate = smoothed_window(_ACTION_S, self._clock_s, table.window_estimate)
-        table.window = math.ceil(table.window_estimate)
+        clock = int(self.clocks.clocks[local_workers.start:local_workers.stop].min()) if per_node else 0
+        if clock != table.acted_at:  # the estimate moves once per clock, not per pass of the loop
+            table.acted_at = clock
+            table.window_estimate = smoothed_window(_ACTION_S, self._clock_s, table.window_estimate)
+            table.window = math.ceil(table.window_estimate)
+        if not table.intents.any_due(clock, table.window):  # most passes: nothing to do
+            return
         start, stop = table.intents.due(clock, table.window)
         if start.size:
             # Interest came back before a replica here sent its last change: keep the replica (the
