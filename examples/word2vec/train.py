@@ -29,22 +29,26 @@ def main() -> None:
     p.add_argument("--mode", default="auto", choices=MODES)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lookahead", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial rows, the passes and the negatives")
     p.add_argument("--out")
     args = p.parse_args()
     h = Hyper()
     corpus = load_lee()
     adaptive = args.mode in ("relocation", "replication", "auto")
     ps = shoal.init(local_access=args.mode != "classic")
-    common = dict(optimizer=shoal.optim.Sum(), techniques=args.mode if adaptive else "static", mapping="round_robin")
+    common = dict(optimizer=shoal.optim.Sum(), techniques=args.mode if adaptive else "static", mapping="round_robin",
+                  seed=args.seed)
     vin = ps.table("w2v.in", corpus.vocab, h.dim, init=shoal.Uniform(-0.5 / h.dim, 0.5 / h.dim), **common)
     vout = ps.table("w2v.out", corpus.vocab, h.dim, **common)
-    vout.register_sampling(noise_weights(corpus.counts), scheme="local" if adaptive else "naive")
+    vout.register_sampling(noise_weights(corpus.counts), scheme="local" if adaptive else "naive",
+                           seed=args.seed * 1000 + ps.rank)
     done = 0
+    pushes: list[shoal.Future[None]] = []
     ps.barrier()
     start = time.perf_counter()
     for epoch in range(args.epochs):
         lr = h.lr * (1 - epoch / args.epochs)
-        mine = pairs(corpus, h, np.random.default_rng(epoch))[ps.rank::ps.num_workers]
+        mine = pairs(corpus, h, np.random.default_rng([args.seed, epoch]))[ps.rank::ps.num_workers]
         batches = [mine[s : s + h.batch] for s in range(0, mine.shape[0], h.batch)]
         for i, batch in enumerate(batches):
             if adaptive and i + args.lookahead < len(batches):
@@ -52,23 +56,23 @@ def main() -> None:
                 vin.intent(ahead[:, 0], clock, clock + 1)
                 vout.intent(ahead[:, 1], clock, clock + 1)
             n = batch.shape[0]
-            ins = np.unique(batch[:, 0])
-            ctx = np.unique(batch[:, 1])
-            in_rows, ctx_rows = vin.pull_async(ins), vout.pull_async(ctx)
-            neg_keys, neg_rows = vout.pull_sample(vout.prepare_sample(n * h.negatives))
-            out_keys = np.concatenate([ctx, neg_keys])
-            out_rows = np.concatenate([ctx_rows.wait(), neg_rows])
-            keys_out, out_slot = np.unique(out_keys, return_inverse=True)
+            # As the baseline does: one gather of the batch's centres and one of its distinct output
+            # words (contexts and negatives, drawn among rows present here unless in classic mode).
+            negatives = vout.sample_keys(n * h.negatives)
+            ins, in_slot = np.unique(batch[:, 0], return_inverse=True)
+            outs, out_slot = np.unique(np.concatenate([batch[:, 1], negatives]), return_inverse=True)
+            in_rows, out_rows = vin.pull_async(ins), vout.pull_async(outs)
             d_in = np.zeros((ins.shape[0], h.dim), np.float32)
-            d_out = np.zeros((keys_out.shape[0], h.dim), np.float32)
-            negs = (ctx.shape[0] + np.arange(n * h.negatives)).reshape(n, h.negatives)
-            sgns_step(in_rows.wait(), out_rows, np.searchsorted(ins, batch[:, 0]), np.searchsorted(ctx, batch[:, 1]),
-                      negs, np.arange(ins.shape[0]), out_slot, lr, d_in, d_out)
-            pushes = [vin.push_async(ins, d_in), vout.push_async(keys_out, d_out)]
-            for f in pushes:
+            d_out = np.zeros((outs.shape[0], h.dim), np.float32)
+            sgns_step(in_rows.wait(), out_rows.wait(), in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives),
+                      np.arange(ins.shape[0]), np.arange(outs.shape[0]), lr, d_in, d_out)
+            for f in pushes:  # the last step's updates of rows elsewhere are in: one step in flight at most
                 f.wait()
+            pushes = [vin.push_async(ins, d_in), vout.push_async(outs, d_out)]
             ps.advance_clock()
             done += n
+    for f in pushes:
+        f.wait()
     elapsed = time.perf_counter() - start
     ps.barrier()
     if ps.rank == 0:
