@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from shoal.placement.intent import SHARED_AFTER_MOVES, Action, NodeIntents, OwnerInterest, smoothed_window
+from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
 from shoal.placement.ownership import Directory, LocationCache
 
 
@@ -56,17 +56,6 @@ def test_owner_decisions_per_technique():
     interest.replicas[1] = 1 << 2
     assert interest.decide("relocation", keys, node=1, owner=0)[Action.RELOCATE].tolist() == [2]
     assert interest.decide("auto", keys, node=0, owner=0) == {Action.NOTHING: keys}
-
-
-def test_a_key_that_moved_lately_is_replicated_rather_than_moved_again():
-    interest = OwnerInterest(num_keys=10)
-    keys = np.array([1, 2])
-    interest.announce(keys, node=1)
-    interest.moves[2] = SHARED_AFTER_MOVES  # it arrived here a moment ago
-    got = interest.decide("auto", keys, node=1, owner=0)
-    assert got[Action.RELOCATE].tolist() == [1] and got[Action.REPLICATE].tolist() == [2]
-    interest.moves *= 0.5  # a half-life later: it may move again
-    assert interest.decide("auto", keys, node=1, owner=0)[Action.RELOCATE].tolist() == [1, 2]
 
 
 def test_action_window_follows_the_clock_rate():

@@ -5,10 +5,8 @@ node's server turns intents into announcements when they enter the *action
 window* (the next few clocks) and withdrawals when they expire, and sends them
 to the keys' owners. An owner decides per key from the nodes that announced
 interest: one other node and nobody else -> relocate the key there; several
-nodes -> replicate it to them; no interest -> leave it. A key that moved in the
-last few seconds is replicated instead of moved again: nodes use it in turn
-(word2vec's common words), and moving it back and forth costs more than a
-replica on each. Pure bookkeeping: the server carries the decisions out.
+nodes -> replicate it to them; no interest -> leave it. Pure bookkeeping: the
+server carries the decisions out.
 """
 
 from __future__ import annotations
@@ -19,9 +17,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
-
-SHARED_AFTER_MOVES = 1.0  # relocations (halved every MOVES_HALF_LIFE_S) after which auto replicates instead
-MOVES_HALF_LIFE_S = 5.0
 
 
 class Action(Enum):
@@ -85,13 +80,10 @@ class OwnerInterest:
     num_keys: int
     interest: np.ndarray = field(init=False)
     replicas: np.ndarray = field(init=False)  # nodes holding a replica (a bit per node)
-    #: recent relocations of each key, decaying (travels with the key): a key that keeps moving is shared
-    moves: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.interest = np.zeros(self.num_keys, dtype=np.int64)
         self.replicas = np.zeros(self.num_keys, dtype=np.int64)
-        self.moves = np.zeros(self.num_keys, dtype=np.float32)
 
     def announce(self, keys: np.ndarray, node: int) -> None:
         self.interest[keys] |= 1 << node
@@ -106,9 +98,7 @@ class OwnerInterest:
         if technique == "replication":
             return {Action.REPLICATE: keys}
         others = self.interest[keys] & ~(1 << node)
-        # A key that moved back and forth lately is used by several nodes in turn, if not at once:
-        # a replica on each serves them all without moving it again.
-        alone = (others == 0) & (self.replicas[keys] == 0) & (self.moves[keys] < SHARED_AFTER_MOVES)
+        alone = (others == 0) & (self.replicas[keys] == 0)
         if technique == "relocation":
             # Only keys nobody else holds a replica of can move; a replica syncs with its owner.
             return {Action.RELOCATE: keys[self.replicas[keys] == 0], Action.NOTHING: keys[self.replicas[keys] != 0]}

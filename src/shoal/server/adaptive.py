@@ -36,7 +36,7 @@ from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import CheckpointError, ConfigError, ProtocolError
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
-from shoal.placement.intent import MOVES_HALF_LIFE_S, Action, NodeIntents, OwnerInterest, smoothed_window
+from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
 from shoal.placement.ownership import MAX_HOPS, Directory, LocationCache, home_of
 from shoal.server.replicated import SERVER_SENDERS
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA, any_nonfinite, take_pending
@@ -99,7 +99,6 @@ class AdaptiveTable:
         #: parts of replicas' syncs for keys on their way here: added when the keys arrive
         self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]] = []
         self.next_sync = 0.0
-        self.next_decay = 0.0
         self.window = 1  # clocks ahead that intents are acted on
         self.acted_at = -1  # the node clock the window was last estimated at
         self.window_estimate = 1.0
@@ -287,15 +286,13 @@ class AdaptiveService:
         table.hints.learn(keys, to)
         interest = table.interest.interest[keys].copy()
         replicas = table.interest.replicas[keys].copy()
-        moves = table.interest.moves[keys] + 1
         table.interest.interest[keys] = 0
         table.interest.replicas[keys] = 0
-        table.interest.moves[keys] = 0
         table.stats["keys_relocated_away"] += int(keys.size)
-        self._send(table, to, "state", {}, [keys, values, interest, replicas, moves])
+        self._send(table, to, "state", {}, [keys, values, interest, replicas])
 
     def _receive_state(self, table: AdaptiveTable, keys: np.ndarray, values: np.ndarray, interest: np.ndarray,
-                       replicas: np.ndarray, moves: np.ndarray, sender: int) -> None:
+                       replicas: np.ndarray, sender: int) -> None:
         store = table.store
         assert store.pending is not None
         with store.hold(None, exclusive=True):
@@ -313,7 +310,6 @@ class AdaptiveService:
         table.hints.learn(keys, self.node)
         table.interest.interest[keys] |= interest
         table.interest.replicas[keys] |= replicas
-        table.interest.moves[keys] = moves
         table.stats["keys_relocated_here"] += int(keys.size)
         # The homes already know: they started the move, or the old owner told them.
         for holder in _bits(np.bitwise_or.reduce(replicas) if replicas.size else 0):
@@ -515,8 +511,7 @@ class AdaptiveService:
             elif rows is None:
                 raise ProtocolError(f"unknown placement message {kind!r}")
             elif kind == "state":
-                self._receive_state(table, keys, rows, _ints(arrays[2], keys), _ints(arrays[3], keys),
-                                    _moves(arrays[4], keys), sender)
+                self._receive_state(table, keys, rows, _ints(arrays[2], keys), _ints(arrays[3], keys), sender)
             elif kind == "replicate":
                 self._receive_replica(table, keys, rows, sender)
             elif kind == "sync":
@@ -545,9 +540,6 @@ class AdaptiveService:
             if now >= table.next_sync:
                 table.next_sync = now + table.spec.sync_ms / 1000.0
                 self._sync(table)
-            if now >= table.next_decay:
-                table.next_decay = now + MOVES_HALF_LIFE_S
-                table.interest.moves *= 0.5
             stale = [h for h in table.held if now - h.since > _HELD_S]
             if stale:
                 table.held = [h for h in table.held if h not in stale]
@@ -642,12 +634,6 @@ def _node(value: Any, table: AdaptiveTable) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < table.num_nodes:
         raise ValueError(f"bad node {value!r}")
     return value
-
-
-def _moves(arr: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    if arr.shape != keys.shape or arr.dtype != np.float32 or not np.isfinite(arr).all() or (arr < 0).any():
-        raise ValueError(f"expected {keys.shape[0]} move counts, got {arr.shape} {arr.dtype}")
-    return arr
 
 
 def _count(value: Any) -> int:
