@@ -28,6 +28,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_consistency.py
 	$(PY) benchmarks/bench_emulated_hosts.py
 	$(PY) benchmarks/bench_slicing.py
+	$(PY) benchmarks/bench_replication.py
+	$(PY) benchmarks/bench_replica_failures.py
+	$(PY) benchmarks/bench_kge.py
+	$(PY) benchmarks/bench_word2vec.py
 	$(PY) benchmarks/bench_kge_hosts.py
 
 soak: $(STAMP)

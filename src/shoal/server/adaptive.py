@@ -1,9 +1,10 @@
 """Adaptive tables on one server: keys that relocate and hot keys that replicate (DESIGN.md §6).
 
 Every node keeps a row for every key in shared memory, with its presence
-(absent, owned, replica). Co-located workers read and update present rows
-themselves; requests for absent rows come here and are answered with the
-rows this node has and "moved, try node n" for the others.
+(absent, owned, replica) and where the server believes absent keys live.
+Co-located workers read and update present rows themselves; requests for
+absent rows come here and are answered with the rows this node has and
+"moved, try node n" for the others.
 
 Between servers (all one-way messages, op ``PLACEMENT``):
 
@@ -17,7 +18,8 @@ Between servers (all one-way messages, op ``PLACEMENT``):
 * ``replicate`` (owner -> node): a replica of keys;
 * ``sync`` / ``synced`` (replica -> owner -> replica): the replica's change since
   the last sync, and the owner's row after adding it; with ``drop`` the replica
-  goes away after its last change is in.
+  goes away after its last change is in. A part for keys that moved on is
+  passed to their owner, which answers it too: ``synced`` counts such parts.
 """
 
 from __future__ import annotations
