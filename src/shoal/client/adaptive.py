@@ -123,8 +123,8 @@ class AdaptiveAccess:
               ) -> list[tuple[np.ndarray, int]]:
         where = self.hints.route(keys[pos], hops)
         if hops == 0 and self.node_hints is not None:
-            # A key absent here that this worker last saw here left with its owner's consent:
-            # the node's server handed it over and knows where it went (one hop saved).
+            # A key absent here that this worker's cache places here has left: this node's server
+            # handed it over (or heard where it went) and knows where it is (one hop saved).
             stale = where == self.worker.node
             where[stale] = self.node_hints[keys[pos[stale]]]
         sent = []

@@ -56,31 +56,32 @@ def drop_nonfinite(keys: np.ndarray, values: np.ndarray, spec: TableSpec) -> tup
 
     Returns the keys and values to apply and how many rows were skipped.
     """
-    if not kernels.any_nonfinite(values):
+    bad = _nonfinite_rows(values, spec)
+    if bad is None:
         return keys, values, 0
-    bad = kernels.nonfinite_rows(values)
-    count = int(bad.sum())
-    if spec.nonfinite == "reject":
-        raise NonFiniteError(
-            f"push to table {spec.name!r} has NaN/Inf in {count} row(s); rejected, nothing applied "
-            "(set nonfinite='skip' to drop such rows instead)"
-        )
     keep = ~bad
-    return keys[keep], values[keep], count
+    return keys[keep], values[keep], int(bad.sum())
 
 
 def zero_nonfinite(values: np.ndarray, spec: TableSpec) -> tuple[np.ndarray, int]:
     """The NaN/Inf policy for a push whose rows must keep their positions (an adaptive table's
     answer names positions): under ``skip`` the bad rows become zeros, which add nothing."""
-    if not kernels.any_nonfinite(values):
+    bad = _nonfinite_rows(values, spec)
+    if bad is None:
         return values, 0
-    bad = kernels.nonfinite_rows(values)
-    count = int(bad.sum())
-    if spec.nonfinite == "reject":
-        raise NonFiniteError(
-            f"push to table {spec.name!r} has NaN/Inf in {count} row(s); rejected, nothing applied "
-            "(set nonfinite='skip' to drop such rows instead)"
-        )
     values = values.copy()
     values[bad] = 0
-    return values, count
+    return values, int(bad.sum())
+
+
+def _nonfinite_rows(values: np.ndarray, spec: TableSpec) -> np.ndarray | None:
+    """The rows holding NaN/Inf under the ``skip`` policy (None if there are none); ``reject`` raises."""
+    if not kernels.any_nonfinite(values):
+        return None
+    bad = kernels.nonfinite_rows(values)
+    if spec.nonfinite == "reject":
+        raise NonFiniteError(
+            f"push to table {spec.name!r} has NaN/Inf in {int(bad.sum())} row(s); rejected, nothing applied "
+            "(set nonfinite='skip' to drop such rows instead)"
+        )
+    return bad
