@@ -17,9 +17,7 @@ MRR of auto on 2 nodes with the baseline's after the same number of epochs
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +32,7 @@ from baseline import train as train_baseline  # noqa: E402
 from complex_model import Hyper, filtered_ranks, mrr_hits  # noqa: E402
 from graphs import load  # noqa: E402
 
-import shoal.launch.local  # noqa: E402
-from common import RESULTS, shmem_huge_pages, write_results  # noqa: E402
+from common import RESULTS, run_example, shmem_huge_pages, write_results  # noqa: E402
 
 LOSS_TARGET = 0.30
 CONTENDERS = [("classic PS", "classic", 2), ("static", "static", 1), ("static", "static", 2),
@@ -44,13 +41,7 @@ CONTENDERS = [("classic PS", "classic", 2), ("static", "static", 1), ("static", 
 
 
 def run_cluster(mode: str, nodes: int, extra: list[str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out.json"
-        status = shoal.launch.local.run([sys.executable, str(KGE / "train.py"), "--mode", mode, "--out", str(out),
-                                         *extra], nodes=nodes, prefix_output=False)
-        if status != 0:
-            raise SystemExit(f"{mode} on {nodes} node(s) failed with status {status}")
-        return json.loads(out.read_text())  # type: ignore[no-any-return]
+    return run_example(KGE / "train.py", ["--mode", mode, *extra], nodes=nodes)
 
 
 def time_to(losses: list[list[float]], target: float) -> float | None:

@@ -11,12 +11,11 @@ RMSE beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 MF = HERE.parent / "examples" / "mf"
@@ -27,8 +26,7 @@ from baseline import train_baseline  # noqa: E402
 from data import load_movielens  # noqa: E402
 from model import Hyper  # noqa: E402
 
-import shoal.launch.local  # noqa: E402
-from common import write_results  # noqa: E402
+from common import run_example, write_results  # noqa: E402
 
 CONFIGS = {
     "Shoal 1 node x 1 worker": dict(nodes=1, workers_per_node=1),
@@ -38,15 +36,8 @@ CONFIGS = {
 }
 
 
-def run_cluster(epochs: int, options: dict[str, object]) -> dict[str, object]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "mf.json"
-        status = shoal.launch.local.run(
-            [sys.executable, str(MF / "train.py"), "--epochs", str(epochs), "--quiet", "--out", str(out)],
-            prefix_output=False, **options)  # type: ignore[arg-type]
-        if status != 0:
-            raise SystemExit(f"cluster run {options} failed with status {status}")
-        return json.loads(out.read_text())  # type: ignore[no-any-return]
+def run_cluster(epochs: int, options: dict[str, Any]) -> dict[str, Any]:
+    return run_example(MF / "train.py", ["--epochs", str(epochs), "--quiet"], **options)
 
 
 BASELINE = "single-process baseline (compiled row updates)"

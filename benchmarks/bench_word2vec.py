@@ -16,9 +16,7 @@ weigh more than for the KGE benchmark. Writes ``results/word2vec.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +28,13 @@ sys.path.insert(0, str(W2V))
 from baseline import train as train_baseline  # noqa: E402
 from sgns import Hyper  # noqa: E402
 
-import shoal.launch.local  # noqa: E402
-from common import write_results  # noqa: E402
+from common import run_example, write_results  # noqa: E402
 
 CONTENDERS = [("classic PS", "classic", 2), ("static", "static", 2), ("auto", "auto", 1), ("auto", "auto", 2)]
 
 
 def run_cluster(mode: str, nodes: int, epochs: int, seed: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out.json"
-        status = shoal.launch.local.run([sys.executable, str(W2V / "train.py"), "--mode", mode, "--epochs", str(epochs),
-                                         "--seed", str(seed), "--out", str(out)], nodes=nodes, prefix_output=False)
-        if status != 0:
-            raise SystemExit(f"{mode} on {nodes} node(s) failed with status {status}")
-        return json.loads(out.read_text())  # type: ignore[no-any-return]
+    return run_example(W2V / "train.py", ["--mode", mode, "--epochs", str(epochs), "--seed", str(seed)], nodes=nodes)
 
 
 def summary(name: str, nodes: int, runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -5,12 +5,28 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_example(script: Path, args: list[str], **cluster: Any) -> dict[str, Any]:
+    """Run ``script`` on a local cluster (``cluster``: ``nodes=``, ``local_access=``, ...) and return
+    what it wrote with ``--out`` (JSON)."""
+    import shoal.launch.local
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        status = shoal.launch.local.run([sys.executable, str(script), *args, "--out", str(out)],
+                                        prefix_output=False, **cluster)
+        if status != 0:
+            raise SystemExit(f"{script.name} {' '.join(args)} ({cluster}) failed with status {status}")
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
 def time_call(fn: Callable[[], object], min_seconds: float = 0.2, min_calls: int = 5) -> float:
