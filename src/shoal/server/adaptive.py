@@ -578,8 +578,9 @@ class AdaptiveService:
         replicas = np.flatnonzero(table.presence == REPLICA)
         if replicas.size and table.store.pending[replicas].any():
             why.append("replicas have changes not yet sent to their owners")
-        if sum(table.syncs_unanswered.values()):
-            why.append(f"{sum(table.syncs_unanswered.values())} replica sync(s) unanswered")
+        unanswered = sum(table.syncs_unanswered.values())
+        if unanswered:
+            why.append(f"{unanswered} replica sync(s) unanswered")
         if table.incoming.any() or table.deferred_syncs or table.deferred_handovers:
             why.append(f"{int(table.incoming.sum())} key(s) on their way here")
         if table.held:
@@ -594,7 +595,7 @@ class AdaptiveService:
         store = table.store
         with store.hold(None, exclusive=False):
             keys = np.flatnonzero(table.presence == OWNED)
-            arrays = {name: array[keys] for name, array in {"values": store.values, **store.state}.items()}
+            arrays = {name: array[keys] for name, array in store.state_arrays().items()}
         return keys, arrays
 
     def load_home_rows(self, table: AdaptiveTable, keys: np.ndarray, arrays: dict[str, np.ndarray]) -> int:
@@ -607,7 +608,7 @@ class AdaptiveService:
         mine = np.flatnonzero(home_of(keys, table.num_nodes) == self.node)
         store = table.store
         with store.hold(None, exclusive=True):
-            for name, target in {"values": store.values, **store.state}.items():
+            for name, target in store.state_arrays().items():
                 source = arrays.get(name)
                 if source is None or source.shape[1:] != target.shape[1:] or source.shape[0] != keys.shape[0]:
                     raise CheckpointError(f"part of {table.spec.name!r} lacks {name!r} of rows {target.shape[1:]}")
