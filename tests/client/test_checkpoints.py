@@ -10,6 +10,8 @@ import pytest
 
 import shoal
 from shoal.api.errors import CheckpointError
+from shoal.server.replicated import wire_version
+from shoal.storage import checkpoint
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA
 from tests.support.cluster import ThreadCluster
 
@@ -90,12 +92,12 @@ def test_restore_onto_more_servers_keeps_values_and_optimiser_state(tmp_path):
     assert again.tobytes() == two_steps.tobytes()  # Adam's moments came back too
 
 
-def test_a_checkpoint_of_another_spec_or_a_replicated_table_is_refused_by_name(tmp_path):
+def test_a_checkpoint_of_another_spec_is_refused_by_name(tmp_path):
     def save(w):
         w.table("emb", KEYS, DIM)
-        w.table("shared", 10, 2, replicas=2)
-        with pytest.raises(CheckpointError, match="'shared' is replicated"):
-            w.checkpoint(tmp_path)
+        w.table("other", 10, 2)
+        with pytest.raises(CheckpointError, match="no table 'missing'"):
+            w.checkpoint(tmp_path, tables=["missing"])
         return w.checkpoint(tmp_path, tables=["emb"])
 
     def load(w):
@@ -172,3 +174,64 @@ def test_an_adaptive_table_is_saved_with_every_replica_change_and_restored_at_ho
 
         cluster.run_workers(load)
         assert [s.adaptive.describe()["ad"]["owned"] for s in cluster.servers] == [15, 25]
+
+
+def test_a_replicated_table_is_saved_once_its_replicas_agree_and_restored_with_their_state(tmp_path):
+    # Gossip every 60 s: at the checkpoint each replica holds only the pushes it accepted itself,
+    # and Adagrad's accumulators differ per replica (each keeps its own).
+    options = dict(replicas=2, gossip_ms=60_000, optimizer=shoal.optim.Adagrad(lr=0.1), init=shoal.Constant(0.5))
+    keys = np.arange(30)
+
+    def replicas(cluster):
+        return {(server.node, shard): replica for server in cluster.servers
+                for shard, replica in server.replication.tables["rep"].replicas.items()}
+
+    with ThreadCluster(nodes=3) as cluster:
+        def save(w):
+            t = w.table("rep", 30, 2, **options)
+            for step in range(3):
+                t.push(keys, np.full((30, 2), (w.rank + 1.0) * (step + 1), np.float32))
+            w.barrier()
+            if w.rank == 0:
+                by_shard = {}
+                for (_, shard), r in replicas(cluster).items():
+                    by_shard.setdefault(shard, set()).add(tuple(map(tuple, wire_version(r))))
+                assert any(len(v) > 1 for v in by_shard.values()), "the replicas agreed before the checkpoint"
+            w.checkpoint(tmp_path)
+            return t.pull(keys)
+
+        pulled = cluster.run_workers(save)
+        saved = {at: r.state_arrays() for at, r in replicas(cluster).items()}
+    parts = checkpoint.read_manifest(checkpoint.latest(tmp_path))["tables"]["rep"]["parts"]
+    assert sorted((p["node"], p["shard"]) for p in parts) == sorted(saved)  # every replica wrote its rows
+    for shard in {p["shard"] for p in parts}:
+        assert len({str(p["version"]) for p in parts if p["shard"] == shard}) == 1  # ... as they agreed
+    np.testing.assert_array_equal(pulled[0], pulled[1])  # converged: every replica holds every push
+    np.testing.assert_array_equal(pulled[0], pulled[2])
+
+    with ThreadCluster(nodes=3) as cluster:
+        def load(w):
+            t = w.table("rep", 30, 2, **options)
+            assert w.restore(tmp_path) == 0
+            w.barrier()
+            np.testing.assert_array_equal(t.pull(keys), pulled[0])
+            w.barrier()
+            t.push(keys[:1], np.ones((1, 2), np.float32))
+            w.barrier()
+            with pytest.raises(CheckpointError, match="restore right after creating the tables"):
+                w.restore(tmp_path)
+
+        cluster.run_workers(load)
+        restored = replicas(cluster)
+        assert restored.keys() == saved.keys()
+        for at, r in restored.items():  # each replica has its own accumulators back (untouched rows)
+            np.testing.assert_array_equal(r.state_arrays()["first"][1:], saved[at]["first"][1:])
+
+    with ThreadCluster(nodes=2) as cluster:  # another layout: rows found by key
+        def load_fewer(w):
+            t = w.table("rep", 30, 2, **options)
+            w.restore(tmp_path)
+            w.barrier()
+            np.testing.assert_array_equal(t.pull(keys), pulled[0])
+
+        cluster.run_workers(load_fewer)

@@ -11,6 +11,11 @@ Adaptive tables are settled first: rank 0 asks every server to send its
 replicas' changes to their owners until no server has any left or waiting for
 an answer; then each owner writes its keys, and rank 0 checks that every key
 was written exactly once (a key that moved meanwhile makes it try again).
+Replicated tables are settled by gossip: rank 0 has every server gossip with
+all its peer replicas until the replicas of each shard report the same version
+vector (every update any of them accepted is in each); then every replica
+writes its rows and optimiser state, and rank 0 checks that each shard's parts
+carry one version.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,27 +90,36 @@ def _covered_tables(worker: Worker, tables: Iterable[str] | None) -> list[str]:
         table = worker.tables.get(name)
         if table is None:
             raise CheckpointError(f"no table {name!r} here to checkpoint")
-        if table.spec.replicated:
-            raise CheckpointError(f"table {name!r} is replicated; checkpoints cover static and adaptive tables "
-                                  f"(pass tables=[...] to leave it out)")
     return names
 
 
 def _settle(worker: Worker, names: list[str]) -> None:
-    """Until every server says its adaptive tables' rows are final (every replica change at its owner)."""
-    adaptive = [name for name in names if worker.tables[name].spec.adaptive]
-    if not adaptive:
+    """Until every server says its adaptive tables' rows are final (every replica change at its owner)
+    and the replicas of every replicated shard hold the same updates."""
+    settling = [name for name in names if worker.tables[name].spec.adaptive or worker.tables[name].spec.replicated]
+    if not settling:
         return
     timeout_s = worker.cluster.timeouts.request_s
     deadline = time.monotonic() + timeout_s
     while True:
-        replies = _ask_servers(worker, Op.SETTLE, {"tables": adaptive})
-        why = sorted({f"{name}: {w}" for body in replies for name, ws in body["unsettled"].items() for w in ws})
+        replies = _ask_servers(worker, Op.SETTLE, {"tables": settling})
+        why = {f"{name}: {w}" for body in replies for name, ws in body["unsettled"].items() for w in ws}
+        versions: dict[tuple[str, int], set[Any]] = defaultdict(set)
+        for body in replies:
+            for name, shards in body.get("versions", {}).items():
+                for shard, version in shards:
+                    versions[name, int(shard)].add(_frozen(version))
+        why |= {f"{name}: the replicas of shard {shard} differ (gossip under way)"
+                for (name, shard), seen in versions.items() if len(seen) > 1}
         if not why:
             return
         if time.monotonic() > deadline:
-            raise CheckpointError(f"adaptive tables did not settle within {timeout_s:.0f}s: {'; '.join(why)}")
+            raise CheckpointError(f"tables did not settle within {timeout_s:.0f}s: {'; '.join(sorted(why))}")
         time.sleep(0.02)
+
+
+def _frozen(version: list[list[int]]) -> tuple[tuple[int, int], ...]:
+    return tuple((int(origin), int(seq)) for origin, seq in version)
 
 
 def _write(worker: Worker, root: Path, names: list[str], keep: int) -> Path:
@@ -136,6 +151,16 @@ def _parts(worker: Worker, name: str, replies: list[dict[str, Any]], staging: Pa
     exactly once (none moved meanwhile)."""
     parts = [p for body in replies for p in body["parts"].get(name, [])]
     spec = worker.tables[name].spec
+    if spec.replicated:
+        versions: dict[int, set[Any]] = defaultdict(set)
+        for p in parts:
+            versions[int(p["shard"])].add(_frozen(p["version"]))
+        missing = [s for s in range(worker.tables[name].layout.num_shards) if s not in versions]
+        differ = sorted(s for s, seen in versions.items() if len(seen) > 1)
+        if missing or differ:
+            raise CheckpointError(f"replicated {name!r}: shards {missing} written by no replica, the replicas of "
+                                  f"shards {differ} differ (an update arrived during the checkpoint)")
+        return parts
     if spec.adaptive:
         keys = np.concatenate([checkpoint.part_keys(staging, p) for p in parts]) if parts else np.empty(0, np.int64)
         counts = np.bincount(keys, minlength=spec.num_keys) if keys.size else np.zeros(spec.num_keys, np.int64)
@@ -153,13 +178,14 @@ def _parts(worker: Worker, name: str, replies: list[dict[str, Any]], staging: Pa
 
 def _load(worker: Worker, path: Path, manifest: dict[str, Any]) -> None:
     replies = _ask_servers(worker, Op.RESTORE, {"path": str(path)})
-    for name, entry in manifest["tables"].items():
+    for name in manifest["tables"]:
         if name not in worker.tables:
             continue
+        spec = worker.tables[name].spec
         rows = sum(int(body["rows"].get(name, 0)) for body in replies)
-        if rows != int(entry["spec"]["num_keys"]):
-            raise CheckpointError(f"servers loaded {rows} rows of {name!r} from {str(path)!r}, "
-                                  f"expected {entry['spec']['num_keys']}")
+        expected = spec.num_keys * (min(spec.replicas, worker.num_nodes) if spec.replicated else 1)
+        if rows != expected:
+            raise CheckpointError(f"servers loaded {rows} rows of {name!r} from {str(path)!r}, expected {expected}")
 
 
 def _ask_servers(worker: Worker, op: Op, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -147,6 +147,30 @@ class ShardReplica:
                 done += [(t, origin, seq, now) for t in push.tokens]
         return done
 
+    # ------------------------------------------------------------ checkpoints
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Values (float64, as the lattice holds them) and this replica's own optimiser state, per row."""
+        arrays = {"values": self.lattice.value()}
+        for name, array in (("first", self._first), ("second", self._second), ("steps", self._steps)):
+            if array is not None:
+                arrays[name] = array.copy()
+        return arrays
+
+    def load(self, rows: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Restore: ``rows`` start from the saved values and optimiser state. Only before any update,
+        so the lattice is its base alone and every replica that loads the same values agrees."""
+        if any(self.version().values()):
+            raise ValueError("the replica has taken updates already")
+        targets = {"values": self.lattice.base, "first": self._first, "second": self._second, "steps": self._steps}
+        for name, target in targets.items():
+            if target is None:
+                continue
+            source = arrays.get(name)
+            if source is None or source.shape[1:] != target.shape[1:] or source.shape[0] != rows.shape[0]:
+                raise ValueError(f"the saved rows lack {name!r} of shape {target.shape[1:]}")
+            target[rows] = source
+
     # ------------------------------------------------------------------ reads
 
     def read(self, rows: np.ndarray) -> np.ndarray:

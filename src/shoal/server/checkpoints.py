@@ -9,6 +9,10 @@ layout, whatever the number of servers that wrote them.
 Adaptive tables are settled first (``SETTLE``: replicas' changes reach their
 owners); then each server writes the keys it owns, and on restore loads its
 home keys: the coordinator checks that every key was written exactly once.
+Replicated tables are settled by gossip with every peer replica until the
+replicas of each shard hold the same version vector; then every replica writes
+its rows with its own optimiser state, and on restore each replica loads its
+keys, its own node's optimiser state where that node wrote one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 from shoal.api.config import TableSpec
 from shoal.api.errors import CheckpointError, TableError
 from shoal.server.adaptive import AdaptiveService
+from shoal.server.replicated import ReplicatedTable, ReplicationService, wire_version
 from shoal.server.tables import ServedTable
 from shoal.storage import checkpoint
 from shoal.wire.message import Message
@@ -28,20 +33,28 @@ from shoal.wire.ops import Op
 
 
 class CheckpointService:
-    def __init__(self, node: int, tables: dict[str, ServedTable], adaptive: AdaptiveService) -> None:
+    def __init__(self, node: int, tables: dict[str, ServedTable], adaptive: AdaptiveService,
+                 replication: ReplicationService) -> None:
         self.node = node
         self.tables = tables
         self.adaptive = adaptive
+        self.replication = replication
 
     def settle(self, msg: Message) -> Message:
-        """Send the named adaptive tables' pending replica changes; reply with what is still unsettled."""
-        unsettled = {}
-        for name in msg.body["tables"]:
-            table = self.adaptive.tables.get(str(name))
-            if table is None:
-                raise TableError(f"server {self.node} has no adaptive table {name!r}")
-            unsettled[str(name)] = self.adaptive.settle(table)
-        return msg.reply(Op.OK, {"unsettled": unsettled})
+        """Send the named adaptive tables' pending replica changes and start gossip for the replicated
+        ones; reply with what is still unsettled and the replicated tables' version vectors per shard."""
+        unsettled: dict[str, list[str]] = {}
+        versions: dict[str, list[list[Any]]] = {}
+        for name in map(str, msg.body["tables"]):
+            adaptive = self.adaptive.tables.get(name)
+            replicated = self.replication.tables.get(name)
+            if adaptive is not None:
+                unsettled[name] = self.adaptive.settle(adaptive)
+            elif replicated is not None:
+                versions[name], unsettled[name] = self.replication.settle(replicated)
+            else:
+                raise TableError(f"server {self.node} has no adaptive or replicated table {name!r}")
+        return msg.reply(Op.OK, {"unsettled": unsettled, "versions": versions})
 
     def write(self, msg: Message) -> Message:
         """Write every slice this server holds of the named tables; reply with the parts' entries."""
@@ -57,6 +70,10 @@ class CheckpointService:
                 entry = checkpoint.write_part(staging, index, f"n{self.node}-owned", keys, arrays)
                 parts[str(name)] = [{**entry, "node": self.node}]
                 continue
+            replicated = self.replication.tables.get(str(name))
+            if replicated is not None:
+                parts[str(name)] = self._write_replicas(staging, index, replicated)
+                continue
             table = self._table(str(name))
             if table.moving:
                 raise CheckpointError(f"slices {sorted(table.moving)} of {name!r} are moving; try again")
@@ -69,6 +86,17 @@ class CheckpointService:
             parts[str(name)] = entries
         return msg.reply(Op.OK, {"parts": parts})
 
+    def _write_replicas(self, staging: Path, index: int, table: ReplicatedTable) -> list[dict[str, Any]]:
+        entries = []
+        for shard, replica in sorted(table.replicas.items()):
+            if any(replica.held.values()):
+                raise CheckpointError(f"shard {shard} of {table.spec.name!r} holds pushes that wait for "
+                                      "earlier ones; try again")
+            entry = checkpoint.write_part(staging, index, f"n{self.node}-s{shard}",
+                                          table.layout.mapping.keys_of(shard), replica.state_arrays())
+            entries.append({**entry, "shard": shard, "node": self.node, "version": wire_version(replica)})
+        return entries
+
     def restore(self, msg: Message) -> Message:
         """Load the rows this server owns of every table the checkpoint and this server share."""
         path = Path(str(msg.body["path"]))
@@ -76,16 +104,24 @@ class CheckpointService:
         loaded: dict[str, int] = {}
         for name, entry in manifest["tables"].items():
             adaptive = self.adaptive.tables.get(name)
+            replicated = self.replication.tables.get(name)
             table = self.tables.get(name)
-            spec = adaptive.spec if adaptive is not None else table.spec if table is not None else None
-            if spec is None:
+            served = adaptive or replicated or table
+            if served is None:
                 continue
+            spec = served.spec
             saved = TableSpec.from_dict(entry["spec"])
             if saved != spec:
                 raise CheckpointError(f"table {name!r} was saved with spec {saved.to_dict()}, not {spec.to_dict()}")
             if adaptive is not None:
                 loaded[name] = sum(self.adaptive.load_home_rows(adaptive, keys.astype(np.int64, copy=False), arrays)
                                    for keys, arrays in checkpoint.read_parts(path, entry))
+                continue
+            if replicated is not None:
+                # This node's own parts last: where it wrote a row, its optimiser state is the one it kept.
+                own_last = sorted(entry["parts"], key=lambda part: part.get("node") == self.node)
+                loaded[name] = self.replication.load(replicated, checkpoint.read_parts(path, {**entry,
+                                                                                          "parts": own_last}))
                 continue
             assert table is not None
             if table.moving:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import ConfigError, KeyRangeError, ProtocolError, ShoalError
+from shoal.api.errors import CheckpointError, ConfigError, KeyRangeError, ProtocolError, ShoalError
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
@@ -171,10 +171,13 @@ class ReplicationService:
                 continue
             for shard, replica in table.replicas.items():
                 replica.trim_log(live)
-                peers = [n for n in table.layout.replica_nodes(shard)
-                         if n != self.node and self.alive[n] and n in self._addresses]
+                peers = self._live_peers(table, shard)
                 if peers:
                     self._send_gossip(table, self.rng.choice(peers), replica.digest())
+
+    def _live_peers(self, table: ReplicatedTable, shard: int) -> list[int]:
+        return [n for n in table.layout.replica_nodes(shard)
+                if n != self.node and self.alive[n] and n in self._addresses]
 
     def _send_gossip(self, table: ReplicatedTable, node: int, payload: GossipPayload) -> None:
         body, arrays = payload.to_wire(table.spec.dim)
@@ -206,5 +209,43 @@ class ReplicationService:
             if final.deltas or final.states:
                 self._send_gossip(table, sender, final)
 
+    # ----------------------------------------------------------- checkpoints
+
+    def settle(self, table: ReplicatedTable) -> tuple[list[list[Any]], list[str]]:
+        """Gossip with every live peer replica now. Returns this server's version vector per shard
+        (the replicas of a shard agree once theirs are equal) and what else keeps them from being final."""
+        why = []
+        for shard, replica in sorted(table.replicas.items()):
+            for node in self._live_peers(table, shard):
+                self._send_gossip(table, node, replica.digest())
+            if any(replica.held.values()):
+                why.append(f"shard {shard} holds pushes that wait for earlier ones")
+        return [[shard, wire_version(replica)] for shard, replica in sorted(table.replicas.items())], why
+
+    def load(self, table: ReplicatedTable, parts: Iterable[tuple[np.ndarray, dict[str, np.ndarray]]]) -> int:
+        """Restore: every replica here takes its keys' rows from the parts (a later part wins, so the
+        caller puts this node's own parts, with its optimiser state, last). Returns the rows filled."""
+        if any(any(r.version().values()) for r in table.replicas.values()):
+            raise CheckpointError(f"replicated table {table.spec.name!r} has taken updates already: "
+                                  "restore right after creating the tables, before training")
+        filled = {shard: np.zeros(replica.num_rows, dtype=np.bool_) for shard, replica in table.replicas.items()}
+        for keys, arrays in parts:
+            shards, rows = table.layout.mapping.locate(keys)
+            for shard, replica in table.replicas.items():
+                mine = np.flatnonzero(shards == shard)
+                if not mine.size:
+                    continue
+                try:
+                    replica.load(rows[mine], {name: array[mine] for name, array in arrays.items()})
+                except ValueError as exc:
+                    raise CheckpointError(f"part of {table.spec.name!r}: {exc}") from None
+                filled[shard][rows[mine]] = True
+        return sum(int(f.sum()) for f in filled.values())
+
     def close(self) -> None:
         self.peers.close()
+
+
+def wire_version(replica: ShardReplica) -> list[list[int]]:
+    """A replica's version vector as sorted ``[origin, seq]`` pairs (origins it has no update of left out)."""
+    return sorted([origin, seq] for origin, seq in replica.version().items() if seq)

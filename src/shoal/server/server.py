@@ -100,7 +100,7 @@ class ParameterServer:
         self.slicing = SliceService(node, cluster, transport, self.codec, self.tables, self.clocks, self._rendezvous,
                                     self._serve)
         self.sync.hold_for_move = self.slicing.hold
-        self.checkpoints = CheckpointService(node, self.tables, self.adaptive)
+        self.checkpoints = CheckpointService(node, self.tables, self.adaptive, self.replication)
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
         self.queue_length = 0  # the same, as last reported
         self.latency = LatencyHistogram()
