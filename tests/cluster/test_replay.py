@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import numpy as np
+import threading
+import time
 
-from shoal.api.config import Timeouts
+import numpy as np
+import pytest
+
+from shoal.api.config import Limits, Timeouts
 from shoal.cluster.replay import ReplayGuard, Verdict
+from shoal.cluster.requests import RESEND_MIN_S, RequestTracker, RoundTrip
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
 from tests.support.cluster import ThreadCluster
 
 
@@ -54,3 +62,57 @@ def test_counts_stay_exact_when_a_tenth_of_all_messages_are_lost_or_duplicated()
         assert (values == expected).all()
     assert sum(resent for _, resent in results) > 0  # requests or replies were lost, and sent again
     assert repeats > 0  # and servers saw repeats without serving them twice
+
+
+def test_the_resend_timeout_follows_the_peers_round_trips_within_its_bounds():
+    trip = RoundTrip()
+    assert trip.timeout(1.0) == 1.0  # nothing timed yet: the configured timeout
+    for _ in range(20):
+        trip.observe(0.002)
+    assert trip.timeout(1.0) == RESEND_MIN_S  # fast and steady: the floor, never sooner
+    for rtt in (0.05, 0.4, 0.02, 0.6):
+        trip.observe(rtt)
+    assert RESEND_MIN_S < trip.timeout(1.0) < 1.0  # slow and jittery: later
+    assert trip.timeout(0.1) == 0.1  # and never later than configured
+
+
+def test_a_lost_request_is_sent_again_after_the_peers_round_trip_not_the_configured_timeout():
+    """The peer answers the first requests at once, then ignores one request's first copy: its
+    repeat comes after about the floor of the learned timeout, well before the configured 1 s."""
+    transport = ZmqTransport()
+    listener = transport.listen("tcp://127.0.0.1:0")
+    codec = Codec(Limits())
+    tracker = RequestTracker(transport, codec, sender=0, resend_s=1.0)
+    tracker.connect(1, listener.address)
+    seen: list[tuple[int, float]] = []
+
+    def serve() -> None:
+        answered: set[int] = set()
+        while len(seen) < 22:
+            item = listener.recv(5.0)
+            if item is None:
+                return
+            peer, frames = item
+            msg = codec.decode(frames)
+            seen.append((msg.req, time.monotonic()))
+            if msg.req <= 20 or msg.req in answered:
+                listener.send(peer, codec.encode(msg.reply(Op.OK)))
+            else:
+                answered.add(msg.req)  # the first copy of request 21 is "lost"
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        for _ in range(20):
+            req = tracker.request(1, Message(Op.PING), lambda _: None)
+            tracker.wait({req}, 5.0)
+        lost = tracker.request(1, Message(Op.PING), lambda _: None)
+        tracker.wait({lost}, 5.0)
+    finally:
+        server.join(5.0)
+        tracker.close()
+        listener.close()
+        transport.close()
+    first, repeat = [at for req, at in seen if req == lost]
+    assert tracker.resent == 1
+    assert repeat - first == pytest.approx(RESEND_MIN_S, abs=0.25)  # not the configured 1 s

@@ -88,6 +88,9 @@ def test_a_running_job_serves_metrics_and_shoal_status_shows_it(tmp_path):
         assert total(worker["shoal_worker_read_staleness_clocks"], "shoal_worker_read_staleness_clocks_count",
                      table="busy") > 0
         assert worker["shoal_worker_clock"][0].value > 0
+        assert worker["shoal_worker_requests_resent"][0].value >= 0
+        resend_after = worker["shoal_worker_resend_timeout_seconds"]  # per server, and the rendezvous
+        assert {s.labels["peer"] for s in resend_after} >= {"0", "1"} and all(0 < s.value <= 1 for s in resend_after)
     finally:
         (tmp_path / "stop").touch()
         output = job.communicate(timeout=60)[0]

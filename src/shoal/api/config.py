@@ -223,8 +223,9 @@ class Timeouts:
     barrier_s: float = 600.0
     #: a replica that does not answer within this is treated as down and the request goes elsewhere
     replica_s: float = 2.0
-    #: a request without a reply is sent again after this, then after twice as long (up to 8 s);
-    #: the receiver answers a repeat without serving it twice
+    #: a request without a reply is sent again after at most this, then after twice as long (up to
+    #: 8 s); sooner once a peer's round trips are timed (smoothed RTT + 4 deviations, at least 50 ms).
+    #: The receiver answers a repeat without serving it twice
     resend_s: float = 1.0
 
     def __post_init__(self) -> None:

@@ -21,7 +21,16 @@ def worker_families(worker: Worker) -> list[Family]:
         Family("shoal_worker_bytes_total", "counter", "Bytes sent to and received from servers.")
         .add(tracker.bytes_sent, direction="out").add(tracker.bytes_received, direction="in"),
         Family("shoal_worker_clock", "gauge", "Iterations this worker has finished.").add(worker.clock),
+        Family("shoal_worker_requests_resent_total", "counter",
+               "Requests sent again because no reply came in time.").add(tracker.resent),
     ]
+    resend_after = Family("shoal_worker_resend_timeout_seconds", "gauge",
+                          "Per peer (a server, or -1 for the rendezvous): how long an unanswered request waits "
+                          "before it is sent again, from the smoothed round trip of its replies.")
+    if tracker.resend_s is not None:
+        for peer, trip in sorted(tracker.round_trips.items()):
+            resend_after.add(trip.timeout(tracker.resend_s), peer=str(peer))
+    families.append(resend_after)
     events = Family("shoal_worker_table_events_total", "counter",
                     "Per table: rows served locally or from cache, retries, failovers, samples.")
     staleness = Family("shoal_worker_read_staleness_clocks", "histogram",

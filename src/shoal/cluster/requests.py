@@ -35,9 +35,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RESEND_S = 1.0  # first resend of an unanswered request
+RESEND_S = 1.0  # first resend of an unanswered request, until replies from its peer have been timed
+RESEND_MIN_S = 0.05  # never sooner: a reply slowed by a busy peer must not look lost
 RESEND_MAX_S = 8.0
-RESEND_CHECK_S = 0.1
+RESEND_CHECK_S = 0.05
 ReplyHandler = Callable[[Message], None]
 
 
@@ -55,6 +56,29 @@ class _Pending:
     resends: int = 0
     #: nobody waits for it (``wait_all`` skips it) and its failure is not reported
     background: bool = False
+
+
+@dataclass
+class RoundTrip:
+    """Smoothed round-trip time of one peer's replies, and the resend timeout it implies (RFC 6298)."""
+
+    srtt: float = 0.0
+    rttvar: float = 0.0
+    samples: int = 0
+
+    def observe(self, rtt: float) -> None:
+        if not self.samples:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        self.samples += 1
+
+    def timeout(self, ceiling: float) -> float:
+        """``srtt + 4 rttvar``, at least ``RESEND_MIN_S``, at most ``ceiling`` (all of it before any sample)."""
+        if not self.samples:
+            return ceiling
+        return min(ceiling, max(RESEND_MIN_S, self.srtt + 4 * self.rttvar))
 
 
 class RequestTracker:
@@ -78,9 +102,11 @@ class RequestTracker:
         self.bytes_received = 0
         self.latency = LatencyHistogram()
         self.resent = 0
-        #: seconds before a request without a reply is sent again (then twice as long, up to
-        #: ``RESEND_MAX_S``); None: never (for peers that do not recognise repeats)
+        #: at most this many seconds before a request without a reply is sent again (then twice as
+        #: long, up to ``RESEND_MAX_S``); sooner once the peer's round trips are known (``RoundTrip``).
+        #: None: never (for peers that do not recognise repeats)
         self.resend_s = resend_s
+        self.round_trips: dict[int, RoundTrip] = {}
         self._next_resend_check = 0.0
         #: called with (peer, message) for messages that answer no request (server pushes)
         self.on_unsolicited: Callable[[int, Message], None] | None = None
@@ -137,7 +163,7 @@ class RequestTracker:
             now = time.perf_counter()
             pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background)
             if self.resend_s is not None:
-                pending.frames, pending.resend_at = frames, now + self.resend_s
+                pending.frames, pending.resend_at = frames, now + self._resend_after(peer)
             self._pending[req] = pending
             self.sent[op] += 1
             self.bytes_sent += _size(frames)
@@ -177,11 +203,12 @@ class RequestTracker:
                 if remaining <= 0:
                     raise RequestTimeoutError(self._describe_missing(reqs, timeout))
                 peers = {self._pending[r].peer for r in reqs if r in self._pending}
+                # Wake at least every resend check: a lost request is sent again while we wait.
                 if len(peers) == 1:
-                    self._receive_from(peers.pop(), min(remaining, 0.5))
+                    self._receive_from(peers.pop(), min(remaining, RESEND_CHECK_S))
                     self._resend_due()
                 else:
-                    self.pump(min(remaining, 0.5))
+                    self.pump(min(remaining, RESEND_CHECK_S))
 
     def _receive_from(self, peer: int, timeout: float) -> None:
         """Wait on one peer's connection only: cheaper than polling them all."""
@@ -277,10 +304,15 @@ class RequestTracker:
             if conn is None or not conn.send(pending.frames, block=False):
                 continue  # gone, or its queue is full: the next check tries again
             pending.resends += 1
-            pending.resend_at = now + min(self.resend_s * 2 ** pending.resends, RESEND_MAX_S)
+            pending.resend_at = now + min(self._resend_after(pending.peer) * 2 ** pending.resends, RESEND_MAX_S)
             self.resent += 1
             log.debug("resent %s (request %d) to peer %s, time %d", pending.what, req, pending.peer,
                       pending.resends)
+
+    def _resend_after(self, peer: int) -> float:
+        assert self.resend_s is not None
+        trip = self.round_trips.get(peer)
+        return trip.timeout(self.resend_s) if trip is not None else self.resend_s
 
     def _dispatch(self, peer: int, frames: list) -> None:
         try:
@@ -324,7 +356,10 @@ class RequestTracker:
     def _finish(self, req: int, msg: Message | None) -> None:
         pending = self._pending.pop(req)
         if pending.started:
-            self.latency.observe(pending.op, time.perf_counter() - pending.started)
+            elapsed = time.perf_counter() - pending.started
+            self.latency.observe(pending.op, elapsed)
+            if not pending.resends:  # a reply to a request sent again could answer either copy (Karn)
+                self.round_trips.setdefault(pending.peer, RoundTrip()).observe(elapsed)
         error = pending.error
         if msg is not None and error is None:
             try:

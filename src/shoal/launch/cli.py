@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--replica-timeout", type=float, default=Timeouts().replica_s,
                      help="seconds before a silent replica is routed around (default %(default)s)")
     run.add_argument("--resend-timeout", type=float, default=Timeouts().resend_s,
-                     help="seconds before an unanswered request is sent again (default %(default)s)")
+                     help="at most this many seconds before an unanswered request is sent again, sooner once "
+                          "its peer's round trips are timed (default %(default)s)")
     run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [w<rank>]")
     run.add_argument("--faults", help="inject network faults into every process, e.g. 'delay_ms=2,loss=0.01'")
     run.add_argument("--on-server-failure", choices=("fail", "continue", "restart"), default="fail",
