@@ -61,7 +61,8 @@ def init(local_access: bool | None = None) -> Worker:
     keep_large_buffers()
     return Worker(role.cluster, role.rank, role.node, env.transport(),
                   local_access=role.local_access if local_access is None else local_access, owns_transport=True,
-                  metrics_port=env.metrics_port(role.node, role.rank), run_dir=env.run_dir())
+                  metrics_port=env.metrics_port(role.node, role.rank), run_dir=env.run_dir(),
+                  metrics_host=env.metrics_host())
 
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""Metrics and status of a running job: every process serves Prometheus metrics on 127.0.0.1, and
-``shoal status`` finds the job and prints its servers' live figures."""
+"""Metrics and status of a running job: every process serves Prometheus metrics (on 127.0.0.1, or
+guarded by a token derived from the job's secret), and ``shoal status`` finds the job and prints its
+servers' live figures."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.api.errors import ConfigError
-from shoal.cluster.metrics import Family, LatencyHistogram, MetricsEndpoint, render
+from shoal.client.worker import Worker
+from shoal.cluster.metrics import Family, LatencyHistogram, MetricsEndpoint, metrics_token, render
+from tests.support.cluster import ThreadCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "busy_worker.py"
@@ -43,8 +46,8 @@ def test_the_exposition_parses_with_the_prometheus_client_and_escapes_labels():
     assert parsed["shoal_test"].samples[0].labels["table"] == 'we"ird\\na\nme'
 
 
-def test_metrics_bind_loopback_only():
-    with pytest.raises(ConfigError, match="loopback only"):
+def test_open_metrics_bind_loopback_only():
+    with pytest.raises(ConfigError, match="off loopback, only for a job with a shared secret"):
         MetricsEndpoint(lambda: "", host="0.0.0.0")
     endpoint = MetricsEndpoint(lambda: "x 1\n")
     try:
@@ -52,6 +55,34 @@ def test_metrics_bind_loopback_only():
             urllib.request.urlopen(endpoint.url.replace("/metrics", "/other"), timeout=5)
     finally:
         endpoint.close()
+
+
+def _status_of(url: str, token: str | None = None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_a_signed_jobs_metrics_need_the_token_derived_from_its_secret(tmp_path):
+    secret = bytes(range(32))
+    with ThreadCluster(nodes=1, secret=secret, metrics=True) as cluster:
+        worker = Worker(cluster.spec, 0, 0, cluster.transport, metrics_port=0)
+        try:
+            urls = [worker.metrics.url, cluster.servers[0].metrics.url]
+            token = metrics_token(secret)
+            assert [_status_of(u) for u in urls] == [401, 401]  # no token
+            assert [_status_of(u, metrics_token(b"another secret")) for u in urls] == [401, 401]
+            assert [_status_of(u, token) for u in urls] == [200, 200]
+        finally:
+            worker.shutdown()
+    (tmp_path / "secret").write_text(secret.hex())
+    printed = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "metrics-token", "--secret-file",
+                              str(tmp_path / "secret")], capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0 and printed.stdout.strip() == token
+    assert token != secret.hex() and secret.hex() not in printed.stdout  # the token does not carry the secret
 
 
 def test_a_running_job_serves_metrics_and_shoal_status_shows_it(tmp_path):

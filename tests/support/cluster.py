@@ -26,7 +26,7 @@ FAST = Timeouts(connect_s=10.0, request_s=10.0, barrier_s=20.0)
 class ThreadCluster:
     def __init__(self, nodes: int = 2, workers_per_node: int = 1, transport: Transport | None = None,
                  secret: bytes | None = None, limits: Limits | None = None, timeouts: Timeouts = FAST,
-                 rebalance: RebalancePolicy | None = None) -> None:
+                 rebalance: RebalancePolicy | None = None, metrics: bool = False) -> None:
         self.transport = transport or InProcTransport()
         self.inproc = isinstance(self.transport, InProcTransport)
         cluster_id = "t" + uuid.uuid4().hex[:10]
@@ -38,7 +38,8 @@ class ThreadCluster:
         self.spec = ClusterSpec(cluster_id, nodes, workers_per_node, self.rendezvous.address, secret, limits,
                                 timeouts)
         bind = "inproc://*" if self.inproc else "tcp://127.0.0.1:0"
-        self.servers = [ParameterServer(n, self.spec, self.transport, bind=bind) for n in range(nodes)]
+        self.servers = [ParameterServer(n, self.spec, self.transport, bind=bind, metrics_port=0 if metrics else None)
+                        for n in range(nodes)]
         self.threads = [threading.Thread(target=s.run, daemon=True, name=f"server-{n}")
                         for n, s in enumerate(self.servers)]
         for t in self.threads:

@@ -24,7 +24,7 @@ from shoal.client.replicated import ReplicaView
 from shoal.client.table import Table
 from shoal.cluster import membership
 from shoal.cluster.fdshare import fetch_fds, socket_name
-from shoal.cluster.metrics import MetricsEndpoint, render
+from shoal.cluster.metrics import MetricsEndpoint, metrics_token, render
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
 from shoal.storage.segment import Segment
@@ -58,6 +58,7 @@ class Worker:
         owns_transport: bool = False,
         metrics_port: int | None = None,
         run_dir: str | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         self.cluster = cluster
         self.rank = rank
@@ -76,9 +77,10 @@ class Worker:
         self._clock_requests: dict[int, int] = {}  # per server: the newest clock not yet acknowledged
         self._closed = False
         timeout = cluster.timeouts.connect_s
-        #: Prometheus metrics on loopback (``metrics_port`` 0: any free port)
+        #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token in a signed job
         self.metrics = None if metrics_port is None else MetricsEndpoint(
-            lambda: render(worker_families(self), {"rank": self.rank, "node": self.node}), port=metrics_port)
+            lambda: render(worker_families(self), {"rank": self.rank, "node": self.node}), metrics_host,
+            metrics_port, metrics_token(cluster.secret) if cluster.secret else None)
         self.tracker.connect(membership.RENDEZVOUS_PEER, cluster.rendezvous)
         membership.register(self.tracker, "worker", node, rank, "", timeout,
                             metrics=self.metrics.url if self.metrics else None)

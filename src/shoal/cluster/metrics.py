@@ -1,15 +1,19 @@
-"""Prometheus metrics: families built at scrape time from a process's own counters, served on loopback.
+"""Prometheus metrics: families built at scrape time from a process's own counters, served over HTTP.
 
 Nothing on the hot path takes a lock for metrics: servers and workers keep
 plain counters (and :class:`LatencyHistogram` buckets) as they always do; a
 scrape copies them (``dict(counter)`` is one C-level copy under the GIL) and
-renders the Prometheus text format. The endpoint is unauthenticated, so it
-only ever binds a loopback address.
+renders the Prometheus text format. A job whose messages are signed also
+guards its metrics: a scrape must present a bearer token derived from the
+shared secret (one-way, so the token reveals nothing of the secret). Without a
+secret the endpoint is open, and binds a loopback address only.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import hmac
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -119,15 +123,38 @@ def counters(name: str, help: str, values: Mapping[str, float], label: str) -> F
     return fam
 
 
-class MetricsEndpoint:
-    """Serves ``GET /metrics`` on ``host:port`` (loopback only) from ``collect()``, in a daemon thread."""
+def metrics_token(secret: bytes) -> str:
+    """The bearer token a scraper presents to a job with this shared secret (``shoal metrics-token``)."""
+    return hmac.new(secret, b"shoal metrics token", hashlib.sha256).hexdigest()
 
-    def __init__(self, collect: Callable[[], str], host: str = "127.0.0.1", port: int = 0) -> None:
-        if not (host == "localhost" or host == "::1" or host.startswith("127.")):
-            raise ConfigError(f"metrics are unauthenticated and bind loopback only, not {host!r}")
+
+def is_loopback_host(host: str) -> bool:
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+class MetricsEndpoint:
+    """Serves ``GET /metrics`` on ``host:port`` from ``collect()``, in a daemon thread.
+
+    With a ``token``, a request must carry ``Authorization: Bearer <token>``; without one the
+    endpoint is open and ``host`` must be a loopback address.
+    """
+
+    def __init__(self, collect: Callable[[], str], host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None) -> None:
+        if token is None and not is_loopback_host(host):
+            raise ConfigError(f"metrics bind {host!r}, off loopback, only for a job with a shared secret "
+                              "(SHOAL_SECRET or SHOAL_SECRET_FILE): scrapers then present a token derived from it")
+        expected = None if token is None else f"Bearer {token}".encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
+                if expected is not None and not hmac.compare_digest(
+                        self.headers.get("Authorization", "").encode(), expected):
+                    self.send_response(401, "a bearer token is required (shoal metrics-token prints it)")
+                    self.send_header("WWW-Authenticate", 'Bearer realm="shoal"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if self.path.split("?")[0] not in ("/metrics", "/"):
                     self.send_error(404, "only /metrics is served here")
                     return

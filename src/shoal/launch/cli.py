@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from shoal.api.config import Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ShoalError
+from shoal.cluster.metrics import metrics_token
 from shoal.launch.env import read_secret
 from shoal.launch.local import LaunchOptions, LocalCluster
 from shoal.launch.status import running_jobs, watch
@@ -61,7 +62,22 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--secret-file", help="the cluster's secret, if its messages are signed")
     status.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS (with rates)")
     status.add_argument("--count", type=int, default=None, help="tables to print (default 1, or 3600 with --watch)")
+    token = sub.add_parser("metrics-token", help="print the bearer token that scrapes a signed job's metrics",
+                           description="Prometheus presents it (bearer_token_file) to every server and worker "
+                                       "of a job whose messages are signed; it is derived from the secret, "
+                                       "which it does not reveal.")
+    token.add_argument("--secret-file", help="the cluster's secret (default: SHOAL_SECRET or SHOAL_SECRET_FILE)")
     return parser
+
+
+def _metrics_token(args: argparse.Namespace) -> int:
+    secret = read_secret({"SHOAL_SECRET_FILE": args.secret_file} if args.secret_file else dict(os.environ))
+    if secret is None:
+        print("shoal metrics-token: no secret (give --secret-file, or set SHOAL_SECRET or SHOAL_SECRET_FILE)",
+              file=sys.stderr)
+        return 1
+    print(metrics_token(secret))
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -85,11 +101,11 @@ def _status(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="shoal: %(levelname)s %(message)s")
-    if args.command == "status":
+    if args.command in ("status", "metrics-token"):
         try:
-            return _status(args)
+            return _status(args) if args.command == "status" else _metrics_token(args)
         except ShoalError as exc:
-            print(f"shoal status: {exc}", file=sys.stderr)
+            print(f"shoal {args.command}: {exc}", file=sys.stderr)
             return 2
     command = list(args.cmd)
     if command and command[0] == "--":

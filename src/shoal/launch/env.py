@@ -26,8 +26,9 @@ variable fails at once with a message that names it.
 | ``SHOAL_LOG_LEVEL`` | logging level of server processes |
 | ``SHOAL_FAULTS`` | inject faults on arrival: ``delay_ms=2,jitter_ms=1,loss=0.01,duplicate=0.01,seed=3`` |
 | ``SHOAL_RUN_DIR`` | workers write their run records here at shutdown, for the run report |
-| ``SHOAL_METRICS`` | ``0`` turns off the Prometheus endpoint every process serves on 127.0.0.1 |
+| ``SHOAL_METRICS`` | ``0`` turns off the Prometheus endpoint every process serves |
 | ``SHOAL_METRICS_PORT`` | fixed ports: servers serve on this plus their node, workers on this plus nodes plus rank |
+| ``SHOAL_METRICS_HOST`` | the address metrics bind, default ``127.0.0.1``; another needs the shared secret |
 """
 
 from __future__ import annotations
@@ -177,6 +178,12 @@ def metrics_port(node: int, rank: int | None, env: Mapping[str, str] | None = No
         return 0
     base = _int(env, "METRICS_PORT")
     return base + node if rank is None else base + _int(env, "NUM_NODES") + rank
+
+
+def metrics_host(env: Mapping[str, str] | None = None) -> str:
+    """The address metrics bind (``SHOAL_METRICS_HOST``): loopback unless the job has a shared secret."""
+    env = os.environ if env is None else env
+    return env.get(PREFIX + "METRICS_HOST") or "127.0.0.1"
 
 
 def run_dir(env: Mapping[str, str] | None = None) -> str | None:

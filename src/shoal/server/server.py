@@ -21,7 +21,7 @@ from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import AuthError, ConfigError, ProtocolError, ServerError, ShoalError, TableError
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
-from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, render
+from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, is_loopback_host, metrics_token, render
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
@@ -52,8 +52,7 @@ def is_loopback(address: str) -> bool:
     """True for addresses only this machine can reach (loopback tcp, ipc, in-process)."""
     if not address.startswith("tcp://"):
         return True
-    host = address[6:].rpartition(":")[0].strip("[]")
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    return is_loopback_host(address[6:].rpartition(":")[0].strip("[]"))
 
 
 class ParameterServer:
@@ -67,6 +66,7 @@ class ParameterServer:
         bind: str = "tcp://127.0.0.1:0",
         share_memory: bool = True,
         metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         self.node = node
         self.cluster = cluster
@@ -105,9 +105,10 @@ class ParameterServer:
         self.queue_length = 0  # the same, as last reported
         self.latency = LatencyHistogram()
         self.replay = ReplayGuard()  # a request sent again is answered again, never served twice
-        #: Prometheus metrics on loopback (``metrics_port`` 0: any free port)
+        #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token in a signed job
         self.metrics = None if metrics_port is None else MetricsEndpoint(
-            lambda: render(server_families(self), {"node": self.node}), port=metrics_port)
+            lambda: render(server_families(self), {"node": self.node}), metrics_host, metrics_port,
+            metrics_token(cluster.secret) if cluster.secret else None)
         self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
 
     # ------------------------------------------------------------------ loop
