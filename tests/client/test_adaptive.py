@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import shoal
-from shoal.storage.kernels import REPLICA
+from shoal.storage.kernels import ABSENT, REPLICA
 from tests.support.cluster import ThreadCluster
 
 
@@ -109,7 +109,7 @@ def test_adaptive_tables_check_their_settings():
         t.intent([1], 0, 1)  # static tables ignore intents
 
 
-@pytest.mark.parametrize("scheme", ["naive", "pool", "local"])
+@pytest.mark.parametrize("scheme", ["naive", "preloc", "pool", "local"])
 def test_sampling_schemes_return_rows_of_the_drawn_keys(scheme):
     with ThreadCluster(nodes=2) as c:
         w = c.worker(0)
@@ -126,6 +126,27 @@ def test_sampling_schemes_return_rows_of_the_drawn_keys(scheme):
                 assert (keys % 2 == 0).all()  # node 0's keys (home = key % 2)
         with pytest.raises(shoal.TableError, match="no prepared sample"):
             t.pull_sample(handles[0])
+
+
+def test_preloc_samples_are_here_by_the_clock_they_were_prepared_for():
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(0)
+        t = w.table("neg", 400, 2, techniques="relocation", init=shoal.Uniform(-1, 1))
+        t.register_sampling(scheme="preloc", seed=3)
+        handle = t.prepare_sample(100, clock=w.clock + 2)
+        keys = t._sampler._handles[handle].keys  # the sample is drawn now, from the whole table
+        assert (keys % 2 == 1).any(), "no key of node 1 drawn"
+        requests = t.counters["requests"]
+        w.advance_clock()  # the intent goes to this node's server, which has the keys moved here
+        wait_until(lambda: (c.servers[0].adaptive.tables["neg"].presence[keys] != ABSENT).all())
+        w.advance_clock()
+        drawn, rows = t.pull_sample(handle)
+        np.testing.assert_array_equal(drawn, keys)
+        assert t.counters["requests"] == requests  # every row was read here
+        np.testing.assert_array_equal(rows, t.pull(keys))
+    with ThreadCluster(nodes=1) as c:
+        with pytest.raises(shoal.ConfigError, match="preloc"):
+            c.worker(0).table("static", 10, 1).register_sampling(scheme="preloc")
 
 
 def test_local_sampling_draws_only_keys_still_here_after_some_moved_away():

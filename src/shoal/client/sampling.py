@@ -5,6 +5,9 @@ sends a message for almost every sample. Schemes trade exactness for locality:
 
 * ``naive``: draw from the distribution, pull the rows (prefetched when the
   sample is prepared);
+* ``preloc``: draw when the sample is prepared for a later clock and declare
+  intent for its keys at that clock, so the table's technique brings them here
+  in time; pull when it is used (exact, and local if prepared early enough);
 * ``pool``: draw a pool once, pull it, and hand each pooled key out ``reuse``
   times before drawing a new pool;
 * ``local``: draw only among keys present on this node (owned or replicated),
@@ -26,7 +29,7 @@ from shoal.storage.kernels import ABSENT
 if TYPE_CHECKING:
     from shoal.client.table import Table
 
-SCHEMES = ("naive", "pool", "local")
+SCHEMES = ("naive", "preloc", "pool", "local")
 _LOCAL_REFRESH = 64  # draws between refreshes of the list of local keys
 
 
@@ -34,7 +37,7 @@ _LOCAL_REFRESH = 64  # draws between refreshes of the list of local keys
 class SampleHandle:
     id: int
     keys: np.ndarray
-    rows: Future[np.ndarray] | np.ndarray
+    rows: Future[np.ndarray] | _Later | np.ndarray
 
 
 class Sampler:
@@ -50,6 +53,9 @@ class Sampler:
                 raise ConfigError(f"weights must be {table.num_keys} non-negative numbers with a positive sum")
         if reuse < 1 or pool_size < 1:
             raise ConfigError(f"reuse and pool_size must be >= 1, got {reuse}, {pool_size}")
+        if scheme == "preloc" and table.adaptive is None:
+            raise ConfigError(f"the preloc scheme brings sampled keys here before use: table {table.name!r} "
+                              "needs techniques other than 'static'")
         self.table = table
         self.scheme = scheme
         self.reuse = reuse
@@ -74,13 +80,13 @@ class Sampler:
     def prepare(self, n: int, clock: int | None = None) -> int:
         if self.scheme == "naive":
             keys = self._draw(n)
-            if clock is not None and self.table.adaptive is not None:
-                # Known ahead: signal intent so the rows can be brought here in time, pull when used.
-                self.table.intent(keys, clock, clock + 1)
-                handle = SampleHandle(next(self._ids), keys, np.empty(0))
-                handle.rows = _Later(self.table, keys)  # type: ignore[assignment]
-            else:
-                handle = SampleHandle(next(self._ids), keys, self.table.pull_async(keys))
+            handle = SampleHandle(next(self._ids), keys, self.table.pull_async(keys))
+        elif self.scheme == "preloc":
+            # Known ahead: intent brings the rows here by ``clock``; they are pulled when used.
+            keys = self._draw(n)
+            at = self.table.worker.clock if clock is None else clock
+            self.table.intent(keys, at, at + 1)
+            handle = SampleHandle(next(self._ids), keys, _Later(self.table, keys))
         elif self.scheme == "pool":
             keys, rows = self._from_pool(n)
             handle = SampleHandle(next(self._ids), keys, rows)
@@ -92,10 +98,11 @@ class Sampler:
         return handle.id
 
     def draw(self, n: int) -> np.ndarray:
-        """Keys only; the caller pulls them (a pool hands out rows with its keys, so it has no part here)."""
+        """Keys only; the caller pulls them (a pool hands out rows with its keys, so it has no part here;
+        ``preloc`` draws as ``naive``: without a clock there is nothing to bring here ahead)."""
         if self.scheme == "pool":
             raise TableError("the pool scheme hands out pooled rows: use prepare_sample and pull_sample")
-        keys = self._draw(n) if self.scheme == "naive" else self._draw_local(n)
+        keys = self._draw_local(n) if self.scheme == "local" else self._draw(n)
         self.table.counters[f"samples_{self.scheme}"] += n
         return keys
 

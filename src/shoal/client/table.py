@@ -167,7 +167,8 @@ class Table:
     def register_sampling(self, weights: Any = None, scheme: str = "naive", reuse: int = 4,
                           pool_size: int = 4096, seed: int | None = None) -> None:
         """Register the distribution samples come from (uniform if ``weights`` is None) and the scheme:
-        ``naive``, ``pool`` (each pooled key reused ``reuse`` times) or ``local`` (keys present here)."""
+        ``naive``, ``preloc`` (keys brought here by intent before the clock they are prepared for),
+        ``pool`` (each pooled key reused ``reuse`` times) or ``local`` (keys present here)."""
         self._sampler = make_sampler(self, weights, scheme, reuse, pool_size,
                                      self.worker.rank if seed is None else seed)
 
@@ -178,8 +179,9 @@ class Table:
         return self._sampler.prepare(n, clock)
 
     def sample_keys(self, n: int) -> np.ndarray:
-        """Draw ``n`` keys under the ``naive`` or ``local`` scheme without their rows, for a caller
-        that pulls them together with other keys (one gather, one request per server)."""
+        """Draw ``n`` keys under the ``naive``, ``preloc`` (drawn as ``naive``) or ``local`` scheme
+        without their rows, for a caller that pulls them together with other keys (one gather, one
+        request per server)."""
         if self._sampler is None:
             raise TableError(f"register_sampling() on table {self.name!r} first")
         return self._sampler.draw(n)
