@@ -27,6 +27,7 @@ from shoal.cluster.fdshare import fetch_fds, socket_name
 from shoal.cluster.metrics import MetricsEndpoint, metrics_token, render
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
+from shoal.storage import kernels
 from shoal.storage.segment import Segment
 from shoal.storage.shard import ShardStore
 from shoal.transport.base import Transport
@@ -68,6 +69,7 @@ class Worker:
         self._owns_transport = owns_transport
         self.tracker = RequestTracker(transport, Codec(cluster.limits, cluster.secret), sender=rank,
                                       resend_s=cluster.timeouts.resend_s)
+        kernels.warm_up()  # not on the first pull or push of the training loop
         self.clock = 0
         self.tables: dict[str, Table] = {}
         #: where shutdown writes what this worker logged, for the run report (see ``log``)

@@ -33,6 +33,7 @@ from shoal.server.replicated import ReplicationService
 from shoal.server.slicing import SliceService
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, SliceMoving, table_bytes
+from shoal.storage import kernels
 from shoal.storage.segment import Segment
 from shoal.storage.validate import as_keys, as_rows
 from shoal.transport.base import Transport
@@ -75,6 +76,7 @@ class ParameterServer:
             raise ConfigError(f"server {node} would bind {bind!r}, which is not loopback: that needs a shared secret")
         self.codec = Codec(cluster.limits, cluster.secret)
         self._unsigned = Codec(cluster.limits)  # only for telling a peer its tag was wrong
+        kernels.warm_up()  # not on the first request a worker times
         # libzmq drops a peer that sends a frame past this hard cap; messages between
         # the soft limit and the cap get a typed error reply instead.
         hard_cap = cluster.limits.max_message_bytes * 2 + (1 << 20)

@@ -327,3 +327,9 @@ def seeded_normal(seed: np.uint64, keys: np.ndarray, out: np.ndarray, mean: floa
             u2 = _unit(_splitmix64(c + np.uint64(1)))
             radius = np.sqrt(-2.0 * np.log(1.0 - u1))
             out[i, j] = mean + std * radius * np.cos(2.0 * np.pi * u2)
+
+
+def warm_up() -> None:
+    """Start numba now: its first call in a process costs about 0.3 s even from the cache (each kernel
+    after that a few ms), which would otherwise land on a job's first pull or push."""
+    first_out_of_range(np.zeros(1, dtype=np.int64), 1)
