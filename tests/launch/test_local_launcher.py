@@ -17,10 +17,11 @@ from tests.conftest import shoal_segment_holders
 PROBE = str(Path(__file__).resolve().parents[1] / "scripts" / "probe_worker.py")
 
 
-def launch(info: Path, mode: str, nodes: int = 2, per_node: int = 1, extra: tuple[str, ...] = ()
-           ) -> subprocess.Popen[str]:
+def launch(info: Path, mode: str, nodes: int = 2, per_node: int = 1, extra: tuple[str, ...] = (),
+           transport: str = "tcp") -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", str(nodes), "--workers-per-node",
-           str(per_node), "--connect-timeout", "30", "--", sys.executable, PROBE, str(info), mode, *extra]
+           str(per_node), "--connect-timeout", "30", "--transport", transport, "--",
+           sys.executable, PROBE, str(info), mode, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -64,6 +65,19 @@ def test_a_job_runs_prefixes_output_and_exits_zero(tmp_path):
     infos = wait_for_infos(tmp_path, 2)
     assert_all_gone(job_pids(infos))
     assert not shoal_segment_holders(infos[0]["cluster_id"])
+
+
+def test_a_job_over_unix_sockets_counts_every_push(tmp_path):
+    """``--transport ipc``: servers listen on abstract Unix sockets (no file left behind), next to
+    the sockets that pass shared memory to workers."""
+    proc = launch(tmp_path, "count", per_node=2, extra=("20",), transport="ipc")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    counts = json.loads((tmp_path / "counts.json").read_text())
+    expected = [4 * 20 * 4 * (2 if k in (7, 993) else 1) for k in range(1000)]
+    assert counts == expected
+    infos = wait_for_infos(tmp_path, 4)
+    assert_all_gone(job_pids(infos))
 
 
 def test_a_crashed_worker_ends_the_job_with_its_status(tmp_path):

@@ -149,7 +149,7 @@ class LocalCluster:
             # pre-exec hook cannot deadlock on a lock held by another thread.
             for node in range(opts.nodes):
                 self._spawn(f"s{node}", [sys.executable, "-m", "shoal.launch.server_main"],
-                            child_env(cluster, node, None, opts.local_access, self._address(f"node{node}"),
+                            child_env(cluster, node, None, opts.local_access, self._address(f"server{node}"),
                                       os.getpid()), is_worker=False)
             for rank in range(num_workers):
                 node = rank // opts.workers_per_node
