@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from shoal.api.errors import ConfigError
+from shoal.launch.local import LaunchOptions
 from tests.conftest import shoal_segment_holders
 
 PROBE = str(Path(__file__).resolve().parents[1] / "scripts" / "probe_worker.py")
@@ -129,3 +131,10 @@ def test_a_missing_worker_command_is_a_clear_error():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "no worker command given" in proc.stderr
+
+
+def test_any_loopback_host_binds_without_a_secret_and_another_address_needs_one():
+    LaunchOptions(command=["true"], host="127.0.0.2")
+    with pytest.raises(ConfigError, match="needs a shared secret"):
+        LaunchOptions(command=["true"], host="10.1.2.3")
+    LaunchOptions(command=["true"], host="10.1.2.3", secret=b"k" * 32)

@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 
 from shoal.api.errors import ConfigError
+from shoal.transport.base import is_loopback_host
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +127,6 @@ def counters(name: str, help: str, values: Mapping[str, float], label: str) -> F
 def metrics_token(secret: bytes) -> str:
     """The bearer token a scraper presents to a job with this shared secret (``shoal metrics-token``)."""
     return hmac.new(secret, b"shoal metrics token", hashlib.sha256).hexdigest()
-
-
-def is_loopback_host(host: str) -> bool:
-    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 class MetricsEndpoint:

@@ -30,12 +30,12 @@ from shoal.launch.env import child_env
 from shoal.launch.lifecycle import die_with_parent
 from shoal.launch.report import LoadSampler, write_report
 from shoal.launch.status import record_run
+from shoal.transport.base import is_loopback_host
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
 
 log = logging.getLogger(__name__)
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class LaunchOptions:
             raise ConfigError(f"transport must be 'tcp' or 'ipc', got {self.transport!r}")
         if self.on_server_failure not in ("fail", "continue", "restart"):
             raise ConfigError(f"on_server_failure must be fail, continue or restart, got {self.on_server_failure!r}")
-        if self.host not in _LOOPBACK and self.secret is None:
+        if not is_loopback_host(self.host) and self.secret is None:
             raise ConfigError(f"binding {self.host!r} (not loopback) needs a shared secret (--secret-file)")
 
 

@@ -21,7 +21,7 @@ from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import AuthError, ConfigError, ProtocolError, ServerError, ShoalError, TableError
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
-from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, is_loopback_host, metrics_token, render
+from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, metrics_token, render
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
@@ -36,7 +36,7 @@ from shoal.server.tables import ServedTable, SliceMoving, table_bytes
 from shoal.storage import kernels
 from shoal.storage.segment import Segment
 from shoal.storage.validate import as_keys, as_rows
-from shoal.transport.base import Transport
+from shoal.transport.base import Transport, is_loopback_host
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Flag, Op

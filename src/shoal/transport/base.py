@@ -15,6 +15,11 @@ from typing import Any
 Frames = list[Any]  # each item supports the buffer protocol
 
 
+def is_loopback_host(host: str) -> bool:
+    """True for a host name or address only this machine can reach."""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 class Listener(ABC):
     """A bound endpoint that receives from and replies to many peers."""
 
