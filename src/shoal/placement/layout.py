@@ -14,7 +14,7 @@ joining or leaving); every change bumps the epoch.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,6 +68,11 @@ class TableLayout:
     epoch: int = 0
     #: servers the layout was made for; with owners, how long per-server counts are
     num_servers: int = 1
+    #: length of per-owner counts (computed once: every request is routed with it)
+    num_owners: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.num_owners = max(int(self.owners.max()) + 1, self.num_servers)
 
     @classmethod
     def initial(cls, spec: TableSpec, num_servers: int) -> TableLayout:
@@ -83,10 +88,6 @@ class TableLayout:
     @property
     def num_shards(self) -> int:
         return self.mapping.num_shards
-
-    @property
-    def num_owners(self) -> int:
-        return max(int(self.owners.max()) + 1, self.num_servers)
 
     def route(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(owner, shard, row)`` for each key, and the number of keys per owner."""

@@ -70,9 +70,10 @@ class Synchroniser:
 
         Keys are checked before a pull is held, so a held pull can always be served.
         """
-        table.check(as_keys(msg.arrays[0], table.spec))
+        keys = as_keys(msg.arrays[0], table.spec)
+        parts = table.split(keys)
         if table.controller.admit((peer, msg), msg.sender, msg.clock):
-            return self._serve(table, msg, self._values(table, msg))
+            return self._serve(table, msg, table.pull(keys, parts))
         return None
 
     def after_push(self, table: ServedTable) -> None:

@@ -18,6 +18,9 @@ from shoal.storage import kernels
 from shoal.storage.shard import ShardStore
 from shoal.storage.validate import drop_nonfinite
 
+#: a request's keys by the slice holding them: ``(store, positions or None for all in order, rows)``
+Parts = list[tuple[ShardStore, np.ndarray | None, np.ndarray]]
+
 
 def table_bytes(spec: TableSpec) -> int:
     """Bytes a whole table needs: values plus the update rule's per-row state."""
@@ -63,8 +66,11 @@ class ServedTable:
         self.load: dict[int, np.ndarray] = {s: np.zeros(3) for s in self.stores}
         self._row_bytes = spec.dim * np.dtype(spec.dtype).itemsize
 
-    def _split(self, keys: np.ndarray) -> list[tuple[ShardStore, np.ndarray | None, np.ndarray]]:
-        """``(store, positions, rows)`` per shard; positions None means all keys, in order."""
+    def split(self, keys: np.ndarray) -> Parts:
+        """``(store, positions, rows)`` per shard; positions None means all keys, in order.
+
+        Raises ``SliceMovedError`` unless every key is held here (``SliceMoving`` if on its way out).
+        """
         owner, shard, rows, counts = self.layout.route(keys)
         if self.node >= counts.shape[0] or counts[self.node] != keys.shape[0]:
             bad = int(keys[np.flatnonzero(owner != self.node)[0]])
@@ -78,7 +84,7 @@ class ServedTable:
         shard_ids = sorted(self.stores)
         index = np.searchsorted(shard_ids, shard)
         order, starts = kernels.partition_by_owner(index, len(shard_ids))
-        parts: list[tuple[ShardStore, np.ndarray | None, np.ndarray]] = []
+        parts: Parts = []
         for i, sid in enumerate(shard_ids):
             pos = order[starts[i] : starts[i + 1]]
             if pos.size:
@@ -98,12 +104,9 @@ class ServedTable:
             v[:] = 0
         return out
 
-    def check(self, keys: np.ndarray) -> None:
-        """Raise ``SliceMovedError`` unless every key is held here (``SliceMoving`` if on its way out)."""
-        self._split(keys)
-
-    def pull(self, keys: np.ndarray) -> np.ndarray:
-        parts = self._split(keys)
+    def pull(self, keys: np.ndarray, parts: Parts | None = None) -> np.ndarray:
+        """Rows of ``keys`` (``parts``: their ``split``, if the caller has it already)."""
+        parts = self.split(keys) if parts is None else parts
         if len(parts) == 1 and parts[0][1] is None:
             started = time.perf_counter()
             out = parts[0][0].read(parts[0][2])
@@ -121,7 +124,7 @@ class ServedTable:
         """Remember that ``worker`` now caches the rows of ``keys`` (ESSP only)."""
         if not self.spec.consistency.eager:
             return
-        for store, _, rows in self._split(keys):
+        for store, _, rows in self.split(keys):
             subs = self._subscribed[store.shard]
             mask = subs.get(worker)
             if mask is None:
@@ -155,7 +158,7 @@ class ServedTable:
     def push(self, keys: np.ndarray, grads: np.ndarray) -> int:
         """Apply a push whole, or reject it whole; returns rows skipped as non-finite."""
         keys, grads, skipped = drop_nonfinite(keys, grads, self.spec)
-        for store, pos, rows in self._split(keys):
+        for store, pos, rows in self.split(keys):
             started = time.perf_counter()
             store.update(rows, grads if pos is None else grads[pos])
             self._count(store, rows.shape[0], started)
