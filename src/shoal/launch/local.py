@@ -37,7 +37,6 @@ from shoal.wire.codec import Codec
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class LaunchOptions:
     """What ``shoal run`` was asked to do."""
