@@ -57,6 +57,10 @@ def main() -> int:
     print(f"\n{shoal_label:<36}{ps['ratings_per_s']:>12,.0f} ratings/s")
     print(f"{'single-process baseline:':<36}{base['ratings_per_s']:>12,.0f} ratings/s")
     print(f"{'ratio Shoal / baseline:':<36}{ratio:12.2f}x")
+    if args.nodes > 1:
+        print("  (a batch of MovieLens 100k is about 0.2 ms of compute, so messages between nodes dominate;\n"
+              "   on one machine, --nodes 1 --workers-per-node 2 shares memory instead: see "
+              "benchmarks/results/mf_movielens.md)")
     print(f"final test RMSE: Shoal {ps['rmse'][-1]:.4f}, baseline {base['rmse'][-1]:.4f}")  # type: ignore[index]
     print(f"run report (plots of RMSE, throughput, per-server load, staleness): {args.report}/report.html")
     return 0
