@@ -109,6 +109,16 @@ def test_adaptive_tables_check_their_settings():
         t.intent([1], 0, 1)  # static tables ignore intents
 
 
+def test_on_one_node_intents_send_nothing():
+    with ThreadCluster(nodes=1) as c:
+        w = c.worker(0)
+        t = w.table("one", 10, 1, techniques="auto")
+        t.intent([1, 2], 1, 2)
+        w.advance_clock()
+        assert t.counters["intents_skipped"] == 1 and t.counters["intents_sent"] == 0
+        assert c.servers[0].adaptive.describe()["one"].get("intents_announced", 0) == 0
+
+
 @pytest.mark.parametrize("scheme", ["naive", "preloc", "pool", "local"])
 def test_sampling_schemes_return_rows_of_the_drawn_keys(scheme):
     with ThreadCluster(nodes=2) as c:
