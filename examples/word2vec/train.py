@@ -79,6 +79,9 @@ def main() -> None:
         result = {"mode": args.mode, "nodes": ps.num_nodes, "pairs_per_s": done * ps.num_workers / elapsed,
                   **evaluate(vin.pull(np.arange(corpus.vocab)), corpus)}
         print(json.dumps(result))
+        # What placement did, for the benchmark's notes: rank 0's table counters and every server's moves.
+        result["counters"] = {t.name: dict(t.counters) for t in (vin, vout)}
+        result["placement"] = [s.get("adaptive", {}) for s in ps.server_stats()]
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(result, fh)
