@@ -5,12 +5,13 @@
 Every contender trains the same number of passes over gensim's Lee corpus, over
 several seeds: the baseline (numpy rows, compiled step and row kernels), then
 Shoal in classic (no shared memory, no intent), static, relocation-only and
-replication-only modes on 2 nodes and auto on 1 and 2. It records pairs/s and the WordSim-353 Spearman correlation and analogy
-accuracy of the input vectors. The corpus is small (57,000 tokens, 4,000 words), so
-those scores are low for every contender and vary by seed: the table gives their
-mean and range, which is what a difference must exceed to mean anything. The
-model is small too (dimension 100, batches of 2,048 pairs), so per-step costs
-weigh more than for the KGE benchmark. Writes ``results/word2vec.{json,md}``.
+replication-only modes on 2 nodes and auto on 1 and 2. It records pairs/s and
+the WordSim-353 Spearman correlation and analogy accuracy of the input vectors.
+The corpus is small (57,000 tokens, 4,000 words), so those scores are low for
+every contender and vary by seed: the table gives their mean and range, which is
+what a difference must exceed to mean anything. The model is small too
+(dimension 100, batches of 2,048 pairs), so per-step costs weigh more than for
+the KGE benchmark. Writes ``results/word2vec.{json,md}``.
 """
 
 from __future__ import annotations
