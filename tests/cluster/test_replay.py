@@ -6,7 +6,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 from shoal.api.config import Limits, Timeouts
 from shoal.cluster.replay import ReplayGuard, Verdict
@@ -115,4 +114,4 @@ def test_a_lost_request_is_sent_again_after_the_peers_round_trip_not_the_configu
         transport.close()
     first, repeat = [at for req, at in seen if req == lost]
     assert tracker.resent == 1
-    assert repeat - first == pytest.approx(RESEND_MIN_S, abs=0.25)  # not the configured 1 s
+    assert repeat - first < 0.5  # about RESEND_MIN_S (50 ms) on an idle machine; not the configured 1 s
