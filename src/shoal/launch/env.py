@@ -17,7 +17,7 @@ variable fails at once with a message that names it.
 | ``SHOAL_MAX_MESSAGE_BYTES`` | largest message accepted |
 | ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` | seconds |
 | ``SHOAL_BARRIER_TIMEOUT`` / ``SHOAL_REPLICA_TIMEOUT`` | seconds |
-| ``SHOAL_RESEND_TIMEOUT`` | seconds before an unanswered request is sent again (default 1) |
+| ``SHOAL_RESEND_TIMEOUT`` | most seconds before an unanswered request is sent again (default 1; less once timed) |
 | ``SHOAL_LAUNCHER_PID`` | pid of the launcher; its death ends the process |
 | ``SHOAL_WATCH_PID`` | a detached server ends when this process is gone (torchrun agent) |
 | ``SHOAL_HOST_RENDEZVOUS`` | ``1``: this server also hosts the rendezvous (torchrun, node 0) |
