@@ -42,8 +42,9 @@ def finish(proc: subprocess.Popen[str], timeout: float = 240) -> str:
     return out
 
 
-def counting(tmp: Path, write_quorum: int, disturb, policy: str = "continue", pushes: int = 150) -> dict:
-    proc = launch([SCRIPT, str(tmp), str(write_quorum), str(pushes)], policy)
+def counting(tmp: Path, write_quorum: int, disturb, policy: str = "continue", pushes: int = 150,
+             then: str = "") -> dict:
+    proc = launch([SCRIPT, str(tmp), str(write_quorum), str(pushes), *([then] if then else [])], policy)
     servers = wait_for(tmp / "servers.json")["pids"]
     disturb(servers)
     finish(proc)
@@ -65,6 +66,15 @@ def test_with_write_quorum_2_no_acknowledged_push_is_lost_when_a_replica_dies(tm
     assert r["identical"]
     for counts in r["counts"].values():
         assert counts == [float(r["acked"])] * 90
+
+
+def test_a_checkpoint_after_a_replica_died_keeps_every_acknowledged_push(tmp_path):
+    """W=2: the two live replicas settle by gossip and write the table; a fresh cluster restores it."""
+    r = counting(tmp_path, 2, kill_one_after(0.4), then="save")
+    assert r["live"] == [0, 2]
+    finish(launch([SCRIPT, str(tmp_path), "2", "0", "restore"]))
+    restored = wait_for(tmp_path / "restored.json")
+    assert restored["counts"] == [float(r["acked"])] * 90
 
 
 def test_with_write_quorum_1_a_dead_replica_costs_at_most_its_unsynchronised_pushes(tmp_path):

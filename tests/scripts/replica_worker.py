@@ -1,12 +1,14 @@
 """A worker script for replication failure tests.
 
-    replica_worker.py INFO_DIR WRITE_QUORUM PUSHES
+    replica_worker.py INFO_DIR WRITE_QUORUM PUSHES [save | restore]
 
 Every worker pushes +1 to keys 0..89 (three shards) PUSHES times, counting the
 pushes acknowledged. Rank 0 writes INFO_DIR/servers.json (server pids) first,
 and at the end, after a barrier, waits for the live replicas to converge and
 writes INFO_DIR/result.json: the counts read from every live replica, whether
-they are bit-identical, and the acknowledged total.
+they are bit-identical, and the acknowledged total. With ``save`` the job then
+checkpoints into INFO_DIR/ckpt; with ``restore`` it pushes nothing, restores
+from there and rank 0 writes the counts it reads to INFO_DIR/restored.json.
 """
 
 from __future__ import annotations
@@ -25,8 +27,18 @@ KEYS = np.arange(90)
 
 def main() -> None:
     info_dir, write_quorum, pushes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    then = sys.argv[4] if len(sys.argv) > 4 else ""
     ps = shoal.init()
     table = ps.table("counts", 90, 1, replicas=3, write_quorum=write_quorum, read_quorum=1, gossip_ms=20)
+    if then == "restore":
+        ps.restore(os.path.join(info_dir, "ckpt"))
+        ps.barrier()
+        if ps.rank == 0:
+            with open(os.path.join(info_dir, "restored.json"), "w") as fh:
+                json.dump({"counts": table.pull(KEYS)[:, 0].tolist()}, fh)
+        ps.barrier()
+        ps.shutdown()
+        return
     if ps.rank == 0:
         with open(os.path.join(info_dir, "servers.json"), "w") as fh:
             json.dump({"pids": [s["pid"] for s in ps.server_stats()]}, fh)
@@ -61,6 +73,8 @@ def main() -> None:
             json.dump({"live": live, "identical": len(blobs) == 1,
                        "counts": {str(n): rows[:, 0].tolist() for n, (rows, _) in reads.items()}}, fh)
     ps.barrier()
+    if then == "save":
+        ps.checkpoint(os.path.join(info_dir, "ckpt"))
     ps.shutdown()
 
 

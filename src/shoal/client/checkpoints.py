@@ -15,7 +15,9 @@ Replicated tables are settled by gossip: rank 0 has every server gossip with
 all its peer replicas until the replicas of each shard report the same version
 vector (every update any of them accepted is in each); then every replica
 writes its rows and optimiser state, and rank 0 checks that each shard's parts
-carry one version.
+carry one version. Only servers the rendezvous' heartbeats call alive take
+part: a dead server fails the checkpoint unless every table in it is
+replicated, whose live replicas then write it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shoal.api.errors import CheckpointError, ShoalError
+from shoal.cluster import membership
 from shoal.storage import checkpoint
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
@@ -93,7 +96,23 @@ def _covered_tables(worker: Worker, tables: Iterable[str] | None) -> list[str]:
     return names
 
 
-def _settle(worker: Worker, names: list[str]) -> None:
+def _servers(worker: Worker, names: list[str]) -> list[int]:
+    """The servers that take part: those the rendezvous' heartbeats say are alive. A dead server
+    only costs replicas of replicated tables; a table of any other kind lost its rows there."""
+    try:
+        alive = membership.status(worker.tracker, worker.cluster.timeouts.replica_s).get("alive")
+    except ShoalError:  # the rendezvous is slow: ask every server, and a dead one times out by name
+        alive = None
+    servers = worker.live_servers()
+    live = [n for n in servers if alive is None or (n < len(alive) and alive[n])]
+    lost = [name for name in names if not worker.tables[name].spec.replicated]
+    if len(live) < len(servers) and lost:
+        raise CheckpointError(f"server(s) {sorted(set(servers) - set(live))} are dead (no heartbeat): "
+                              f"{lost} lost the rows held there")
+    return live
+
+
+def _settle(worker: Worker, names: list[str], servers: list[int]) -> None:
     """Until every server says its adaptive tables' rows are final (every replica change at its owner)
     and the replicas of every replicated shard hold the same updates."""
     settling = [name for name in names if worker.tables[name].spec.adaptive or worker.tables[name].spec.replicated]
@@ -102,7 +121,7 @@ def _settle(worker: Worker, names: list[str]) -> None:
     timeout_s = worker.cluster.timeouts.request_s
     deadline = time.monotonic() + timeout_s
     while True:
-        replies = _ask_servers(worker, Op.SETTLE, {"tables": settling})
+        replies = _ask_servers(worker, Op.SETTLE, {"tables": settling}, servers)
         why = {f"{name}: {w}" for body in replies for name, ws in body["unsettled"].items() for w in ws}
         versions: dict[tuple[str, int], set[Any]] = defaultdict(set)
         for body in replies:
@@ -126,8 +145,9 @@ def _write(worker: Worker, root: Path, names: list[str], keep: int) -> Path:
     for attempt in range(_ATTEMPTS):
         staging = checkpoint.new_staging(root, worker.clock)
         try:
-            _settle(worker, names)
-            replies = _ask_servers(worker, Op.CHECKPOINT, {"staging": str(staging), "tables": names})
+            servers = _servers(worker, names)
+            _settle(worker, names, servers)
+            replies = _ask_servers(worker, Op.CHECKPOINT, {"staging": str(staging), "tables": names}, servers)
             tables = {name: {"spec": worker.tables[name].spec.to_dict(),
                              "parts": _parts(worker, name, replies, staging)} for name in names}
         except CheckpointError as exc:
@@ -177,7 +197,7 @@ def _parts(worker: Worker, name: str, replies: list[dict[str, Any]], staging: Pa
 
 
 def _load(worker: Worker, path: Path, manifest: dict[str, Any]) -> None:
-    replies = _ask_servers(worker, Op.RESTORE, {"path": str(path)})
+    replies = _ask_servers(worker, Op.RESTORE, {"path": str(path)}, worker.live_servers())
     for name in manifest["tables"]:
         if name not in worker.tables:
             continue
@@ -188,7 +208,7 @@ def _load(worker: Worker, path: Path, manifest: dict[str, Any]) -> None:
             raise CheckpointError(f"servers loaded {rows} rows of {name!r} from {str(path)!r}, expected {expected}")
 
 
-def _ask_servers(worker: Worker, op: Op, body: dict[str, Any]) -> list[dict[str, Any]]:
-    replies = worker.tracker.gather(worker.live_servers(), lambda n: Message(op, body=body), op.name,
+def _ask_servers(worker: Worker, op: Op, body: dict[str, Any], servers: list[int]) -> list[dict[str, Any]]:
+    replies = worker.tracker.gather(servers, lambda n: Message(op, body=body), op.name,
                                     worker.cluster.timeouts.request_s)
     return list(replies.values())
