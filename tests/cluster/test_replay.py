@@ -6,10 +6,11 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from shoal.api.config import Limits, Timeouts
 from shoal.cluster.replay import ReplayGuard, Verdict
-from shoal.cluster.requests import RESEND_MIN_S, RequestTracker, RoundTrip
+from shoal.cluster.requests import RESEND_BYTES_PER_S, RESEND_MIN_S, RequestTracker, RoundTrip
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
@@ -115,3 +116,23 @@ def test_a_lost_request_is_sent_again_after_the_peers_round_trip_not_the_configu
     first, repeat = [at for req, at in seen if req == lost]
     assert tracker.resent == 1
     assert repeat - first < 0.5  # about RESEND_MIN_S (50 ms) on an idle machine; not the configured 1 s
+
+
+def test_a_large_read_is_not_sent_again_while_its_reply_could_still_be_arriving():
+    transport = ZmqTransport()
+    listener = transport.listen("tcp://127.0.0.1:0")
+    tracker = RequestTracker(transport, Codec(Limits()), sender=0, resend_s=8.0)
+    tracker.connect(1, listener.address)
+    try:
+        tracker.round_trips[1] = RoundTrip()
+        for _ in range(10):
+            tracker.round_trips[1].observe(0.001)  # small requests answered at once
+        small = tracker.request(1, Message(Op.PING), lambda _: None)
+        large = tracker.request(1, Message(Op.PING), lambda _: None, reply_bytes=200_000_000)
+        after = {req: tracker._pending[req].resend_at - tracker._pending[req].started for req in (small, large)}
+        assert after[small] == pytest.approx(RESEND_MIN_S)
+        assert after[large] == pytest.approx(200_000_000 / RESEND_BYTES_PER_S, rel=0.01)  # 4 s at 50 MB/s
+    finally:
+        tracker.close()
+        listener.close()
+        transport.close()

@@ -224,7 +224,8 @@ class Timeouts:
     #: a replica that does not answer within this is treated as down and the request goes elsewhere
     replica_s: float = 2.0
     #: a request without a reply is sent again after at most this, then after twice as long (up to
-    #: 8 s); sooner once a peer's round trips are timed (smoothed RTT + 4 deviations, at least 50 ms).
+    #: 8 s); sooner once a peer's round trips are timed (smoothed RTT + 4 deviations, at least 50 ms
+    #: and the time a large request and its reply take at 50 MB/s).
     #: The receiver answers a repeat without serving it twice
     resend_s: float = 1.0
 

@@ -137,7 +137,8 @@ class AdaptiveAccess:
             arrays = [keys[part]] if values is None else [keys[part], values[part]]
             msg = Message(op, table=self.spec.name, clock=self.worker.clock, body={"hops": hops}, arrays=arrays)
             what = f"{op.name} of {part.shape[0]} key(s) of {self.spec.name!r}"
-            req = self.worker.tracker.request(int(node), msg, self._keep, what)
+            rows = part.shape[0] * self.spec.dim * np.dtype(self.spec.dtype).itemsize if values is None else 0
+            req = self.worker.tracker.request(int(node), msg, self._keep, what, reply_bytes=rows)
             sent.append((part, req))
             self.counters["requests"] += 1
         return sent

@@ -417,7 +417,9 @@ class Table:
             on_reply = functools.partial(self._on_rows, place, arrays[0], self.worker.clock)
         self.counters["requests"] += 1
         count = keys.shape[0] if whole else pos.shape[0]
-        return self.worker.tracker.request(node, msg, on_reply, f"{op.name} of {count} key(s) of {self.name!r}")
+        reply_bytes = 0 if result is None else count * self.dim * self.dtype.itemsize
+        return self.worker.tracker.request(node, msg, on_reply, f"{op.name} of {count} key(s) of {self.name!r}",
+                                           reply_bytes=reply_bytes)
 
 
     def _on_rows(self, place: Callable[[Message], None], keys: np.ndarray, clock: int, msg: Message) -> None:

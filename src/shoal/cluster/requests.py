@@ -37,6 +37,9 @@ T = TypeVar("T")
 
 RESEND_S = 1.0  # first resend of an unanswered request, until replies from its peer have been timed
 RESEND_MIN_S = 0.05  # never sooner: a reply slowed by a busy peer must not look lost
+#: nor before a request and its expected reply could cross a slow link: a large pull whose reply is
+#: still on its way would otherwise be served again
+RESEND_BYTES_PER_S = 50e6
 RESEND_MAX_S = 8.0
 RESEND_CHECK_S = 0.05
 ReplyHandler = Callable[[Message], None]
@@ -54,6 +57,8 @@ class _Pending:
     frames: list[Any] | None = None
     resend_at: float = float("inf")
     resends: int = 0
+    #: bytes of the request and of the reply it expects: a floor for its resend timeout
+    nbytes: int = 0
     #: nobody waits for it (``wait_all`` skips it) and its failure is not reported
     background: bool = False
 
@@ -143,11 +148,13 @@ class RequestTracker:
     # -------------------------------------------------------------- requests
 
     def request(self, peer: int, msg: Message, on_reply: ReplyHandler, what: str = "",
-                background: bool = False) -> int:
+                background: bool = False, reply_bytes: int = 0) -> int:
         """Send ``msg`` to ``peer``; ``on_reply`` runs (inside a later pump) with the reply.
 
         A ``background`` request is sent again like any other, but nobody waits for it: ``wait_all``
         skips it, and it ends silently if ``forget`` drops it (a newer one superseding it, say).
+        ``reply_bytes``, the size of the expected reply, keeps a large read from being sent again
+        while its reply is still arriving.
         """
         with self._lock:
             if self._closed:
@@ -161,9 +168,10 @@ class RequestTracker:
             conn.send(frames)  # bounded wait for room; raises if the peer is stuck
             op = msg.op.name
             now = time.perf_counter()
-            pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background)
+            pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background,
+                               nbytes=_size(frames) + reply_bytes)
             if self.resend_s is not None:
-                pending.frames, pending.resend_at = frames, now + self._resend_after(peer)
+                pending.frames, pending.resend_at = frames, now + self._resend_after(pending)
             self._pending[req] = pending
             self.sent[op] += 1
             self.bytes_sent += _size(frames)
@@ -304,15 +312,16 @@ class RequestTracker:
             if conn is None or not conn.send(pending.frames, block=False):
                 continue  # gone, or its queue is full: the next check tries again
             pending.resends += 1
-            pending.resend_at = now + min(self._resend_after(pending.peer) * 2 ** pending.resends, RESEND_MAX_S)
+            pending.resend_at = now + min(self._resend_after(pending) * 2 ** pending.resends, RESEND_MAX_S)
             self.resent += 1
             log.debug("resent %s (request %d) to peer %s, time %d", pending.what, req, pending.peer,
                       pending.resends)
 
-    def _resend_after(self, peer: int) -> float:
+    def _resend_after(self, pending: _Pending) -> float:
         assert self.resend_s is not None
-        trip = self.round_trips.get(peer)
-        return trip.timeout(self.resend_s) if trip is not None else self.resend_s
+        trip = self.round_trips.get(pending.peer)
+        timed = trip.timeout(self.resend_s) if trip is not None else self.resend_s
+        return max(timed, pending.nbytes / RESEND_BYTES_PER_S)
 
     def _dispatch(self, peer: int, frames: list) -> None:
         try:
