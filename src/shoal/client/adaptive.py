@@ -40,6 +40,7 @@ class AdaptiveAccess:
         #: where this node's server believes keys live (None in classic mode)
         self.node_hints = store.location if store is not None else None
         self.counters = table.counters
+        self._row_bytes = self.spec.dim * np.dtype(self.spec.dtype).itemsize
         self._intents: list[tuple[np.ndarray, int, int]] = []
         self._replies: dict[int, Message] = {}
         scale = rule_for(self.spec.optimizer).scale
@@ -137,8 +138,8 @@ class AdaptiveAccess:
             arrays = [keys[part]] if values is None else [keys[part], values[part]]
             msg = Message(op, table=self.spec.name, clock=self.worker.clock, body={"hops": hops}, arrays=arrays)
             what = f"{op.name} of {part.shape[0]} key(s) of {self.spec.name!r}"
-            rows = part.shape[0] * self.spec.dim * np.dtype(self.spec.dtype).itemsize if values is None else 0
-            req = self.worker.tracker.request(int(node), msg, self._keep, what, reply_bytes=rows)
+            reply_bytes = part.shape[0] * self._row_bytes if values is None else 0
+            req = self.worker.tracker.request(int(node), msg, self._keep, what, reply_bytes=reply_bytes)
             sent.append((part, req))
             self.counters["requests"] += 1
         return sent

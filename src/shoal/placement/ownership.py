@@ -57,10 +57,8 @@ class LocationCache:
 
     def __init__(self, num_keys: int, num_nodes: int, shared: np.ndarray | None = None) -> None:
         self.num_nodes = num_nodes
-        self.hint = home_of(np.arange(num_keys, dtype=np.int64), num_nodes) if shared is None else shared
-
-    def start_at_home(self) -> None:
-        self.hint[...] = home_of(np.arange(self.hint.shape[0], dtype=np.int64), self.num_nodes)
+        self.hint = np.empty(num_keys, dtype=np.int64) if shared is None else shared
+        self.hint[...] = home_of(np.arange(num_keys, dtype=np.int64), num_nodes)
 
     def learn(self, keys: np.ndarray, owners: np.ndarray | int) -> None:
         self.hint[keys] = owners

@@ -22,6 +22,7 @@ from shoal.api.optim import SGD, Adagrad, Adam, Sum
 from shoal.lattice.sum_lattice import Delta, SumLattice, Update
 from shoal.replication.delays import DelaySamples
 from shoal.replication.gossip import DIGEST, GossipPayload
+from shoal.storage.checkpoint import place_saved
 from shoal.storage.initialize import fill_initial
 
 INCARNATION_STRIDE = 1024  # replica origin = incarnation * 1024 + node
@@ -157,19 +158,13 @@ class ShardReplica:
                 arrays[name] = array.copy()
         return arrays
 
-    def load(self, rows: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-        """Restore: ``rows`` start from the saved values and optimiser state. Only before any update,
-        so the lattice is its base alone and every replica that loads the same values agrees."""
-        if any(self.version().values()):
-            raise ValueError("the replica has taken updates already")
+    def load(self, rows: np.ndarray, arrays: dict[str, np.ndarray], pick: np.ndarray) -> None:
+        """Restore: ``rows`` start from the saved values and optimiser state (``arrays[name][pick]``).
+        Only before any update, so the lattice is its base alone and every replica that loads the
+        same values agrees."""
+        assert not any(self.version().values()), "restore into a replica that has taken updates"
         targets = {"values": self.lattice.base, "first": self._first, "second": self._second, "steps": self._steps}
-        for name, target in targets.items():
-            if target is None:
-                continue
-            source = arrays.get(name)
-            if source is None or source.shape[1:] != target.shape[1:] or source.shape[0] != rows.shape[0]:
-                raise ValueError(f"the saved rows lack {name!r} of shape {target.shape[1:]}")
-            target[rows] = source
+        place_saved({name: t for name, t in targets.items() if t is not None}, rows, arrays, pick, self.spec.name)
 
     # ------------------------------------------------------------------ reads
 

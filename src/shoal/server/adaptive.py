@@ -41,6 +41,7 @@ from shoal.consistency.clocks import ClockTable
 from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
 from shoal.placement.ownership import MAX_HOPS, Directory, LocationCache, home_of
 from shoal.server.replicated import SERVER_SENDERS
+from shoal.storage.checkpoint import place_saved
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA, any_nonfinite, take_pending
 from shoal.storage.shard import ShardStore
 from shoal.storage.validate import as_keys, as_rows, zero_nonfinite
@@ -88,7 +89,6 @@ class AdaptiveTable:
         self.directory = Directory(spec.num_keys, num_nodes, node)
         # In shared memory: this node's workers read where the keys that left went.
         self.hints = LocationCache(spec.num_keys, num_nodes, shared=self.store.location)
-        self.hints.start_at_home()
         self.incoming = np.zeros(spec.num_keys, dtype=np.bool_)
         self.held: list[Held] = []
         self.deferred_handovers: list[tuple[np.ndarray, int]] = []
@@ -606,13 +606,8 @@ class AdaptiveService:
             raise CheckpointError(f"adaptive table {table.spec.name!r} has moved or replicated keys already: "
                                   "restore right after creating the tables, before training")
         mine = np.flatnonzero(home_of(keys, table.num_nodes) == self.node)
-        store = table.store
-        with store.hold(None, exclusive=True):
-            for name, target in store.state_arrays().items():
-                source = arrays.get(name)
-                if source is None or source.shape[1:] != target.shape[1:] or source.shape[0] != keys.shape[0]:
-                    raise CheckpointError(f"part of {table.spec.name!r} lacks {name!r} of rows {target.shape[1:]}")
-                target[keys[mine]] = source[mine]
+        with table.store.hold(None, exclusive=True):
+            place_saved(table.store.state_arrays(), keys[mine], arrays, mine, table.spec.name)
         return int(mine.size)
 
     def describe(self) -> dict[str, Any]:

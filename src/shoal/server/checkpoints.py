@@ -143,15 +143,11 @@ class CheckpointService:
                 continue
             store = table.stores[shard]
             with store.hold(None, exclusive=True):
-                for name, target in store.state_arrays().items():
-                    if name == "dirty":
-                        target[rows[mine]] = 0
-                        continue
-                    source = arrays.get(name)
-                    if source is None or source.shape[1:] != target.shape[1:]:
-                        raise CheckpointError(f"part of {table.spec.name!r} lacks {name!r} of rows "
-                                              f"{target.shape[1:]} (has {sorted(arrays)})")
-                    target[rows[mine]] = source[mine]
+                targets = store.state_arrays()
+                dirty = targets.pop("dirty", None)
+                if dirty is not None:
+                    dirty[rows[mine]] = 0
+                checkpoint.place_saved(targets, rows[mine], arrays, mine, table.spec.name)
         return int(order.size)
 
     def _table(self, name: str) -> ServedTable:

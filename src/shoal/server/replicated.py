@@ -235,10 +235,7 @@ class ReplicationService:
                 mine = np.flatnonzero(shards == shard)
                 if not mine.size:
                     continue
-                try:
-                    replica.load(rows[mine], {name: array[mine] for name, array in arrays.items()})
-                except ValueError as exc:
-                    raise CheckpointError(f"part of {table.spec.name!r}: {exc}") from None
+                replica.load(rows[mine], arrays, mine)
                 filled[shard][rows[mine]] = True
         return sum(int(f.sum()) for f in filled.values())
 

@@ -23,7 +23,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +178,17 @@ def part_keys(path: Path, part: dict[str, Any]) -> np.ndarray:
             return np.asarray(data["keys"])
     except Exception as exc:
         raise CheckpointError(f"part {part['file']!r} under {str(path)!r} cannot be read back: {exc!r}") from None
+
+
+def place_saved(targets: Mapping[str, np.ndarray], rows: np.ndarray, arrays: Mapping[str, np.ndarray],
+                pick: np.ndarray, table: str) -> None:
+    """Restore: ``target[rows] = arrays[name][pick]`` for every target array (values and optimiser
+    state); a part that lacks one, or holds rows of another shape, is refused by name."""
+    for name, target in targets.items():
+        source = arrays.get(name)
+        if source is None or source.shape[1:] != target.shape[1:]:
+            raise CheckpointError(f"part of {table!r} lacks {name!r} of rows {target.shape[1:]} (has {sorted(arrays)})")
+        target[rows] = source[pick]
 
 
 def read_parts(path: Path, entry: dict[str, Any]) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
