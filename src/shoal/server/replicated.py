@@ -100,6 +100,14 @@ class ReplicationService:
                 self._addresses[n] = address
                 self.peers.connect(n, address)
 
+    def missing_peers(self) -> bool:
+        """Whether a peer replica's address is still unknown (it has not registered yet, as at start-up):
+        until it is, this server's replicas cannot gossip with it, and a push only one of them took
+        is at risk if that server dies."""
+        return any(n != self.node and n not in self._addresses
+                   for table in self.tables.values() for shard in table.replicas
+                   for n in table.layout.replica_nodes(shard))
+
     def create(self, spec: TableSpec) -> ReplicatedTable:
         table = ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.incarnation, self.rng)
         self.tables[spec.name] = table

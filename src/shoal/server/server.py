@@ -44,6 +44,7 @@ from shoal.wire.ops import Flag, Op
 log = logging.getLogger(__name__)
 
 _HEARTBEAT_S = 0.5
+_PEER_WAIT_S = 0.02  # heartbeat period while a replica does not know where a peer replica is
 _BURST_S = 0.01  # longest stretch of message handling between timer runs
 #: requests served again when repeated after their reply was too large to keep
 _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS})
@@ -200,7 +201,8 @@ class ParameterServer:
             self.slicing.heartbeat_now = False
             self._next_heartbeat = now
         if self._heartbeat_req is None and now >= self._next_heartbeat:
-            self._next_heartbeat = now + _HEARTBEAT_S
+            # Sooner while replicas wait for a peer's address (its heartbeat tells us when it registered).
+            self._next_heartbeat = now + (_PEER_WAIT_S if self.replication.missing_peers() else _HEARTBEAT_S)
             body = {"role": "server", "node": self.node, "load": self.slicing.take_load(), "queue": self._backlog,
                     "poll": True}
             self.queue_length, self._backlog = self._backlog, 0
