@@ -235,3 +235,86 @@ def test_a_replicated_table_is_saved_once_its_replicas_agree_and_restored_with_t
             np.testing.assert_array_equal(t.pull(keys), pulled[0])
 
         cluster.run_workers(load_fewer)
+
+
+def _every_kind(w):
+    zero = shoal.Constant(0.0)
+    return {"ad": w.table("ad", 40, 2, techniques="relocation", init=zero),
+            "first": w.table("first", KEYS, DIM, init=zero, optimizer=shoal.optim.Adagrad(lr=0.1), slices=4),
+            "rep": w.table("rep", 30, 2, replicas=2, init=zero),
+            "second": w.table("second", KEYS, DIM, init=zero, mapping="hash")}
+
+
+def _pull_all(tables):
+    return {name: t.pull(np.arange(t.num_keys)) for name, t in tables.items()}
+
+
+def _damage(path, file: str) -> bytes:
+    part = path / file
+    original = part.read_bytes()
+    data = bytearray(original)
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    return original
+
+
+@pytest.fixture(scope="module")
+def saved_every_kind(tmp_path_factory):
+    root = tmp_path_factory.mktemp("every-kind")
+
+    def save(w):
+        tables = _every_kind(w)
+        for t in tables.values():
+            t.push(np.arange(t.num_keys), np.full((t.num_keys, t.dim), w.rank + 1.0, np.float32))
+        w.barrier()
+        w.checkpoint(root)
+        return _pull_all(tables)
+
+    with ThreadCluster(nodes=2) as cluster:
+        values = cluster.run_workers(save)[0]
+    return root, values
+
+
+@pytest.mark.parametrize("damaged", ["second:0", "second:1", "rep:1", "manifest", "latest"])
+def test_a_failed_restore_loads_nothing_on_any_server(saved_every_kind, damaged):
+    root, saved = saved_every_kind
+    path = checkpoint.latest(root)
+    manifest = checkpoint.read_manifest(path)
+    restore_file = None
+    if damaged == "manifest":
+        target, original = path / "manifest.json", (path / "manifest.json").read_bytes()
+        target.write_bytes(original[: len(original) // 2])
+        match = "cannot read the manifest"
+    elif damaged == "latest":
+        target, original = root / "LATEST", (root / "LATEST").read_bytes()
+        target.write_text("ckpt-999999999")
+        match = "not a complete checkpoint"
+    else:
+        table, node = damaged.split(":")
+        part = next(p for p in manifest["tables"][table]["parts"] if p["file"].split("/")[1].startswith(f"n{node}-"))
+        target, original = path / part["file"], _damage(path, part["file"])
+        restore_file, match = part["file"], "is damaged"
+
+    try:
+        with ThreadCluster(nodes=2) as cluster:
+            def load(w):
+                tables = _every_kind(w)
+                with pytest.raises(CheckpointError, match=match) as failure:
+                    w.restore(root)
+                if restore_file is not None:
+                    assert restore_file in str(failure.value)
+                w.barrier()
+                for name, rows in _pull_all(tables).items():  # every table as created: nothing was loaded
+                    assert not rows.any(), f"table {name!r} was partly restored"
+                w.barrier()
+                if w.rank == 0:
+                    target.write_bytes(original)
+                w.barrier()
+                assert w.restore(root) == 0  # once repaired, the same restore loads everything
+                w.barrier()
+                for name, rows in _pull_all(tables).items():
+                    np.testing.assert_array_equal(rows, saved[name], err_msg=name)
+
+            cluster.run_workers(load)
+    finally:
+        target.write_bytes(original)

@@ -92,3 +92,30 @@ def test_a_server_refuses_a_non_loopback_bind_without_a_secret(transport):
     spec = ClusterSpec("open", 1, 1, "tcp://127.0.0.1:1")
     with pytest.raises(shoal.ConfigError, match="not loopback: that needs a shared secret"):
         ParameterServer(0, spec, transport, bind="tcp://0.0.0.0:0", share_memory=False)
+
+
+@pytest.mark.parametrize("order", ["finished first", "waiting first"])
+def test_a_barrier_waiting_for_a_finished_worker_fails_at_once_naming_it(order):
+    slow = Timeouts(connect_s=10.0, request_s=10.0, barrier_s=60.0)
+    with ThreadCluster(nodes=1, workers_per_node=3, timeouts=slow) as c:
+        w0, w1, w2 = c.all_workers()
+        if order == "finished first":
+            w2.shutdown()
+        else:
+            threading.Timer(0.3, w2.shutdown).start()
+        errors: list[BaseException] = []
+        waiter = threading.Thread(target=lambda: _barrier_error(w1, errors))
+        waiter.start()
+        start = time.monotonic()
+        with pytest.raises(shoal.ClusterError, match=r"barrier 1 cannot complete: rank\(s\) \[2\] finished"):
+            w0.barrier()
+        waiter.join(timeout=10)
+        assert time.monotonic() - start < 5
+        assert len(errors) == 1 and isinstance(errors[0], shoal.ClusterError)
+
+
+def _barrier_error(worker, errors):
+    try:
+        worker.barrier()
+    except shoal.ShoalError as exc:
+        errors.append(exc)

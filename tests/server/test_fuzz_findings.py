@@ -27,7 +27,7 @@ def rows(n: int, dtype: type = np.float32) -> np.ndarray:
 
 
 def restore(name: str) -> Message:
-    return Message(Op.RESTORE, req=9, body={"path": str(FUZZ_DIR / name)})
+    return Message(Op.RESTORE, req=9, body={"path": str(FUZZ_DIR / name), "commit": True})
 
 
 def slice_chunk(first: int, subscribers: list[int], clocks: list[object]) -> Message:

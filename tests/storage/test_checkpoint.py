@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -113,3 +114,19 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_latest(tmp_path):
         assert rows == 400_000
         last_clock = manifest["clock"]
     assert last_clock > 0
+
+
+def test_a_failed_latest_write_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_path, monkeypatch):
+    first = _commit(tmp_path, 1, np.ones((10, 2), np.float32))
+    real_replace = os.replace
+
+    def refuse_latest(src, dst):
+        if str(dst).endswith(checkpoint.LATEST):
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", refuse_latest)
+    with pytest.raises(OSError, match="No space left"):
+        _commit(tmp_path, 2, np.full((10, 2), 2, np.float32))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert checkpoint.latest(tmp_path) == first

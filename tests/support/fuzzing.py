@@ -232,7 +232,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     **{name: NUMBERS for name in (
         "rank", "pid", "generation", "stage", "start", "end", "epoch", "first_row", "num_rows", "hops", "seq")},
     **{name: NODES for name in ("node", "to", "owner", "origin", "target", "shard")},
-    **{name: st.booleans() for name in ("last", "ok", "active", "totals", "final", "poll")},
+    **{name: st.booleans() for name in ("last", "ok", "active", "totals", "final", "poll", "commit")},
     **{name: st.text(max_size=16) for name in ("role", "address", "code", "message")},
     "staging": st.sampled_from(_STAGINGS) | st.text(max_size=12),
     "path": st.sampled_from(_PATHS) | st.text(max_size=12),

@@ -197,15 +197,19 @@ def _parts(worker: Worker, name: str, replies: list[dict[str, Any]], staging: Pa
 
 
 def _load(worker: Worker, path: Path, manifest: dict[str, Any]) -> None:
-    replies = _ask_servers(worker, Op.RESTORE, {"path": str(path)}, worker.live_servers())
-    for name in manifest["tables"]:
-        if name not in worker.tables:
-            continue
-        spec = worker.tables[name].spec
-        rows = sum(int(body["rows"].get(name, 0)) for body in replies)
-        expected = spec.num_keys * (min(spec.replicas, worker.num_nodes) if spec.replicated else 1)
-        if rows != expected:
-            raise CheckpointError(f"servers loaded {rows} rows of {name!r} from {str(path)!r}, expected {expected}")
+    """Every server checks every part it needs first; only when all have does any of them load a row."""
+    servers = worker.live_servers()
+    for commit in (False, True):
+        replies = _ask_servers(worker, Op.RESTORE, {"path": str(path), "commit": commit}, servers)
+        for name in manifest["tables"]:
+            if name not in worker.tables:
+                continue
+            spec = worker.tables[name].spec
+            rows = sum(int(body["rows"].get(name, 0)) for body in replies)
+            expected = spec.num_keys * (min(spec.replicas, worker.num_nodes) if spec.replicated else 1)
+            if rows != expected:
+                done = "loaded" if commit else "found"
+                raise CheckpointError(f"servers {done} {rows} rows of {name!r} in {str(path)!r}, expected {expected}")
 
 
 def _ask_servers(worker: Worker, op: Op, body: dict[str, Any], servers: list[int]) -> list[dict[str, Any]]:

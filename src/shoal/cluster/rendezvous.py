@@ -235,10 +235,12 @@ class Rendezvous:
         elif msg.op == Op.BARRIER:
             self._barrier(peer, msg)
         elif msg.op == Op.LEAVE:
-            if msg.body["role"] == "worker":
-                self.left.add(int(msg.body["rank"]))
             if not msg.flags & Flag.NO_REPLY:
                 self._reply(peer, msg.reply(Op.OK))
+            if msg.body["role"] == "worker":
+                self.left.add(int(msg.body["rank"]))
+                for gen in list(self._barriers):
+                    self._fail_if_unreachable(gen)
         elif msg.op == Op.SHUTDOWN:
             self.shutdown_requested = True
             self._reply(peer, msg.reply(Op.OK))
@@ -303,8 +305,24 @@ class Rendezvous:
         waiting = self._barriers.setdefault(gen, [])
         waiting.append((peer, msg))
         arrived = {int(m.body["rank"]) for _, m in waiting}
+        if self._fail_if_unreachable(gen):
+            return
         if len(arrived) >= self.num_workers:
             # What ranks said on arrival (an outcome rank 0 decided, say) goes back to everyone.
             notes = {str(m.body["rank"]): m.body["note"] for _, m in waiting if isinstance(m.body.get("note"), str)}
             for p, m in self._barriers.pop(gen):
                 self._reply(p, m.reply(Op.OK, {"notes": notes}))
+
+    def _fail_if_unreachable(self, gen: int) -> bool:
+        """A barrier that a finished worker has not reached can never complete: fail every rank waiting
+        in it now, naming the finished ranks, instead of after the barrier timeout."""
+        waiting = self._barriers.get(gen, [])
+        arrived = {int(m.body["rank"]) for _, m in waiting}
+        gone = sorted(self.left - arrived)
+        if not gone:
+            return False
+        error = ClusterError(f"barrier {gen} cannot complete: rank(s) {gone} finished (called shutdown) "
+                             f"without reaching it; arrived rank(s) {sorted(arrived)}")
+        for p, m in self._barriers.pop(gen):
+            self._reply(p, m.reply(Op.ERROR, {"code": error.code, "message": f"rendezvous: {error}"}))
+        return True

@@ -158,13 +158,14 @@ class ShardReplica:
                 arrays[name] = array.copy()
         return arrays
 
-    def load(self, rows: np.ndarray, arrays: dict[str, np.ndarray], pick: np.ndarray) -> None:
+    def load(self, rows: np.ndarray, arrays: dict[str, np.ndarray], pick: np.ndarray, write: bool = True) -> None:
         """Restore: ``rows`` start from the saved values and optimiser state (``arrays[name][pick]``).
         Only before any update, so the lattice is its base alone and every replica that loads the
-        same values agrees."""
+        same values agrees. ``write`` False only checks that the arrays fit."""
         assert not any(self.version().values()), "restore into a replica that has taken updates"
         targets = {"values": self.lattice.base, "first": self._first, "second": self._second, "steps": self._steps}
-        place_saved({name: t for name, t in targets.items() if t is not None}, rows, arrays, pick, self.spec.name)
+        place_saved({name: t for name, t in targets.items() if t is not None}, rows, arrays, pick, self.spec.name,
+                    write)
 
     # ------------------------------------------------------------------ reads
 

@@ -598,8 +598,10 @@ class AdaptiveService:
             arrays = {name: array[keys] for name, array in store.state_arrays().items()}
         return keys, arrays
 
-    def load_home_rows(self, table: AdaptiveTable, keys: np.ndarray, arrays: dict[str, np.ndarray]) -> int:
-        """Restore: put the rows of this node's home keys in place; a job restores before keys move."""
+    def load_home_rows(self, table: AdaptiveTable, keys: np.ndarray, arrays: dict[str, np.ndarray],
+                       write: bool = True) -> int:
+        """Restore: put the rows of this node's home keys in place (``write`` False: only check that
+        they fit); a job restores before keys move."""
         home = np.zeros(table.spec.num_keys, dtype=np.uint8)
         home[self.node::table.num_nodes] = OWNED
         if not np.array_equal(table.presence, home):
@@ -607,7 +609,7 @@ class AdaptiveService:
                                   "restore right after creating the tables, before training")
         mine = np.flatnonzero(home_of(keys, table.num_nodes) == self.node)
         with table.store.hold(None, exclusive=True):
-            place_saved(table.store.state_arrays(), keys[mine], arrays, mine, table.spec.name)
+            place_saved(table.store.state_arrays(), keys[mine], arrays, mine, table.spec.name, write)
         return int(mine.size)
 
     def describe(self) -> dict[str, Any]:

@@ -98,8 +98,15 @@ class CheckpointService:
         return entries
 
     def restore(self, msg: Message) -> Message:
-        """Load the rows this server owns of every table the checkpoint and this server share."""
+        """Load the rows this server owns of every table the checkpoint and this server share.
+
+        A restore runs twice: first with ``commit`` false, which reads and checks every part (size,
+        SHA-256, keys, arrays fitting the table) and counts the rows it would load, writing nothing;
+        the coordinator sends ``commit`` true only once every server has checked, so a damaged
+        checkpoint loads nothing anywhere.
+        """
         path = Path(str(msg.body["path"]))
+        write = bool(msg.body["commit"])
         manifest = checkpoint.read_manifest(path)
         loaded: dict[str, int] = {}
         for name, entry in manifest["tables"].items():
@@ -114,22 +121,27 @@ class CheckpointService:
             if saved != spec:
                 raise CheckpointError(f"table {name!r} was saved with spec {saved.to_dict()}, not {spec.to_dict()}")
             if adaptive is not None:
-                loaded[name] = sum(self.adaptive.load_home_rows(adaptive, keys.astype(np.int64, copy=False), arrays)
+                loaded[name] = sum(self.adaptive.load_home_rows(adaptive, keys.astype(np.int64, copy=False), arrays,
+                                                                write)
                                    for keys, arrays in checkpoint.read_parts(path, entry))
                 continue
             if replicated is not None:
+                if any(any(r.version().values()) for r in replicated.replicas.values()):
+                    raise CheckpointError(f"replicated table {name!r} has taken updates already: "
+                                          "restore right after creating the tables, before training")
                 # This node's own parts last: where it wrote a row, its optimiser state is the one it kept.
                 own_last = sorted(entry["parts"], key=lambda part: part.get("node") == self.node)
                 loaded[name] = self.replication.load(replicated, checkpoint.read_parts(path, {**entry,
-                                                                                          "parts": own_last}))
+                                                                                          "parts": own_last}), write)
                 continue
             assert table is not None
             if table.moving:
                 raise CheckpointError(f"slices {sorted(table.moving)} of {name!r} are moving; try again")
-            loaded[name] = sum(self._load(table, keys, arrays) for keys, arrays in checkpoint.read_parts(path, entry))
+            loaded[name] = sum(self._load(table, keys, arrays, write)
+                               for keys, arrays in checkpoint.read_parts(path, entry))
         return msg.reply(Op.OK, {"rows": loaded})
 
-    def _load(self, table: ServedTable, keys: np.ndarray, arrays: dict[str, np.ndarray]) -> int:
+    def _load(self, table: ServedTable, keys: np.ndarray, arrays: dict[str, np.ndarray], write: bool) -> int:
         shards, rows = table.layout.mapping.locate(keys.astype(np.int64, copy=False))
         held = np.array(sorted(table.stores), dtype=np.int64)
         # One sort groups the part's rows by slice: no pass over every key per slice held here.
@@ -145,9 +157,9 @@ class CheckpointService:
             with store.hold(None, exclusive=True):
                 targets = store.state_arrays()
                 dirty = targets.pop("dirty", None)
-                if dirty is not None:
+                checkpoint.place_saved(targets, rows[mine], arrays, mine, table.spec.name, write)
+                if dirty is not None and write:
                     dirty[rows[mine]] = 0
-                checkpoint.place_saved(targets, rows[mine], arrays, mine, table.spec.name)
         return int(order.size)
 
     def _table(self, name: str) -> ServedTable:

@@ -230,9 +230,11 @@ class ReplicationService:
                 why.append(f"shard {shard} holds pushes that wait for earlier ones")
         return [[shard, wire_version(replica)] for shard, replica in sorted(table.replicas.items())], why
 
-    def load(self, table: ReplicatedTable, parts: Iterable[tuple[np.ndarray, dict[str, np.ndarray]]]) -> int:
+    def load(self, table: ReplicatedTable, parts: Iterable[tuple[np.ndarray, dict[str, np.ndarray]]],
+             write: bool = True) -> int:
         """Restore: every replica here takes its keys' rows from the parts (a later part wins, so the
-        caller puts this node's own parts, with its optimiser state, last). Returns the rows filled."""
+        caller puts this node's own parts, with its optimiser state, last). Returns the rows filled
+        (``write`` False: that would be filled, writing nothing)."""
         if any(any(r.version().values()) for r in table.replicas.values()):
             raise CheckpointError(f"replicated table {table.spec.name!r} has taken updates already: "
                                   "restore right after creating the tables, before training")
@@ -243,7 +245,7 @@ class ReplicationService:
                 mine = np.flatnonzero(shards == shard)
                 if not mine.size:
                     continue
-                replica.load(rows[mine], arrays, mine)
+                replica.load(rows[mine], arrays, mine, write)
                 filled[shard][rows[mine]] = True
         return sum(int(f.sum()) for f in filled.values())
 

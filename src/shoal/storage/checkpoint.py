@@ -49,11 +49,15 @@ def _fsync_dir(path: Path) -> None:
 def _write_durably(path: Path, data: bytes) -> None:
     """Write ``path`` whole or not at all: a temporary file, fsync, rename, fsync of the directory."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves the old file and nothing else
+        raise
     _fsync_dir(path.parent)
 
 
@@ -181,14 +185,17 @@ def part_keys(path: Path, part: dict[str, Any]) -> np.ndarray:
 
 
 def place_saved(targets: Mapping[str, np.ndarray], rows: np.ndarray, arrays: Mapping[str, np.ndarray],
-                pick: np.ndarray, table: str) -> None:
+                pick: np.ndarray, table: str, write: bool = True) -> None:
     """Restore: ``target[rows] = arrays[name][pick]`` for every target array (values and optimiser
-    state); a part that lacks one, or holds rows of another shape, is refused by name."""
+    state); a part that lacks one, or holds rows of another shape, is refused by name before any
+    row is written. ``write`` False only checks (a restore's first phase)."""
     for name, target in targets.items():
         source = arrays.get(name)
         if source is None or source.shape[1:] != target.shape[1:]:
             raise CheckpointError(f"part of {table!r} lacks {name!r} of rows {target.shape[1:]} (has {sorted(arrays)})")
-        target[rows] = source[pick]
+    if write:
+        for name, target in targets.items():
+            target[rows] = arrays[name][pick]
 
 
 def read_parts(path: Path, entry: dict[str, Any]) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:

@@ -67,7 +67,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.MOVE_DONE: OpSchema(body={"shard": _INT, "to": _INT, "epoch": _INT, "ok": (bool,)}, needs_table=True),
     Op.DRAIN: OpSchema(body={"node": _INT}),
     Op.CHECKPOINT: OpSchema(body={"staging": _STR, "tables": (list,)}),
-    Op.RESTORE: OpSchema(body={"path": _STR}),
+    Op.RESTORE: OpSchema(body={"path": _STR, "commit": (bool,)}),
     Op.SETTLE: OpSchema(body={"tables": (list,)}),
 }
 
