@@ -152,3 +152,47 @@ def test_bsp_gives_the_sequential_result_on_a_deterministic_problem():
 
 def test_asp_with_a_straggler_does_not_and_so_the_check_has_teeth():
     assert not np.array_equal(layered(shoal.ASP(), straggle_s=0.05), sequential())
+
+
+def _adagrad_after(n: int, lr: float = 0.5) -> float:
+    value, accum = np.float32(0.0), np.float32(0.0)
+    for _ in range(n):
+        accum += np.float32(1.0)
+        value += np.float32(lr) / (np.sqrt(accum) + np.float32(1e-10))
+    return float(value)
+
+
+OWN_WRITES = {"Sum": (shoal.optim.Sum(), 1.0, float), "SGD": (shoal.optim.SGD(lr=0.5), -1.0, lambda n: 0.5 * n),
+              "Adagrad": (shoal.optim.Adagrad(lr=0.5), -1.0, _adagrad_after)}
+
+
+@pytest.mark.parametrize("rule", sorted(OWN_WRITES))
+@pytest.mark.parametrize("push", ["sync", "async"])
+@pytest.mark.parametrize("where", ["remote", "local"])
+@pytest.mark.parametrize("model", [shoal.BSP(), shoal.SSP(3), shoal.ESSP(3)],
+                         ids=lambda m: f"{type(m).__name__}{m.bound}")
+def test_a_worker_reads_its_own_writes(model, where, push, rule):
+    """Rank 0 pushes to one key every clock and reads it before each push: every read holds every
+    earlier push of its own (Ho et al.'s read-my-writes), from the process cache or not."""
+    optimizer, grad, after = OWN_WRITES[rule]
+    key = 6 if where == "remote" else 1  # range mapping over 2 nodes: keys 4..7 live on node 1
+
+    def body(w: Worker) -> list[float]:
+        t = w.table("own", 8, 1, consistency=model, optimizer=optimizer)
+        seen, pending = [], []
+        for _ in range(10):
+            if w.rank == 0:
+                seen.append(float(t.pull([key])[0, 0]))
+                future = t.push_async([key], [[grad]])
+                if push == "sync":
+                    future.wait()
+                else:
+                    pending.append(future)
+            w.advance_clock()
+        for future in pending:
+            future.wait()
+        return seen
+
+    with ThreadCluster(nodes=2) as cluster:
+        seen = cluster.run_workers(body)[0]
+    np.testing.assert_allclose(seen, [after(n) for n in range(10)], rtol=1e-6)

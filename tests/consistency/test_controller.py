@@ -108,12 +108,31 @@ def test_row_cache_versions_and_eager_bumps():
     cache = RowCache(10, 2, np.dtype(np.float32), num_shards=2)
     keys, shards = np.array([1, 7]), np.array([0, 1])
     np.testing.assert_array_equal(cache.versions(keys, shards), [-1, -1])
-    cache.store(np.array([1, 7]), np.ones((2, 2), np.float32), 3)
-    cache.store(np.array([7]), np.zeros((1, 2), np.float32), 2)  # older: ignored
+    cache.store(np.array([1, 7]), np.ones((2, 2), np.float32), 3, epoch=0, seen=5)
+    cache.store(np.array([7]), np.zeros((1, 2), np.float32), 2, epoch=0, seen=4)  # older: ignored
     np.testing.assert_array_equal(cache.read(np.array([7])), 1.0)
     cache.bump([1], 6)
     np.testing.assert_array_equal(cache.versions(keys, shards), [3, 6])
     np.testing.assert_array_equal(cache.versions(np.array([8]), np.array([1])), [-1])  # never cached
+
+
+def test_row_cache_keeps_the_most_recent_rows_and_the_larger_version():
+    cache = RowCache(4, 1, np.dtype(np.float32), num_shards=1)
+    key = np.array([2])
+    cache.store(key, np.full((1, 1), 1.0, np.float32), 5, epoch=3, seen=10)
+    # A reply the slice's previous owner sent before the move (a lower epoch) is older, whatever its clock.
+    assert cache.store(key, np.full((1, 1), 9.0, np.float32), 8, epoch=2, seen=50).size == 0
+    # A reply sent again from a server's memory of replies carries the seen it had then: older.
+    assert cache.store(key, np.full((1, 1), 9.0, np.float32), 8, epoch=3, seen=9).size == 0
+    # As recent: a reply does not replace what is held, rows a server pushed do (its bump relies on them).
+    assert cache.store(key, np.full((1, 1), 9.0, np.float32), 8, epoch=3, seen=10).size == 0
+    assert cache.store(key, np.full((1, 1), 2.0, np.float32), 4, epoch=3, seen=10, pushed=True).size == 1
+    # Newer rows hold every update the older did: the larger version stands (a fenced server's may be lower).
+    assert cache.version[2] == 5 and cache.read(key)[0, 0] == 2.0
+    cache.add(np.array([2, 2]), np.ones((2, 1), np.float32), -0.5)  # this worker's own push, twice
+    assert cache.read(key)[0, 0] == 1.0
+    cache.drop(key)
+    np.testing.assert_array_equal(cache.versions(key, np.array([0])), [-1])
 
 
 def test_staleness_histogram_summary():

@@ -30,12 +30,12 @@ def restore(name: str) -> Message:
     return Message(Op.RESTORE, req=9, body={"path": str(FUZZ_DIR / name), "commit": True})
 
 
-def slice_chunk(first: int, subscribers: list[int], clocks: list[object]) -> Message:
+def slice_chunk(first: int, subscribers: list[object]) -> Message:
     """Two rows of slice 0 of ``fz_essp`` (Adagrad, ESSP) moving here."""
     masks = [np.ones(2, dtype=np.uint8) for _ in subscribers]
     return Message(Op.SLICE_STATE, req=9 + first, table="fz_essp", sender=PEER_SERVER, body={
         "shard": 0, "epoch": 1, "first_row": first, "num_rows": 32, "names": ["values", "accum", "dirty"],
-        "clocks": clocks, "subscribers": subscribers, "last": False},
+        "subscribers": subscribers, "last": False},
         arrays=[rows(2), rows(2), np.zeros(2, dtype=np.uint8), *masks])
 
 
@@ -56,10 +56,10 @@ FINDINGS = [
     pytest.param([Message(Op.GOSSIP, req=9, table="fz_repl", sender=PEER_SERVER, body={
         "shard": 0, "vv": [], "stage": 0, "deltas": [[0, 0]], "states": []},
         arrays=[np.zeros(0, dtype=np.int64), np.zeros((0, 4))])], ProtocolError, id="gossip delta not a map"),
-    pytest.param([slice_chunk(0, [], [0]), slice_chunk(2, [0], [0])], ProtocolError,
+    pytest.param([slice_chunk(0, []), slice_chunk(2, [0])], ProtocolError,
                  id="slice chunk with a subscriber the first chunk lacked"),
-    pytest.param([slice_chunk(0, [], ["x"])], ProtocolError, id="slice clocks not numbers"),
-    pytest.param([slice_chunk(-2, [], [0])], ProtocolError, id="slice chunk before row 0"),
+    pytest.param([slice_chunk(0, ["x"])], ProtocolError, id="slice subscribers not numbers"),
+    pytest.param([slice_chunk(-2, [])], ProtocolError, id="slice chunk before row 0"),
 ]
 
 

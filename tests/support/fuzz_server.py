@@ -51,8 +51,9 @@ from tests.support.fuzzing import (
     spec_dicts,
 )
 
-#: ops a server may send to a requester (ROWS: unasked ESSP updates; TOTALS: replicated pulls)
-REPLY_OPS = {Op.OK, Op.VALUES, Op.ERROR, Op.ROWS, Op.TOTALS}
+#: ops a server may send to a requester (ROWS: unasked ESSP updates; TOTALS: replicated pulls; FENCE: a
+#: push refused because its slice is elsewhere, its sender's clock held until it confirms)
+REPLY_OPS = {Op.OK, Op.VALUES, Op.ERROR, Op.ROWS, Op.TOTALS, Op.FENCE}
 HANDLE_SLOW_S = 5.0  # one message handled slower than this is a hang, not a slow machine
 TICK_EVERY = 25  # run the loop's timers this often, as a busy loop would between bursts
 

@@ -243,7 +243,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
         "times": st.lists(HOSTILE, max_size=3),
     }) | HOSTILE, max_size=3),
     "names": st.lists(st.sampled_from(STATE_NAMES) | st.text(max_size=6), max_size=5),
-    "clocks": st.lists(NUMBERS, max_size=4),
+    "stream": st.lists(NUMBERS, max_size=5),
     "subscribers": st.lists(NUMBERS, max_size=3),
     "tables": st.lists(TABLE_NAMES | st.just(PROTECTED.name) | HOSTILE, max_size=3),
     "kind": st.sampled_from(PLACEMENT_KINDS) | st.text(max_size=8),
@@ -324,7 +324,7 @@ def slice_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
     arrays += [_small_ints(n, draw, 1).astype(np.uint8) for _ in ranks]
     body = {"shard": draw(st.integers(-1, 8)), "epoch": draw(SMALL_INTS), "first_row": draw(st.integers(-2, 40)),
             "num_rows": draw(st.sampled_from([32, 8, 64, 0]) | SMALL_INTS), "names": names,
-            "clocks": draw(FIELDS["clocks"]), "subscribers": ranks, "last": draw(st.booleans())}
+            "subscribers": ranks, "last": draw(st.booleans())}
     return body, arrays
 
 

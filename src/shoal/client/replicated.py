@@ -85,6 +85,7 @@ class ReplicaView:
         for n, address in enumerate(status.get("servers", [])):
             if address and self.worker.servers[n] != address:  # a restarted server
                 self.worker.servers[n] = address
+                self.worker.streams.reset(n)
                 self.worker.tracker.connect(n, address)
                 self.down_until.pop(n, None)
 

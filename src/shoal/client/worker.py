@@ -7,7 +7,8 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from shoal.client import checkpoints
 from shoal.client.dense import DEFAULT_SLICE, DenseTable, rows_for
 from shoal.client.metrics import worker_families
 from shoal.client.replicated import ReplicaView
+from shoal.client.streams import Streams
 from shoal.client.table import Table
 from shoal.cluster import membership
 from shoal.cluster.fdshare import fetch_fds, socket_name
@@ -84,11 +86,17 @@ class Worker:
             lambda: render(worker_families(self), {"rank": self.rank, "node": self.node}), metrics_host,
             metrics_port, metrics_token(cluster.secret) if cluster.secret else None)
         self.tracker.connect(membership.RENDEZVOUS_PEER, cluster.rendezvous)
-        membership.register(self.tracker, "worker", node, rank, "", timeout,
-                            metrics=self.metrics.url if self.metrics else None)
+        registered = membership.register(self.tracker, "worker", node, rank, "", timeout,
+                                         metrics=self.metrics.url if self.metrics else None)
+        #: this worker's numbered requests to each server, handled there in order (static tables, clocks)
+        self.streams = Streams(int(registered.get("incarnation", 1)))
+        #: servers that wait for this worker's confirmation before counting its clock in full, by
+        #: (server, table): a slice moved there, or a push of ours was refused there
+        self._fences: dict[tuple[int, str], _Fence] = {}
         self.servers: list[str | None] = []  # by node; None once a server has left
         self._update_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
         self.tracker.on_unsolicited = self._on_server_message
+        self.tracker.after_receive = self._after_receive
         self.replica_view = ReplicaView(self)
         #: the local server's clock table in shared memory: local reads check bounds here
         self.local_clocks: np.ndarray | None = None
@@ -181,8 +189,13 @@ class Worker:
         self.local_clocks = self._clock_segment.array(0, (int(reply["num_workers"]),), np.int64)
 
     def _on_server_message(self, peer: int, msg: Message) -> None:
-        """A message no request asked for: rows a server pushed eagerly (ESSP)."""
+        """A message no request asked for: rows a server pushed eagerly (ESSP), or a fence."""
         table = self.tables.get(msg.table)
+        if msg.op == Op.FENCE and table is not None and table.static is not None and 0 <= peer < self.num_nodes:
+            known = self._fences.get((peer, msg.table))
+            if known is None or int(msg.body["epoch"]) > known.epoch:
+                self._fences[(peer, msg.table)] = _Fence(int(msg.body["epoch"]), int(msg.body["shard"]))
+            return
         if msg.op != Op.ROWS or table is None:
             log.warning("worker %d: ignoring unexpected %s from server %d", self.rank, msg.op.name, peer)
             return
@@ -191,18 +204,67 @@ class Worker:
         except ShoalError as exc:
             log.warning("worker %d: ignoring bad rows from server %d: %s", self.rank, peer, exc)
 
+    def _after_receive(self) -> None:
+        """What replies could not do in place: send parts refused by moved slices where the slices
+        are now, and answer fences once the pushes they wait for have landed."""
+        for table in self.tables.values():
+            if table.static is not None and table.static.has_moved:
+                table.static.resend_moved()
+        if self._fences:
+            self._answer_fences()
+
+    def _answer_fences(self) -> None:
+        """A server that took over a slice, or refused a push of ours, counts this worker's clock only
+        up to its settled clock until this worker confirms: that it routes by the move, and that every
+        push it started before has landed (where the slice is now). Later clocks then cover them."""
+        for key, fence in list(self._fences.items()):
+            server, name = key
+            access = self.tables[name].static
+            assert access is not None
+            if fence.upto is None:
+                try:
+                    if fence.shard >= 0 and not access.learn_move(fence.shard, server, fence.epoch):
+                        continue  # the rendezvous does not know the moves before it yet: again shortly
+                except ShoalError as exc:
+                    log.warning("worker %d: cannot refresh the layout of %r: %s", self.rank, name, exc)
+                    continue
+                fence.upto = access.pushes_started  # pushes started from now on route by the move
+            if access.pushes_open(fence.upto) or not self.server_alive(server) or self._fences.get(key) is not fence:
+                continue
+            del self._fences[key]
+            self.send_ordered(server, Message(Op.CONFIRM, table=name, clock=self.clock,
+                                              body={"rank": self.rank, "epoch": fence.epoch}),
+                              f"CONFIRM {name!r} at epoch {fence.epoch} to server {server}", background=True)
+
+    def send_ordered(self, server: int, msg: Message, what: str, on_reply: Callable[[Message], None] | None = None,
+                     background: bool = False) -> int:
+        """A request in this worker's stream to ``server``: handled there after every earlier one."""
+        seq = self.streams.stamp(server, msg, self.settled_clock())
+
+        def answered(reply: Message) -> None:
+            self.streams.answered(server, seq)
+            if on_reply is not None:
+                on_reply(reply)
+
+        return self.tracker.request(server, msg, answered, what, background=background,
+                                    on_end=lambda: self.streams.ended(server, seq))
+
+    def settled_clock(self) -> int:
+        """Every push this worker made to a bounded table in iterations before this clock is acknowledged."""
+        oldest = [t.static.oldest_open_push() for t in self.tables.values()
+                  if t.static is not None and t.bound is not None]
+        return min([self.clock, *(c for c in oldest if c is not None)])
+
     def local_slices(self, spec: TableSpec, layout: TableLayout, mapped: dict[int, ShardStore]
                      ) -> dict[int, ShardStore]:
         """The stores of every slice ``layout`` puts on this node, reusing ``mapped`` ones still here.
 
         All or nothing: if one cannot be mapped (it is still arriving, say), the
-        table goes through the local server for now, never half-local.
+        table goes through the local server for now, never half-local. Stores of
+        ``mapped`` left out are the caller's to close (a call may still hold them).
         """
         mine = set(layout.shards_of(self.node))
         keep = {s: st for s, st in mapped.items() if s in mine and not st.retired}
-        for s, st in mapped.items():
-            if s not in keep:
-                st.close()
         missing = sorted(mine - set(keep))
         if missing:
             try:
@@ -211,8 +273,9 @@ class Worker:
                 log.info("worker %d: slices %s of %r not mappable yet (%s); using the server", self.rank, missing,
                          spec.name, exc)
             if set(keep) != mine:
-                for st in keep.values():
-                    st.close()
+                for s, st in keep.items():
+                    if mapped.get(s) is not st:
+                        st.close()
                 return {}
         return keep
 
@@ -231,6 +294,7 @@ class Worker:
                 continue
             if known is not None:
                 self.tracker.disconnect(n)
+            self.streams.reset(n)  # a new server process numbers our requests afresh
             if address is not None:
                 self.tracker.connect(n, address)
         self.servers = list(addresses)
@@ -274,13 +338,14 @@ class Worker:
         # A request, not a one-way message: a lost clock would hold back every bounded read for good.
         # Nobody waits for the acknowledgement, and a newer clock supersedes an unanswered older one
         # (so a server that died costs nothing here).
+        # In this worker's stream to each server, so counted there only after the pushes it follows.
         for n in self.live_servers():
             older = self._clock_requests.get(n)
             if older is not None:
                 self.tracker.forget(older)
-            self._clock_requests[n] = self.tracker.request(
-                n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}), _ignore,
-                f"CLOCK {self.clock} to server {n}", background=True)
+            self._clock_requests[n] = self.send_ordered(
+                n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}), f"CLOCK {self.clock} to server {n}",
+                background=True)
         self.tracker.pump(0)
         return self.clock
 
@@ -401,9 +466,8 @@ class Worker:
             self.wait_all()
             # A worker that left must not hold back anyone's reads: this last clock is a request,
             # sent again until acknowledged (the earlier ones ride on every later message).
-            body = {"rank": self.rank, "final": True}
-            final = {self.tracker.request(n, Message(Op.CLOCK, clock=self.clock, body=body), _ignore,
-                                          f"final CLOCK to server {n}") for n in self.live_servers()}
+            final = {self.send_ordered(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank, "final": True}),
+                                       f"final CLOCK to server {n}") for n in self.live_servers()}
             try:  # a server that is gone must not keep this worker from leaving
                 self.tracker.wait(final, min(_FINAL_CLOCK_S, self.cluster.timeouts.connect_s))
             except RequestTimeoutError as exc:
@@ -414,8 +478,7 @@ class Worker:
         finally:
             self._closed = True
             for table in self.tables.values():
-                for store in table.local.values():
-                    store.close()
+                table.close()
             self.local_clocks = None
             if self._clock_segment is not None:
                 self._clock_segment.close()
@@ -438,3 +501,12 @@ class Worker:
 
 def _ignore(msg: Message) -> None:
     pass
+
+
+@dataclass
+class _Fence:
+    """A server's wait for this worker's confirmation (see ``Worker._answer_fences``)."""
+
+    epoch: int
+    shard: int  # the slice that moved to the server at ``epoch``; -1: a push of ours it refused
+    upto: int | None = None  # the pushes to land first: those started up to this one

@@ -71,6 +71,7 @@ class Rendezvous:
         self.now = now
         self.last_seen: dict[int, float] = {}
         self.incarnations: dict[int, int] = {}
+        self.worker_incarnations: dict[int, int] = {}
         #: table specs as created by workers, so a restarted server can recreate its tables
         self.tables: dict[str, dict[str, Any]] = {}
         self._barriers: dict[int, list[tuple[bytes, Message]]] = {}
@@ -195,8 +196,8 @@ class Rendezvous:
 
     def _dispatch(self, peer: bytes, msg: Message) -> None:
         if msg.op == Op.REGISTER:
-            self._register(msg)
-            self._reply(peer, msg.reply(Op.OK, self.status()))
+            incarnation = self._register(msg)
+            self._reply(peer, msg.reply(Op.OK, {**self.status(), "incarnation": incarnation}))
         elif msg.op == Op.CLUSTER_STATUS:
             node = msg.body.get("node")
             if msg.body.get("role") == "server" and isinstance(node, int):
@@ -275,7 +276,9 @@ class Rendezvous:
                 self._reply(peer, msg.reply(Op.ERROR, {"code": error.code, "message": str(error)}))
         return done
 
-    def _register(self, msg: Message) -> None:
+    def _register(self, msg: Message) -> int:
+        """Add a member; returns how many times its node (a server) or rank (a worker) has registered,
+        its incarnation: a restarted process must not be mistaken for its earlier self."""
         b = msg.body
         metrics = b.get("metrics")
         member = Member(b["role"], b["node"], b["rank"], b["address"], b["pid"],
@@ -293,12 +296,14 @@ class Rendezvous:
             self.servers[member.node] = member
             self.incarnations[member.node] = self.incarnations.get(member.node, 0) + 1
             self.last_seen[member.node] = self.now()
-        else:
-            if member.rank in self.workers:  # a restarted worker: drop what its old self left waiting
-                for waiting in self._barriers.values():
-                    waiting[:] = [(p, m) for p, m in waiting if int(m.body["rank"]) != member.rank]
-            self.workers[member.rank] = member
-            self.left.discard(member.rank)
+            return self.incarnations[member.node]
+        if member.rank in self.workers:  # a restarted worker: drop what its old self left waiting
+            for waiting in self._barriers.values():
+                waiting[:] = [(p, m) for p, m in waiting if int(m.body["rank"]) != member.rank]
+        self.workers[member.rank] = member
+        self.left.discard(member.rank)
+        self.worker_incarnations[member.rank] = self.worker_incarnations.get(member.rank, 0) + 1
+        return self.worker_incarnations[member.rank]
 
     def _barrier(self, peer: bytes, msg: Message) -> None:
         gen = int(msg.body["generation"])

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from shoal.api.errors import (
     AuthError,
@@ -61,6 +61,10 @@ class _Pending:
     nbytes: int = 0
     #: nobody waits for it (``wait_all`` skips it) and its failure is not reported
     background: bool = False
+    #: takes the request's error instead of keeping it for ``take_error``
+    on_error: Callable[[ShoalError], None] | None = None
+    #: runs once the request is over, however it ended: answered, failed, given up or forgotten
+    on_end: Callable[[], None] | None = None
 
 
 @dataclass
@@ -115,6 +119,11 @@ class RequestTracker:
         self._next_resend_check = 0.0
         #: called with (peer, message) for messages that answer no request (server pushes)
         self.on_unsolicited: Callable[[int, Message], None] | None = None
+        #: called after each round of received messages, outside any reply handler, never nested: work
+        #: a reply cannot do in place (a push sent again after a layout refresh, say); it must not wait
+        #: for anything that needs it to run
+        self.after_receive: Callable[[], None] | None = None
+        self._in_after_receive = False
 
     # ----------------------------------------------------------- connections
 
@@ -148,13 +157,16 @@ class RequestTracker:
     # -------------------------------------------------------------- requests
 
     def request(self, peer: int, msg: Message, on_reply: ReplyHandler, what: str = "",
-                background: bool = False, reply_bytes: int = 0) -> int:
+                background: bool = False, reply_bytes: int = 0,
+                on_error: Callable[[ShoalError], None] | None = None,
+                on_end: Callable[[], None] | None = None) -> int:
         """Send ``msg`` to ``peer``; ``on_reply`` runs (inside a later pump) with the reply.
 
         A ``background`` request is sent again like any other, but nobody waits for it: ``wait_all``
         skips it, and it ends silently if ``forget`` drops it (a newer one superseding it, say).
         ``reply_bytes``, the size of the expected reply, keeps a large read from being sent again
-        while its reply is still arriving.
+        while its reply is still arriving. ``on_error`` takes an error reply instead of ``take_error``;
+        ``on_end`` runs once the request is over, however it ended.
         """
         with self._lock:
             if self._closed:
@@ -169,7 +181,7 @@ class RequestTracker:
             op = msg.op.name
             now = time.perf_counter()
             pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background,
-                               nbytes=_size(frames) + reply_bytes)
+                               nbytes=_size(frames) + reply_bytes, on_error=on_error, on_end=on_end)
             if self.resend_s is not None:
                 pending.frames, pending.resend_at = frames, now + self._resend_after(pending)
             self._pending[req] = pending
@@ -204,30 +216,51 @@ class RequestTracker:
 
     def wait(self, reqs: set[int], timeout: float) -> None:
         """Pump until every request in ``reqs`` is answered, or raise ``RequestTimeoutError``."""
+        self.wait_until(lambda: self.done(reqs), lambda: reqs, timeout)
+
+    def wait_until(self, done: Callable[[], bool], awaited: Callable[[], set[int]], timeout: float,
+                   step: Callable[[], None] | None = None) -> None:
+        """Pump until ``done()``, or raise ``RequestTimeoutError`` naming the requests ``awaited()``
+        still lists (a call whose set of requests grows while it waits: a part sent again elsewhere).
+        ``step`` runs before each check: the waiter's own part of the work (it may wait itself)."""
         deadline = time.monotonic() + timeout
+        idle = False
         with self._lock:
-            while not self.done(reqs):
+            while True:
+                if step is not None:
+                    step()
+                if done():
+                    return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise RequestTimeoutError(self._describe_missing(reqs, timeout))
-                peers = {self._pending[r].peer for r in reqs if r in self._pending}
+                    raise RequestTimeoutError(self._describe_missing(awaited(), timeout))
+                peers = {self._pending[r].peer for r in awaited() if r in self._pending}
                 # Wake at least every resend check: a lost request is sent again while we wait.
                 if len(peers) == 1:
-                    self._receive_from(peers.pop(), min(remaining, RESEND_CHECK_S))
-                    self._resend_due()
+                    if self._receive_from(peers.pop(), min(remaining, RESEND_CHECK_S)):
+                        self._resend_due()
+                        self._run_after_receive()
+                    else:  # a long wait also hears the other peers (a fence, rows pushed eagerly)
+                        self.pump(0)
+                elif not peers and not idle:  # nothing in flight: what is left is ours to do, now
+                    idle = True
+                    self.pump(0)
                 else:
+                    idle = False
                     self.pump(min(remaining, RESEND_CHECK_S))
 
-    def _receive_from(self, peer: int, timeout: float) -> None:
-        """Wait on one peer's connection only: cheaper than polling them all."""
+    def _receive_from(self, peer: int, timeout: float) -> int:
+        """Wait on one peer's connection only: cheaper than polling them all. Returns the messages handled."""
         conn = self._conns.get(peer)
         if conn is None:
-            self.pump(timeout)
-            return
+            return self.pump(timeout)
+        handled = 0
         frames = conn.recv(timeout)
         while frames is not None:
             self._dispatch(peer, frames)
+            handled += 1
             frames = conn.recv(0)
+        return handled
 
     def wait_all(self, timeout: float) -> None:
         """Pump until nothing is in flight (used before barriers and shutdown).
@@ -273,13 +306,17 @@ class RequestTracker:
     def forget(self, req: int) -> None:
         """Stop tracking ``req``: no resend, a late reply is dropped, no error is kept."""
         with self._lock:
-            self._pending.pop(req, None)
+            pending = self._pending.pop(req, None)
             self._errors.pop(req, None)
+            if pending is not None and pending.on_end is not None:
+                pending.on_end()
 
     def _describe_missing(self, reqs: set[int], timeout: float) -> str:
         missing = [(r, self._pending[r]) for r in sorted(reqs) if r in self._pending]
-        for r, _ in missing:
+        for r, p in missing:
             self._pending.pop(r, None)  # a late reply is dropped, not misrouted
+            if p.on_end is not None:
+                p.on_end()
         parts = [f"{p.what} (request {r}) to peer {p.peer} at {self.address_of(p.peer)}" for r, p in missing]
         return f"no reply within {timeout:.1f}s to: " + "; ".join(parts)
 
@@ -296,7 +333,17 @@ class RequestTracker:
                     self._dispatch(peer, frames)
                     handled += 1
             self._resend_due()
+            self._run_after_receive()
         return handled
+
+    def _run_after_receive(self) -> None:
+        if self.after_receive is None or self._in_after_receive:
+            return
+        self._in_after_receive = True
+        try:
+            self.after_receive()
+        finally:
+            self._in_after_receive = False
 
     def _resend_due(self) -> None:
         """Send again the requests whose reply is overdue: a message lost on the way (or a peer that
@@ -377,8 +424,12 @@ class RequestTracker:
                 error = exc
             except Exception as exc:  # a reply that does not fit what we asked for
                 error = ProtocolError(f"bad reply to {pending.what}: {exc!r}")
-        if error is not None and not pending.background:
+        if error is not None and pending.on_error is not None:
+            pending.on_error(error)
+        elif error is not None and not pending.background:
             self._errors[req] = error
+        if pending.on_end is not None:
+            pending.on_end()
 
     def take_error(self, req: int) -> ShoalError | None:
         return self._errors.pop(req, None)
@@ -390,16 +441,33 @@ class RequestTracker:
             self._closed = True
             for peer in list(self._conns):
                 self.disconnect(peer)
+            ended = [p.on_end for p in self._pending.values() if p.on_end is not None]
             self._pending.clear()
+            for on_end in ended:
+                on_end()
+
+
+class Call(Protocol):
+    """Requests that together make one call, possibly growing while it runs (a part sent again)."""
+
+    def finished(self) -> bool: ...
+
+    def awaited(self) -> set[int]: ...
+
+    def step(self) -> None:
+        """The waiter's part of the work, run while it waits (a read sent again after a move)."""
 
 
 class Future(Generic[T]):
-    """The result of an ``*_async`` call; ``wait()`` returns it or raises its error."""
+    """The result of an ``*_async`` call; ``wait()`` returns it or raises its error.
+
+    It waits for a set of requests, or for a ``Call`` whose requests may change while it waits.
+    """
 
     def __init__(
         self,
         tracker: RequestTracker | None,
-        reqs: set[int],
+        reqs: set[int] | Call,
         finish: Callable[[], T],
         timeout: float,
         recover: Callable[[dict[int, ShoalError]], None] | None = None,
@@ -418,18 +486,19 @@ class Future(Generic[T]):
         if self._settled or self._tracker is None:
             return True
         self._tracker.pump(0)
-        return self._tracker.done(self._reqs)
+        if isinstance(self._reqs, set):
+            return self._tracker.done(self._reqs)
+        return self._reqs.finished()
 
     def wait(self, timeout: float | None = None) -> T:
         if not self._settled:
             try:
-                if self._tracker is not None and self._reqs:
-                    self._tracker.wait(self._reqs, self._timeout if timeout is None else timeout)
-                    errors = {r: e for r in sorted(self._reqs) if (e := self._tracker.take_error(r))}
-                    if errors and self._recover is None:
-                        raise next(iter(errors.values()))
-                    if errors:
-                        self._recover(errors)  # type: ignore[misc]
+                limit = self._timeout if timeout is None else timeout
+                reqs, tracker = self._reqs, self._tracker
+                if tracker is not None and isinstance(reqs, set):
+                    self._wait_requests(tracker, reqs, limit)
+                elif tracker is not None and not isinstance(reqs, set):
+                    tracker.wait_until(reqs.finished, reqs.awaited, limit, reqs.step)
                 self._result = self._finish()
             except ShoalError as exc:
                 self._error = exc
@@ -439,6 +508,16 @@ class Future(Generic[T]):
         return self._result  # type: ignore[return-value]
 
     result = wait
+
+    def _wait_requests(self, tracker: RequestTracker, reqs: set[int], limit: float) -> None:
+        if not reqs:
+            return
+        tracker.wait(reqs, limit)
+        errors = {r: e for r in sorted(reqs) if (e := tracker.take_error(r))}
+        if errors and self._recover is None:
+            raise next(iter(errors.values()))
+        if errors:
+            self._recover(errors)  # type: ignore[misc]
 
 
 def _size(frames: list[Any]) -> int:

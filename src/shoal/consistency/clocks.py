@@ -11,14 +11,24 @@ FINISHED = np.iinfo(np.int64).max // 4
 class ClockTable:
     """``clocks[w]`` = iterations worker ``w`` has completed, as learned from its messages.
 
-    A message a worker sends at clock ``c`` comes after every push it made in
-    iterations before ``c`` on the same connection, so any message carrying
-    ``c`` proves those pushes have arrived. The array may live in shared memory
-    so that co-located workers check bounds without asking.
+    A worker's messages to a server are handled in the order it sent them
+    (``server.streams``), so one carrying clock ``c`` comes after every push the
+    worker made to this server in iterations before ``c``. A slice that moved
+    here may still receive pushes the worker first sent elsewhere (by an older
+    layout), which come here once refused: until the worker confirms it knows
+    the move and those pushes have landed, its clock here is *fenced*: counted
+    only up to its settled clock, the iteration of its oldest push not yet
+    acknowledged, which every message of it reports. ``clocks`` (which may live
+    in shared memory, so co-located workers check bounds without asking) holds
+    the clocks counted.
     """
 
     def __init__(self, clocks: np.ndarray) -> None:
         self.clocks = clocks
+        self.learned = clocks.copy()
+        #: per worker, every push of iterations before this was acknowledged (as last reported)
+        self.settled = clocks.copy()
+        self.fenced: set[int] = set()
         self._min = int(clocks.min()) if clocks.size else FINISHED
 
     @classmethod
@@ -34,21 +44,56 @@ class ClockTable:
         """``m``: every update of iterations before ``m`` has arrived from every worker."""
         return self._min
 
-    def observe(self, worker: int, clock: int) -> bool:
-        """Learn that ``worker`` reached ``clock``; True if the slowest clock advanced."""
-        if not 0 <= worker < self.clocks.shape[0] or clock <= self.clocks[worker]:
+    def observe(self, worker: int, clock: int, settled: int | None = None) -> bool:
+        """Learn that ``worker`` reached ``clock`` (with every push before ``settled`` acknowledged);
+        True if the slowest clock advanced."""
+        if not 0 <= worker < self.clocks.shape[0]:
+            return False
+        if settled is not None and settled > self.settled[worker]:
+            self.settled[worker] = settled
+        elif clock <= self.learned[worker]:
+            return False
+        self.learned[worker] = max(clock, int(self.learned[worker]))
+        return self._set(worker)
+
+    def finish(self, worker: int) -> bool:
+        """The worker has left, every push of it applied: it never holds anyone back again."""
+        if not 0 <= worker < self.clocks.shape[0]:
+            return False
+        self.fenced.discard(worker)
+        self.learned[worker] = self.settled[worker] = FINISHED
+        return self._set(worker)
+
+    def fence(self, worker: int) -> None:
+        """Count ``worker`` only up to its settled clock until ``unfence``."""
+        if 0 <= worker < self.clocks.shape[0] and self.learned[worker] < FINISHED:
+            self.fenced.add(worker)
+            self._set(worker)
+
+    def unfence(self, worker: int) -> bool:
+        """Lift ``worker``'s fence; True if the slowest clock advanced."""
+        if worker not in self.fenced:
+            return False
+        self.fenced.discard(worker)
+        return self._set(worker)
+
+    def _set(self, worker: int) -> bool:
+        clock = int(self.learned[worker])
+        if worker in self.fenced:
+            clock = min(clock, int(self.settled[worker]))
+        if clock == self.clocks[worker]:
             return False
         was_slowest = self.clocks[worker] == self._min
         self.clocks[worker] = clock
+        if clock < self._min:  # a fence lowered it
+            self._min = clock
+            return False
         if was_slowest:
             new_min = int(self.clocks.min())
             if new_min > self._min:
                 self._min = new_min
                 return True
         return False
-
-    def finish(self, worker: int) -> bool:
-        return self.observe(worker, int(FINISHED))
 
     def behind(self, required: int) -> list[int]:
         """Workers whose clock is below ``required``."""

@@ -18,7 +18,16 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import AuthError, ConfigError, ProtocolError, ServerError, ShoalError, TableError
+from shoal.api.errors import (
+    AuthError,
+    ConfigError,
+    ProtocolError,
+    RequestTimeoutError,
+    ServerError,
+    ShoalError,
+    SliceMovedError,
+    TableError,
+)
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, metrics_token, render
@@ -31,6 +40,7 @@ from shoal.server.checkpoints import CheckpointService
 from shoal.server.metrics import server_families
 from shoal.server.replicated import ReplicationService
 from shoal.server.slicing import SliceService
+from shoal.server.streams import StreamOrder
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, SliceMoving, table_bytes
 from shoal.storage import kernels
@@ -89,8 +99,10 @@ class ParameterServer:
         self._clock_segment = Segment.create(f"shoal-{cluster.cluster_id}-clocks-n{node}",
                                              8 * max(cluster.num_workers, 1))
         self.clocks = ClockTable(self._clock_segment.array(0, (cluster.num_workers,), np.int64))
+        #: each worker's requests handled in the order it sent them
+        self.order = StreamOrder(cluster.num_workers)
         self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec),
-                                 max_hold_s=cluster.timeouts.request_s)
+                                 max_hold_s=cluster.timeouts.request_s, seen=self.order.seen)
         self.replication = ReplicationService(node, cluster, transport, self.codec,
                                               lambda peer, msg: self._send(peer, msg, self.codec))
         self.adaptive = AdaptiveService(node, cluster, transport, self.codec,
@@ -100,8 +112,8 @@ class ParameterServer:
         self._heartbeat_req: int | None = None
         self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
         self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
-        self.slicing = SliceService(node, cluster, transport, self.codec, self.tables, self.clocks, self._rendezvous,
-                                    self._serve)
+        self.slicing = SliceService(node, cluster, transport, self.codec, self.tables, self.sync, self._rendezvous,
+                                    self._serve_held)
         self.sync.hold_for_move = self.slicing.hold
         self.checkpoints = CheckpointService(node, self.tables, self.adaptive, self.replication)
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
@@ -141,6 +153,7 @@ class ParameterServer:
                     item = self.listener.recv(0)
                 self._backlog = max(self._backlog, burst)
                 try:
+                    self._expire_out_of_order()
                     self.sync.tick()
                     self.replication.tick()
                     self.adaptive.tick()
@@ -256,17 +269,50 @@ class ParameterServer:
                     self._serve(peer, Message(Op.PULL, req=msg.req, table=msg.table, epoch=msg.epoch,
                                               clock=msg.clock, sender=msg.sender, arrays=msg.arrays[:1]))
                 return
-        self._serve(peer, msg)
+        try:
+            in_turn = self.order.admit(peer, msg)
+        except ShoalError as exc:
+            self.stats[f"error_{exc.code}"] += 1
+            self._reply_error(peer, exc, self.codec)
+            return
+        if in_turn:
+            self._serve_in_turn(peer, msg)
+        else:
+            self.stats["requests_out_of_order"] += 1
 
-    def _serve(self, peer: bytes, msg: Message) -> None:
-        """Serve a decoded request (again, for one that waited for a slice's move to end)."""
+    def _serve_in_turn(self, peer: bytes, msg: Message) -> None:
+        """Serve ``msg``, then the requests of its worker that waited for it, in their order."""
+        item: tuple[bytes, Message] | None = (peer, msg)
+        while item is not None:
+            if not self._serve(*item):
+                self.order.park(item[1])  # held for a slice move: its worker's later requests wait
+                return
+            self.order.finished(item[1])
+            item = self.order.next_ready(msg.sender) if "stream" in msg.body else None
+
+    def _serve_held(self, peer: bytes, msg: Message) -> None:
+        """A request that waited for a slice's move to end."""
+        if self.order.unpark(msg):
+            self._serve_in_turn(peer, msg)
+        else:
+            self._serve(peer, msg)  # a read released by its bound while the slice moved
+
+    def _serve(self, peer: bytes, msg: Message) -> bool:
+        """Serve a decoded request; False if it is held until a slice's move ends."""
         started = time.perf_counter()
         try:
             self.sync.observe(peer, msg)
             reply = self.dispatch(msg, peer)
         except SliceMoving:
             self.slicing.hold(peer, msg)
-            return
+            return False
+        except SliceMovedError as exc:
+            if msg.op in (Op.PUSH, Op.PUSH_PULL) and msg.table in self.tables and "stream" in msg.body:
+                # The worker sends the push again by a fresh layout, and the part for slices still
+                # here comes back here: until then its later clock ticks must not count here.
+                self.sync.refuse_reads(msg.sender, msg.table, self.tables[msg.table].layout.epoch)
+            self.stats[f"error_{exc.code}"] += 1
+            reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
         except ShoalError as exc:
             self.stats[f"error_{exc.code}"] += 1
             reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
@@ -278,6 +324,17 @@ class ParameterServer:
         if reply is not None and not msg.flags & Flag.NO_REPLY:
             self._send(peer, reply, self.codec)
         self.latency.observe(msg.op.name, time.perf_counter() - started)
+        return True
+
+    def _expire_out_of_order(self) -> None:
+        """Requests that waited a request timeout for an earlier one of their worker that never came
+        (its worker died, say): answered with an error instead of kept."""
+        for peer, msg in self.order.expire(self.cluster.timeouts.request_s):
+            error = RequestTimeoutError(f"server {self.node}: request {msg.body['stream'][1]} of worker "
+                                        f"{msg.sender} waited {self.cluster.timeouts.request_s:.0f}s for its "
+                                        "earlier requests, which never came")
+            self.stats["out_of_order_expired"] += 1
+            self._send(peer, msg.reply(Op.ERROR, {"code": error.code, "message": str(error)}), self.codec)
 
     def _reply_error(self, peer: bytes, exc: ShoalError, codec: Codec) -> None:
         if getattr(exc, "flags", 0) & Flag.NO_REPLY:
@@ -305,9 +362,9 @@ class ParameterServer:
     def dispatch(self, msg: Message, peer: bytes = b"") -> Message | None:
         """Serve one checked request; None means no reply now (a held pull, or none at all)."""
         op = msg.op
-        if msg.table in self.replication.tables and op not in (Op.CREATE_TABLE, Op.CLOCK):
+        if msg.table in self.replication.tables and op not in (Op.CREATE_TABLE, Op.CLOCK, Op.CONFIRM):
             return self.replication.handle(peer, msg)
-        if msg.table in self.adaptive.tables and op not in (Op.CREATE_TABLE, Op.CLOCK):
+        if msg.table in self.adaptive.tables and op not in (Op.CREATE_TABLE, Op.CLOCK, Op.CONFIRM):
             return self.adaptive.handle(peer, msg)
         if op == Op.PULL:
             return self.sync.pull(self._table(msg.table), peer, msg)
@@ -320,6 +377,9 @@ class ParameterServer:
             self._push(table, msg)
             return self.sync.pull(table, peer, msg)
         if op == Op.CLOCK:
+            return msg.reply(Op.OK)
+        if op == Op.CONFIRM:
+            self.sync.confirm(msg.sender, msg.table, int(msg.body["epoch"]))
             return msg.reply(Op.OK)
         if op == Op.CREATE_TABLE:
             return self._create_table(msg)
@@ -402,6 +462,7 @@ class ParameterServer:
             "metrics": self.metrics.url if self.metrics is not None else None,
             "queue": self.queue_length,
             "held": self.sync.held_count(),
+            "out_of_order": self.order.waiting_count(),
             "tables": {n: {"shards": sorted(t.stores), "rows": sum(s.num_rows for s in t.stores.values()),
                            "epoch": t.layout.epoch} for n, t in self.tables.items()},
             "clocks": [int(c) for c in self.clocks.clocks],

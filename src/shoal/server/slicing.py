@@ -6,8 +6,10 @@ its next heartbeat reply. The owner then:
 
 1. marks the slice *moving*: requests for it are held, and co-located workers
    stop touching its shared memory (``ShardStore.retire``);
-2. sends the rows, optimiser state, its clock table and the ESSP subscriptions
-   to the new owner in ``SLICE_STATE`` messages (chunked to the size limit);
+2. sends the rows, optimiser state and the ESSP subscriptions to the new owner
+   in ``SLICE_STATE`` messages (chunked to the size limit); the new owner fences
+   every worker's clock until the worker confirms that its pushes routed by the
+   old layout have landed (``Synchroniser.fence``);
 3. once the new owner has them, tells the rendezvous (``MOVE_DONE``), which
    bumps the table's epoch;
 4. forgets the slice and answers every held request "moved": the worker
@@ -33,7 +35,7 @@ from shoal.api.config import ClusterSpec
 from shoal.api.errors import ProtocolError, TableError
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
-from shoal.consistency.clocks import ClockTable
+from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable
 from shoal.storage.shard import ShardStore
 from shoal.transport.base import Transport
@@ -71,13 +73,13 @@ class SliceService:
     """Hands slices of this server's static tables to other servers, and takes them in."""
 
     def __init__(self, node: int, cluster: ClusterSpec, transport: Transport, codec: Codec,
-                 tables: dict[str, ServedTable], clocks: ClockTable, rendezvous: RequestTracker,
+                 tables: dict[str, ServedTable], sync: Synchroniser, rendezvous: RequestTracker,
                  redispatch: Callable[[bytes, Message], None]) -> None:
         self.node = node
         self.cluster = cluster
         self.codec = codec
         self.tables = tables
-        self.clocks = clocks
+        self.sync = sync
         self.rendezvous = rendezvous
         self.redispatch = redispatch
         self.peers = RequestTracker(transport, codec, sender=node, resend_s=cluster.timeouts.resend_s)
@@ -128,14 +130,13 @@ class SliceService:
         arrays = store.state_arrays()
         per_row = sum(a[:1].nbytes for a in arrays.values()) + len(ranks)
         chunk = max(1, (self.cluster.limits.max_message_bytes - _HEADER_ROOM) // max(per_row, 1))
-        clocks = [int(c) for c in self.clocks.clocks]
         for first in range(0, max(store.num_rows, 1), chunk):
             last_row = min(store.num_rows, first + chunk)
             parts = [arrays[n][first:last_row] for n in names]
             parts += [subscribers[r][first:last_row].view(np.uint8) for r in ranks]
             msg = Message(Op.SLICE_STATE, table=name, body={
                 "shard": shard, "epoch": epoch, "first_row": first, "num_rows": store.num_rows, "names": names,
-                "clocks": clocks, "subscribers": ranks, "last": last_row >= store.num_rows}, arrays=parts)
+                "subscribers": ranks, "last": last_row >= store.num_rows}, arrays=parts)
             move.reqs.add(self.peers.request(to, msg, _ignore, f"SLICE_STATE {name!r}/{shard} to server {to}"))
 
     def tick(self) -> None:
@@ -201,7 +202,6 @@ class SliceService:
         shard = int(msg.body["shard"])
         names = [str(n) for n in msg.body["names"]]
         ranks = _ints(msg.body.get("subscribers", []), "subscribers")
-        clocks = _ints(msg.body["clocks"], "clocks")
         if len(msg.arrays) != len(names) + len(ranks):
             raise ProtocolError(f"SLICE_STATE names {len(names)} arrays and {len(ranks)} subscribers, "
                                 f"carries {len(msg.arrays)}")
@@ -228,9 +228,10 @@ class SliceService:
             incoming.subscribers[rank][first : first + mask.shape[0]] = mask.astype(np.bool_)
         if msg.body["last"]:
             del self.incoming[key]
-            for worker, clock in enumerate(clocks[: self.clocks.num_workers]):
-                self.clocks.observe(worker, clock)  # the sender's clock table comes with the slice
             table.adopt_slice(incoming.store, int(msg.body["epoch"]), incoming.subscribers)
+            # Pushes for the slice may still be on their way elsewhere, to come here once refused:
+            # until each worker confirms, count it only up to its settled clock.
+            self.sync.fence(msg.table, int(msg.body["epoch"]), shard)
             self.stats["slices_received"] += 1
             log.info("server %d: now serving slice %d of %r", self.node, shard, msg.table)
         return msg.reply(Op.OK)
@@ -260,7 +261,7 @@ def _ignore(msg: Message) -> None:
 
 
 def _ints(values: Any, name: str) -> list[int]:
-    """A body field that must be a list of 64-bit ints (ranks, clocks), checked before any of it is used."""
+    """A body field that must be a list of 64-bit ints (ranks), checked before any of it is used."""
     if not isinstance(values, list) or not all(is_int64(v) for v in values):
         raise ProtocolError(f"SLICE_STATE {name} must be a list of 64-bit ints, got {values!r}")
     return values

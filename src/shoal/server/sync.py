@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
 
-from shoal.api.errors import RequestTimeoutError, ShoalError
-from shoal.consistency.clocks import ClockTable
+from shoal.api.errors import RequestTimeoutError, ShoalError, SliceMovedError
+from shoal.consistency.clocks import FINISHED, ClockTable
+from shoal.server.streams import position_of, settled_of
 from shoal.server.tables import ServedTable, SliceMoving
 from shoal.storage.validate import as_keys
 from shoal.wire.message import Message
@@ -24,25 +26,37 @@ from shoal.wire.ops import Op
 
 log = logging.getLogger(__name__)
 
-_WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.CLOCK)
+_WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.CLOCK, Op.CONFIRM)
+_FENCE_AGAIN_S = 0.5  # a fenced worker that has not confirmed is told again this often
+_NO_SHARD = -1  # a fence for a refused push: no slice moved here
 
 Send = Callable[[bytes, Message], None]
 
 
 class Synchroniser:
-    """Clocks, held pulls and subscriptions for every table of one server."""
+    """Clocks, held pulls, subscriptions and fences for every table of one server."""
 
     def __init__(self, clocks: ClockTable, tables: dict[str, ServedTable], send: Send,
-                 max_hold_s: float = 600.0, hold_for_move: Send | None = None) -> None:
+                 max_hold_s: float = 600.0, hold_for_move: Send | None = None,
+                 seen: Callable[[int], int] = lambda worker: 0, now: Callable[[], float] = time.monotonic) -> None:
         self.clocks = clocks
         self.tables = tables
         self.send = send
         #: where a released pull goes when its slice is on its way to another server
         self.hold_for_move = hold_for_move
+        #: the highest request of a worker handled here: rows sent to it include its pushes up to there
+        self.seen = seen
+        self.now = now
         self.max_hold_s = max_hold_s
         self.peers: dict[int, bytes] = {}  # worker rank -> its connection, for eager pushes
         self._rows_seq: Counter[tuple[int, str]] = Counter()  # eager messages sent per (worker, table)
         self._stream = secrets.token_hex(4)  # a restarted server numbers its messages afresh
+        #: per worker and table, the latest fence awaiting its confirmation: (epoch, slice that moved here
+        #: at that epoch, or -1 for a push refused here)
+        self.fences: dict[int, dict[str, tuple[int, int]]] = {}
+        #: (worker, table): a push of it was refused here and comes back; its reads wait for it
+        self.refusing: set[tuple[int, str]] = set()
+        self._fence_told: dict[int, float] = {}
         self.stats: Counter[str] = Counter()
 
     def held_count(self) -> int:
@@ -55,15 +69,75 @@ class Synchroniser:
             return
         if msg.op == Op.CLOCK and msg.body.get("final"):
             self.peers.pop(msg.sender, None)  # it has left: nothing more to push to it
+            self.fences.pop(msg.sender, None)  # it waited for all its pushes before leaving
+            self.refusing = {(w, t) for w, t in self.refusing if w != msg.sender}
             advanced = self.clocks.finish(msg.sender)
         else:
+            known = msg.sender in self.peers
             self.peers[msg.sender] = peer
-            advanced = self.clocks.observe(msg.sender, msg.clock)
+            advanced = self.clocks.observe(msg.sender, msg.clock, settled_of(msg))
+            if not known and msg.sender in self.fences:
+                self._tell_fences(msg.sender)
         if advanced:
-            self.stats["clock_advances"] += 1
-            for table in self.tables.values():
-                self._release(table)
-                self._push_eagerly(table)
+            self._advanced()
+
+    def _advanced(self) -> None:
+        self.stats["clock_advances"] += 1
+        for table in self.tables.values():
+            self._release(table)
+            self._push_eagerly(table)
+
+    # ------------------------------------------------------------- fences
+
+    def fence(self, table: str, epoch: int, shard: int) -> None:
+        """Slice ``shard`` of ``table`` moved here at ``epoch``: a worker may still have pushes for it on
+        their way elsewhere (routed by an older layout), to come here once refused. Count each worker
+        only up to its settled clock until it confirms that it routes by this move and that those
+        pushes landed."""
+        for worker in range(self.clocks.num_workers):
+            self.fence_worker(worker, table, epoch, shard)
+
+    def refuse_reads(self, worker: int, table: str, epoch: int) -> None:
+        """A push of ``worker`` was refused here because part of it moved away; the other part comes
+        back here after its later requests. Fence its clock, and refuse its reads of ``table`` (which
+        would miss that push) until it confirms: it reads again after sending the push again."""
+        self.fence_worker(worker, table, epoch, _NO_SHARD)
+        if worker in self.fences:
+            self.refusing.add((worker, table))
+
+    def fence_worker(self, worker: int, table: str, epoch: int, shard: int) -> None:
+        """Count ``worker`` only up to its settled clock until it confirms ``table`` at ``epoch``."""
+        if not 0 <= worker < self.clocks.num_workers or self.clocks.learned[worker] >= FINISHED:
+            return  # not a worker, or it has left, every push of it applied
+        held = self.fences.setdefault(worker, {})
+        if table not in held or held[table][0] <= epoch:
+            held[table] = (epoch, shard)
+        self.clocks.fence(worker)
+        self.stats["fences"] += 1
+        if worker in self.peers:
+            self._tell_fences(worker)
+
+    def confirm(self, worker: int, table: str, epoch: int) -> None:
+        """``worker`` routes ``table`` by a layout of at least ``epoch`` and its pushes routed before
+        have all landed."""
+        held = self.fences.get(worker)
+        if held is None or table not in held or held[table][0] > epoch:
+            return
+        del held[table]
+        self.refusing.discard((worker, table))
+        if held:
+            return
+        del self.fences[worker]
+        if self.clocks.unfence(worker):
+            self._advanced()
+
+    def _tell_fences(self, worker: int) -> None:
+        peer = self.peers.get(worker)
+        if peer is None:
+            return
+        self._fence_told[worker] = self.now()
+        for table, (epoch, shard) in self.fences.get(worker, {}).items():
+            self.send(peer, Message(Op.FENCE, table=table, body={"epoch": epoch, "shard": shard}))
 
     def pull(self, table: ServedTable, peer: bytes, msg: Message) -> Message | None:
         """Answer now, or hold the pull (None) until the table's bound allows it.
@@ -71,6 +145,9 @@ class Synchroniser:
         Keys are checked before a pull is held, so a held pull can always be served.
         """
         keys = as_keys(msg.arrays[0], table.spec)
+        if (msg.sender, table.spec.name) in self.refusing:
+            raise SliceMovedError(f"a push of worker {msg.sender} to {table.spec.name!r} was refused here; its "
+                                  "reads are too until it has sent that push again where its slices are")
         parts = table.split(keys)
         if table.controller.admit((peer, msg), msg.sender, msg.clock):
             return self._serve(table, msg, table.pull(keys, parts))
@@ -81,7 +158,12 @@ class Synchroniser:
             self._release(table)
 
     def tick(self) -> None:
-        """Release pulls whose lazy wait ran out; fail those held so long their requester gave up."""
+        """Release pulls whose lazy wait ran out; fail those held so long their requester gave up;
+        remind fenced workers (a one-way message may be lost)."""
+        now = self.now()
+        for worker in self.fences:
+            if now - self._fence_told.get(worker, 0.0) > _FENCE_AGAIN_S:
+                self._tell_fences(worker)
         for table in self.tables.values():
             if not table.controller.held:
                 continue
@@ -107,8 +189,12 @@ class Synchroniser:
     def _serve(self, table: ServedTable, msg: Message, values: np.ndarray) -> Message:
         if 0 <= msg.sender < self.clocks.num_workers:  # only workers subscribe; ids are bounded
             table.subscribe(msg.sender, msg.arrays[0])
-        reply = msg.reply(Op.VALUES, arrays=[values])
+        # The rows were read after this request (and its push, if it has one): they include it too.
+        position = position_of(msg)
+        seen = None if position is None else {"seen": max(self.seen(msg.sender), position.seq)}
+        reply = msg.reply(Op.VALUES, seen, arrays=[values])
         reply.clock = min(self.clocks.slowest, msg.clock)  # the rows hold every update before this clock
+        reply.epoch = table.layout.epoch  # a slice's later owners serve it at later epochs
         return reply
 
     def _release(self, table: ServedTable) -> None:
@@ -135,7 +221,9 @@ class Synchroniser:
             self.send(peer, reply)
 
     def _push_eagerly(self, table: ServedTable) -> None:
-        shards = sorted(table.stores)
+        # "Rows not resent did not change" covers the slices held here and not moving: a moving slice's
+        # changed rows travel with it, and its new owner sends them.
+        shards = sorted(s for s in table.stores if s not in table.moving)
         for update in table.eager_updates():
             peer = self.peers.get(update.worker)
             if peer is None:
@@ -144,6 +232,7 @@ class Synchroniser:
             self.stats["eager_rows"] += int(update.keys.shape[0])
             # Numbered per worker and table: a worker applies "the rest did not change" only in order.
             self._rows_seq[(update.worker, table.spec.name)] += 1
-            body = {"shards": shards, "seq": self._rows_seq[(update.worker, table.spec.name)], "stream": self._stream}
-            self.send(peer, Message(Op.ROWS, table=table.spec.name, clock=self.clocks.slowest, body=body,
-                                    arrays=[update.keys, update.values]))
+            body = {"shards": shards, "seq": self._rows_seq[(update.worker, table.spec.name)], "series": self._stream,
+                    "seen": self.seen(update.worker)}
+            self.send(peer, Message(Op.ROWS, table=table.spec.name, epoch=table.layout.epoch, clock=self.clocks.slowest,
+                                    body=body, arrays=[update.keys, update.values]))

@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -32,6 +33,10 @@ import numpy as np
 from shoal.api.errors import CheckpointError
 
 FORMAT = 1
+#: numpy parses each array's header with ast.literal_eval, which CPython 3.11 before 3.11.8 can fail
+#: with "SystemError: AST constructor recursion depth mismatch" when threads do it at once
+#: (python/cpython#106905): servers of one process (an embedded cluster) read parts one at a time
+_NPY_PARSE = threading.Lock()
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 _STAGING = ".staging-"
@@ -178,7 +183,7 @@ def _is_entry(entry: Any) -> bool:
 def part_keys(path: Path, part: dict[str, Any]) -> np.ndarray:
     """The keys of one part just written under ``path`` (its rows are not read)."""
     try:
-        with np.load(path / part["file"], allow_pickle=False) as data:
+        with _NPY_PARSE, np.load(path / part["file"], allow_pickle=False) as data:
             return np.asarray(data["keys"])
     except Exception as exc:
         raise CheckpointError(f"part {part['file']!r} under {str(path)!r} cannot be read back: {exc!r}") from None
@@ -212,7 +217,7 @@ def read_parts(path: Path, entry: dict[str, Any]) -> Iterator[tuple[np.ndarray, 
         if size != part["bytes"] or _sha256(file) != part["sha256"]:
             raise CheckpointError(f"part {part['file']!r} of {str(path)!r} is damaged (size or SHA-256 differ)")
         try:
-            with np.load(file, allow_pickle=False) as data:
+            with _NPY_PARSE, np.load(file, allow_pickle=False) as data:
                 arrays = {name: data[name] for name in data.files}
         except Exception as exc:  # numpy and zipfile raise many types on a file that is no .npz
             raise CheckpointError(f"part {part['file']!r} of {str(path)!r} is not an .npz of arrays: {exc!r}") \

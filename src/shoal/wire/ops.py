@@ -41,6 +41,8 @@ class Op(IntEnum):
     CHECKPOINT = 38  # worker -> server: write your slices of these tables into a staging directory
     RESTORE = 39  # worker -> server: load the rows you own from a checkpoint
     SETTLE = 40  # worker -> server: finish the placement traffic of these adaptive tables; say if it has
+    FENCE = 41  # server -> worker, unasked: a slice of this table moved here; confirm when your pushes landed
+    CONFIRM = 42  # worker -> server: every push of mine routed by a layout older than this epoch has landed
 
 
 class Flag:

@@ -62,13 +62,15 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.LAYOUT: OpSchema(needs_table=True),
     Op.MOVE_SLICE: OpSchema(body={"shard": _INT, "to": _INT}, needs_table=True),
     Op.SLICE_STATE: OpSchema(body={"shard": _INT, "epoch": _INT, "first_row": _INT, "num_rows": _INT,
-                                   "names": (list,), "clocks": (list,), "last": (bool,)},
+                                   "names": (list,), "last": (bool,)},
                              needs_table=True, variadic=True),
     Op.MOVE_DONE: OpSchema(body={"shard": _INT, "to": _INT, "epoch": _INT, "ok": (bool,)}, needs_table=True),
     Op.DRAIN: OpSchema(body={"node": _INT}),
     Op.CHECKPOINT: OpSchema(body={"staging": _STR, "tables": (list,)}),
     Op.RESTORE: OpSchema(body={"path": _STR, "commit": (bool,)}),
     Op.SETTLE: OpSchema(body={"tables": (list,)}),
+    Op.FENCE: OpSchema(body={"epoch": _INT, "shard": _INT}, needs_table=True),
+    Op.CONFIRM: OpSchema(body={"rank": _INT, "epoch": _INT}, needs_table=True),
 }
 
 

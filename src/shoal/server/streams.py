@@ -1,0 +1,191 @@
+"""Each worker's requests handled in the order the worker sent them, whatever order they arrive in.
+
+A worker numbers its requests to this server about static tables and its clock:
+``stream = [incarnation, seq, floor, settled]``. ``floor`` is the lowest ``seq``
+the worker still waits on; everything below it is over (answered, given up, or a
+clock tick superseded by a newer one). ``settled`` is the worker's settled clock:
+every push it made in iterations before it has been acknowledged. A request that arrives early waits here until those
+before it have been handled, so a read is served after the worker's earlier
+pushes, and a clock is counted after the pushes of the iterations it closes --
+also when a lost request is sent again after later ones. A request held while
+its slice moves to another server holds back the worker's later ones until it
+has been handled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shoal.api.errors import ProtocolError
+from shoal.wire.message import Message
+from shoal.wire.schema import is_int64
+
+#: requests kept per worker while an earlier one is missing: far more than a worker has in flight
+MAX_WAITING = 4096
+
+
+class StaleRequestError(ProtocolError):
+    """A request from a worker's earlier incarnation, or one its sender has given up on."""
+
+
+@dataclass
+class _Stream:
+    incarnation: int
+    next_seq: int
+    #: requests that arrived before an earlier one, by seq, with when they arrived
+    waiting: dict[int, tuple[bytes, Message, float]] = field(default_factory=dict)
+    #: seq of a request held for a slice move: later ones wait until it is handled
+    parked: int | None = None
+    #: seq of the request being handled now
+    serving: int | None = None
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a request stands in its worker's stream."""
+
+    worker: int
+    incarnation: int
+    seq: int
+    floor: int
+    settled: int
+
+
+def position_of(msg: Message) -> Position | None:
+    """The request's place in its sender's stream; None for requests outside any stream."""
+    value = msg.body.get("stream")
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 4 and all(is_int64(v) and v >= 0 for v in value)):
+        raise ProtocolError(f"stream must be [incarnation, seq, floor, settled] of non-negative ints, "
+                            f"got {value!r}")
+    incarnation, seq, floor, settled = value
+    if floor > seq:
+        raise ProtocolError(f"stream floor {floor} lies past the request's own seq {seq}")
+    if settled > msg.clock:
+        raise ProtocolError(f"settled clock {settled} lies past the request's clock {msg.clock}")
+    return Position(msg.sender, incarnation, seq, floor, settled)
+
+
+def settled_of(msg: Message) -> int | None:
+    """The sender's settled clock, for a request in a stream (checked by ``StreamOrder.admit``)."""
+    value = msg.body.get("stream")
+    return int(value[3]) if isinstance(value, list) and len(value) == 4 else None
+
+
+class StreamOrder:
+    """Per worker: which request may be handled next, and the ones waiting for it."""
+
+    def __init__(self, num_workers: int, now: Callable[[], float] = time.monotonic) -> None:
+        self.num_workers = num_workers
+        self.now = now
+        self._streams: dict[int, _Stream] = {}
+
+    def admit(self, peer: bytes, msg: Message) -> bool:
+        """True: handle ``msg`` now. False: it waits (``next_ready`` hands it back in its turn).
+
+        Raises ``StaleRequestError`` for a request its worker no longer waits on.
+        """
+        pos = position_of(msg)
+        if pos is None:
+            return True
+        if not 0 <= pos.worker < self.num_workers:
+            raise ProtocolError(f"stream of worker {pos.worker}, which is not a worker of this cluster")
+        stream = self._streams.get(pos.worker)
+        if stream is None or pos.incarnation > stream.incarnation:  # first contact, or a restarted worker
+            stream = self._streams[pos.worker] = _Stream(pos.incarnation, pos.floor)
+        elif pos.incarnation < stream.incarnation:
+            raise StaleRequestError(f"request {pos.seq} of worker {pos.worker} comes from its incarnation "
+                                    f"{pos.incarnation}, which was replaced by incarnation {stream.incarnation}")
+        if pos.floor > stream.next_seq and stream.parked is None:
+            self._skip_to(stream, pos.floor)  # the worker gave up on (or superseded) the ones before
+        if pos.seq < stream.next_seq:
+            raise StaleRequestError(f"request {pos.seq} of worker {pos.worker} arrived after the worker "
+                                    "stopped waiting for it")
+        if pos.seq == stream.next_seq and stream.parked is None and stream.serving is None:
+            stream.next_seq += 1
+            stream.serving = pos.seq
+            return True
+        if len(stream.waiting) >= MAX_WAITING:
+            raise ProtocolError(f"worker {pos.worker} has {MAX_WAITING} requests waiting for request "
+                                f"{stream.next_seq}, which has not arrived")
+        stream.waiting[pos.seq] = (peer, msg, self.now())
+        return False
+
+    def next_ready(self, worker: int) -> tuple[bytes, Message] | None:
+        """The waiting request of ``worker`` whose turn has come, if any (admitted by this call)."""
+        stream = self._streams.get(worker)
+        if stream is None or stream.parked is not None or stream.serving is not None:
+            return None
+        item = stream.waiting.pop(stream.next_seq, None)
+        if item is None:
+            return None
+        stream.serving = stream.next_seq
+        stream.next_seq += 1
+        return item[0], item[1]
+
+    def finished(self, msg: Message) -> None:
+        """``msg`` has been handled (answered, or held by its bound): the next one may go."""
+        stream = self._mine(msg)
+        if stream is not None:
+            stream.serving = None
+
+    def park(self, msg: Message) -> None:
+        """``msg`` waits for a slice move: the worker's later requests wait for it."""
+        stream = self._mine(msg)
+        if stream is not None:
+            stream.parked, stream.serving = stream.serving, None
+
+    def _mine(self, msg: Message) -> _Stream | None:
+        """The stream of ``msg`` if it is the request being handled in it."""
+        pos = position_of(msg)
+        stream = self._streams.get(pos.worker) if pos is not None else None
+        if pos is None or stream is None or stream.incarnation != pos.incarnation or stream.serving != pos.seq:
+            return None
+        return stream
+
+    def unpark(self, msg: Message) -> bool:
+        """True if ``msg`` was the request holding back its worker's stream (it is handled again now)."""
+        pos = position_of(msg)
+        stream = self._streams.get(pos.worker) if pos is not None else None
+        if pos is None or stream is None or stream.parked != pos.seq or stream.incarnation != pos.incarnation:
+            return False
+        stream.parked, stream.serving = None, pos.seq
+        return True
+
+    def seen(self, worker: int) -> int:
+        """The highest seq of ``worker`` handled here: replies carry it, so the worker knows which of
+        its pushes the rows include."""
+        stream = self._streams.get(worker)
+        if stream is None:
+            return 0
+        for unfinished in (stream.parked, stream.serving):
+            if unfinished is not None:
+                return unfinished - 1
+        return stream.next_seq - 1
+
+    def expire(self, max_age: float) -> list[tuple[bytes, Message]]:
+        """Requests that waited longer than ``max_age`` for an earlier one that never came: removed."""
+        cutoff = self.now() - max_age
+        old = []
+        for stream in self._streams.values():
+            for seq, (peer, msg, since) in list(stream.waiting.items()):
+                if since < cutoff:
+                    old.append((peer, msg))
+                    del stream.waiting[seq]
+        return old
+
+    def forget(self, worker: int) -> None:
+        """The worker has left: nothing of it waits any more."""
+        self._streams.pop(worker, None)
+
+    def waiting_count(self) -> int:
+        return sum(len(s.waiting) for s in self._streams.values())
+
+    @staticmethod
+    def _skip_to(stream: _Stream, floor: int) -> None:
+        for seq in [s for s in stream.waiting if s < floor]:
+            del stream.waiting[seq]
+        stream.next_seq = floor
