@@ -34,6 +34,7 @@ from shoal.api.errors import (
     ShoalError,
     SliceMovedError,
     TableError,
+    WriteQuorumError,
 )
 from shoal.api.initializers import Constant, Normal, Uniform
 from shoal.api.replication import Dynamic
@@ -70,5 +71,5 @@ __all__ = [
     "AuthError", "CheckpointError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError", "Constant",
     "DTypeError", "Future", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError", "Normal",
     "ProtocolError", "RequestTimeoutError", "ServerError", "ShapeError", "ShoalError", "SliceMovedError", "Table",
-    "TableError", "TableSpec", "Timeouts", "Uniform", "Worker", "init", "optim",
+    "TableError", "TableSpec", "Timeouts", "Uniform", "Worker", "WriteQuorumError", "init", "optim",
 ]

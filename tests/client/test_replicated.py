@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -92,3 +93,54 @@ def test_replicated_tables_check_their_settings():
     with ThreadCluster(nodes=2, timeouts=QUICK) as c:
         with pytest.raises(shoal.ConfigError, match="wants 3 replicas on 2 server"):
             c.worker(0).table("x", 10, 1, replicas=3)
+
+
+@pytest.mark.parametrize("write_quorum", [1, 2])
+def test_a_push_sent_to_another_replica_when_one_stalls_is_counted_once(write_quorum):
+    """A worker's push to a replica that stalls (a GC pause, SIGSTOP) times out and goes to another
+    replica; the stalled one applies its queued copy when it resumes. Both are the same numbered
+    push of the same worker: every replica counts it once (W=1 counted it twice, once per replica
+    that took it)."""
+    with ThreadCluster(nodes=3, timeouts=Timeouts(connect_s=10, request_s=10, barrier_s=10, replica_s=0.3)) as c:
+        w = c.worker(0)
+        t = w.table("stall", 30, 1, replicas=3, write_quorum=write_quorum, gossip_ms=20)
+        keys = np.arange(30)
+        t.push(keys, np.ones((30, 1), np.float32))
+        assert all(converged(c, "stall"))  # gossiped (a push only node 0 had would wait for it)
+        stalled, resume = c.servers[0], threading.Event()  # node 0: the worker's first choice
+        handle = stalled.handle
+
+        def stall(peer: bytes, frames: list) -> None:
+            resume.wait(10)
+            handle(peer, frames)
+
+        stalled.handle = stall  # type: ignore[method-assign]
+        started = time.monotonic()
+        t.push(keys, np.ones((30, 1), np.float32))  # times out on node 0, acknowledged elsewhere
+        assert time.monotonic() - started < 1.5 and t.counters["push_failovers"] >= 1
+        stalled.handle = handle  # type: ignore[method-assign]
+        resume.set()  # node 0 now handles the copy it held
+        replicas = converged(c, "stall")
+        assert all(replicas)
+        for shard_bytes in replicas:
+            np.testing.assert_array_equal(np.frombuffer(shard_bytes, np.float32), 2.0)
+
+
+@pytest.mark.parametrize("write_quorum", [1, 2])
+def test_a_restarted_worker_numbers_its_pushes_afresh_and_none_is_taken_for_a_retry(write_quorum):
+    """torchrun's elastic agent restarts a worker that died: the new process is a new incarnation of
+    its rank (the rendezvous counts them), so its pushes 1, 2, ... are new pushes, not repeats of
+    its earlier self's (they were dropped as retries under W > 1)."""
+    with ThreadCluster(nodes=3, timeouts=QUICK) as c:
+        keys = np.arange(30)
+        first = c.worker(0)
+        t = first.table("again", 30, 1, replicas=3, write_quorum=write_quorum, gossip_ms=10)
+        for _ in range(3):
+            t.push(keys, np.ones((30, 1), np.float32))
+        first.tracker.close()  # it dies without a word
+        restarted = c.worker(0)
+        assert restarted.streams.incarnation == first.streams.incarnation + 1
+        again = restarted.table("again", 30, 1, replicas=3, write_quorum=write_quorum, gossip_ms=10)
+        again.push(keys, np.ones((30, 1), np.float32))
+        np.testing.assert_array_equal(again.pull(keys), 4.0)
+        assert all(converged(c, "again"))

@@ -12,14 +12,26 @@ from shoal.api.config import TableSpec
 from shoal.api.initializers import Normal
 from shoal.api.optim import SGD, Adagrad
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
-from shoal.replication.replica import WORKER_ORIGINS, ShardReplica, origin_node
+from shoal.replication.replica import ShardReplica, worker_origin
 
 KEYS = np.arange(20, dtype=np.int64)
 
 
 def replicas(spec: TableSpec, n: int = 3) -> list[ShardReplica]:
     ticks = itertools.count()
-    return [ShardReplica(spec, 0, KEYS, node, incarnation=1, now=lambda: next(ticks) * 0.001) for node in range(n)]
+    return [ShardReplica(spec, 0, KEYS, node, now=lambda: next(ticks) * 0.001) for node in range(n)]
+
+
+class Pusher:
+    """A worker numbering its pushes to one shard, as the client does."""
+
+    def __init__(self, rank: int = 0, incarnation: int = 1) -> None:
+        self.origin = worker_origin(rank, incarnation)
+        self.seq = 0
+
+    def push(self, replica: ShardReplica, rows, values, token=None):
+        self.seq += 1
+        return replica.push(np.asarray(rows), np.asarray(values, dtype=np.float64), self.origin, self.seq, token)
 
 
 def wire(payload: GossipPayload, dim: int) -> GossipPayload:
@@ -41,11 +53,11 @@ def round_between(a: ShardReplica, b: ShardReplica, dim: int) -> None:
 def test_multi_master_replicas_converge_bit_identically(optimizer):
     spec = TableSpec("t", 20, 3, init=Normal(std=1.0), optimizer=optimizer, replicas=3)
     reps = replicas(spec)
+    pushers = [Pusher(rank) for rank in range(3)]  # each worker writes to its own replica (W=1)
     rng = np.random.default_rng(0)
     for step in range(60):
-        target = reps[step % 3]
         rows = rng.integers(0, 20, 5)
-        target.push(rows, rng.standard_normal((5, 3)))
+        pushers[step % 3].push(reps[step % 3], rows, rng.standard_normal((5, 3)))
         if step % 7 == 0:
             round_between(reps[rng.integers(3)], reps[rng.integers(3)], 3)
     for a in range(3):
@@ -61,7 +73,7 @@ def test_multi_master_replicas_converge_bit_identically(optimizer):
 def test_numbered_pushes_are_applied_once_and_in_order():
     spec = TableSpec("t", 20, 1, optimizer=SGD(lr=1.0), replicas=3, write_quorum=2)
     rep = replicas(spec, 1)[0]
-    worker = WORKER_ORIGINS + 4
+    worker = worker_origin(4, 1)
     one = np.ones((2, 1))
     assert rep.push(np.array([1, 2]), one, worker, 1) is not None
     assert rep.push(np.array([1, 2]), one, worker, 1) is not None  # a retry: acknowledged, not applied
@@ -76,7 +88,7 @@ def test_numbered_pushes_are_applied_once_and_in_order():
 def test_a_held_push_that_gossip_overtakes_is_answered_not_applied_twice():
     spec = TableSpec("t", 20, 1, optimizer=SGD(lr=1.0), replicas=3, write_quorum=2)
     a, b = replicas(spec, 2)
-    worker = WORKER_ORIGINS + 1
+    worker = worker_origin(1, 1)
     one = np.ones((1, 1))
     for seq in (1, 2):
         a.push(np.array([0]), one, worker, seq)
@@ -90,23 +102,73 @@ def test_a_held_push_that_gossip_overtakes_is_answered_not_applied_twice():
 def test_a_lagging_replica_gets_whole_states_when_logs_no_longer_reach_back():
     spec = TableSpec("t", 20, 2, replicas=2)
     a, b = replicas(spec, 2)
+    pusher = Pusher()
     for _ in range(5):
-        a.push(np.array([3]), np.ones((1, 2)))
-    a.lattice.truncate_log(a.origin, 4)  # as if every peer but b already had 1..4
+        pusher.push(a, [3], np.ones((1, 2)))
+    a.lattice.truncate_log(pusher.origin, 4)  # as if every peer but b already had 1..4
     answer = a.answer(b.node, b.version(), ANSWER)
     assert answer.states and not answer.deltas
     b.absorb(wire(answer, 2))
     assert b.read(np.array([3])).tolist() == a.read(np.array([3])).tolist()
 
 
-def test_absorbing_measures_propagation_delay_per_origin():
+def test_absorbing_measures_propagation_delay_from_the_accepting_replica():
     spec = TableSpec("t", 20, 2, replicas=2)
     a, b = replicas(spec, 2)
-    a.push(np.array([0]), np.ones((1, 2)))
+    Pusher().push(a, [0], np.ones((1, 2)))
     b.absorb(wire(a.answer(b.node, b.version(), ANSWER), 2))
-    assert len(b.delays[origin_node(a.origin)]) == 1
+    assert len(b.delays[a.node]) == 1
     b.absorb(wire(a.answer(b.node, {}, ANSWER), 2))  # a duplicate: no new sample
-    assert len(b.delays[origin_node(a.origin)]) == 1
+    assert len(b.delays[a.node]) == 1
+
+
+def test_a_push_sent_again_to_another_replica_after_a_failover_is_counted_once():
+    """Replica a took push 2 and gossiped it, but its answer was lost (or it paused): the worker
+    sends push 2 to b. b recognises it whichever arrives first, and both agree on one count."""
+    spec = TableSpec("t", 20, 1, replicas=2)
+    a, b = replicas(spec, 2)
+    worker = Pusher()
+    worker.push(a, [0], np.ones((1, 1)))
+    round_between(a, b, 1)
+    worker.push(a, [0], np.ones((1, 1)))  # push 2, at a only
+    late = b.push(np.array([0]), np.ones((1, 1)), worker.origin, 2)  # the same push 2, sent to b
+    assert late is not None  # b has push 1, so it applies push 2 itself
+    round_between(a, b, 1)
+    round_between(b, a, 1)
+    assert a.read(np.array([0]))[0, 0] == b.read(np.array([0]))[0, 0] == 2.0
+
+
+def test_a_push_waiting_for_one_only_a_dead_replica_had_is_applied_when_the_gap_is_given_up():
+    spec = TableSpec("t", 20, 1, replicas=3)
+    a, b, c = replicas(spec, 3)
+    worker = Pusher()
+    for _ in range(3):
+        worker.push(a, [0], np.ones((1, 1)))  # pushes 1-3 at a, and a dies before gossiping 3
+    round_between(a, c, 1)
+    a.push(np.array([0]), np.ones((1, 1)), worker.origin, 4)  # (a's copy of 4, lost with it)
+    c.lattice.truncate_log(worker.origin, 1)
+    assert b.push(np.array([0]), np.ones((1, 1)), worker.origin, 4, token="four") is None  # b lacks 1-3: held
+    assert b.waiting()
+    round_between(b, c, 1)  # the live peer gives what it has: 1-3 (a whole state, its log was cut)
+    assert [t for t, *_ in b.release_held()] == ["four"]
+    assert b.read(np.array([0]))[0, 0] == 4.0 and not b.waiting()
+    worker.seq = 4
+    worker.push(a, [0], np.ones((1, 1)))  # 5 at the dead a only
+    assert worker.push(b, [0], np.ones((1, 1)), token="six") is None  # 6 at b waits for 5
+    assert [t for t, *_ in b.skip_gaps()] == ["six"]  # 5 died with a: given up, 6 applied
+    assert b.read(np.array([0]))[0, 0] == 5.0 and b.version()[worker.origin] == 6
+    round_between(b, c, 1)  # a gap leaves no log behind it: c gets b's whole running sum
+    assert c.read(np.array([0]))[0, 0] == 5.0
+
+
+def test_a_restarted_worker_is_a_new_origin_its_pushes_are_not_taken_for_retries():
+    spec = TableSpec("t", 20, 1, replicas=2)
+    a, _ = replicas(spec, 2)
+    first, restarted = Pusher(rank=3, incarnation=1), Pusher(rank=3, incarnation=2)
+    for _ in range(3):
+        first.push(a, [0], np.ones((1, 1)))
+    assert restarted.push(a, [0], np.ones((1, 1))) is not None
+    assert a.read(np.array([0]))[0, 0] == 4.0
 
 
 @pytest.mark.parametrize("mutate", [
@@ -119,7 +181,7 @@ def test_absorbing_measures_propagation_delay_per_origin():
 def test_malformed_gossip_is_refused(mutate):
     spec = TableSpec("t", 20, 2, replicas=2)
     a, _ = replicas(spec, 2)
-    a.push(np.array([0]), np.ones((1, 2)))
+    Pusher().push(a, [0], np.ones((1, 2)))
     body, arrays = a.answer(1, {}, ANSWER).to_wire(2)
     mutate(body, arrays)
     with pytest.raises(ValueError):

@@ -230,7 +230,8 @@ _PATHS = [str(FUZZ_DIR / name) for name in BAD_CHECKPOINTS] + ["", ".", "/", "/n
 #: body fields the handlers read, each with values shaped like the real ones (and some not)
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
     **{name: NUMBERS for name in (
-        "rank", "pid", "generation", "stage", "start", "end", "epoch", "first_row", "num_rows", "hops", "seq")},
+        "rank", "pid", "generation", "stage", "start", "end", "epoch", "first_row", "num_rows", "hops", "seq",
+        "inc")},
     **{name: NODES for name in ("node", "to", "owner", "origin", "target", "shard")},
     **{name: st.booleans() for name in ("last", "ok", "active", "totals", "final", "poll", "commit")},
     **{name: st.text(max_size=16) for name in ("role", "address", "code", "message")},
@@ -240,7 +241,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "states": PAIRS,
     "deltas": st.lists(st.fixed_dictionaries({
         "origin": NUMBERS, "from": NUMBERS, "nrows": st.lists(st.integers(-1, 8) | HOSTILE, max_size=3),
-        "times": st.lists(HOSTILE, max_size=3),
+        "times": st.lists(HOSTILE, max_size=3), "nodes": st.lists(st.integers(-1, 3) | HOSTILE, max_size=3),
     }) | HOSTILE, max_size=3),
     "names": st.lists(st.sampled_from(STATE_NAMES) | st.text(max_size=6), max_size=5),
     "stream": st.lists(NUMBERS, max_size=5),
@@ -254,7 +255,8 @@ FIELDS = {name: st.one_of(values, values, values, HOSTILE) for name, values in F
 EXTRA_FIELDS = st.lists(st.sampled_from(sorted(FIELDS)), max_size=2)
 #: optional fields an op's handler looks for, offered to that op more often than the rest
 OPTIONAL: dict[Op, list[str]] = {
-    Op.PULL: ["shard", "totals"], Op.PUSH: ["shard", "seq"], Op.PUSH_PULL: ["shard", "seq"], Op.CLOCK: ["final"],
+    Op.PULL: ["shard", "totals", "stream"], Op.PUSH: ["shard", "seq", "inc", "stream"],
+    Op.PUSH_PULL: ["shard", "seq", "inc", "stream"], Op.CLOCK: ["final", "stream"],
     Op.PLACEMENT: ["to", "hops", "owner", "active", "node", "origin", "target"], Op.SLICE_STATE: ["subscribers"],
 }
 TYPED = {int: NUMBERS, str: st.text(max_size=16), list: st.lists(HOSTILE, max_size=4),
@@ -267,7 +269,7 @@ PEER_SENDERS = st.one_of(_PEER_SERVERS, _PEER_SERVERS, _PEER_SERVERS, SENDERS)
 FLAGS = st.sampled_from([0] * 16 + [Flag.NO_REPLY, Flag.SIGNED, Flag.NO_REPLY | Flag.SIGNED, 4, 2**63 - 1])
 #: ops that reach a server's handlers, weighted up; the others (replies, rendezvous ops) are refused
 TABLE_OPS = [Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.CLOCK, Op.CREATE_TABLE, Op.GOSSIP, Op.PLACEMENT, Op.LOCALIZE,
-             Op.INTENT, Op.REPLICA_STATS, Op.SLICE_STATE, Op.CHECKPOINT, Op.RESTORE, Op.STATS, Op.PING]
+             Op.INTENT, Op.REPLICA_STATS, Op.SLICE_STATE, Op.CHECKPOINT, Op.RESTORE, Op.STATS, Op.PING, Op.CONFIRM]
 SERVED_OPS = [op for op in SCHEMAS if op != Op.SHUTDOWN] + TABLE_OPS * 3 + [Op.PULL, Op.PUSH, Op.PUSH_PULL] * 6
 
 

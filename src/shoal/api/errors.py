@@ -6,6 +6,8 @@ and the client can raise the same class on the caller's side.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class ShoalError(Exception):
     """Root of every error Shoal raises."""
@@ -77,6 +79,29 @@ class ClusterError(ShoalError):
     """Rendezvous, membership or barrier failed: a peer is missing or gone."""
 
     code = "ClusterError"
+
+
+class WriteQuorumError(ClusterError):
+    """A push to a replicated table was not acknowledged by ``write_quorum`` replicas.
+
+    The replicas in ``applied_at`` took it (each applies it exactly once), the others
+    may or may not have. Pushing the same values again would count them twice:
+    ``retry()`` sends the same push again under its number, which every replica
+    recognises, and raises this error again if the quorum is still out of reach.
+    """
+
+    code = "ClusterError"
+
+    def __init__(self, message: str, applied_at: list[int] | None = None,
+                 retry: Callable[[], None] | None = None) -> None:
+        super().__init__(message)
+        self.applied_at = applied_at or []
+        self._retry = retry
+
+    def retry(self) -> None:
+        if self._retry is None:
+            raise ClusterError(f"this push cannot be sent again from here: {self}")
+        self._retry()
 
 
 class ServerError(ShoalError):

@@ -12,6 +12,7 @@ server failure.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections import Counter, defaultdict
@@ -21,13 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shoal.api.errors import ClusterError, RequestTimeoutError, ShoalError
+from shoal.api.errors import ClusterError, RequestTimeoutError, ShoalError, WriteQuorumError
 from shoal.api.replication import Dynamic
 from shoal.cluster import membership
 from shoal.lattice.sum_lattice import merged_value
 from shoal.replication.delays import DelaySamples
 from shoal.replication.pbs import ShardModel, choose_read_quorum
-from shoal.replication.replica import WORKER_ORIGINS, origin_node
 from shoal.storage import kernels
 from shoal.storage.initialize import fill_initial
 from shoal.wire.message import Message
@@ -55,7 +55,7 @@ class _Shard:
     """What this worker knows of one shard of the table."""
 
     nodes: list[int]
-    next_seq: int = 1  # numbering of this worker's pushes (write_quorum > 1)
+    next_seq: int = 1  # numbering of this worker's pushes to the shard
     own: dict[int, int] = field(default_factory=dict)  # origin -> seq of our last acknowledged push
     holders: set[int] = field(default_factory=set)  # replicas that acknowledged our last push
     read_quorum: int = 1
@@ -147,11 +147,10 @@ class ReplicatedAccess:
                 self._complete_push(shard_id, k, v, bodies[shard_id], acked)
 
     def _push_body(self, shard_id: int) -> dict[str, Any]:
-        body: dict[str, Any] = {"shard": shard_id}
-        if self.spec.write_quorum > 1:  # the same number on every replica (and on retries)
-            shard = self.shards[shard_id]
-            body["seq"] = shard.next_seq
-            shard.next_seq += 1
+        """The push's number: the same on every replica it goes to, and when it is sent again."""
+        shard = self.shards[shard_id]
+        body: dict[str, Any] = {"shard": shard_id, "seq": shard.next_seq, "inc": self.worker.streams.incarnation}
+        shard.next_seq += 1
         return body
 
     def _write_targets(self, shard: _Shard, exclude: set[int]) -> list[int]:
@@ -183,10 +182,16 @@ class ReplicatedAccess:
             targets = self._write_targets(shard, tried)[:need]
             if len(targets) < need:
                 self.view.refresh(force=True)
-                if time.monotonic() > deadline:
-                    raise ClusterError(
+                alive = [n for n in shard.nodes if self.view.alive[n]]
+                # Fewer replicas alive (by the rendezvous' heartbeats) than the quorum: nothing to wait for.
+                if time.monotonic() > deadline or len(alive) < self.spec.write_quorum:
+                    raise WriteQuorumError(
                         f"push to shard {shard_id} of {self.spec.name!r} needs {self.spec.write_quorum} replica(s); "
-                        f"acknowledged by {sorted(acked)}, no live replica left among {shard.nodes}")
+                        f"acknowledged by {sorted(acked)}, no other live replica among {shard.nodes} (alive: "
+                        f"{alive}). Replicas "
+                        "apply it once, whatever they get; send it again with this error's retry(), not by "
+                        "pushing the same values again", sorted(acked),
+                        functools.partial(self._complete_push, shard_id, keys, values, body, set(acked)))
                 time.sleep(0.05)
                 tried = set(acked)
                 continue
@@ -298,14 +303,11 @@ class ReplicatedAccess:
         return merged_value(base, per_replica)
 
     def _forget_writes_of_dead(self, shard: _Shard) -> None:
-        """A W=1 push acknowledged by a replica that died before gossiping it is gone with it:
+        """A push acknowledged only by replicas that died before gossiping it is gone with them:
         do not widen every later read looking for it."""
-        live = set(self.view.live(shard.nodes))
-        for origin in list(shard.own):
-            node = origin_node(origin)
-            if node is not None and node not in live:
-                del shard.own[origin]
-                self.counters["own_writes_lost_with_replica"] += 1
+        if shard.own and shard.holders and not shard.holders & set(self.view.live(shard.nodes)):
+            shard.own.clear()
+            self.counters["own_writes_lost_with_replica"] += 1
 
     @staticmethod
     def _covers(version: dict[int, int], own: dict[int, int]) -> bool:
@@ -410,6 +412,3 @@ def _collect(replies: dict[Any, Message], key: Any):  # type: ignore[no-untyped-
 
     return on_reply
 
-
-def worker_origin(rank: int) -> int:
-    return WORKER_ORIGINS + rank

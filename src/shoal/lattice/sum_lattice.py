@@ -22,12 +22,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Update:
-    """One update as accepted at its origin: distinct ascending rows and their float64 deltas."""
+    """One update as accepted at its origin: distinct ascending rows and their float64 deltas, when
+    and by which replica (-1: unknown) it was accepted."""
 
     seq: int
     rows: np.ndarray
     values: np.ndarray
     accepted_at: float = 0.0
+    accepted_by: int = -1
 
 
 @dataclass(frozen=True)
@@ -83,20 +85,25 @@ class SumLattice:
     # ---------------------------------------------------------------- writes
 
     def accept(self, origin: int, rows: np.ndarray, values: np.ndarray, accepted_at: float = 0.0,
-               seq: int | None = None) -> Update | None:
+               seq: int | None = None, accepted_by: int = -1, skip: bool = False) -> Update | None:
         """Accept an update at ``origin`` (as its next update, or as number ``seq``).
 
         Returns the update, or None if ``seq`` is one this lattice already holds
-        (a retry: nothing changes). Raises ``ValueError`` for a gap.
+        (a retry: nothing changes). Raises ``ValueError`` for a gap, unless ``skip``:
+        then the updates before ``seq`` that never arrived are given up (their origin's
+        log starts afresh, so peers that lack them get the whole running sum).
         """
         state = self._state(origin)
         if seq is not None and seq <= state.seq:
             return None
-        if seq is not None and seq != state.seq + 1:
+        gap = seq is not None and seq != state.seq + 1
+        if gap and not skip:
             raise ValueError(f"origin {origin}: update {seq} arrived before {state.seq + 1}")
         rows, values = _canonical(rows, values)
-        update = Update(state.seq + 1, rows, values, accepted_at)
+        update = Update(state.seq + 1 if seq is None else seq, rows, values, accepted_at, accepted_by)
         self._replay(origin, state, update)
+        if gap:
+            self.log[origin] = []  # the log no longer leads up to this state
         return update
 
     def apply(self, delta: Delta) -> int:

@@ -9,8 +9,8 @@ One round between replicas A and B of a shard is push-pull, three messages:
 
 Updates travel as deltas (the accepted updates themselves, replayed in order)
 when the sender's log reaches back far enough, else as an origin's whole
-running sum. Every update carries its origin's accept time, so the receiver
-measures propagation delay per origin.
+running sum. Every update carries when and by which replica it was accepted, so
+the receiver measures propagation delay per pair of replicas.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from shoal.lattice.sum_lattice import Delta, Update
 from shoal.storage.kernels import any_nonfinite
 
 DIGEST, ANSWER, FINAL = 0, 1, 2
+_DELTA_LISTS = ("nrows", "times", "nodes")  # per update: rows, accept time, accepting replica
 
 
 @dataclass
@@ -45,7 +46,7 @@ class GossipPayload:
         deltas = []
         for d in self.deltas:
             deltas.append({"origin": d.origin, "from": d.from_seq, "nrows": [int(u.rows.shape[0]) for u in d.updates],
-                           "times": [u.accepted_at for u in d.updates]})
+                           "times": [u.accepted_at for u in d.updates], "nodes": [u.accepted_by for u in d.updates]})
             rows += [u.rows for u in d.updates]
             values += [u.values for u in d.updates]
         body = {"shard": self.shard, "vv": [[o, s] for o, s in sorted(self.version.items())], "stage": self.stage,
@@ -80,19 +81,19 @@ class GossipPayload:
             raise ValueError("gossip carries NaN/Inf values")
         deltas, at = [], 0
         for meta in deltas_meta:
-            if not isinstance(meta, dict) or not isinstance(meta.get("nrows"), list) \
-                    or not isinstance(meta.get("times"), list):
+            if not isinstance(meta, dict) or not all(isinstance(meta.get(k), list) for k in _DELTA_LISTS):
                 raise ValueError(f"malformed gossip delta {meta!r}")
             origin, start = _int(meta.get("origin")), _int(meta.get("from"))
-            counts, times = meta["nrows"], meta["times"]
-            if len(counts) != len(times) or not all(isinstance(t, (int, float)) for t in times):
-                raise ValueError("gossip delta counts and times disagree")
+            counts, times, nodes = meta["nrows"], meta["times"], meta["nodes"]
+            if not len(counts) == len(times) == len(nodes) or not all(isinstance(t, (int, float)) for t in times):
+                raise ValueError("gossip delta counts, times and nodes disagree")
             updates = []
-            for i, (n, t) in enumerate(zip(counts, times, strict=True)):
+            for i, (n, t, node) in enumerate(zip(counts, times, nodes, strict=True)):
                 n = _int(n)
                 if n < 0 or at + n > all_rows.shape[0]:
                     raise ValueError("gossip delta overruns its rows")
-                updates.append(Update(start + i + 1, all_rows[at : at + n], all_values[at : at + n], float(t)))
+                updates.append(Update(start + i + 1, all_rows[at : at + n], all_values[at : at + n], float(t),
+                                      _int(node)))
                 at += n
             deltas.append(Delta(origin, start, tuple(updates)))
         if at != all_rows.shape[0]:

@@ -1,10 +1,13 @@
 """One replica of one shard: accepts pushes, serves reads, absorbs gossip.
 
-With ``write_quorum == 1`` the accepting replica is the origin of a push; its
-origin id changes with every restart of its server (the incarnation), so a
-restarted replica never reuses sequence numbers. With ``write_quorum > 1`` the
-pushing worker is the origin and numbers its pushes: every replica that gets a
-push applies it as the same update, and a retry is recognised and ignored.
+The pushing worker is the origin of every push, whatever the write quorum: it
+numbers its pushes to each shard, so every replica that gets a push applies it
+as the same update, and a push sent again (to the same replica or, after a
+failover, to another) is recognised and applied once. A replica applies one
+origin's pushes in order; a push that arrives before an earlier one waits for
+it (gossip brings it), unless the earlier one can only be at a replica that died:
+then it is given up (``skip_gaps``). A restarted worker is a new origin (its
+incarnation is part of it), so it never reuses its earlier self's numbers.
 """
 
 from __future__ import annotations
@@ -25,23 +28,20 @@ from shoal.replication.gossip import DIGEST, GossipPayload
 from shoal.storage.checkpoint import place_saved
 from shoal.storage.initialize import fill_initial
 
-INCARNATION_STRIDE = 1024  # replica origin = incarnation * 1024 + node
-WORKER_ORIGINS = 1 << 40  # worker origin = WORKER_ORIGINS + rank
+WORKER_ORIGINS = 1 << 40  # origins below this are reserved
+RANK_BITS = 20  # worker origin = WORKER_ORIGINS + (incarnation << RANK_BITS) + rank
+MAX_RANKS = 1 << RANK_BITS
 _LOG_BYTES = 64 * 1024 * 1024  # logged updates kept per origin for deltas; older peers get whole states
 
 
-def replica_origin(node: int, incarnation: int) -> int:
-    return incarnation * INCARNATION_STRIDE + node
-
-
-def origin_node(origin: int) -> int | None:
-    """The server node a replica origin belongs to (None for a worker origin)."""
-    return None if origin >= WORKER_ORIGINS else origin % INCARNATION_STRIDE
+def worker_origin(rank: int, incarnation: int) -> int:
+    """The origin of a worker's pushes: its rank and incarnation (a restarted worker is a new origin)."""
+    return WORKER_ORIGINS + (incarnation << RANK_BITS) + rank
 
 
 @dataclass
 class HeldPush:
-    """A numbered push that arrived before an earlier one (W > 1); answered once the gap fills.
+    """A push that arrived before an earlier one of its origin; answered once the gap fills.
 
     Every retry of it that arrives meanwhile adds a token: each gets an answer.
     """
@@ -54,12 +54,11 @@ class HeldPush:
 class ShardReplica:
     """A replica of shard ``shard`` of a replicated table, held by server ``node``."""
 
-    def __init__(self, spec: TableSpec, shard: int, keys: np.ndarray, node: int, incarnation: int,
+    def __init__(self, spec: TableSpec, shard: int, keys: np.ndarray, node: int,
                  now: Callable[[], float] = time.time) -> None:
         self.spec = spec
         self.shard = shard
         self.node = node
-        self.origin = replica_origin(node, incarnation)
         self.now = now
         base = np.empty((keys.shape[0], spec.dim), dtype=np.float64)
         fill_initial(spec, keys, base)
@@ -73,7 +72,7 @@ class ShardReplica:
             self._first[...] = spec.optimizer.initial_accumulator  # type: ignore[index]
         self.held: dict[int, dict[int, HeldPush]] = defaultdict(dict)
         self.peer_versions: dict[int, dict[int, int]] = {}
-        self.delays: dict[int, DelaySamples] = defaultdict(DelaySamples)  # origin node -> delays to here
+        self.delays: dict[int, DelaySamples] = defaultdict(DelaySamples)  # accepting replica -> delays to here
         self.accept_times: deque[float] = deque(maxlen=4096)
 
     # ----------------------------------------------------------------- pushes
@@ -105,23 +104,14 @@ class ShardReplica:
         denom = np.sqrt(self._second[rows]) / np.sqrt(1 - opt.beta2**t) + opt.eps
         return rows, -(opt.lr / (1 - opt.beta1**t)) * self._first[rows] / denom
 
-    def push(self, rows: np.ndarray, grads: np.ndarray, origin: int | None = None, seq: int | None = None,
+    def push(self, rows: np.ndarray, grads: np.ndarray, origin: int, seq: int,
              token: Any = None) -> tuple[int, int, float] | None:
-        """Accept a push; returns ``(origin, seq, accepted_at)``, or None if it waits for an earlier push.
-
-        ``origin``/``seq`` name a worker's numbered push (W > 1); a retry of a
-        push already held returns its original number without applying it again.
-        """
+        """Accept push ``seq`` of ``origin``; returns ``(origin, seq, accepted_at)``, or None if it waits for
+        an earlier push. A push this replica holds already (sent again) is answered, not applied again."""
+        if seq <= self.lattice.seq(origin):
+            return origin, seq, self.now()  # sent again: already applied
         rows, delta = self._delta(rows, grads)
         now = self.now()
-        if origin is None:
-            update = self.lattice.accept(self.origin, rows, delta, now)
-            assert update is not None
-            self.accept_times.append(now)
-            return self.origin, update.seq, now
-        assert seq is not None
-        if seq <= self.lattice.seq(origin):
-            return origin, seq, now  # a retry: already applied
         if seq > self.lattice.seq(origin) + 1:
             held = self.held[origin].get(seq)
             if held is None:
@@ -129,7 +119,7 @@ class ShardReplica:
             else:
                 held.tokens.append(token)
             return None
-        self.lattice.accept(origin, rows, delta, now, seq=seq)
+        self.lattice.accept(origin, rows, delta, now, seq=seq, accepted_by=self.node)
         self.accept_times.append(now)
         return origin, seq, now
 
@@ -144,9 +134,25 @@ class ShardReplica:
                 done += [(t, origin, seq, now) for t in waiting.pop(seq).tokens]
             while (seq := self.lattice.seq(origin) + 1) in waiting:
                 push = waiting.pop(seq)
-                self.lattice.accept(origin, push.rows, push.delta, now, seq=seq)
+                self.lattice.accept(origin, push.rows, push.delta, now, seq=seq, accepted_by=self.node)
                 done += [(t, origin, seq, now) for t in push.tokens]
         return done
+
+    def waiting(self) -> bool:
+        """Whether a push waits here for an earlier one of its origin."""
+        return any(self.held.values())
+
+    def skip_gaps(self) -> list[tuple[Any, int, int, float]]:
+        """Give up the pushes that held ones wait for (they can only be at a replica that died: the
+        caller checks), apply the held ones, and answer them as ``release_held`` does."""
+        now = self.now()
+        for origin, waiting in self.held.items():
+            if waiting and min(waiting) > self.lattice.seq(origin) + 1:
+                first = min(waiting)
+                push = waiting[first]
+                self.lattice.accept(origin, push.rows, push.delta, now, seq=first, accepted_by=self.node,
+                                    skip=True)
+        return self.release_held()
 
     # ------------------------------------------------------------ checkpoints
 
@@ -221,10 +227,9 @@ class ShardReplica:
             have = self.lattice.seq(delta.origin)
             applied = self.lattice.apply(delta)
             if applied:
-                node = origin_node(delta.origin)
                 for update in delta.updates[have - delta.from_seq:]:
-                    if node is not None:
-                        self.delays[node].add(now - update.accepted_at)
+                    if 0 <= update.accepted_by != self.node:
+                        self.delays[update.accepted_by].add(now - update.accepted_at)
                 new += applied
         for origin, seq, total in payload.states:
             before = self.lattice.seq(origin)
@@ -265,4 +270,4 @@ def delta_count(payload: GossipPayload) -> int:
     return sum(len(d.updates) for d in payload.deltas) + len(payload.states)
 
 
-__all__ = ["Delta", "HeldPush", "ShardReplica", "delta_count", "origin_node", "replica_origin"]
+__all__ = ["Delta", "HeldPush", "ShardReplica", "delta_count", "worker_origin"]

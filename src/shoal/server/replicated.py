@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -23,12 +24,13 @@ from shoal.api.errors import CheckpointError, ConfigError, KeyRangeError, Protoc
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
-from shoal.replication.replica import INCARNATION_STRIDE, WORKER_ORIGINS, ShardReplica
+from shoal.replication.replica import MAX_RANKS, ShardReplica, worker_origin
 from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
+from shoal.wire.schema import is_int64
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +40,14 @@ SERVER_SENDERS = 1 << 30  # sender id of server n on server-to-server messages
 class ReplicatedTable:
     """This server's replicas of one replicated table."""
 
-    def __init__(self, spec: TableSpec, num_nodes: int, node: int, incarnation: int, rng: random.Random) -> None:
-        if num_nodes > INCARNATION_STRIDE:
-            raise ConfigError(f"replicated tables support at most {INCARNATION_STRIDE} nodes")
+    def __init__(self, spec: TableSpec, num_nodes: int, node: int, rng: random.Random) -> None:
         if spec.replicas > num_nodes:
             raise ConfigError(f"table {spec.name!r} wants {spec.replicas} replicas on {num_nodes} server(s)")
         self.spec = spec
         self.layout = TableLayout.initial(spec, num_nodes)
         self.node = node
         self.replicas = {
-            shard: ShardReplica(spec, shard, self.layout.mapping.keys_of(shard), node, incarnation)
+            shard: ShardReplica(spec, shard, self.layout.mapping.keys_of(shard), node)
             for shard in range(self.layout.num_shards) if node in self.layout.replica_nodes(shard)
         }
         self.schedule = GossipSchedule(spec.gossip_ms / 1000.0, rng)
@@ -75,14 +75,20 @@ class ReplicationService:
     """Replicated tables of one server, and the gossip between replicas."""
 
     def __init__(self, node: int, cluster: ClusterSpec, transport: Transport, codec: Codec,
-                 reply: Callable[[bytes, Message], None], rng: random.Random | None = None) -> None:
+                 reply: Callable[[bytes, Message], None], rng: random.Random | None = None,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.node = node
         self.cluster = cluster
         self.reply = reply
         self.rng = rng or random.Random()
         self.tables: dict[str, ReplicatedTable] = {}
-        self.incarnation = 0
         self.alive = [True] * cluster.num_nodes
+        #: when each server was last seen to die, and when each peer replica of a shard last answered a
+        #: gossip digest of ours: a push waiting for one that only a dead replica had is given up once
+        #: every live peer has answered since the death (what they had, we have)
+        self.now = now
+        self._died_at: dict[int, float] = {}
+        self._answered_at: dict[tuple[str, int, int], float] = {}
         self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node,
                                     resend_s=cluster.timeouts.resend_s)
         self.stats: Counter[str] = Counter()
@@ -94,7 +100,11 @@ class ReplicationService:
 
     def on_status(self, status: dict[str, Any]) -> None:
         """Follow the rendezvous: peer addresses (a restarted peer has a new one) and liveness."""
-        self.alive = [bool(a) for a in status.get("alive", self.alive)]
+        alive = [bool(a) for a in status.get("alive", self.alive)]
+        for n, lives in enumerate(alive):
+            if not lives and n < len(self.alive) and self.alive[n]:
+                self._died_at[n] = self.now()
+        self.alive = alive
         for n, address in enumerate(status.get("servers", [])):
             if n != self.node and address and self._addresses.get(n) != address:
                 self._addresses[n] = address
@@ -109,7 +119,7 @@ class ReplicationService:
                    for n in table.layout.replica_nodes(shard))
 
     def create(self, spec: TableSpec) -> ReplicatedTable:
-        table = ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.incarnation, self.rng)
+        table = ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.rng)
         self.tables[spec.name] = table
         return table
 
@@ -140,14 +150,14 @@ class ReplicationService:
         replica, keys, rows = table.rows_of(msg)
         grads = as_rows(msg.arrays[1], keys.shape[0], table.spec, strict_dtype=True)
         rows, grads, _ = drop_nonfinite(rows, grads, table.spec)
-        origin = seq = None
-        if table.spec.write_quorum > 1:
-            seq = msg.body.get("seq")
-            if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-                raise ProtocolError("a push to a table with write_quorum > 1 must carry its number (body.seq >= 1)")
-            if not 0 <= msg.sender < self.cluster.num_workers:  # each origin costs a shard of state
-                raise ProtocolError(f"numbered push from sender {msg.sender}, which is no worker")
-            origin = WORKER_ORIGINS + msg.sender
+        seq, incarnation = msg.body.get("seq"), msg.body.get("inc")
+        if not (isinstance(seq, int) and isinstance(incarnation, int) and is_int64(seq) and is_int64(incarnation)
+                and seq >= 1 and 1 <= incarnation < 1 << 20):
+            raise ProtocolError("a push to a replicated table carries its number and its worker's incarnation "
+                                f"(body.seq >= 1, body.inc in [1, 2**20)), got {seq!r} and {incarnation!r}")
+        if not 0 <= msg.sender < min(self.cluster.num_workers, MAX_RANKS):  # each origin costs a shard of state
+            raise ProtocolError(f"push from sender {msg.sender}, which is no worker")
+        origin = worker_origin(msg.sender, incarnation)
         self._tokens += 1
         accepted = replica.push(rows, grads, origin, seq, token=self._tokens)
         self.stats["replicated_pushes"] += 1
@@ -160,7 +170,10 @@ class ReplicationService:
         return msg.reply(Op.OK, {"origin": o, "seq": s, "at": at})
 
     def _answer_held(self, replica: ShardReplica) -> None:
-        for token, origin, seq, at in replica.release_held():
+        self._answer(replica.release_held())
+
+    def _answer(self, released: list[tuple[Any, int, int, float]]) -> None:
+        for token, origin, seq, at in released:
             waiting = self._held_replies.pop(token, None)
             if waiting is not None:
                 peer, pushed = waiting
@@ -172,16 +185,39 @@ class ReplicationService:
         return min((t.schedule.next_at for t in self.tables.values()), default=None)
 
     def tick(self) -> None:
-        """Start the gossip rounds that are due."""
+        """Start the gossip rounds that are due; give up pushes that only a dead replica had."""
         live = {n for n in range(self.cluster.num_nodes) if self.alive[n]}
         for table in self.tables.values():
-            if not table.schedule.due():
-                continue
+            due = table.schedule.due()
             for shard, replica in table.replicas.items():
+                if replica.waiting():
+                    self._unblock(table, shard, replica, due)
+                if not due:
+                    continue
                 replica.trim_log(live)
                 peers = self._live_peers(table, shard)
                 if peers:
                     self._send_gossip(table, self.rng.choice(peers), replica.digest())
+
+    def _unblock(self, table: ReplicatedTable, shard: int, replica: ShardReplica, due: bool) -> None:
+        """Pushes wait here for earlier ones of their worker. While every replica of the shard lives,
+        gossip brings those. Once one has died, ask every live peer; when all have answered since the
+        death, what is still missing was only at the dead one: give it up (a write quorum of 1 loses
+        what the dead replica had not passed on) and apply the waiting pushes."""
+        dead = [n for n in table.layout.replica_nodes(shard) if n != self.node and not self.alive[n]]
+        if not dead:
+            return
+        since = max(self._died_at.get(n, 0.0) for n in dead)
+        behind = [p for p in self._live_peers(table, shard)
+                  if self._answered_at.get((table.spec.name, shard, p), -1.0) < since]
+        if behind:
+            if due:
+                for peer in behind:
+                    self._send_gossip(table, peer, replica.digest())
+            return
+        self.stats["pushes_given_up_with_dead_replica"] += sum(
+            min(w) - replica.lattice.seq(o) - 1 for o, w in replica.held.items() if w)
+        self._answer(replica.skip_gaps())
 
     def _live_peers(self, table: ReplicatedTable, shard: int) -> list[int]:
         return [n for n in table.layout.replica_nodes(shard)
@@ -208,6 +244,10 @@ class ReplicationService:
             raise ProtocolError(f"bad gossip from server {sender}: {exc}") from None
         self.stats["gossip_received"] += 1
         self.stats["gossip_updates_new"] += replica.absorb(payload)
+        have = replica.version()
+        if payload.stage == ANSWER and all(have.get(o, 0) >= s for o, s in payload.version.items()):
+            # the peer's whole answer to a digest of ours: we have every update it had
+            self._answered_at[(table.spec.name, replica.shard, sender)] = self.now()
         self._answer_held(replica)
         budget = self.cluster.limits.max_message_bytes // 2
         if payload.stage == DIGEST:

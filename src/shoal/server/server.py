@@ -177,10 +177,7 @@ class ParameterServer:
         return min(0.05, max(0.0, min(deadlines) - time.monotonic()))
 
     def _rejoin(self, status: dict[str, Any]) -> None:
-        """After (re)registering: our incarnation, peers, and the tables workers created before we started."""
-        incarnations = status.get("incarnations") or []
-        if self.node < len(incarnations):
-            self.replication.incarnation = int(incarnations[self.node])
+        """After (re)registering: peers, and the tables workers created before we started."""
         self.replication.on_status(status)
         self.adaptive.on_status(status)
         self._adopt_tables(status, "after a restart")
