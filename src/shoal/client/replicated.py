@@ -93,6 +93,11 @@ class ReplicaView:
         now = time.monotonic()
         return [n for n in nodes if self.alive[n] and self.down_until.get(n, 0.0) <= now]
 
+    def reachable(self, nodes: list[int]) -> list[int]:
+        """``live`` ones, else those the rendezvous' heartbeats call alive: a replica that was slow to
+        answer (an overloaded machine) is tried again before anything is given up for lost."""
+        return self.live(nodes) or [n for n in nodes if self.alive[n]]
+
     def mark_down(self, node: int) -> None:
         self.down_until[node] = time.monotonic() + _DOWN_FOR_S
         self.worker.tracker.disconnect(node)
@@ -161,7 +166,7 @@ class ReplicatedAccess:
         if self.worker.node in order:
             order.remove(self.worker.node)
             order.insert(0, self.worker.node)
-        live = self.view.live(nodes)
+        live = self.view.reachable(nodes)
         return [n for n in order if n in live and n not in exclude][: self.spec.write_quorum]
 
     def _note_ack(self, shard: _Shard, reply: Message) -> None:
@@ -259,9 +264,10 @@ class ReplicatedAccess:
                                           f"replica within {self.worker.cluster.timeouts.request_s:.0f}s")
             if not replies:
                 self.view.refresh(force=True)
-                remaining = [n for n in self.view.live(shard.nodes) if n not in chosen]
+                remaining = [n for n in self.view.live(shard.nodes) if n not in chosen] \
+                    or [n for n in shard.nodes if self.view.alive[n]]  # slow is not dead: ask again
                 if not remaining:
-                    raise ClusterError(f"no replica of shard {shard_id} of {self.spec.name!r} answered "
+                    raise ClusterError(f"no replica of shard {shard_id} of {self.spec.name!r} is alive "
                                        f"(replicas {shard.nodes})")
                 chosen = remaining[: max(len(chosen), 1)]
                 replies = self._read(shard_id, chosen, keys, totals=len(chosen) > 1)
@@ -386,8 +392,13 @@ class ReplicatedAccess:
         """
         tracker = self.worker.tracker
         replies, reqs, sent_at = sent.replies, sent.reqs, sent.at
+        timeouts = self.worker.cluster.timeouts
+        # At least the replica timeout, longer while these replicas answer slowly (a loaded machine):
+        # their round trips, as timed for resends.
+        trips = [tracker.round_trips[n] for _, n in reqs.values() if n in tracker.round_trips]
+        wait = max([timeouts.replica_s, *(t.timeout(timeouts.request_s) for t in trips)])
         try:
-            tracker.wait(set(reqs), self.worker.cluster.timeouts.replica_s)
+            tracker.wait(set(reqs), wait)
         except RequestTimeoutError:
             pass  # whoever did not answer is handled below
         elapsed = time.monotonic() - sent_at

@@ -27,6 +27,7 @@ from shoal.wire.ops import Flag, Op
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.4  # longest a server's heartbeat is held waiting for a move to hand it
+_STALL_S = 0.5  # the loop wakes every 0.1 s at most: a longer gap is time it did not run
 
 
 @dataclass
@@ -70,6 +71,8 @@ class Rendezvous:
         self.dead_after_s = dead_after_s
         self.now = now
         self.last_seen: dict[int, float] = {}
+        #: servers whose process is known to have ended (the local launcher watches them): dead at once
+        self.exited: set[int] = set()
         self.incarnations: dict[int, int] = {}
         self.worker_incarnations: dict[int, int] = {}
         #: table specs as created by workers, so a restarted server can recreate its tables
@@ -93,7 +96,16 @@ class Rendezvous:
         return self
 
     def serve(self) -> None:
+        last = self.now()
         while not self._stop.is_set():
+            # A loop that did not run for a while (an overloaded machine) heard no heartbeat either:
+            # that silence is ours, not the servers'.
+            now = self.now()
+            stalled = now - last - _STALL_S
+            if stalled > 0:
+                for node in self.last_seen:
+                    self.last_seen[node] += stalled
+            last = now
             item = self.listener.recv(0.02 if self._polls else 0.1)
             try:
                 if item is not None:
@@ -137,10 +149,16 @@ class Rendezvous:
                                            and len(self.left) >= self.num_workers)
 
     def alive(self) -> list[bool]:
-        """Servers heard from within ``dead_after_s`` (their heartbeats come every half second)."""
+        """Servers heard from within ``dead_after_s`` (their heartbeats come every half second) whose
+        process is not known to have ended."""
         now = self.now()
         return [n in self.last_seen and now - self.last_seen[n] <= self.dead_after_s and n not in self.departed
-                for n in range(self.num_nodes)]
+                and n not in self.exited for n in range(self.num_nodes)]
+
+    def server_exited(self, node: int) -> None:
+        """The process of server ``node`` has ended (its launcher saw it): it is dead now, not once its
+        heartbeats have been missed for ``dead_after_s``. Called from the launcher's thread."""
+        self.exited.add(node)
 
     def status(self) -> dict[str, Any]:
         members = {f"{m.role} {m.node if m.role == 'server' else m.rank}": m
@@ -296,6 +314,7 @@ class Rendezvous:
             self.servers[member.node] = member
             self.incarnations[member.node] = self.incarnations.get(member.node, 0) + 1
             self.last_seen[member.node] = self.now()
+            self.exited.discard(member.node)
             return self.incarnations[member.node]
         if member.rank in self.workers:  # a restarted worker: drop what its old self left waiting
             for waiting in self._barriers.values():

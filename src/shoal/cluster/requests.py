@@ -42,6 +42,7 @@ RESEND_MIN_S = 0.05  # never sooner: a reply slowed by a busy peer must not look
 RESEND_BYTES_PER_S = 50e6
 RESEND_MAX_S = 8.0
 RESEND_CHECK_S = 0.05
+DROP_WARNING_EVERY_S = 10.0
 ReplyHandler = Callable[[Message], None]
 
 
@@ -124,6 +125,8 @@ class RequestTracker:
         #: for anything that needs it to run
         self.after_receive: Callable[[], None] | None = None
         self._in_after_receive = False
+        #: one-way messages dropped since the last warning, and when it was, per (peer, op)
+        self._dropped: dict[tuple[int, str], tuple[int, float]] = {}
 
     # ----------------------------------------------------------- connections
 
@@ -208,8 +211,19 @@ class RequestTracker:
                 self.sent[msg.op.name] += 1
                 self.bytes_sent += _size(frames)
             if not sent:
-                log.warning("dropped a one-way %s to peer %s: its queue is full", msg.op.name, peer)
+                self._note_dropped(peer, msg.op.name)
             return sent
+
+    def _note_dropped(self, peer: int, op: str) -> None:
+        """A peer that reads slowly (an overloaded machine) fills its queue again and again: one
+        warning per peer and op every ``DROP_WARNING_EVERY_S``, with the count since the last."""
+        count, warned_at = self._dropped.get((peer, op), (0, -DROP_WARNING_EVERY_S))
+        now = time.monotonic()
+        if now - warned_at < DROP_WARNING_EVERY_S:
+            self._dropped[(peer, op)] = (count + 1, warned_at)
+            return
+        log.warning("dropped %d one-way %s message(s) to peer %s: its queue is full", count + 1, op, peer)
+        self._dropped[(peer, op)] = (0, now)
 
     def done(self, reqs: set[int]) -> bool:
         return not any(r in self._pending for r in reqs)

@@ -231,6 +231,7 @@ class LocalCluster:
                 if code == 0 and int(s.name[1:]) in rendezvous.departed:
                     servers.remove(s)  # drained: it handed its slices over and left, as asked
                     continue
+                rendezvous.server_exited(int(s.name[1:]))
                 policy = self.options.on_server_failure
                 print(f"shoal: server {s.name} exited with status {code} before the workers finished; "
                       + {"fail": "stopping the job", "continue": "going on without it",
