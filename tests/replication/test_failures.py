@@ -168,3 +168,44 @@ def _mf_with_a_killed_replica(tmp_path: Path, write_quorum: int) -> dict[str, fl
         finish(proc)
         results[label] = json.loads(out.read_text())["rmse"][-1]
     return results
+
+
+POLICY = str(ROOT / "tests" / "scripts" / "policy_worker.py")
+
+
+def _after_server_1_dies(tmp: Path, policy: str) -> list[dict]:
+    proc = launch([POLICY, str(tmp), policy], policy, nodes=2)
+    pid = wait_for(tmp / "servers.json")["pids"][1]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.3)
+    (tmp / "go").touch()
+    finish(proc)
+    return [wait_for(tmp / f"result{r}.json") for r in range(2)]
+
+
+def test_continue_fails_calls_that_need_a_dead_servers_rows_at_once_and_goes_on_with_the_rest(tmp_path):
+    """A plain table's rows on a dead server are gone: calls that need them fail at once naming it (they
+    waited the 30 s request timeout); the worker co-located with the dead server never has a write
+    into its memory acknowledged; calls that need only live servers go on."""
+    far, near = _after_server_1_dies(tmp_path, "continue")
+    for call in ("pull_node1", "push_node1"):
+        assert far[call]["error"] == "ClusterError" and "1" in far[call]["message"], far[call]
+        assert "died" in far[call]["message"] and far[call]["seconds"] < 2.0, far[call]
+    for call in ("pull_node1", "push_node1"):  # its own node's memory: never read or written once dead
+        assert near[call]["error"] == "ClusterError", near[call]
+        assert "died" in near[call]["message"] and near[call]["seconds"] < 2.0, near[call]
+    for worker in (far, near):
+        assert worker["push_node0"]["ok"] and worker["rep_push"]["ok"] and worker["rep_pull"]["ok"], worker
+
+
+def test_restart_brings_the_server_back_its_plain_rows_refused_as_lost_and_replicas_in_use(tmp_path):
+    """The restarted server is used (workers follow its new address): its replica takes pushes. A plain
+    table's rows there went with its previous process: calls for them fail naming that, instead of
+    serving them reset to their initial values."""
+    far, near = _after_server_1_dies(tmp_path, "restart")
+    for worker in (far, near):
+        for call in ("pull_node1", "push_node1"):
+            assert worker[call]["error"] == "ClusterError", worker[call]
+            assert "lost with" in worker[call]["message"] or "died" in worker[call]["message"], worker[call]
+        assert worker["push_node0"]["ok"] and worker["rep_push"]["ok"] and worker["rep_pull"]["ok"], worker
+    assert far["node1_replicated_pushes"] > 0

@@ -52,6 +52,7 @@ class AdaptiveAccess:
     def pull(self, keys: np.ndarray, out: np.ndarray) -> Callable[[], None]:
         if self.store is not None:
             absent = self.store.read_present(keys, np.arange(keys.shape[0]), out)
+            self.worker.check_local_server(f"a pull of {self.spec.name!r}")
             pos = np.flatnonzero(absent)
             self.counters["rows_local"] += keys.shape[0] - pos.shape[0]
         else:
@@ -63,6 +64,7 @@ class AdaptiveAccess:
     def push(self, keys: np.ndarray, values: np.ndarray) -> Callable[[], None]:
         if self.store is not None:
             absent = self.store.update_present(keys, values, self.scale)
+            self.worker.check_local_server(f"a push to {self.spec.name!r}")
             pos = np.flatnonzero(absent)
             self.counters["rows_local"] += keys.shape[0] - pos.shape[0]
         else:

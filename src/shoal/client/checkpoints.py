@@ -197,8 +197,10 @@ def _parts(worker: Worker, name: str, replies: list[dict[str, Any]], staging: Pa
 
 
 def _load(worker: Worker, path: Path, manifest: dict[str, Any]) -> None:
-    """Every server checks every part it needs first; only when all have does any of them load a row."""
-    servers = worker.live_servers()
+    """Every server checks every part it needs first; only when all have does any of them load a row.
+    A server the heartbeats call dead fails it at once, by name (unless only replicated tables are
+    restored: their live replicas take the rows)."""
+    servers = _servers(worker, [name for name in manifest["tables"] if name in worker.tables])
     for commit in (False, True):
         replies = _ask_servers(worker, Op.RESTORE, {"path": str(path), "commit": commit}, servers)
         for name in manifest["tables"]:

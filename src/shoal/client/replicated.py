@@ -84,9 +84,7 @@ class ReplicaView:
         self.alive = [bool(a) for a in status.get("alive", self.alive)]
         for n, address in enumerate(status.get("servers", [])):
             if address and self.worker.servers[n] != address:  # a restarted server
-                self.worker.servers[n] = address
-                self.worker.streams.reset(n)
-                self.worker.tracker.connect(n, address)
+                self.worker.follow_restarted(n, address)
                 self.down_until.pop(n, None)
 
     def live(self, nodes: list[int]) -> list[int]:

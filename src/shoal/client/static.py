@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shoal.api.errors import ClosedError, ProtocolError, RequestTimeoutError, ShoalError, SliceMovedError
+from shoal.api.errors import (
+    ClosedError,
+    ClusterError,
+    ProtocolError,
+    RequestTimeoutError,
+    ShoalError,
+    SliceMovedError,
+)
 from shoal.cluster.requests import Future
 from shoal.consistency.cache import RowCache
 from shoal.placement.layout import TableLayout
@@ -42,6 +49,7 @@ _HEADER_ROOM = 64 * 1024
 _EAGER_WAIT_S = 5.0
 _EAGER_GAP = 32  # eager messages held behind a missing one before it is taken as lost
 _REFRESH_AGAIN_S = 0.02  # while the rendezvous lags behind a move a server told of: how often to ask it
+_WATCH_AFTER_S = 0.5  # a call waiting longer than this asks whether the servers it waits for are alive
 _WHOLE = None  # positions standing for "every key of the call, in order"
 
 Positions = np.ndarray | None
@@ -93,6 +101,7 @@ class _Call:
     def step(self) -> None:
         if self.rereads and self.error is None:
             self.access.reread(self)
+        self.access.watch_servers(self)
 
     def written(self, part_positions: Positions) -> tuple[np.ndarray, np.ndarray]:
         """The keys and values a push part carries."""
@@ -229,6 +238,7 @@ class StaticAccess:
             order, starts = kernels.partition_by_owner(owner, counts.shape[0])
             groups = [(node, order[starts[node] : starts[node + 1]]) for node in range(counts.shape[0])
                       if starts[node + 1] > starts[node]]
+        self._check_alive([node for node, _ in groups if node != me or not local], layout, shard)
         for node, sub in groups:
             at = pos if sub is None else (sub if pos is None else pos[sub])
             if node == me and local:
@@ -248,6 +258,30 @@ class StaticAccess:
                         raise
                     # The server left (drained) and this layout predates it: its slices are elsewhere.
                     self._refused(call, call.positions(chunk), op)
+
+    def _check_alive(self, nodes: list[int], layout: TableLayout, shard: np.ndarray) -> None:
+        """A call that needs a dead server's rows fails at once, before any part of it is sent."""
+        alive = self.worker.replica_view.alive
+        dead = [n for n in nodes if n < len(alive) and not alive[n]]
+        if dead:
+            lost = sorted({int(s) for s in np.unique(shard) if int(layout.owners[s]) in dead})
+            raise ClusterError(f"server(s) {dead} died: slices {lost} of {self.spec.name!r} that this call needs "
+                               "were held there and are gone (--on-server-failure continue keeps only "
+                               "replicated tables whole); nothing of the call was sent")
+
+    def watch_servers(self, call: _Call) -> None:
+        """While ``call`` waits: a server that died since it was sent fails its parts now, naming it,
+        instead of after the request timeout."""
+        view = self.worker.replica_view
+        if not call.parts or time.monotonic() - call.started < _WATCH_AFTER_S:
+            return
+        view.refresh()  # at most once a second
+        for req, part in list(call.parts.items()):
+            if part.node < len(view.alive) and not view.alive[part.node]:
+                self.worker.tracker.forget(req)
+                call.error = call.error or ClusterError(
+                    f"server {part.node} died while a {part.op.name} of {self.spec.name!r} waited for it: the "
+                    "rows it held are gone")
 
     def _chunks(self, pos: Positions, count: int, total: int) -> Iterator[Positions]:
         if count <= self._chunk:
@@ -602,6 +636,7 @@ class StaticAccess:
                         store.read_into(r, p, call.result.array())
                 except SliceMovedError:  # its rows are read where the slice is now
                     self._refused(call, call.positions(p), Op.PULL)
+        self.worker.check_local_server(f"a {op.name} of {rows.shape[0]} row(s) of {self.spec.name!r}")
 
     def _local_bound(self) -> int:
         """Wait until the local server's clocks allow a read at this worker's clock; the slowest clock."""
@@ -618,6 +653,7 @@ class StaticAccess:
         deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
         pause = 1e-5
         while slowest < required:
+            self.worker.check_local_server(f"a read of {self.spec.name!r} waiting for clock {required}")
             if time.monotonic() > deadline:
                 behind = [int(w) for w in np.flatnonzero(clocks < required)]
                 raise RequestTimeoutError(
@@ -628,6 +664,14 @@ class StaticAccess:
             self.worker.tracker.pump(0)  # own requests overdue (a lost clock, say) go out again meanwhile
             slowest = int(clocks.min())
         return min(slowest, self.worker.clock)
+
+    def lose_local(self) -> None:
+        """This node's server died: no slice is local any more (a call being routed may still hold its
+        stores; they are closed after it)."""
+        self._unmapped += self.local.values()
+        self.local = {}
+        if not self._routing:
+            self.close()
 
     def close(self) -> None:
         for store in [*self.local.values(), *self._unmapped]:

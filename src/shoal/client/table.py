@@ -198,6 +198,13 @@ class Table:
         if self.static is not None:
             self.static.on_server_rows(msg)
 
+    def lose_local(self) -> None:
+        """This node's server died: reach every row through messages from now on."""
+        if self.static is not None:
+            self.static.lose_local()
+        if self.adaptive is not None:
+            self.adaptive.store = self.adaptive.node_hints = None
+
     def close(self) -> None:
         if self.static is not None:
             self.static.close()

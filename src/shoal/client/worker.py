@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import ClosedError, RequestTimeoutError, ShoalError, TableError
+from shoal.api.errors import ClosedError, ClusterError, RequestTimeoutError, ShoalError, TableError
 from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
 from shoal.client import checkpoints
@@ -26,6 +26,7 @@ from shoal.client.streams import Streams
 from shoal.client.table import Table
 from shoal.cluster import membership
 from shoal.cluster.fdshare import fetch_fds, socket_name
+from shoal.cluster.liveness import ProcessExit
 from shoal.cluster.metrics import MetricsEndpoint, metrics_token, render
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
@@ -101,6 +102,7 @@ class Worker:
         #: the local server's clock table in shared memory: local reads check bounds here
         self.local_clocks: np.ndarray | None = None
         self._clock_segment: Segment | None = None
+        self._server_exit: ProcessExit | None = None  # tells when the local server's process has ended
         if local_access:
             self._attach_clocks()
 
@@ -187,6 +189,24 @@ class Worker:
                                self.cluster.timeouts.connect_s)
         self._clock_segment = Segment.attach(fds[0], str(reply["label"]))
         self.local_clocks = self._clock_segment.array(0, (int(reply["num_workers"]),), np.int64)
+        self._server_exit = ProcessExit.watch(int(reply.get("pid", 0)))
+
+    def check_local_server(self, what: str) -> None:
+        """Raise ``ClusterError`` if this node's server has died: its shared memory is nobody's now, so
+        a read of it is stale and a write into it is lost, and neither may be acknowledged."""
+        if self._server_exit is not None and self._server_exit.happened():
+            self.lose_local_server()
+            raise ClusterError(f"server {self.node} (this worker's node) has died: {what} used its memory and "
+                               "is not applied; its rows are gone with it")
+
+    def lose_local_server(self) -> None:
+        """This node's server is gone: every table goes through messages from now on (to a server
+        started in its place, if any), none through the dead one's memory."""
+        self.local_access = False
+        self.local_clocks = None
+        self._server_exit = None
+        for table in self.tables.values():
+            table.lose_local()
 
     def _on_server_message(self, peer: int, msg: Message) -> None:
         """A message no request asked for: rows a server pushed eagerly (ESSP), or a fence."""
@@ -287,17 +307,34 @@ class Worker:
         return reply.body
 
     def _update_servers(self, addresses: list[str | None]) -> None:
-        """Connect to servers that joined, drop those that left."""
+        """Connect to servers that joined, drop those that left, follow those started again."""
         for n, address in enumerate(addresses):
             known = self.servers[n] if n < len(self.servers) else None
             if address == known:
                 continue
+            if known is not None and address is not None:
+                self.follow_restarted(n, address)
+                continue
             if known is not None:
                 self.tracker.disconnect(n)
-            self.streams.reset(n)  # a new server process numbers our requests afresh
+            self.streams.reset(n)
             if address is not None:
                 self.tracker.connect(n, address)
         self.servers = list(addresses)
+
+    def follow_restarted(self, node: int, address: str) -> None:
+        """Server ``node`` was started again at ``address``: what was in flight to its previous process
+        is lost with it (failed here, not sent to the new one), and the new one numbers our
+        requests afresh."""
+        while len(self.servers) <= node:
+            self.servers.append(None)
+        self.servers[node] = address
+        self.tracker.fail_peer(node, ClusterError(f"server {node} was started again: what was in flight to "
+                                                  "its previous process was lost with it"))
+        self.streams.reset(node)
+        self.tracker.connect(node, address)
+        if node == self.node:
+            self.lose_local_server()
 
     def live_servers(self) -> list[int]:
         return [n for n, address in enumerate(self.servers) if address]

@@ -325,6 +325,14 @@ class RequestTracker:
             if pending is not None and pending.on_end is not None:
                 pending.on_end()
 
+    def fail_peer(self, peer: int, error: ShoalError) -> None:
+        """End every request in flight to ``peer`` with ``error`` (it was a process that is gone: one
+        started in its place must not get them)."""
+        with self._lock:
+            for req in [r for r, p in self._pending.items() if p.peer == peer]:
+                self._pending[req].error = error
+                self._finish(req, None)
+
     def _describe_missing(self, reqs: set[int], timeout: float) -> str:
         missing = [(r, self._pending[r]) for r in sorted(reqs) if r in self._pending]
         for r, p in missing:

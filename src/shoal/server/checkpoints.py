@@ -34,11 +34,13 @@ from shoal.wire.ops import Op
 
 class CheckpointService:
     def __init__(self, node: int, tables: dict[str, ServedTable], adaptive: AdaptiveService,
-                 replication: ReplicationService) -> None:
+                 replication: ReplicationService, lost: dict[str, str]) -> None:
         self.node = node
         self.tables = tables
         self.adaptive = adaptive
         self.replication = replication
+        #: tables whose rows here were lost; a restore brings them back
+        self.lost = lost
 
     def settle(self, msg: Message) -> Message:
         """Send the named adaptive tables' pending replica changes and start gossip for the replicated
@@ -61,6 +63,8 @@ class CheckpointService:
         staging = checkpoint.check_staging(str(msg.body["staging"]))
         parts: dict[str, list[dict[str, Any]]] = {}
         for index, name in enumerate(msg.body["tables"]):
+            if name in self.lost:
+                raise CheckpointError(self.lost[name])
             adaptive = self.adaptive.tables.get(str(name))
             if adaptive is not None:
                 why = self.adaptive.unsettled(adaptive)
@@ -139,6 +143,9 @@ class CheckpointService:
                 raise CheckpointError(f"slices {sorted(table.moving)} of {name!r} are moving; try again")
             loaded[name] = sum(self._load(table, keys, arrays, write)
                                for keys, arrays in checkpoint.read_parts(path, entry))
+        if write:
+            for name in loaded:
+                self.lost.pop(name, None)
         return msg.reply(Op.OK, {"rows": loaded})
 
     def _load(self, table: ServedTable, keys: np.ndarray, arrays: dict[str, np.ndarray], write: bool) -> int:

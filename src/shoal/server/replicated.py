@@ -88,7 +88,9 @@ class ReplicationService:
         #: every live peer has answered since the death (what they had, we have)
         self.now = now
         self._died_at: dict[int, float] = {}
+        self._incarnations: dict[int, int] = {}
         self._answered_at: dict[tuple[str, int, int], float] = {}
+        self._waiting_since: dict[tuple[str, int], float] = {}
         self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node,
                                     resend_s=cluster.timeouts.resend_s)
         self.stats: Counter[str] = Counter()
@@ -105,6 +107,10 @@ class ReplicationService:
             if not lives and n < len(self.alive) and self.alive[n]:
                 self._died_at[n] = self.now()
         self.alive = alive
+        for n, incarnation in enumerate(status.get("incarnations") or []):
+            if int(incarnation) > self._incarnations.get(n, 1):  # a process started in a dead one's place
+                self._died_at[n] = self.now()
+            self._incarnations[n] = int(incarnation)
         for n, address in enumerate(status.get("servers", [])):
             if n != self.node and address and self._addresses.get(n) != address:
                 self._addresses[n] = address
@@ -192,6 +198,8 @@ class ReplicationService:
             for shard, replica in table.replicas.items():
                 if replica.waiting():
                     self._unblock(table, shard, replica, due)
+                else:
+                    self._waiting_since.pop((table.spec.name, shard), None)
                 if not due:
                     continue
                 replica.trim_log(live)
@@ -201,15 +209,17 @@ class ReplicationService:
 
     def _unblock(self, table: ReplicatedTable, shard: int, replica: ShardReplica, due: bool) -> None:
         """Pushes wait here for earlier ones of their worker. While every replica of the shard lives,
-        gossip brings those. Once one has died, ask every live peer; when all have answered since the
-        death, what is still missing was only at the dead one: give it up (a write quorum of 1 loses
-        what the dead replica had not passed on) and apply the waiting pushes."""
-        dead = [n for n in table.layout.replica_nodes(shard) if n != self.node and not self.alive[n]]
-        if not dead:
+        gossip brings those. If one has died (a process started in its place, this one's own previous
+        process included, has lost what it had), ask every live peer; when all have answered since the
+        death and since the wait began, what is still missing was only at the dead one: give it up (a
+        write quorum of 1 loses what the dead replica had not passed on) and apply the waiting pushes."""
+        name = table.spec.name
+        waiting_since = self._waiting_since.setdefault((name, shard), self.now())
+        deaths = [self._died_at[n] for n in table.layout.replica_nodes(shard) if n in self._died_at]
+        if not deaths:
             return
-        since = max(self._died_at.get(n, 0.0) for n in dead)
-        behind = [p for p in self._live_peers(table, shard)
-                  if self._answered_at.get((table.spec.name, shard, p), -1.0) < since]
+        since = max(*deaths, waiting_since)
+        behind = [p for p in self._live_peers(table, shard) if self._answered_at.get((name, shard, p), -1.0) < since]
         if behind:
             if due:
                 for peer in behind:
@@ -218,6 +228,7 @@ class ReplicationService:
         self.stats["pushes_given_up_with_dead_replica"] += sum(
             min(w) - replica.lattice.seq(o) - 1 for o, w in replica.held.items() if w)
         self._answer(replica.skip_gaps())
+        self._waiting_since.pop((name, shard), None)
 
     def _live_peers(self, table: ReplicatedTable, shard: int) -> list[int]:
         return [n for n in table.layout.replica_nodes(shard)

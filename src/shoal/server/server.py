@@ -20,6 +20,7 @@ import numpy as np
 from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import (
     AuthError,
+    ClusterError,
     ConfigError,
     ProtocolError,
     RequestTimeoutError,
@@ -58,6 +59,8 @@ _PEER_WAIT_S = 0.02  # heartbeat period while a replica does not know where a pe
 _BURST_S = 0.01  # longest stretch of message handling between timer runs
 #: requests served again when repeated after their reply was too large to keep
 _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS})
+#: requests that read or write a table's rows (refused for a table whose rows here were lost)
+_DATA_OPS = frozenset({Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LOCALIZE, Op.INTENT})
 
 
 def is_loopback(address: str) -> bool:
@@ -94,6 +97,8 @@ class ParameterServer:
         self.listener = transport.listen(bind, max_frame_bytes=hard_cap)
         self.address = self.listener.address
         self.tables: dict[str, ServedTable] = {}
+        #: tables whose rows here were lost (with this node's previous process), and why: refused until restored
+        self.lost: dict[str, str] = {}
         self.stats: Counter[str] = Counter()
         # Worker clocks live in shared memory so co-located workers check bounds without asking.
         self._clock_segment = Segment.create(f"shoal-{cluster.cluster_id}-clocks-n{node}",
@@ -115,7 +120,7 @@ class ParameterServer:
         self.slicing = SliceService(node, cluster, transport, self.codec, self.tables, self.sync, self._rendezvous,
                                     self._serve_held)
         self.sync.hold_for_move = self.slicing.hold
-        self.checkpoints = CheckpointService(node, self.tables, self.adaptive, self.replication)
+        self.checkpoints = CheckpointService(node, self.tables, self.adaptive, self.replication, self.lost)
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
         self.queue_length = 0  # the same, as last reported
         self.latency = LatencyHistogram()
@@ -177,14 +182,23 @@ class ParameterServer:
         return min(0.05, max(0.0, min(deadlines) - time.monotonic()))
 
     def _rejoin(self, status: dict[str, Any]) -> None:
-        """After (re)registering: peers, and the tables workers created before we started."""
+        """After (re)registering: peers, and the tables workers created before we started. A server
+        started again (its node registered before) recreates them, but only replicated tables get
+        their rows back (by gossip): the rows of the others went with its previous process."""
         self.replication.on_status(status)
         self.adaptive.on_status(status)
-        self._adopt_tables(status, "after a restart")
+        incarnations = status.get("incarnations") or []
+        restarted = self.node < len(incarnations) and int(incarnations[self.node]) > 1
+        for name in self._adopt_tables(status, "after a restart"):
+            if restarted and name not in self.replication.tables:
+                self.lost[name] = (f"the rows of table {name!r} on server {self.node} were lost with its previous "
+                                   "process (it was started again); restore a checkpoint to go on with them")
 
-    def _adopt_tables(self, status: dict[str, Any], why: str) -> None:
-        """Create the tables the rendezvous knows and this server lacks, at their current layouts."""
+    def _adopt_tables(self, status: dict[str, Any], why: str) -> list[str]:
+        """Create the tables the rendezvous knows and this server lacks, at their current layouts;
+        returns their names."""
         layouts = status.get("layouts") or {}
+        created = []
         for spec in status.get("tables") or []:
             parsed = TableSpec.from_dict(spec)
             if parsed.name in self.tables or parsed.name in self.replication.tables \
@@ -197,7 +211,9 @@ class ParameterServer:
             except ShoalError as exc:
                 log.error("server %d: cannot create table %r: %s", self.node, parsed.name, exc)
                 continue
+            created.append(parsed.name)
             log.info("server %d: created table %r %s", self.node, parsed.name, why)
+        return created
 
     def _heartbeat(self) -> None:
         """Ask the rendezvous how the cluster is; leave when it is finished or gone."""
@@ -359,6 +375,8 @@ class ParameterServer:
     def dispatch(self, msg: Message, peer: bytes = b"") -> Message | None:
         """Serve one checked request; None means no reply now (a held pull, or none at all)."""
         op = msg.op
+        if msg.table in self.lost and op in _DATA_OPS:
+            raise ClusterError(self.lost[msg.table])
         if msg.table in self.replication.tables and op not in (Op.CREATE_TABLE, Op.CLOCK, Op.CONFIRM):
             return self.replication.handle(peer, msg)
         if msg.table in self.adaptive.tables and op not in (Op.CREATE_TABLE, Op.CLOCK, Op.CONFIRM):
@@ -475,9 +493,9 @@ class ParameterServer:
 
     def _share(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Descriptors of a table's local shards (or of the clock table), for a co-located worker."""
-        if request.get("clocks"):
-            return {"num_workers": self.cluster.num_workers, "label": self._clock_segment.label}, \
-                [self._clock_segment.fd]
+        if request.get("clocks"):  # with this process's id: co-located workers watch it for its end
+            return {"num_workers": self.cluster.num_workers, "label": self._clock_segment.label,
+                    "pid": os.getpid()}, [self._clock_segment.fd]
         adaptive = self.adaptive.tables.get(str(request.get("table")))
         if adaptive is not None:
             store = adaptive.store

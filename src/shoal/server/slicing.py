@@ -232,6 +232,7 @@ class SliceService:
             # Pushes for the slice may still be on their way elsewhere, to come here once refused:
             # until each worker confirms, count it only up to its settled clock.
             self.sync.fence(msg.table, int(msg.body["epoch"]), shard)
+            self.sync.adopted(msg.table)
             self.stats["slices_received"] += 1
             log.info("server %d: now serving slice %d of %r", self.node, shard, msg.table)
         return msg.reply(Op.OK)

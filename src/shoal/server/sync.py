@@ -89,6 +89,14 @@ class Synchroniser:
 
     # ------------------------------------------------------------- fences
 
+    def adopted(self, table: str) -> None:
+        """A slice of ``table`` moved here: under ESSP its subscribers get its changed rows now. Its
+        previous owner left them to this one, and waiting for the slowest clock to advance again
+        would keep readers waiting that are the slowest themselves."""
+        served = self.tables.get(table)
+        if served is not None:
+            self._push_eagerly(served)
+
     def fence(self, table: str, epoch: int, shard: int) -> None:
         """Slice ``shard`` of ``table`` moved here at ``epoch``: a worker may still have pushes for it on
         their way elsewhere (routed by an older layout), to come here once refused. Count each worker
