@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+
+
+def _master_port() -> int:
+    """A port torchrun's store can bind, and the one after it (Shoal's rendezvous), below the range
+    the kernel hands out for ephemeral ports: servers bind those, and torchrun's elastic agent binds
+    its store again when it restarts workers (EADDRINUSE when a server had taken the port)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randint(20000, max(20001, low - 3))
+        try:
+            for candidate in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise AssertionError("no free port pair below the ephemeral range")
 
 
 def _assert_servers_leave() -> None:
@@ -27,7 +45,7 @@ def _assert_servers_leave() -> None:
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun comes with the torch extra: pip install torch==2.13.0")
 def test_two_torchrun_nodes_train_mf_like_the_local_launcher(tmp_path):
-    port = random.randint(20000, 40000)
+    port = _master_port()
     procs = []
     for node in (0, 1):
         cmd = [TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
@@ -69,7 +87,7 @@ ps.shutdown()
 def test_workers_restarted_by_the_elastic_agent_rejoin_and_keep_the_parameters(tmp_path):
     script = tmp_path / "restarting.py"
     script.write_text(RESTARTING_SCRIPT)
-    port = random.randint(20000, 40000)
+    port = _master_port()
     cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1", "--master-addr", "127.0.0.1",
            "--master-port", str(port), "--rdzv-backend", "static", str(script)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)

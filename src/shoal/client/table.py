@@ -16,9 +16,10 @@ import numpy as np
 from shoal.api.config import TableSpec
 from shoal.api.errors import ShapeError, TableError
 from shoal.client.adaptive import AdaptiveAccess
+from shoal.client.calls import Rows
 from shoal.client.replicated import ReplicatedAccess
 from shoal.client.sampling import Sampler, make_sampler
-from shoal.client.static import StaticAccess, _Rows
+from shoal.client.static import StaticAccess
 from shoal.cluster.requests import Future
 from shoal.consistency.cache import RowCache
 from shoal.consistency.staleness import StalenessHistogram
@@ -74,7 +75,7 @@ class Table:
 
     @property
     def cache(self) -> RowCache | None:
-        return self.static.cache if self.static is not None else None
+        return self.static.cache.rows if self.static is not None and self.static.cache is not None else None
 
     def __repr__(self) -> str:
         return f"Table({self.name!r}, num_keys={self.num_keys}, dim={self.dim}, dtype={self.spec.dtype})"
@@ -99,7 +100,7 @@ class Table:
         if self.static is not None:
             return self.static.pull(keys, out)
         # Requests go out now; waiting, failover or following moved keys run in wait().
-        result = _Rows(keys.shape[0], self.dim, self.dtype, out)
+        result = Rows(keys.shape[0], self.dim, self.dtype, out)
         access = self.replicated or self.adaptive
         finish = access.pull(keys, result.array())  # type: ignore[union-attr]
         return Future(None, set(), lambda: (finish(), result.get())[1], 0.0)

@@ -63,8 +63,8 @@ class CheckpointService:
         staging = checkpoint.check_staging(str(msg.body["staging"]))
         parts: dict[str, list[dict[str, Any]]] = {}
         for index, name in enumerate(msg.body["tables"]):
-            if name in self.lost:
-                raise CheckpointError(self.lost[name])
+            if str(name) in self.lost:
+                raise CheckpointError(self.lost[str(name)])
             adaptive = self.adaptive.tables.get(str(name))
             if adaptive is not None:
                 why = self.adaptive.unsettled(adaptive)

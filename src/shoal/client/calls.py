@@ -1,0 +1,123 @@
+"""One call of a static table: its requests in flight, and the parts to send again after a move."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from shoal.api.errors import ProtocolError, ShoalError
+from shoal.storage import kernels
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+
+Positions = np.ndarray | None
+
+
+WRITES = (Op.PUSH, Op.PUSH_PULL)
+READS = (Op.PULL, Op.PUSH_PULL)
+
+
+class Part:
+    """One request of a call: where it went, its place in the stream, and which keys it carries."""
+
+    __slots__ = ("node", "seq", "positions", "epoch", "op", "req")
+
+    def __init__(self, node: int, seq: int, positions: Positions, epoch: int, op: Op) -> None:
+        self.node, self.seq, self.positions, self.epoch, self.op = node, seq, positions, epoch, op
+        self.req = 0
+
+
+class StaticCall:
+    """One pull, push or push_pull: its parts in flight, and the parts to send again after a move.
+
+    A part refused because its slice moved goes where the slice is now: its push at once, in the
+    background (``StaticAccess.resend_moved``), its read when the caller waits (``step``: ``reread``),
+    because a read may have to wait for its bound and the background must never wait. While it waits
+    it also asks (``watch``) whether the servers it waits for are still alive.
+    """
+
+    def __init__(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: Rows | None, clock: int,
+                 reread: Callable[[StaticCall], None], watch: Callable[[StaticCall], None]) -> None:
+        self._reread, self._watch = reread, watch
+        self.op, self.keys, self.values, self.result, self.clock = op, keys, values, result, clock
+        self.parts: dict[int, Part] = {}
+        #: positions refused because their slice moved, with the op they were sent with
+        self.moved: list[tuple[np.ndarray, Op]] = []
+        #: positions whose rows are to be read again where their slice is now
+        self.rereads: list[np.ndarray] = []
+        self.attempts = 0
+        self.started = time.monotonic()
+        self.error: ShoalError | None = None
+        #: pushes are numbered in the order they start (a fence waits for those before a point)
+        self.index = 0
+
+    def finished(self) -> bool:
+        return not self.parts and not self.moved and (not self.rereads or self.error is not None)
+
+    def awaited(self) -> set[int]:
+        return set(self.parts)
+
+    def step(self) -> None:
+        if self.rereads and self.error is None:
+            self._reread(self)
+        self._watch(self)
+
+    def written(self, part_positions: Positions) -> tuple[np.ndarray, np.ndarray]:
+        """The keys and values a push part carries."""
+        assert self.values is not None
+        if part_positions is None:
+            return self.keys, self.values
+        return self.keys[part_positions], self.values[part_positions]
+
+    def unsent_writes(self) -> list[np.ndarray]:
+        """Positions of pushes refused by a moved slice, not sent again yet."""
+        return [positions for positions, op in self.moved if op in WRITES]
+
+    def positions(self, part_positions: Positions) -> np.ndarray:
+        return np.arange(self.keys.shape[0]) if part_positions is None else part_positions
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return None if self.result is None else self.result.get()
+
+
+class Rows:
+    """The rows a pull returns, filled by local reads and replies as they arrive.
+
+    When one reply carries every row in order and the caller gave no ``out``,
+    the reply's own (writable) frame becomes the result: no copy at all.
+    """
+
+    def __init__(self, n: int, dim: int, dtype: np.dtype, out: np.ndarray | None) -> None:
+        self.n, self.dim, self.dtype = n, dim, dtype
+        self._array = out
+
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = np.empty((self.n, self.dim), dtype=self.dtype)
+        return self._array
+
+    def get(self) -> np.ndarray:
+        return self.array()
+
+    def take_whole(self, msg: Message) -> None:
+        rows = self._checked(msg, self.n)
+        if self._array is None and rows.flags.writeable:
+            self._array = rows
+        else:
+            self.array()[...] = rows
+
+    def place(self, pos: np.ndarray, msg: Message) -> None:
+        kernels.place_rows(self.array(), pos, self._checked(msg, pos.shape[0]))
+
+    def _checked(self, msg: Message, n: int) -> np.ndarray:
+        rows = msg.arrays[0] if msg.op == Op.VALUES and msg.arrays else None
+        if rows is None or rows.shape != (n, self.dim) or rows.dtype != self.dtype:
+            got = None if rows is None else (rows.shape, rows.dtype)
+            raise ProtocolError(f"expected {n} row(s) of {self.dim} {self.dtype} in reply, got {msg.op.name} {got}")
+        return rows
+

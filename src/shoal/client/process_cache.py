@@ -1,0 +1,185 @@
+"""A worker's process cache of a static table's remote rows, holding this worker's own pushes.
+
+Bounded models (BSP, SSP, ESSP) serve a read from the cache when its row is
+current enough. A worker's own pushes change its cached rows at once (an
+additive rule adds the change, another drops the row), so a read holds them, as
+SSP's read-my-writes promises. Rows a server sends are kept only when more
+recent than the cached ones, and the worker's pushes they do not include yet
+(not acknowledged by that server when it read them, or written into this node's
+shared memory after it did) are added back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shoal.api.config import TableSpec
+from shoal.api.errors import ProtocolError
+from shoal.client.calls import Positions
+from shoal.consistency.cache import RowCache
+from shoal.consistency.staleness import StalenessHistogram
+from shoal.storage.rules import rule_for
+from shoal.wire.message import Message
+
+if TYPE_CHECKING:
+    from shoal.client.worker import Worker
+
+_EAGER_WAIT_S = 5.0
+_EAGER_GAP = 32  # eager messages held behind a missing one before it is taken as lost
+
+#: a push of ours a server may not have applied yet: (server, seq in our stream to it, keys, values);
+#: server -1 for one not sent anywhere now (refused by a moved slice, to go again)
+PendingWrite = tuple[int, int, np.ndarray, np.ndarray]
+
+
+class ProcessCache:
+    """The cached rows of one static table under a bounded model."""
+
+    def __init__(self, spec: TableSpec, num_shards: int, worker: Worker, counters: Counter[str],
+                 staleness: StalenessHistogram, pending: Callable[[], Iterable[PendingWrite]]) -> None:
+        self.spec = spec
+        self.num_shards = num_shards
+        self.worker = worker
+        self.counters = counters
+        self.staleness = staleness
+        self.bound = spec.consistency.bound
+        assert self.bound is not None
+        self.dtype = np.dtype(spec.dtype)
+        #: this worker's pushes not acknowledged yet: added to rows a server sent before it had them
+        self._pending = pending
+        #: what a push adds to a row, per unit of pushed value; None: the rule is not additive
+        self._scale = rule_for(spec.optimizer).scale
+        self.rows = RowCache(spec.num_keys, spec.dim, self.dtype, num_shards)
+        #: pushes written in this node's shared memory lately: (the seq our next request to this node's
+        #: server carried then, keys, values); rows that server sent before handling it lack them
+        self._local_writes: list[tuple[int, np.ndarray, np.ndarray]] = []
+        #: ESSP: per server stream, the next eager message expected and the bumps waiting for it
+        self._eager_next: dict[tuple[int, str], int] = {}
+        self._eager_pending: dict[tuple[int, str], dict[int, tuple[list[int], int]]] = {}
+
+    def forget(self) -> None:
+        """Drop every cached row (their values changed under us: a restore, a lost eager message)."""
+        self.rows = RowCache(self.spec.num_keys, self.spec.dim, self.dtype, self.num_shards)
+
+    # ------------------------------------------------------- own pushes
+
+    def own_change(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """A push changes this worker's cached copies of its rows at once."""
+        cached = self.rows.version[keys] >= 0
+        if cached.any():
+            self._change(keys[cached], values[cached])
+
+    def wrote_locally(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """A push went straight into this node's shared memory: rows its server sent before it next
+        hears from us may lack it."""
+        streams, here = self.worker.streams, self.worker.node
+        handled = streams.handled(here)
+        self._local_writes = [w for w in self._local_writes if w[0] > handled]
+        self._local_writes.append((streams.next_seq(here), keys, values))
+
+    def keep(self, node: int, msg: Message, keys: np.ndarray, rows: np.ndarray, pushed: bool = False) -> None:
+        """Cache rows server ``node`` sent (in reply, or ``pushed`` unasked), with this worker's pushes
+        they do not include yet added back."""
+        seen = msg.body.get("seen")
+        handled = self.worker.streams.handled(node)
+        if not isinstance(seen, int) or seen < handled:
+            if pushed:
+                self.rows.drop(keys)  # the bump that follows must not vouch for the rows held now
+            return  # read before a push of ours that is acknowledged since: it would miss that push
+        stored = self.rows.store(keys, rows, msg.clock, msg.epoch, seen, pushed)
+        if not stored.size:
+            return
+        if self._local_writes and node == self.worker.node:
+            self._local_writes = [w for w in self._local_writes if w[0] > handled]
+            for marker, written, values in self._local_writes:
+                if marker > seen:  # written in shared memory after the server read these rows
+                    self._reapply(stored, written, values)
+        for server, seq, written, values in self._pending():
+            if server != node or seq > seen:  # elsewhere, or after the server read these rows
+                self._reapply(stored, written, values)
+
+    def _reapply(self, stored: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
+        mask = np.isin(keys, stored)
+        if mask.any():
+            self._change(keys[mask], values[mask])
+
+    def _change(self, keys: np.ndarray, values: np.ndarray) -> None:
+        if self._scale is None:
+            self.rows.drop(keys)
+        else:
+            self.rows.add(keys, values, self._scale)
+
+    # ------------------------------------------------------------ reads
+
+    def serve(self, keys: np.ndarray, shard: np.ndarray, pos: Positions, total: int, out: np.ndarray) -> Positions:
+        """Fill ``out`` at ``pos`` (all ``total`` positions: None) from rows fresh enough for this
+        worker's clock; returns the positions still to pull."""
+        assert self.bound is not None
+        self.worker.tracker.pump(0)  # apply rows servers pushed eagerly since the last call
+        versions = self.rows.versions(keys, shard)
+        clock = self.worker.clock
+        required = max(clock - self.bound, 0)  # a row never fetched (version -1) is never fresh
+        fresh = versions >= required
+        if self.spec.consistency.eager and not fresh.all() and (versions >= 0).any():
+            versions = self._await_eager(keys, shard, required)
+            fresh = versions >= required
+        hits = int(np.count_nonzero(fresh))
+        if not hits:
+            return pos
+        where = np.arange(total) if pos is None else pos
+        out[where[fresh]] = self.rows.values[keys[fresh]]
+        self.staleness.record(clock - versions[fresh])
+        self.counters["rows_from_cache"] += hits
+        return where[~fresh]
+
+    def _await_eager(self, keys: np.ndarray, shard: np.ndarray, required: int) -> np.ndarray:
+        """ESSP: rows this worker caches come to it when the slowest clock advances, so
+        wait for that push instead of asking; rows never cached are pulled as usual."""
+        cached = self.rows.version[keys] >= 0
+        # A push that does not come (a server's reply queue was full, say) ends in a pull.
+        deadline = time.monotonic() + min(self.worker.cluster.timeouts.request_s, _EAGER_WAIT_S)
+        versions = self.rows.versions(keys, shard)
+        self.counters["reads_awaiting_push"] += 1
+        while (versions[cached] < required).any():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break  # the stale rows are pulled instead; the pull names the server if it is gone
+            self.worker.tracker.pump(min(remaining, 0.5))
+            versions = self.rows.versions(keys, shard)
+        return versions
+
+    def on_server_rows(self, msg: Message) -> None:
+        """Rows a server pushed unasked (ESSP): refresh the cache, and the clock of every cached row."""
+        keys, rows = msg.arrays
+        if rows.shape[1:] != (self.spec.dim,) or rows.dtype != self.dtype:
+            raise ProtocolError(f"server pushed rows of shape {rows.shape} {rows.dtype} for table "
+                                f"{self.spec.name!r}")
+        self.keep(msg.sender, msg, keys.astype(np.int64, copy=False), rows, pushed=True)
+        self.counters["eager_messages"] += 1
+        self.counters["eager_rows"] += keys.shape[0]
+        bump = ([int(s) for s in msg.body["shards"]], msg.clock)
+        seq = msg.body.get("seq")
+        if not isinstance(seq, int):
+            self.rows.bump(*bump)
+            return
+        # "Rows not resent did not change" holds only after every earlier message of the stream
+        # arrived: apply bumps in order, and forget the cache if one never comes (it was lost).
+        stream = (msg.sender, str(msg.body.get("series")))
+        expected = self._eager_next.get(stream, 1)
+        pending = self._eager_pending.setdefault(stream, {})
+        if seq >= expected:
+            pending[seq] = bump
+        while expected in pending:
+            self.rows.bump(*pending.pop(expected))
+            expected += 1
+        if len(pending) > _EAGER_GAP:
+            self.counters["eager_gaps"] += 1
+            self.forget()
+            expected = max(pending) + 1
+            pending.clear()
+        self._eager_next[stream] = expected
