@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -163,11 +165,39 @@ def test_skip_policy_drops_only_the_bad_rows(cluster):
 
 
 def test_a_table_created_twice_must_have_the_same_spec(cluster):
+    """The error names only the fields that differ (it printed both whole specs, ~450 characters each)."""
     a, b = cluster.worker(0), cluster.worker(1)
     a.table("same", 10, 2)
     assert b.table("same", 10, 2).dim == 2
-    with pytest.raises(shoal.TableError):
-        b.table("same", 10, 3)
+    a.table("differs", 10, 2)
+    with pytest.raises(shoal.TableError) as raised:
+        b.table("differs", 10, 3, optimizer=shoal.optim.SGD(lr=0.1))
+    message = str(raised.value)
+    assert "dim 2 there, 3 asked here" in message and "optimizer Sum() there, SGD(lr=0.1) asked here" in message
+    assert "num_keys" not in message and "mapping" not in message and len(message) < 400, message
+    with pytest.raises(shoal.TableError, match="created by this worker with a different spec: dim 2 before, 4 now$"):
+        a.table("same", 10, 4)
+
+
+def test_workers_that_create_different_tables_are_warned_of_it(caplog):
+    """A misspelt table name trains a model of its own on the workers that use it: once all workers
+    have met at a barrier, the rendezvous names the tables only some of them created."""
+    with ThreadCluster(nodes=2, workers_per_node=1) as c:
+        def body(w):
+            w.table("shared", 10, 2)
+            w.table("embeddings" if w.rank == 0 else "embedings", 10, 2)
+            with caplog.at_level(logging.WARNING, logger="shoal.cluster.rendezvous"):
+                w.barrier()
+                w.barrier()  # warned once, not at every barrier
+
+        c.run_workers(body)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "shoal.cluster.rendezvous"]
+    assert sorted(warnings) == [
+        "table 'embeddings' was created by worker(s) [0] only, not by [1] (they created 'embedings'): each "
+        "worker must create the same tables, or the workers that differ train separate models",
+        "table 'embedings' was created by worker(s) [1] only, not by [0] (they created 'embeddings'): each "
+        "worker must create the same tables, or the workers that differ train separate models",
+    ], warnings
 
 
 def test_workers_on_different_nodes_see_each_others_pushes():

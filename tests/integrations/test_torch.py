@@ -82,3 +82,46 @@ def test_mlp_on_digits_through_the_dense_synchroniser_under_ssp(tmp_path):
 def test_mf_with_shoal_embeddings_reaches_094(tmp_path):
     r = run([str(ROOT / "examples" / "mf" / "train_torch.py"), "--epochs", "20"], tmp_path)
     assert min(r["rmse"]) <= 0.94, r["rmse"]
+
+
+class _Scaled(torch.nn.Module):
+    """A model with a 0-d parameter next to a Shoal embedding (whose anchor is 0-d too)."""
+
+    def __init__(self, table: shoal.Table) -> None:
+        super().__init__()
+        self.embedding = Embedding(table)
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(keys) * self.scale)
+
+
+def test_dense_sync_keeps_0d_parameters_and_leaves_an_embeddings_rows_to_its_table():
+    with ThreadCluster(nodes=2, workers_per_node=1) as c:
+        def body(w):
+            torch.manual_seed(w.rank)
+            model = _Scaled(w.table("rows", 10, 3, init=shoal.Constant(1.0), optimizer=shoal.optim.SGD(lr=0.1)))
+            sync = DenseSync(w, model, prefix="scaled")
+            synced = sorted(name for name, _ in sync.params)
+            with torch.no_grad():
+                model.scale.add_(1.0)  # each worker adds 1 to the scalar
+            sync.step()
+            w.barrier()
+            sync.step()
+            model(torch.tensor([1, 2])).sum().backward()
+            model.embedding.step()
+            return synced, float(model.scale.detach())
+
+        (names, scale0), (_, scale1) = c.run_workers(body)
+        assert names == ["head.bias", "head.weight", "scale"]  # not embedding._anchor
+        assert scale0 == scale1 == 4.0  # rank 0's 2.0, plus 1 from each worker
+
+
+def test_an_embedding_refuses_float_keys_as_a_table_does():
+    with ThreadCluster(nodes=1) as c:
+        table = c.worker(0).table("emb", 10, 3)
+        with pytest.raises(shoal.DTypeError, match="must be integers"):
+            table.pull(np.array([1.0, 2.0]))
+        with pytest.raises(shoal.DTypeError, match="must be integers, got dtype torch.float32"):
+            Embedding(table)(torch.tensor([1.0, 2.0]))

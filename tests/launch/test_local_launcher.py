@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,6 +68,31 @@ def test_a_job_runs_prefixes_output_and_exits_zero(tmp_path):
     infos = wait_for_infos(tmp_path, 2)
     assert_all_gone(job_pids(infos))
     assert not shoal_segment_holders(infos[0]["cluster_id"])
+
+
+def test_lines_of_chatty_workers_stay_whole(tmp_path):
+    """Four workers write lines in pieces at once: every line arrives whole under its own prefix
+    (pieces of different workers were glued together), progress bars stay whole redraws, and a
+    normal teardown prints no warning."""
+    lines = 300
+    done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node", "2",
+                           "--connect-timeout", "30", "--", sys.executable,
+                           str(Path(__file__).resolve().parents[1] / "scripts" / "chatty_worker.py"), str(lines)],
+                          capture_output=True, timeout=120)
+    out = done.stdout.decode()
+    assert done.returncode == 0, out + done.stderr.decode()
+    seen: dict[int, list[int]] = {r: [] for r in range(4)}
+    for raw in out.replace("\r", "\n").splitlines():
+        if not raw:
+            continue
+        match = re.fullmatch(r"\[w(\d)\] rank (\d) (?:line (\d+) (x*) end|progress (\d+)%)", raw)
+        assert match, f"a line not whole: {raw!r}"
+        assert match[1] == match[2], raw
+        if match[3] is not None:
+            assert len(match[4]) == int(match[3]) % 40, raw
+            seen[int(match[1])].append(int(match[3]))
+    assert all(numbers == list(range(lines)) for numbers in seen.values()), {r: len(n) for r, n in seen.items()}
+    assert "WARNING" not in out + done.stderr.decode()
 
 
 def test_a_job_over_unix_sockets_counts_every_push(tmp_path):

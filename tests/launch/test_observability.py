@@ -5,6 +5,8 @@ servers' live figures."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -86,9 +88,11 @@ def test_a_signed_jobs_metrics_need_the_token_derived_from_its_secret(tmp_path):
 
 
 def test_a_running_job_serves_metrics_and_shoal_status_shows_it(tmp_path):
+    private = {**os.environ, "TMPDIR": str(tmp_path)}  # its own run files: other jobs on the machine are not seen
+    private.pop("SHOAL_RENDEZVOUS", None)
     job = subprocess.Popen([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node", "1",
                             "--classic", "--", sys.executable, str(SCRIPT), str(tmp_path)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=private)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists():
@@ -96,7 +100,7 @@ def test_a_running_job_serves_metrics_and_shoal_status_shows_it(tmp_path):
             time.sleep(0.1)
         time.sleep(1.0)
         status = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "status", "--watch", "0.5", "--count", "2"],
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, timeout=60, env=private)
         assert status.returncode == 0, status.stderr
         table = status.stdout.split("\n\n")[-1]  # the second table has rates
         lines = table.splitlines()
@@ -131,9 +135,46 @@ def test_a_running_job_serves_metrics_and_shoal_status_shows_it(tmp_path):
 def test_status_without_a_job_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "status"], capture_output=True, text=True,
-                          timeout=30, env={k: v for k, v in __import__("os").environ.items()
-                                           if k != "SHOAL_RENDEZVOUS"})
+                          timeout=30, env={k: v for k, v in os.environ.items() if k != "SHOAL_RENDEZVOUS"})
     assert done.returncode == 1 and "no running job found" in done.stderr
+
+
+def test_status_names_the_job_when_several_run(tmp_path):
+    """`shoal run` prints its cluster id; with two jobs running, `shoal status` lists both instead of
+    showing whichever started last, and shows the one named by its id (or a unique start of it)."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("SHOAL_RENDEZVOUS", None)
+    jobs, ids = [], []
+    try:
+        for n in range(2):
+            (tmp_path / f"info{n}").mkdir()
+            jobs.append(subprocess.Popen(
+                [sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "1", "--", sys.executable,
+                 str(ROOT / "tests" / "scripts" / "probe_worker.py"), str(tmp_path / f"info{n}"), "hang"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
+            first = jobs[-1].stderr.readline()
+            match = re.match(r"shoal: job ([0-9a-f]+): 1 node\(s\) x 1 worker\(s\) running .*probe_worker.py .*; "
+                             r"rendezvous tcp://127.0.0.1:\d+; watch it with: shoal status \1$", first)
+            assert match, first
+            ids.append(match[1])
+
+        def status(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "shoal.launch.cli", "status", *args], capture_output=True,
+                                  text=True, timeout=60, env=env)
+
+        both = status()
+        assert both.returncode == 1 and "2 jobs are running; name one" in both.stderr, both.stderr
+        assert all(i in both.stderr for i in ids) and "probe_worker.py" in both.stderr, both.stderr
+        for cluster_id in ids:
+            named = status(cluster_id[:6])
+            assert named.returncode == 0, named.stderr
+            assert named.stdout.startswith(f"cluster {cluster_id} "), named.stdout
+        unknown = status("zz")
+        assert unknown.returncode == 1 and "no running job has a cluster id starting with 'zz'" in unknown.stderr
+    finally:
+        for job in jobs:
+            job.terminate()
+            job.communicate(timeout=60)
 
 
 def test_a_finished_run_writes_a_report_with_plots(tmp_path):
@@ -146,7 +187,8 @@ def test_a_finished_run_writes_a_report_with_plots(tmp_path):
     summary = json.loads((report / "summary.json").read_text())
     assert summary["workers"] == 2 and set(summary["clocks"]) == {"0", "1"}
     assert 0.8 < summary["last_logged"]["test_rmse (rank 0)"] < 1.2
-    assert summary["samples"] >= 2 and set(summary["server_bytes"]) == {"0", "1"}
+    assert summary["job_seconds"] > 0 and summary["job_seconds"] == round(summary["job_seconds"], 1)
+    assert "samples" not in summary and set(summary["server_bytes"]) == {"0", "1"}
     assert set(summary["staleness_mean"]) == {"mf.users", "mf.items"}
     page = (report / "report.html").read_text()
     for image in ("metrics.png", "throughput.png", "staleness.png"):

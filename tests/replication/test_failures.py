@@ -198,6 +198,26 @@ def test_continue_fails_calls_that_need_a_dead_servers_rows_at_once_and_goes_on_
         assert worker["push_node0"]["ok"] and worker["rep_push"]["ok"] and worker["rep_pull"]["ok"], worker
 
 
+def test_a_stopped_server_is_waited_for_not_declared_dead(tmp_path):
+    """Silence is not death: server 1 stopped (SIGSTOP) for longer than the rendezvous takes to stop
+    calling it alive (2 s) is waited for, under the default policy; the calls made meanwhile complete
+    once it resumes, each push counted once (they failed with 'server 1 died')."""
+    proc = launch([POLICY, str(tmp_path), "fail"], "fail", nodes=2)
+    pid = wait_for(tmp_path / "servers.json")["pids"][1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        (tmp_path / "go").touch()
+        time.sleep(3.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    finish(proc)
+    far, near = (wait_for(tmp_path / f"result{r}.json") for r in range(2))
+    for worker in (far, near):
+        assert all(worker[call]["ok"] for call in ("pull_node1", "push_node1", "push_node0")), worker
+    assert far["pull_node1"]["seconds"] > 1.0, far  # it did wait for the stopped server
+    assert far["final_node1"]["value"] == [4.0] * 3, far  # 2 workers x (one push before, one during)
+
+
 def test_restart_brings_the_server_back_its_plain_rows_refused_as_lost_and_replicas_in_use(tmp_path):
     """The restarted server is used (workers follow its new address): its replica takes pushes. A plain
     table's rows there went with its previous process: calls for them fail naming that, instead of

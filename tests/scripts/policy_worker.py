@@ -8,7 +8,8 @@ INFO_DIR/servers.json (server pids) and every worker waits for INFO_DIR/go (the 
 1 and writes it); under ``restart`` each waits until server 1 has registered again. Each then records
 in INFO_DIR/result<rank>.json, for each call, "ok" or the error's class and message and how long
 it took: a pull of node 1's keys of "plain", a push to them, a push to node 0's keys, and a push
-and pull of "rep"; rank 0 also records the push counts of node 1's replica (restart: it is used).
+and pull of "rep"; rank 0 also records the push counts of node 1's replica (restart: it is used)
+and, once every worker has made its calls, a pull of node 1's keys of "plain".
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main() -> None:
     if ps.rank == 0:
         stats = {s["node"]: s.get("stats", {}) for s in ps.server_stats() if not s.get("unreachable")}
         result["node1_replicated_pushes"] = stats.get(1, {}).get("replicated_pushes", 0)
+        result["final_node1"] = attempt(lambda: plain.pull(ON_NODE_1))
     with open(os.path.join(info, f"result{ps.rank}.json"), "w") as fh:
         json.dump(result, fh)
     ps.shutdown()

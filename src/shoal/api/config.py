@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from shoal.api.consistency import ASP, Consistency, consistency_from_dict, consistency_to_dict, is_consistency
@@ -154,6 +154,12 @@ class TableSpec:
         if self.write_quorum > 1 and not isinstance(self.optimizer, (Sum, SGD)):
             # With W > 1 a push's origin is the worker: every replica must compute the same delta.
             raise ConfigError("write_quorum > 1 needs an additive update rule (Sum or SGD)")
+
+    def differences(self, other: TableSpec, mine: str = "here", theirs: str = "asked") -> str:
+        """The fields in which ``other`` differs, e.g. ``dim 16 here, 8 asked``: what a mismatch
+        error names instead of two whole specs."""
+        return "; ".join(f"{f.name} {getattr(self, f.name)!r} {mine}, {getattr(other, f.name)!r} {theirs}"
+                         for f in fields(self) if getattr(self, f.name) != getattr(other, f.name))
 
     def to_dict(self) -> dict[str, Any]:
         return {

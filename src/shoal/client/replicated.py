@@ -64,11 +64,16 @@ class _Shard:
 
 
 class ReplicaView:
-    """Which servers a worker believes alive: the rendezvous' heartbeats, and its own timeouts."""
+    """Which servers a worker believes alive: the rendezvous' heartbeats, and its own timeouts.
+
+    ``exited`` are those whose process is known to have ended (its launcher saw it): a server that
+    merely went silent (stopped, or starved of CPU) is routed around but may still answer.
+    """
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         self.alive = [True] * worker.num_nodes
+        self.exited: set[int] = set()
         self.down_until: dict[int, float] = {}
         self.checked_at = -1e9
 
@@ -82,6 +87,7 @@ class ReplicaView:
         except ShoalError:
             return  # the rendezvous is slow or gone: keep what we know
         self.alive = [bool(a) for a in status.get("alive", self.alive)]
+        self.exited = {int(n) for n in status.get("exited", ())}
         for n, address in enumerate(status.get("servers", [])):
             if address and self.worker.servers[n] != address:  # a restarted server
                 self.worker.follow_restarted(n, address)

@@ -184,9 +184,10 @@ class StaticAccess:
                     self._refused(call, call.positions(chunk), op)
 
     def _check_alive(self, nodes: list[int], layout: TableLayout, shard: np.ndarray) -> None:
-        """A call that needs a dead server's rows fails at once, before any part of it is sent."""
-        alive = self.worker.replica_view.alive
-        dead = [n for n in nodes if n < len(alive) and not alive[n]]
+        """A call that needs a dead server's rows fails at once, before any part of it is sent. Only a
+        server whose process has ended counts: one that is merely silent may answer yet, and a call
+        waiting for it fails after the request timeout, naming it."""
+        dead = sorted(set(nodes) & self.worker.replica_view.exited)
         if dead:
             lost = sorted({int(s) for s in np.unique(shard) if int(layout.owners[s]) in dead})
             raise ClusterError(f"server(s) {dead} died: slices {lost} of {self.spec.name!r} that this call needs "
@@ -201,7 +202,7 @@ class StaticAccess:
             return
         view.refresh()  # at most once a second
         for req, part in list(call.parts.items()):
-            if part.node < len(view.alive) and not view.alive[part.node]:
+            if part.node in view.exited:
                 self.worker.tracker.forget(req)
                 call.error = call.error or ClusterError(
                     f"server {part.node} died while a {part.op.name} of {self.spec.name!r} waited for it: the "

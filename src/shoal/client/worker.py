@@ -162,7 +162,8 @@ class Worker:
         existing = self.tables.get(spec.name)
         if existing is not None:
             if existing.spec != spec:
-                raise TableError(f"table {spec.name!r} was already created here with a different spec")
+                raise TableError(f"table {spec.name!r} was already created by this worker with a different spec: "
+                                 f"{existing.spec.differences(spec, 'before', 'now')}")
             return existing
         timeout = self.cluster.timeouts.request_s
         self.tracker.gather(self.live_servers(),
@@ -352,8 +353,10 @@ class Worker:
                                self.cluster.timeouts.connect_s)
         stores: dict[int, ShardStore] = {}
         try:
-            if TableSpec.from_dict(reply["spec"]) != spec:
-                raise ShoalError(f"local server holds table {spec.name!r} with a different spec")
+            held = TableSpec.from_dict(reply["spec"])
+            if held != spec:
+                raise TableError(f"the local server holds table {spec.name!r} with a different spec: "
+                                 f"{held.differences(spec, 'there', 'asked here')}")
             for info, fd in zip(reply["shards"], fds, strict=True):
                 stores[int(info["shard"])] = ShardStore.attach(spec, int(info["shard"]), int(info["num_rows"]),
                                                                fd, str(info["label"]))

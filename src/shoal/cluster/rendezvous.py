@@ -77,6 +77,9 @@ class Rendezvous:
         self.worker_incarnations: dict[int, int] = {}
         #: table specs as created by workers, so a restarted server can recreate its tables
         self.tables: dict[str, dict[str, Any]] = {}
+        #: which workers created each table, and the tables already warned of as created by only some
+        self._creators: dict[str, set[int]] = {}
+        self._warned_tables: set[str] = set()
         self._barriers: dict[int, list[tuple[bytes, Message]]] = {}
         #: layouts of static tables, slice moves, joins, drains and the rebalancer
         self.slices = SliceAuthority(num_nodes, rebalance or RebalancePolicy(enabled=False), now)
@@ -178,6 +181,7 @@ class Rendezvous:
             "ready": self.ready,
             "finished": self.finished,
             "alive": self.alive(),
+            "exited": sorted(self.exited),
             "incarnations": [self.incarnations.get(n, 0) for n in range(self.num_nodes)],
             "tables": list(self.tables.values()),
             "barriers": {str(g): sorted(int(m.body["rank"]) for _, m in w) for g, w in self._barriers.items()},
@@ -234,6 +238,8 @@ class Rendezvous:
             if msg.table not in self.tables:
                 self.slices.add_table(TableSpec.from_dict(msg.body["spec"]))
             self.tables.setdefault(msg.table, msg.body["spec"])
+            if 0 <= msg.sender < self.num_workers:
+                self._creators.setdefault(msg.table, set()).add(msg.sender)
             if not msg.flags & Flag.NO_REPLY:  # the reply carries where the slices are now
                 body = self.slices.describe(msg.table) if msg.table in self.slices.layouts else {}
                 body["servers"] = self.status()["servers"]
@@ -260,6 +266,8 @@ class Rendezvous:
                 self.left.add(int(msg.body["rank"]))
                 for gen in list(self._barriers):
                     self._fail_if_unreachable(gen)
+                if len(self.left) >= self.num_workers:
+                    self._warn_of_unshared_tables()
         elif msg.op == Op.SHUTDOWN:
             self.shutdown_requested = True
             self._reply(peer, msg.reply(Op.OK))
@@ -336,6 +344,22 @@ class Rendezvous:
             notes = {str(m.body["rank"]): m.body["note"] for _, m in waiting if isinstance(m.body.get("note"), str)}
             for p, m in self._barriers.pop(gen):
                 self._reply(p, m.reply(Op.OK, {"notes": notes}))
+            self._warn_of_unshared_tables()
+
+    def _warn_of_unshared_tables(self) -> None:
+        """Every worker is meant to create the same tables. Once all have met (at a barrier, or at the
+        end), a table only some created is most likely a misspelt name, with which those workers train
+        a model of their own: say so, once per table."""
+        everyone = set(range(self.num_workers))
+        for name, creators in sorted(self._creators.items()):
+            if creators == everyone or name in self._warned_tables:
+                continue
+            self._warned_tables.add(name)
+            others = sorted(t for t, c in self._creators.items() if c != everyone and c & (everyone - creators))
+            log.warning("table %r was created by worker(s) %s only, not by %s%s: each worker must create the "
+                        "same tables, or the workers that differ train separate models", name, sorted(creators),
+                        sorted(everyone - creators),
+                        f" (they created {', '.join(map(repr, others))})" if others else "")
 
     def _fail_if_unreachable(self, gen: int) -> bool:
         """A barrier that a finished worker has not reached can never complete: fail every rank waiting

@@ -47,5 +47,13 @@ class StalenessHistogram:
         return {"counts": {str(int(s)): int(self.counts[s]) for s in nonzero}, "reads": self.total,
                 "mean": self.mean(), "std": self.std(), "max": self.max()}
 
+    def __repr__(self) -> str:
+        if not self.total:
+            return "StalenessHistogram(no reads)"
+        shares = ", ".join(f"{int(s)}: {self.counts[s] / self.total:.1%}" for s in np.flatnonzero(self.counts)[:8])
+        more = ", ..." if np.count_nonzero(self.counts) > 8 else ""
+        return (f"StalenessHistogram({self.total} reads, mean {self.mean():.2f} clocks, max {self.max()}; "
+                f"share of reads by clocks behind: {{{shares}{more}}})")
+
     def merge(self, other: StalenessHistogram) -> None:
         self.counts += other.counts

@@ -7,21 +7,23 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
 from shoal.api.config import Limits, RebalancePolicy, Timeouts
-from shoal.api.errors import ShoalError
+from shoal.api.errors import ClusterError, ShoalError
 from shoal.cluster.metrics import metrics_token
 from shoal.launch.env import read_secret
 from shoal.launch.local import LaunchOptions, LocalCluster
-from shoal.launch.status import running_jobs, watch
+from shoal.launch.status import find_job, watch
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Shoal parameter server")
+    parser.add_argument("--version", action="version", version=f"shoal {importlib.metadata.version('shoal')}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a training script on a local cluster",
                          description="Start a rendezvous, one server per node and the workers on this machine; "
@@ -33,12 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--secret-file", help="file holding a hex shared secret; every message is then signed")
     run.add_argument("--classic", action="store_true",
                      help="send every key through a server, also local ones (classic parameter server)")
-    run.add_argument("--max-message-bytes", type=int, default=Limits().max_message_bytes)
+    run.add_argument("--max-message-bytes", type=int, default=Limits().max_message_bytes,
+                     help="largest message in bytes any process of the job accepts; a bigger one is dropped unread "
+                          "(default %(default)s)")
     run.add_argument("--connect-timeout", type=float, default=Timeouts().connect_s,
                      help="seconds to wait for peers to appear (default %(default)s)")
     run.add_argument("--request-timeout", type=float, default=Timeouts().request_s,
                      help="seconds to wait for any reply (default %(default)s)")
-    run.add_argument("--barrier-timeout", type=float, default=Timeouts().barrier_s)
+    run.add_argument("--barrier-timeout", type=float, default=Timeouts().barrier_s,
+                     help="seconds a worker waits in ps.barrier() for the others (default %(default)s)")
     run.add_argument("--replica-timeout", type=float, default=Timeouts().replica_s,
                      help="seconds before a silent replica is routed around (default %(default)s)")
     run.add_argument("--resend-timeout", type=float, default=Timeouts().resend_s,
@@ -57,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     status = sub.add_parser("status", help="print a table of a running cluster",
                             description="Ask the rendezvous and every server of a running cluster how they are. "
-                                        "Without --rendezvous: the newest job `shoal run` started on this machine.")
+                                        "Names a job `shoal run` started on this machine by its cluster id (which "
+                                        "`shoal run` prints when it starts); without one, the only job running, "
+                                        "or a list of the running jobs when there are several.")
+    status.add_argument("cluster_id", nargs="?", help="the job's cluster id, or a unique start of it")
     status.add_argument("--rendezvous", help="the rendezvous address, e.g. tcp://10.0.0.1:29400")
     status.add_argument("--secret-file", help="the cluster's secret, if its messages are signed")
     status.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS (with rates)")
@@ -81,14 +89,15 @@ def _metrics_token(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    rendezvous = args.rendezvous or os.environ.get("SHOAL_RENDEZVOUS")
+    rendezvous = args.rendezvous or (None if args.cluster_id else os.environ.get("SHOAL_RENDEZVOUS"))
     signed = False
     if not rendezvous:
-        jobs = running_jobs()
-        if not jobs:
-            print("shoal status: no running job found (give --rendezvous ADDRESS)", file=sys.stderr)
+        try:
+            job = find_job(args.cluster_id)
+        except ClusterError as exc:
+            print(f"shoal status: {exc}", file=sys.stderr)
             return 1
-        rendezvous, signed = jobs[0]["rendezvous"], bool(jobs[0].get("signed"))
+        rendezvous, signed = job["rendezvous"], bool(job.get("signed"))
     secret = read_secret({"SHOAL_SECRET_FILE": args.secret_file} if args.secret_file else dict(os.environ))
     if signed and secret is None:
         print("shoal status: this job signs its messages; give --secret-file", file=sys.stderr)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
+import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -85,30 +88,51 @@ class Child:
     restarts: int = 0
 
 
-class _PrefixWriter:
-    """Copies a child's output to ours, each line prefixed; keeps ``\\r`` progress bars whole."""
+# A line end: ``\n``, or a ``\r`` that redraws a progress bar (not the ``\r`` of ``\r\n``).
+_LINE_END = re.compile(rb"(?<=\n)|(?<=\r)(?!\n)")
+#: a partial line (a prompt, a progress bar drawn without an end) waits at most this long
+PARTIAL_LINE_S = 0.5
+
+
+class LineWriter:
+    """Copies a child's output to ours a whole line at a time, each prefixed.
+
+    Children write concurrently; a line is written only once its end has arrived,
+    so lines of different children never interleave. Progress bars redrawn with
+    ``\r`` stay whole: each redraw is a line. A partial line is written once it
+    has waited ``PARTIAL_LINE_S`` (``flush_partial``), so nothing is held back long.
+    """
 
     lock = threading.Lock()
 
     def __init__(self, prefix: str, sink: IO[bytes]) -> None:
         self.prefix = prefix.encode()
         self.sink = sink
-        self.at_line_start = True
+        self.pending = bytearray()
+        self.mid_line = False  # the last write ended inside a line: its rest needs no prefix
 
     def feed(self, data: bytes) -> None:
+        self.pending += data
+        # A \r as the last byte may be the start of \r\n: it ends a line once the next byte is seen.
+        end = max(self.pending.rfind(b"\n"), self.pending.rfind(b"\r", 0, len(self.pending) - 1))
+        if end >= 0:
+            self._write(bytes(self.pending[: end + 1]))
+            del self.pending[: end + 1]
+
+    def flush_partial(self) -> None:
+        if self.pending:
+            self._write(bytes(self.pending))
+            self.pending.clear()
+
+    def _write(self, text: bytes) -> None:
         out = bytearray()
-        start = 0
-        for i, byte in enumerate(data):
-            if byte in (10, 13):  # \n, \r
-                if self.at_line_start and i > start:
-                    out += self.prefix
-                out += data[start : i + 1]
-                start = i + 1
-                self.at_line_start = True
-            elif self.at_line_start and i == start:
+        for line in _LINE_END.split(text):
+            if not line:
+                continue
+            if not self.mid_line and line not in (b"\n", b"\r", b"\r\n"):  # an empty line stays empty
                 out += self.prefix
-                self.at_line_start = False
-        out += data[start:]
+            out += line
+            self.mid_line = line[-1] not in b"\r\n"
         with self.lock:
             self.sink.write(bytes(out))
             self.sink.flush()
@@ -155,7 +179,12 @@ class LocalCluster:
                 self._spawn(f"w{rank}", list(opts.command),
                             child_env(cluster, node, rank, opts.local_access, None, os.getpid()), is_worker=True)
             rendezvous.start()
-            run_file = record_run(self.cluster_id, rendezvous.address, opts.secret is not None)
+            command = shlex.join(opts.command)
+            run_file = record_run(self.cluster_id, rendezvous.address, opts.secret is not None,
+                                  f"{opts.nodes} x {opts.workers_per_node}", command)
+            print(f"shoal: job {self.cluster_id}: {opts.nodes} node(s) x {opts.workers_per_node} worker(s) running "
+                  f"{command}; rendezvous {rendezvous.address}; watch it with: shoal status {self.cluster_id}",
+                  file=sys.stderr, flush=True)
             if opts.report:
                 sampler = LoadSampler(rendezvous.address, opts.secret, Path(opts.report))
             for child in self.children:
@@ -201,16 +230,24 @@ class LocalCluster:
 
     def _pump(self, child: Child) -> None:
         assert child.proc.stdout is not None
-        writer = _PrefixWriter(f"[{child.name}] ", sys.stdout.buffer)
+        writer = LineWriter(f"[{child.name}] ", sys.stdout.buffer)
         fd = child.proc.stdout.fileno()
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            writer.feed(data)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        try:
+            while True:
+                if writer.pending and not poller.poll(PARTIAL_LINE_S * 1000):
+                    writer.flush_partial()
+                    continue
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not data:
+                    break
+                writer.feed(data)
+        finally:
+            writer.flush_partial()
 
     def _watch(self, rendezvous: Rendezvous) -> int:
         workers = [c for c in self.children if c.is_worker]

@@ -35,12 +35,14 @@ class LoadSampler:
     def __init__(self, rendezvous: str, secret: bytes | None, run_dir: Path) -> None:
         self.rendezvous, self.secret, self.run_dir = rendezvous, secret, run_dir
         self.samples: list[dict[str, Any]] = []
+        self.started = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shoal-report-sampler", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         client = StatusClient(self.rendezvous, self.secret, timeout=2.0)
+        self.started = time.time()  # workers log wall-clock times: plots count both from here
         start = time.monotonic()
         try:
             while not self._stop.wait(SAMPLE_S):
@@ -56,7 +58,8 @@ class LoadSampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        (self.run_dir / "servers.json").write_text(json.dumps({"interval_s": SAMPLE_S, "samples": self.samples}))
+        (self.run_dir / "servers.json").write_text(json.dumps({"interval_s": SAMPLE_S, "started": self.started,
+                                                               "samples": self.samples}))
 
 
 def _sample(info: dict[str, Any]) -> dict[str, Any]:
@@ -65,20 +68,24 @@ def _sample(info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Workers' records and the servers' samples, every time in seconds since the job started (or,
+    without the servers' samples, since the first value any worker logged)."""
     workers = []
     for path in sorted(run_dir.glob("worker-*.json")):
         try:
             workers.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    starts = [e["t"] for w in workers for e in w.get("log", [])]
-    for w in workers:  # seconds since the first logged value of any worker
-        for e in w.get("log", []):
-            e["t"] -= min(starts)
     try:
-        samples = json.loads((run_dir / "servers.json").read_text())["samples"]
+        servers = json.loads((run_dir / "servers.json").read_text())
+        samples, started = servers["samples"], servers.get("started")
     except (OSError, ValueError, KeyError):
-        samples = []
+        samples, started = [], None
+    logged = [e["t"] for w in workers for e in w.get("log", [])]
+    origin = started if started is not None else min(logged, default=0.0)
+    for w in workers:
+        for e in w.get("log", []):
+            e["t"] -= origin
     return workers, samples
 
 
@@ -126,62 +133,79 @@ def _plots(run_dir: Path, workers: list[dict[str, Any]], samples: list[dict[str,
     if logged:
         fig, axes = plt.subplots(1, len(logged), figsize=(5 * len(logged), 3.5), squeeze=False)
         for ax, name in zip(axes[0], logged, strict=True):
-            for w in workers:
-                points = [(e["t"], e["values"][name]) for e in w.get("log", []) if name in e["values"]]
-                if points:
-                    ax.plot(*zip(*points, strict=True), marker="o", label=f"rank {w['rank']}")
-            ax.set(title=name, xlabel="seconds since the first value logged")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(run_dir / "metrics.png", dpi=90)
-        plt.close(fig)
-        made.append("metrics.png")
+            plot_logged(ax, workers, name)
+        made.append(_save(plt, fig, run_dir, "metrics.png"))
     if len(samples) > 1:
-        times, rates = _server_rates(samples)
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.5))
-        left.plot(times, sum(r["messages"] for r in rates.values()), marker=".", label="messages/s, all servers")
-        slowest = [min((min(s["clocks"]) for s in smp["servers"].values() if s["clocks"]), default=np.nan)
-                   for smp in samples]
-        left.plot(times, np.diff(np.array(slowest, float)) / np.diff([s["t"] for s in samples]),
-                  marker=".", label="slowest clock, iterations/s")
-        left.set(title="throughput", xlabel="seconds", yscale="log")
-        left.legend(fontsize=7)
-        for n, r in rates.items():
-            right.plot(times, r["bytes"] / 1e6, marker=".", label=f"server {n}")
-        right.set(title="per-server load (MB/s in + out)", xlabel="seconds")
-        right.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(run_dir / "throughput.png", dpi=90)
-        plt.close(fig)
-        made.append("throughput.png")
+        plot_throughput(left, right, samples)
+        made.append(_save(plt, fig, run_dir, "throughput.png"))
     staleness = _staleness(workers)
     if staleness:
         fig, ax = plt.subplots(figsize=(5.5, 3.5))
-        width = 0.8 / len(staleness)
-        for i, (table, hist) in enumerate(sorted(staleness.items())):
-            ax.bar(np.arange(hist.size) + i * width, hist / hist.sum(), width, label=table)
-        ax.set(title="read staleness", xlabel="clocks behind the reader", ylabel="share of reads")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(run_dir / "staleness.png", dpi=90)
-        plt.close(fig)
-        made.append("staleness.png")
+        plot_staleness(ax, staleness)
+        made.append(_save(plt, fig, run_dir, "staleness.png"))
     return made
+
+
+def _save(plt: Any, fig: Any, run_dir: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(run_dir / name, dpi=90)
+    plt.close(fig)
+    return name
+
+
+def plot_logged(ax: Any, workers: list[dict[str, Any]], name: str) -> None:
+    """One logged scalar of every worker against job seconds."""
+    for w in workers:
+        points = [(e["t"], e["values"][name]) for e in w.get("log", []) if name in e["values"]]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=f"rank {w['rank']}")
+    ax.set(title=name, xlabel="seconds since the job started")
+    ax.legend(fontsize=7)
+
+
+def plot_throughput(left: Any, right: Any, samples: list[dict[str, Any]]) -> None:
+    """Messages and iterations per second (left) and each server's bytes per second (right)."""
+    times, rates = _server_rates(samples)
+    left.plot(times, sum(r["messages"] for r in rates.values()), marker=".", label="messages/s, all servers")
+    slowest = [min((min(s["clocks"]) for s in smp["servers"].values() if s["clocks"]), default=np.nan)
+               for smp in samples]
+    left.plot(times, np.diff(np.array(slowest, float)) / np.diff([s["t"] for s in samples]),
+              marker=".", label="slowest clock, iterations/s")
+    left.set(title="throughput", xlabel="seconds since the job started", yscale="log")
+    left.legend(fontsize=7)
+    for n, r in rates.items():
+        right.plot(times, r["bytes"] / 1e6, marker=".", label=f"server {n}")
+    right.set(title="per-server load (MB/s in + out)", xlabel="seconds since the job started")
+    right.legend(fontsize=7)
+
+
+def plot_staleness(ax: Any, staleness: dict[str, np.ndarray]) -> None:
+    """Share of reads by clocks behind, one bar per table centred on each whole clock."""
+    from matplotlib.ticker import MaxNLocator
+
+    width = 0.8 / len(staleness)
+    for i, (table, hist) in enumerate(sorted(staleness.items())):
+        offset = (i - (len(staleness) - 1) / 2) * width
+        ax.bar(np.arange(hist.size) + offset, hist / hist.sum(), width, label=table)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # staleness is a whole number of clocks
+    ax.set(title="read staleness", xlabel="clocks behind the reader", ylabel="share of reads")
+    ax.legend(fontsize=7)
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
     """The figures the page shows, also written to ``summary.json``."""
     workers, samples = _load(run_dir)
-    summary: dict[str, Any] = {"workers": len(workers), "samples": len(samples)}
+    summary: dict[str, Any] = {"workers": len(workers)}
     if samples:
-        summary["seconds"] = samples[-1]["t"]
+        summary["job_seconds"] = round(samples[-1]["t"], 1)
         last: dict[str, Any] = {}
         for sample in samples:  # each server's latest figures (one may have stopped answering first)
             last.update(sample["servers"])
         moved = {n: s["stats"]["bytes_in"] + s["stats"]["bytes_out"] for n, s in last.items()}
         summary["server_bytes"] = moved
         if moved and np.mean(list(moved.values())) > 0:
-            summary["server_bytes_max_over_mean"] = float(max(moved.values()) / np.mean(list(moved.values())))
+            summary["server_bytes_max_over_mean"] = round(float(max(moved.values()) / np.mean(list(moved.values()))), 3)
         summary["server_messages"] = {n: s["stats"]["messages"] for n, s in last.items()}
     finals: dict[str, float] = {}
     for w in workers:
@@ -189,7 +213,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
             finals.update({f"{k} (rank {w['rank']})": float(v) for k, v in entry["values"].items()})
     summary["last_logged"] = finals
     staleness = _staleness(workers)
-    summary["staleness_mean"] = {t: float((h * np.arange(h.size)).sum() / h.sum()) for t, h in staleness.items()}
+    summary["staleness_mean"] = {t: round(float((h * np.arange(h.size)).sum() / h.sum()), 3)
+                                 for t, h in staleness.items()}
     summary["clocks"] = {str(w["rank"]): w.get("clock") for w in workers}
     return summary
 

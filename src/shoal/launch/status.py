@@ -1,8 +1,9 @@
 """``shoal status``: a live table of a running cluster, from its rendezvous and its servers.
 
 ``shoal run`` leaves a small run file (rendezvous address, cluster id, launcher
-pid; never the secret) in a per-user directory while the job runs, so that
-``shoal status`` finds the newest running job by itself. For a cluster started
+pid, command; never the secret) in a per-user directory while the job runs, so
+that ``shoal status`` finds a running job by its cluster id, or by itself when
+only one runs; with several and none named it lists them. For a cluster started
 any other way, pass ``--rendezvous`` (and ``--secret-file`` if it signs).
 """
 
@@ -32,12 +33,13 @@ def runs_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"shoal-runs-{os.getuid()}"
 
 
-def record_run(cluster_id: str, rendezvous: str, signed: bool) -> Path:
+def record_run(cluster_id: str, rendezvous: str, signed: bool, shape: str = "", command: str = "") -> Path:
+    """Leave the run file of a job this process launched; ``shape`` is e.g. ``2 x 1``."""
     folder = runs_dir()
     folder.mkdir(mode=0o700, exist_ok=True)
     path = folder / f"{cluster_id}.json"
     path.write_text(json.dumps({"cluster_id": cluster_id, "rendezvous": rendezvous, "pid": os.getpid(),
-                                "signed": signed, "started": time.time()}))
+                                "signed": signed, "started": time.time(), "shape": shape, "command": command}))
     return path
 
 
@@ -64,6 +66,38 @@ def running_jobs() -> list[dict[str, Any]]:
         else:
             path.unlink(missing_ok=True)
     return sorted(jobs, key=lambda j: -float(j.get("started", 0)))
+
+
+def find_job(cluster_id: str | None) -> dict[str, Any]:
+    """The running job named by ``cluster_id`` (a unique prefix will do), or the only one running.
+
+    Raises ``ClusterError`` naming the running jobs when there are several and none was named:
+    the newest is not necessarily the one meant.
+    """
+    jobs = running_jobs()
+    if cluster_id is not None:
+        matches = [j for j in jobs if str(j["cluster_id"]).startswith(cluster_id)]
+        if len(matches) == 1:
+            return matches[0]
+        what = "no running job has" if not matches else f"{len(matches)} running jobs have"
+        raise ClusterError(f"{what} a cluster id starting with {cluster_id!r}\n{describe_jobs(jobs)}")
+    if not jobs:
+        raise ClusterError("no running job found (give a cluster id or --rendezvous ADDRESS)")
+    if len(jobs) > 1:
+        raise ClusterError(f"{len(jobs)} jobs are running; name one: shoal status CLUSTER_ID\n{describe_jobs(jobs)}")
+    return jobs[0]
+
+
+def describe_jobs(jobs: list[dict[str, Any]]) -> str:
+    """One line per job: id, age, shape, launcher pid, rendezvous, command."""
+    if not jobs:
+        return "(no running jobs)"
+    lines = [f"{'cluster id':<12}  {'running':>8}  {'nodes x workers':>15}  {'pid':>7}  {'rendezvous':<26}  command"]
+    for job in jobs:
+        age = time.time() - float(job.get("started", time.time()))
+        lines.append(f"{job['cluster_id']:<12}  {age:>7.0f}s  {job.get('shape') or '?':>15}  {job.get('pid', '?'):>7}  "
+                     f"{job['rendezvous']:<26}  {job.get('command') or ''}")
+    return "\n".join(lines)
 
 
 @dataclass

@@ -436,10 +436,8 @@ class ParameterServer:
                     or self.adaptive.tables.get(spec.name))
         if existing is not None:
             if existing.spec != spec:
-                raise TableError(
-                    f"table {spec.name!r} already exists with a different spec: "
-                    f"{existing.spec.to_dict()} != {spec.to_dict()}"
-                )
+                raise TableError(f"table {spec.name!r} already exists with a different spec: "
+                                 f"{existing.spec.differences(spec, 'there', 'asked here')}")
         else:
             size = table_bytes(spec)
             if size > self.cluster.limits.max_table_bytes:

@@ -74,8 +74,10 @@ class ZmqListener(Listener):
         try:
             self.socket.send_multipart([peer, *frames], copy=False)
             return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: peer gone; EAGAIN: peer stopped reading
-            log.warning("dropping reply to peer %r: %s", peer, exc)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the peer disconnected, as every peer does when a job ends; a peer that
+            # comes back sends its request again. EAGAIN: the peer stopped reading, worth a warning.
+            (log.debug if exc.errno == zmq.EHOSTUNREACH else log.warning)("dropping reply to peer %r: %s", peer, exc)
             return False
 
     def close(self) -> None:

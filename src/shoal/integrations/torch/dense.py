@@ -12,7 +12,7 @@ from shoal.api.consistency import ASP, Consistency
 from shoal.api.optim import Sum
 from shoal.client.dense import DenseTable
 from shoal.client.worker import Worker
-from shoal.integrations.torch.embedding import to_numpy
+from shoal.integrations.torch.embedding import Embedding, to_numpy
 
 
 class DenseSync:
@@ -22,14 +22,17 @@ class DenseSync:
     ``optimizer.step()``) pushes the change the optimiser made since the last
     sync, advances the clock, and pulls the parameters' current values; under
     SSP or BSP that pull waits as the bound requires. Rank 0's initial values
-    become everyone's.
+    become everyone's. Parameters of any shape are kept, 0-d scalars too; those
+    of Shoal's own modules (an ``Embedding``, whose rows live in their table
+    already) are left out.
     """
 
     def __init__(self, ps: Worker, model: nn.Module, prefix: str = "dense",
                  consistency: Consistency | None = None, slice_size: int = 4096, **options: Any) -> None:
         self.ps = ps
         self.model = model
-        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        own = {id(p) for m in model.modules() if isinstance(m, Embedding) for p in m.parameters()}
+        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad and id(p) not in own]
         self.tables: list[DenseTable] = [
             ps.dense(f"{prefix}.{name}", tuple(p.shape), optimizer=Sum(), consistency=consistency or ASP(),
                      slice_size=slice_size, **options)
@@ -46,7 +49,8 @@ class DenseSync:
     def _load(self) -> None:
         with torch.no_grad():
             for (_, p), values in zip(self.params, self._synced, strict=True):
-                p.copy_(torch.from_numpy(np.ascontiguousarray(values)))
+                # reshape: ascontiguousarray makes a 0-d array 1-d
+                p.copy_(torch.from_numpy(np.ascontiguousarray(values).reshape(p.shape)))
 
     def step(self, advance_clock: bool = True) -> None:
         """Push the local change since the last sync, (advance the clock,) pull current values."""

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shoal.api.errors import DTypeError
 from shoal.client.table import Table
 
 
@@ -70,6 +71,8 @@ class Embedding(nn.Module):
         return self.table.num_keys
 
     def forward(self, keys: torch.Tensor) -> torch.Tensor:
+        if keys.is_floating_point() or keys.is_complex() or keys.dtype == torch.bool:
+            raise DTypeError(f"keys of table {self.table.name!r} must be integers, got dtype {keys.dtype}")
         self._wait()
         flat = keys.reshape(-1)
         rows = _Rows.apply(self._anchor, flat, self)
