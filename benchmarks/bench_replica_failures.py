@@ -53,12 +53,12 @@ def counting_worker(out_dir: str, write_quorum: int) -> None:
     ps.barrier()
     if ps.rank == 0:
         time.sleep(1.0)  # a few gossip rounds between the survivors
-        view = table.replicated.view
+        view = table.access.view
         view.refresh(force=True)
         counts = {}
         for n in view.live([0, 1, 2]):
             try:
-                counts[n] = table.replicated.replica_values(n, keys)[0][:, 0].tolist()
+                counts[n] = table.access.replica_values(n, keys)[0][:, 0].tolist()
             except shoal.ShoalError:
                 pass
         Path(out_dir, "counts.json").write_text(json.dumps(counts))

@@ -61,7 +61,7 @@ def worker(out_dir: str) -> None:
     report: dict[str, Any] = {}
     for period in PERIODS_MS:
         table = ps.table(f"pbs{period}", 3, 1, replicas=3, read_quorum=1, gossip_ms=period)
-        access = table.replicated
+        access = table.access
         access.record = True
         key = np.array([0])  # shard 0: replicas on nodes 0, 1, 2
         one = np.ones((1, 1), np.float32)

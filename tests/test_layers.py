@@ -1,8 +1,9 @@
-"""Imports point down the layers of DESIGN.md §2; no pickle anywhere in the package."""
+"""Imports point down the layers of DESIGN.md §2, without circles inside a layer; no pickle anywhere."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "shoal"
@@ -43,6 +44,69 @@ def test_imports_point_down_the_layers():
     assert not violations, "\n".join(violations)
 
 
+def module_imports() -> dict[str, set[str]]:
+    """Each module of the package and the package modules it imports, those imported only for type
+    checking included: an import circle for annotations still ties the modules together."""
+    modules = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {t for t in (node.module, *(f"{node.module}.{a.name}" for a in node.names)) if t in modules}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        graph[name] = found - {name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    circles.append(sorted(group))
+    return circles
+
+
+def test_no_import_circles():
+    assert not import_circles(module_imports()), import_circles(module_imports())
+
+
+def test_an_import_circle_is_found():
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
 def test_no_pickle_in_the_package():
     for path in PACKAGE.rglob("*.py"):
         for name in ("pickle", "cloudpickle", "dill", "marshal"):
@@ -50,3 +114,22 @@ def test_no_pickle_in_the_package():
                         if isinstance(n, (ast.Import, ast.ImportFrom))
                         and name in ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module])]
             assert not imported, f"{path} imports {name}"
+
+
+def test_each_package_map_lists_its_modules():
+    """Every package's docstring maps its modules (``- ``name``: what it is``), all and only them."""
+    stale = []
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        listed = set(re.findall(r"^- ``(\w+)``:", ast.get_docstring(ast.parse(init.read_text())) or "", re.M))
+        present = {p.stem for p in init.parent.glob("*.py") if p.stem != "__init__"}
+        present |= {p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()}
+        if listed != present:
+            stale.append(f"{init.parent.name}: missing {sorted(present - listed)}, gone {sorted(listed - present)}")
+    assert not stale, "\n".join(stale)
+
+
+def test_the_readme_tree_shows_every_layer():
+    readme = (PACKAGE.parents[1] / "README.md").read_text()
+    tree = readme[readme.index("## How it works"):].split("```")[1]
+    shown = set(re.findall(r"^  (\w+)/", tree, re.M))
+    assert shown == set(LAYERS), (sorted(set(LAYERS) - shown), sorted(shown - set(LAYERS)))

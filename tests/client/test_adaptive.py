@@ -104,7 +104,7 @@ def test_adaptive_tables_check_their_settings():
         shoal.TableSpec("x", 10, 1, techniques="teleport")
     with ThreadCluster(nodes=1) as c:
         t = c.worker(0).table("s", 10, 1)
-        with pytest.raises(shoal.TableError, match="is static"):
+        with pytest.raises(shoal.TableError, match="is not adaptive"):
             t.localize([1])
         t.intent([1], 0, 1)  # static tables ignore intents
 

@@ -63,9 +63,9 @@ def test_dynamic_quorum_is_chosen_from_the_model():
         for _ in range(30):
             t.push(np.arange(30), np.ones((30, 1), np.float32))
             t.pull(np.arange(30))
-        t.replicated.shards[0].model_at = -1e9
+        t.access.shards[0].model_at = -1e9
         t.pull(np.arange(30))
-        shard = t.replicated.shards[0]
+        shard = t.access.shards[0]
         assert 1 <= shard.read_quorum <= 3 and shard.predicted
         assert any(k.startswith("quorum_choice_r") for k in t.counters)
 

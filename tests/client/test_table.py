@@ -10,6 +10,8 @@ import pytest
 import shoal
 from shoal.api.config import Limits, TableSpec
 from shoal.storage.initialize import fill_initial
+from shoal.transport.faulty import Faults, FaultyTransport
+from shoal.transport.zmq_transport import ZmqTransport
 from tests.support.cluster import ThreadCluster
 
 
@@ -225,3 +227,23 @@ def test_a_call_whose_keys_are_all_local_sends_no_message():
         np.testing.assert_array_equal(c.workers[0].tables["local"].pull(np.arange(50)), 10.0)
         t.pull(np.arange(100))
         assert c.servers[1].stats["op_pull"] == 1 and c.servers[0].stats.get("op_pull", 0) == 0
+
+
+@pytest.mark.parametrize("kind", [{}, {"replicas": 2}, {"techniques": "relocation"}],
+                         ids=["static", "replicated", "adaptive"])
+def test_a_future_is_done_only_once_its_requests_are_answered(kind):
+    """Every kind of table gives the same honest future: ``done()`` is False while a request is in
+    flight (replicated and adaptive futures said True at once)."""
+    slow = FaultyTransport(ZmqTransport(), Faults(delay_s=0.3))
+    with ThreadCluster(nodes=2, transport=slow) as c:
+        w = c.worker(0)
+        t = w.table("t", 100, 2, **kind)
+        far = np.arange(50, 60)  # node 1's half under the range mapping, and its home under relocation
+        pushed = t.push_async(far, np.ones((10, 2), np.float32))
+        assert not pushed.done()
+        pushed.wait()
+        assert pushed.done()
+        pulled = t.pull_async(far)
+        assert not pulled.done()
+        np.testing.assert_array_equal(pulled.wait(), np.ones((10, 2), np.float32))
+        assert pulled.done()

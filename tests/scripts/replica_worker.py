@@ -67,14 +67,14 @@ def main() -> None:
         json.dump({"acked": acked, "failed": failed, "counters": dict(table.counters)}, fh)
     ps.barrier()
     if ps.rank == 0:
-        view = table.replicated.view
+        view = table.access.view
         deadline = time.monotonic() + 20
         while True:
             view.refresh(force=True)
             reads = {}
             for n in view.live(list(range(replicas))):
                 try:
-                    reads[n] = table.replicated.replica_values(n, KEYS)
+                    reads[n] = table.access.replica_values(n, KEYS)
                 except shoal.ShoalError:
                     pass  # a replica that died (and is not yet known dead) does not answer
             live = sorted(reads)

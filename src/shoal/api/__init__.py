@@ -2,6 +2,8 @@
 
 - ``errors``: ``ShoalError`` and its subclasses
 - ``config``: ``TableSpec``, ``ClusterSpec``, ``Limits``, ``Timeouts``
+- ``consistency``: ``ASP``, ``BSP``, ``SSP``, ``ESSP``, ``LazyPull``
+- ``replication``: read quorums, fixed or ``Dynamic``
 - ``initializers``: ``Constant``, ``Uniform``, ``Normal``
 - ``optim``: ``Sum``, ``SGD``, ``Adagrad``, ``Adam``
 """

@@ -1,5 +1,22 @@
 """The worker side: the cluster handle and table handles.
 
-- ``worker``: ``Worker`` (join, create tables, clock, barrier, shutdown)
-- ``table``: ``Table`` (pull / push / push_pull, local rows in shared memory, remote rows batched per node)
+A call goes ``Table`` (checks the input) -> the table's ``TableAccess``, picked
+once by its kind -> local rows in shared memory, or requests to servers.
+
+- ``worker``: ``Worker`` (join, create tables, clock, barrier, checkpoints, shutdown)
+- ``table``: ``Table``, the front door of every kind of table
+- ``dense``: ``DenseTable``, a weight tensor kept as rows
+- ``context``: ``WorkerContext`` and ``TableView``, what the parts below see of a worker and a table
+- ``access``: ``TableAccess``, what differs between kinds of table
+- ``static``: ``StaticAccess``, slices at one server each until moved, this node's in shared memory
+- ``calls``: one call of a static table: its parts in flight, and those to send again after a move
+- ``fences``: confirming a slice move to the server that fenced it
+- ``process_cache``: remote rows of a static table, holding this worker's own pushes
+- ``streams``: this worker's requests to each server, numbered so they are handled in order
+- ``replicated``: ``ReplicatedAccess``, write and read quorums, failover, read-your-writes
+- ``replica_view``: which servers this worker believes alive
+- ``adaptive``: ``AdaptiveAccess``, rows that move and replicate, intents
+- ``sampling``: drawing keys from a distribution and getting their rows (NuPS schemes)
+- ``checkpoints``: collective checkpoint and restore
+- ``metrics``: what a worker exposes to Prometheus
 """

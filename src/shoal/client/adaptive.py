@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import numpy as np
 
 from shoal.api.errors import RequestTimeoutError
+from shoal.client.access import TableAccess
+from shoal.client.context import TableView
+from shoal.cluster.requests import Future
+from shoal.placement.layout import TableLayout
 from shoal.placement.ownership import LocationCache
 from shoal.storage import kernels
 from shoal.storage.rules import rule_for
@@ -24,15 +28,14 @@ from shoal.storage.shard import ShardStore
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
-if TYPE_CHECKING:
-    from shoal.client.table import Table
+T = TypeVar("T")
 
 
-class AdaptiveAccess:
+class AdaptiveAccess(TableAccess):
     """Pull, push, localize and intent for one adaptive table."""
 
-    def __init__(self, table: Table, store: ShardStore | None) -> None:
-        self.table = table
+    def __init__(self, table: TableView, layout: TableLayout, store: ShardStore | None) -> None:
+        super().__init__(table.name, layout)
         self.spec = table.spec
         self.worker = table.worker
         self.store = store  # None in classic mode: every row is asked for
@@ -49,19 +52,28 @@ class AdaptiveAccess:
 
     # ----------------------------------------------------------------- calls
 
-    def pull(self, keys: np.ndarray, out: np.ndarray) -> Callable[[], None]:
+    @property
+    def presence(self) -> np.ndarray | None:
+        return self.store.presence if self.store is not None else None
+
+    @property
+    def relocates(self) -> bool:
+        return True
+
+    def pull(self, keys: np.ndarray, out: np.ndarray | None) -> Future[np.ndarray]:
+        rows = np.empty((keys.shape[0], self.spec.dim), dtype=self.spec.dtype) if out is None else out
         if self.store is not None:
-            absent = self.store.read_present(keys, np.arange(keys.shape[0]), out)
+            absent = self.store.read_present(keys, np.arange(keys.shape[0]), rows)
             self.worker.check_local_server(f"a pull of {self.spec.name!r}")
             pos = np.flatnonzero(absent)
             self.counters["rows_local"] += keys.shape[0] - pos.shape[0]
         else:
             pos = np.arange(keys.shape[0])
         if not pos.size:
-            return _done
-        return self._remote(Op.PULL, keys, None, out, pos)
+            return Future.completed(lambda: rows)
+        return self._remote(Op.PULL, keys, None, rows, pos, lambda: rows)
 
-    def push(self, keys: np.ndarray, values: np.ndarray) -> Callable[[], None]:
+    def push(self, keys: np.ndarray, values: np.ndarray) -> Future[None]:
         if self.store is not None:
             absent = self.store.update_present(keys, values, self.scale)
             self.worker.check_local_server(f"a push to {self.spec.name!r}")
@@ -70,8 +82,8 @@ class AdaptiveAccess:
         else:
             pos = np.arange(keys.shape[0])
         if not pos.size:
-            return _done
-        return self._remote(Op.PUSH, keys, values, None, pos)
+            return Future.completed(lambda: None)
+        return self._remote(Op.PUSH, keys, values, None, pos, lambda: None)
 
     def localize(self, keys: np.ndarray) -> None:
         """Ask for ``keys`` to live on this worker's node (asynchronous)."""
@@ -80,6 +92,12 @@ class AdaptiveAccess:
     def intent(self, keys: np.ndarray, start: int, end: int) -> None:
         """Declare that ``keys`` will be used in clocks ``[start, end)``; sent at the next clock tick."""
         self._intents.append((keys, start, end))
+
+    def lose_local(self) -> None:
+        self.store = self.node_hints = None
+
+    def on_clock(self) -> None:
+        self.flush_intents()
 
     def flush_intents(self) -> None:
         if self.worker.num_nodes == 1:  # every key lives here already: nothing to act on
@@ -95,11 +113,13 @@ class AdaptiveAccess:
     # -------------------------------------------------------------- routing
 
     def _remote(self, op: Op, keys: np.ndarray, values: np.ndarray | None, out: np.ndarray | None,
-                pos: np.ndarray) -> Callable[[], None]:
+                pos: np.ndarray, result: Callable[[], T]) -> Future[T]:
+        """Send the keys at ``pos`` where the location cache says they are; waiting follows moved
+        keys (at most two hops to their home, which knows), then returns ``result()``."""
         pending = self._send(op, keys, values, pos, 0)
         deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
 
-        def finish() -> None:
+        def follow() -> None:
             nonlocal pending
             hops = 0
             while pending:
@@ -124,7 +144,11 @@ class AdaptiveAccess:
                     time.sleep(0.001 * 2 ** min(hops - 3, 6))
                 pending = self._send(op, keys, values, np.concatenate(again), hops)
 
-        return finish
+        def finish() -> T:
+            follow()
+            return result()
+
+        return Future.running(finish, lambda: self.worker.tracker.answered({req for _, req in pending}))
 
     def _send(self, op: Op, keys: np.ndarray, values: np.ndarray | None, pos: np.ndarray, hops: int
               ) -> list[tuple[np.ndarray, int]]:
@@ -164,6 +188,3 @@ class AdaptiveAccess:
     def _keep(self, msg: Message) -> None:
         self._replies[msg.req] = msg
 
-
-def _done() -> None:
-    return None

@@ -34,7 +34,7 @@ class StaticCall:
     """One pull, push or push_pull: its parts in flight, and the parts to send again after a move.
 
     A part refused because its slice moved goes where the slice is now: its push at once, in the
-    background (``StaticAccess.resend_moved``), its read when the caller waits (``step``: ``reread``),
+    background (``StaticAccess.after_receive``), its read when the caller waits (``step``: ``reread``),
     because a read may have to wait for its bound and the background must never wait. While it waits
     it also asks (``watch``) whether the servers it waits for are still alive.
     """

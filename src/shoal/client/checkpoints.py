@@ -28,18 +28,16 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from shoal.api.errors import CheckpointError, ShoalError
+from shoal.client.context import WorkerContext
 from shoal.cluster import membership
 from shoal.storage import checkpoint
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
-
-if TYPE_CHECKING:
-    from shoal.client.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +46,7 @@ _OK = "ok:"
 _FAILED = "failed:"
 
 
-def save(worker: Worker, root: str | os.PathLike[str], tables: Iterable[str] | None, keep: int) -> Path:
+def save(worker: WorkerContext, root: str | os.PathLike[str], tables: Iterable[str] | None, keep: int) -> Path:
     names = _covered_tables(worker, tables)
     worker.barrier()
     note = _OK
@@ -64,7 +62,7 @@ def save(worker: Worker, root: str | os.PathLike[str], tables: Iterable[str] | N
     return Path(outcome[len(_OK):])
 
 
-def restore(worker: Worker, root: str | os.PathLike[str]) -> int:
+def restore(worker: WorkerContext, root: str | os.PathLike[str]) -> int:
     path = checkpoint.latest(root)
     manifest = checkpoint.read_manifest(path)
     for name, entry in manifest["tables"].items():
@@ -87,7 +85,7 @@ def restore(worker: Worker, root: str | os.PathLike[str]) -> int:
     return clock
 
 
-def _covered_tables(worker: Worker, tables: Iterable[str] | None) -> list[str]:
+def _covered_tables(worker: WorkerContext, tables: Iterable[str] | None) -> list[str]:
     names = sorted(worker.tables) if tables is None else list(tables)
     for name in names:
         table = worker.tables.get(name)
@@ -96,7 +94,7 @@ def _covered_tables(worker: Worker, tables: Iterable[str] | None) -> list[str]:
     return names
 
 
-def _servers(worker: Worker, names: list[str]) -> list[int]:
+def _servers(worker: WorkerContext, names: list[str]) -> list[int]:
     """The servers that take part: those the rendezvous' heartbeats say are alive. A dead server
     only costs replicas of replicated tables; a table of any other kind lost its rows there."""
     try:
@@ -112,7 +110,7 @@ def _servers(worker: Worker, names: list[str]) -> list[int]:
     return live
 
 
-def _settle(worker: Worker, names: list[str], servers: list[int]) -> None:
+def _settle(worker: WorkerContext, names: list[str], servers: list[int]) -> None:
     """Until every server says its adaptive tables' rows are final (every replica change at its owner)
     and the replicas of every replicated shard hold the same updates."""
     settling = [name for name in names if worker.tables[name].spec.adaptive or worker.tables[name].spec.replicated]
@@ -141,7 +139,7 @@ def _frozen(version: list[list[int]]) -> tuple[tuple[int, int], ...]:
     return tuple((int(origin), int(seq)) for origin, seq in version)
 
 
-def _write(worker: Worker, root: Path, names: list[str], keep: int) -> Path:
+def _write(worker: WorkerContext, root: Path, names: list[str], keep: int) -> Path:
     for attempt in range(_ATTEMPTS):
         staging = checkpoint.new_staging(root, worker.clock)
         try:
@@ -166,7 +164,7 @@ def _write(worker: Worker, root: Path, names: list[str], keep: int) -> Path:
     raise AssertionError("unreachable")
 
 
-def _parts(worker: Worker, name: str, replies: list[dict[str, Any]], staging: Path) -> list[dict[str, Any]]:
+def _parts(worker: WorkerContext, name: str, replies: list[dict[str, Any]], staging: Path) -> list[dict[str, Any]]:
     """The parts of table ``name``; each slice (each key of an adaptive table) must have been written
     exactly once (none moved meanwhile)."""
     parts = [p for body in replies for p in body["parts"].get(name, [])]
@@ -196,7 +194,7 @@ def _parts(worker: Worker, name: str, replies: list[dict[str, Any]], staging: Pa
     return parts
 
 
-def _load(worker: Worker, path: Path, manifest: dict[str, Any]) -> None:
+def _load(worker: WorkerContext, path: Path, manifest: dict[str, Any]) -> None:
     """Every server checks every part it needs first; only when all have does any of them load a row.
     A server the heartbeats call dead fails it at once, by name (unless only replicated tables are
     restored: their live replicas take the rows)."""
@@ -214,7 +212,7 @@ def _load(worker: Worker, path: Path, manifest: dict[str, Any]) -> None:
                 raise CheckpointError(f"servers {done} {rows} rows of {name!r} in {str(path)!r}, expected {expected}")
 
 
-def _ask_servers(worker: Worker, op: Op, body: dict[str, Any], servers: list[int]) -> list[dict[str, Any]]:
+def _ask_servers(worker: WorkerContext, op: Op, body: dict[str, Any], servers: list[int]) -> list[dict[str, Any]]:
     replies = worker.tracker.gather(servers, lambda n: Message(op, body=body), op.name,
                                     worker.cluster.timeouts.request_s)
     return list(replies.values())

@@ -9,15 +9,13 @@ push of the whole tensor is one message per server.
 from __future__ import annotations
 
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from shoal.api.errors import ShapeError
+from shoal.client.context import TableView
 from shoal.cluster.requests import Future
-
-if TYPE_CHECKING:
-    from shoal.client.table import Table
 
 DEFAULT_SLICE = 4096  # values per row: 16 KB of float32, well above per-message overheads
 
@@ -29,7 +27,7 @@ def rows_for(shape: tuple[int, ...], width: int) -> int:
 class DenseTable:
     """A tensor of ``shape`` stored in ``table`` as rows of ``width`` values."""
 
-    def __init__(self, table: Table, shape: tuple[int, ...], width: int) -> None:
+    def __init__(self, table: TableView, shape: tuple[int, ...], width: int) -> None:
         self.table = table
         self.shape = shape
         self.size = prod(shape)
@@ -55,7 +53,7 @@ class DenseTable:
             out.reshape(-1)[...] = flat
             return out
 
-        return Future(None, set(), finish, 0.0)
+        return Future.running(finish, future.done)
 
     def push(self, values: Any) -> None:
         self.push_async(values).wait()

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from shoal.client.context import WorkerContext
 from shoal.cluster.metrics import Family, counters
 
-if TYPE_CHECKING:
-    from shoal.client.worker import Worker
 
-
-def worker_families(worker: Worker) -> list[Family]:
+def worker_families(worker: WorkerContext) -> list[Family]:
     tracker = worker.tracker
     families = [
         counters("shoal_worker_requests_total", "Requests and one-way messages sent, by op.", dict(tracker.sent),

@@ -14,20 +14,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shoal.api.config import TableSpec
 from shoal.api.errors import ProtocolError
 from shoal.client.calls import Positions
+from shoal.client.context import WorkerContext
 from shoal.consistency.cache import RowCache
 from shoal.consistency.staleness import StalenessHistogram
 from shoal.storage.rules import rule_for
 from shoal.wire.message import Message
-
-if TYPE_CHECKING:
-    from shoal.client.worker import Worker
 
 _EAGER_WAIT_S = 5.0
 _EAGER_GAP = 32  # eager messages held behind a missing one before it is taken as lost
@@ -40,7 +37,7 @@ PendingWrite = tuple[int, int, np.ndarray, np.ndarray]
 class ProcessCache:
     """The cached rows of one static table under a bounded model."""
 
-    def __init__(self, spec: TableSpec, num_shards: int, worker: Worker, counters: Counter[str],
+    def __init__(self, spec: TableSpec, num_shards: int, worker: WorkerContext, counters: Counter[str],
                  staleness: StalenessHistogram, pending: Callable[[], Iterable[PendingWrite]]) -> None:
         self.spec = spec
         self.num_shards = num_shards

@@ -18,14 +18,19 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import ClusterError, RequestTimeoutError, ShoalError, WriteQuorumError
+from shoal.api.errors import ClusterError, RequestTimeoutError, WriteQuorumError
 from shoal.api.replication import Dynamic
-from shoal.cluster import membership
+from shoal.client.access import TableAccess
+from shoal.client.calls import Rows
+from shoal.client.context import TableView
+from shoal.client.replica_view import ReplicaView
+from shoal.cluster.requests import Future
 from shoal.lattice.sum_lattice import merged_value
+from shoal.placement.layout import TableLayout
 from shoal.replication.delays import DelaySamples
 from shoal.replication.pbs import ShardModel, choose_read_quorum
 from shoal.storage import kernels
@@ -33,11 +38,6 @@ from shoal.storage.initialize import fill_initial
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
-if TYPE_CHECKING:
-    from shoal.client.table import Table
-
-_DOWN_FOR_S = 3.0  # how long a replica that failed to answer is left alone
-_STATUS_EVERY_S = 1.0
 _QUORUM_EVERY_S = 2.0
 
 
@@ -63,60 +63,15 @@ class _Shard:
     model_at: float = -1e9
 
 
-class ReplicaView:
-    """Which servers a worker believes alive: the rendezvous' heartbeats, and its own timeouts.
-
-    ``exited`` are those whose process is known to have ended (its launcher saw it): a server that
-    merely went silent (stopped, or starved of CPU) is routed around but may still answer.
-    """
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.alive = [True] * worker.num_nodes
-        self.exited: set[int] = set()
-        self.down_until: dict[int, float] = {}
-        self.checked_at = -1e9
-
-    def refresh(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.checked_at < _STATUS_EVERY_S:
-            return
-        self.checked_at = now
-        try:
-            status = membership.status(self.worker.tracker, self.worker.cluster.timeouts.replica_s)
-        except ShoalError:
-            return  # the rendezvous is slow or gone: keep what we know
-        self.alive = [bool(a) for a in status.get("alive", self.alive)]
-        self.exited = {int(n) for n in status.get("exited", ())}
-        for n, address in enumerate(status.get("servers", [])):
-            if address and self.worker.servers[n] != address:  # a restarted server
-                self.worker.follow_restarted(n, address)
-                self.down_until.pop(n, None)
-
-    def live(self, nodes: list[int]) -> list[int]:
-        now = time.monotonic()
-        return [n for n in nodes if self.alive[n] and self.down_until.get(n, 0.0) <= now]
-
-    def reachable(self, nodes: list[int]) -> list[int]:
-        """``live`` ones, else those the rendezvous' heartbeats call alive: a replica that was slow to
-        answer (an overloaded machine) is tried again before anything is given up for lost."""
-        return self.live(nodes) or [n for n in nodes if self.alive[n]]
-
-    def mark_down(self, node: int) -> None:
-        self.down_until[node] = time.monotonic() + _DOWN_FOR_S
-        self.worker.tracker.disconnect(node)
-        self.worker.tracker.connect(node, self.worker.servers[node])  # a fresh socket drops queued requests
-
-
-class ReplicatedAccess:
+class ReplicatedAccess(TableAccess):
     """Pull and push for one replicated table."""
 
-    def __init__(self, table: Table) -> None:
-        self.table = table
+    def __init__(self, table: TableView, layout: TableLayout) -> None:
+        super().__init__(table.name, layout)
         self.spec = table.spec
         self.worker = table.worker
         self.view: ReplicaView = self.worker.replica_view
-        self.shards = [_Shard(table.layout.replica_nodes(s)) for s in range(table.layout.num_shards)]
+        self.shards = [_Shard(layout.replica_nodes(s)) for s in range(layout.num_shards)]
         fixed = self.spec.read_quorum
         for shard in self.shards:
             shard.read_quorum = fixed if isinstance(fixed, int) else len(shard.nodes)
@@ -131,9 +86,9 @@ class ReplicatedAccess:
 
     # ---------------------------------------------------------------- pushes
 
-    def push(self, keys: np.ndarray, values: np.ndarray) -> Callable[[], None]:
-        """Send every shard's part to its write quorum at once; the returned call completes the push
-        (shards short of acknowledgements fail over to other replicas)."""
+    def push(self, keys: np.ndarray, values: np.ndarray) -> Future[None]:
+        """Send every shard's part to its write quorum at once; waiting completes the push (shards
+        short of acknowledgements fail over to other replicas)."""
         self.view.refresh()
         parts = [(shard_id, keys[pos], values[pos]) for shard_id, pos in self._by_shard(keys)]
         bodies = {shard_id: self._push_body(shard_id) for shard_id, _, _ in parts}
@@ -142,7 +97,7 @@ class ReplicatedAccess:
             for node in self._write_targets(self.shards[shard_id], set()):
                 batch.append(((shard_id, node), node, self._message(Op.PUSH, bodies[shard_id], [k, v])))
         sent = self._send_all(batch)
-        return lambda: self._finish_push(parts, bodies, self._gather(sent))
+        return Future.running(lambda: self._finish_push(parts, bodies, self._gather(sent)), self._answered(sent))
 
     def _finish_push(self, parts: list[tuple[int, np.ndarray, np.ndarray]], bodies: dict[int, dict[str, Any]],
                      replies: dict[Any, Message]) -> None:
@@ -213,10 +168,11 @@ class ReplicatedAccess:
 
     # ----------------------------------------------------------------- pulls
 
-    def pull(self, keys: np.ndarray, out: np.ndarray) -> Callable[[], None]:
-        """Ask every shard's read quorum at once; the returned call merges the replies into ``out``
-        (a shard that needs more replicas asks again)."""
+    def pull(self, keys: np.ndarray, out: np.ndarray | None) -> Future[np.ndarray]:
+        """Ask every shard's read quorum at once; waiting merges the replies into the rows (a shard
+        that needs more replicas asks again)."""
         self.view.refresh()
+        result = Rows(keys.shape[0], self.spec.dim, np.dtype(self.spec.dtype), out)
         start = time.monotonic()
         issued = time.time()
         parts = self._by_shard(keys)
@@ -228,7 +184,12 @@ class ReplicatedAccess:
             for node in chosen:
                 batch.append(((shard_id, node), node, self._message(Op.PULL, body, [keys[pos]])))
         sent = self._send_all(batch)
-        return lambda: self._finish_pull(keys, out, parts, plan, self._gather(sent), start, issued)
+
+        def finish() -> np.ndarray:
+            self._finish_pull(keys, result.array(), parts, plan, self._gather(sent), start, issued)
+            return result.get()
+
+        return Future.running(finish, self._answered(sent))
 
     def _finish_pull(self, keys: np.ndarray, out: np.ndarray, parts: list[tuple[int, np.ndarray]],
                      plan: dict[int, list[int]], replies: dict[Any, Message], start: float, issued: float) -> None:
@@ -371,9 +332,9 @@ class ReplicatedAccess:
     # ------------------------------------------------------------ plumbing
 
     def _by_shard(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        shard, _ = self.table.layout.mapping.locate(keys)
-        order, starts = kernels.partition_by_owner(shard, self.table.layout.num_shards)
-        return [(s, order[starts[s] : starts[s + 1]]) for s in range(self.table.layout.num_shards)
+        shard, _ = self.layout.mapping.locate(keys)
+        order, starts = kernels.partition_by_owner(shard, self.layout.num_shards)
+        return [(s, order[starts[s] : starts[s + 1]]) for s in range(self.layout.num_shards)
                 if starts[s + 1] > starts[s]]
 
     def _ask_all(self, batch: list[tuple[Any, int, Message]]) -> dict[Any, Message]:
@@ -387,6 +348,10 @@ class ReplicatedAccess:
             req = self.worker.tracker.request(node, msg, _collect(sent.replies, key), what)
             sent.reqs[req] = (key, node)
         return sent
+
+    def _answered(self, sent: _Sent) -> Callable[[], bool]:
+        """Whether every request of ``sent`` has its answer (what ``Future.done`` asks)."""
+        return lambda: self.worker.tracker.answered(set(sent.reqs))
 
     def _gather(self, sent: _Sent) -> dict[Any, Message]:
         """The replies that came within the replica timeout, by key.

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from shoal.api.errors import ConfigError, TableError
+from shoal.client.context import TableView
 from shoal.cluster.requests import Future
 from shoal.storage.kernels import ABSENT
-
-if TYPE_CHECKING:
-    from shoal.client.table import Table
 
 SCHEMES = ("naive", "preloc", "pool", "local")
 _LOCAL_REFRESH = 64  # draws between refreshes of the list of local keys
@@ -43,7 +41,7 @@ class SampleHandle:
 class Sampler:
     """Samples keys of one table under one scheme."""
 
-    def __init__(self, table: Table, weights: np.ndarray | None, scheme: str, reuse: int, pool_size: int,
+    def __init__(self, table: TableView, weights: np.ndarray | None, scheme: str, reuse: int, pool_size: int,
                  seed: int) -> None:
         if scheme not in SCHEMES:
             raise ConfigError(f"sampling scheme must be one of {SCHEMES}, got {scheme!r}")
@@ -53,7 +51,7 @@ class Sampler:
                 raise ConfigError(f"weights must be {table.num_keys} non-negative numbers with a positive sum")
         if reuse < 1 or pool_size < 1:
             raise ConfigError(f"reuse and pool_size must be >= 1, got {reuse}, {pool_size}")
-        if scheme == "preloc" and table.adaptive is None:
+        if scheme == "preloc" and not table.access.relocates:
             raise ConfigError(f"the preloc scheme brings sampled keys here before use: table {table.name!r} "
                               "needs techniques other than 'static'")
         self.table = table
@@ -127,9 +125,7 @@ class Sampler:
         return self._pool[chosen], self._pool_rows[chosen]
 
     def _draw_local(self, n: int) -> np.ndarray:
-        adaptive = self.table.adaptive
-        store = adaptive.store if adaptive is not None else None
-        presence = store.presence if store is not None else None
+        presence = self.table.access.presence
         if presence is None:
             local = self._static_local_keys()
         elif self._local is None or self._local_age >= _LOCAL_REFRESH:
@@ -178,12 +174,12 @@ class Sampler:
 class _Later:
     """Rows pulled when the sample is used, not when it is prepared."""
 
-    def __init__(self, table: Table, keys: np.ndarray) -> None:
+    def __init__(self, table: TableView, keys: np.ndarray) -> None:
         self.table, self.keys = table, keys
 
     def wait(self) -> np.ndarray:
         return self.table.pull(self.keys)
 
 
-def make_sampler(table: Table, weights: Any, scheme: str, reuse: int, pool_size: int, seed: int) -> Sampler:
+def make_sampler(table: TableView, weights: Any, scheme: str, reuse: int, pool_size: int, seed: int) -> Sampler:
     return Sampler(table, weights, scheme, reuse, pool_size, seed)

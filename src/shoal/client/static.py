@@ -13,7 +13,7 @@ current at, and this worker's own pushes are applied to it, so a read from the
 cache holds every earlier push of this worker (read-my-writes, as SSP promises).
 A part refused because its slice moved is sent again where the slice is now,
 as soon as the refusal arrives: a push in flight during a move lands before
-the worker confirms the move to the new owner (``Worker`` answers its fences).
+the worker confirms the move to the new owner (``client.fences``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -32,32 +32,32 @@ from shoal.api.errors import (
     ShoalError,
     SliceMovedError,
 )
+from shoal.client.access import TableAccess
 from shoal.client.calls import READS, WRITES, Part, Positions, Rows, StaticCall
+from shoal.client.context import TableView
+from shoal.client.fences import Fences
 from shoal.client.process_cache import PendingWrite, ProcessCache
 from shoal.cluster.requests import Future
+from shoal.consistency.cache import RowCache
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
 from shoal.storage.shard import ShardStore
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
-if TYPE_CHECKING:
-    from shoal.client.table import Table
-
 _HEADER_ROOM = 64 * 1024
 _REFRESH_AGAIN_S = 0.02  # while the rendezvous lags behind a move a server told of: how often to ask it
 _WATCH_AFTER_S = 0.5  # a call waiting longer than this asks whether the servers it waits for are alive
 _WHOLE = None  # positions standing for "every key of the call, in order"
 
-class StaticAccess:
+class StaticAccess(TableAccess):
     """Pull, push and push_pull for one static table."""
 
-    def __init__(self, table: Table, layout: TableLayout, local: dict[int, ShardStore]) -> None:
+    def __init__(self, table: TableView, layout: TableLayout, local: dict[int, ShardStore]) -> None:
+        super().__init__(table.name, layout, local)
         self.table = table
         self.spec = table.spec
         self.worker = table.worker
-        self.layout = layout
-        self.local = local
         self.dtype = np.dtype(self.spec.dtype)
         self.counters = table.counters
         self.staleness = table.staleness
@@ -78,6 +78,11 @@ class StaticAccess:
         #: pushes started so far (each push call's index), and when the layout was last asked for
         self.pushes_started = 0
         self._refreshed_at = 0.0
+        self.fences = Fences(self)
+
+    @property
+    def row_cache(self) -> RowCache | None:
+        return self.cache.rows if self.cache is not None else None
 
     # ----------------------------------------------------------------- calls
 
@@ -113,7 +118,7 @@ class StaticAccess:
 
     def _future(self, call: StaticCall) -> Future[Any]:
         if call.finished():
-            return Future(None, set(), call.outcome, 0.0)
+            return Future.completed(call.outcome)
         return Future(self.worker.tracker, call, call.outcome, self.worker.cluster.timeouts.request_s)
 
     # ------------------------------------------------------------- routing
@@ -271,12 +276,24 @@ class StaticAccess:
         if call not in self._moved_calls:
             self._moved_calls.append(call)
 
-    @property
-    def has_moved(self) -> bool:
-        """Parts refused by moved slices wait to be sent again (``resend_moved``)."""
-        return bool(self._moved_calls)
+    def after_receive(self) -> None:
+        """Send parts refused by moved slices where the slices are now, and answer fences once the
+        pushes they wait for have landed."""
+        if self._moved_calls:
+            self._resend_moved()
+        if self.fences.waiting:
+            self.fences.answer()
 
-    def resend_moved(self) -> None:
+    def on_server_message(self, server: int, msg: Message) -> bool:
+        if msg.op == Op.FENCE:
+            self.fences.on_fence(server, msg)
+        elif msg.op == Op.ROWS and self.cache is not None:
+            self.cache.on_server_rows(msg)  # rows a server pushed unasked (ESSP)
+        else:
+            return False
+        return True
+
+    def _resend_moved(self) -> None:
         """Send the pushes refused by moved slices where their slices are now (after a layout refresh);
         reads refused are left to their waiters (``reread``). Never waits for a bound."""
         calls = list(self._moved_calls)
@@ -354,14 +371,8 @@ class StaticAccess:
     # ------------------------------------------------------------- layout
 
     def forget_cached(self) -> None:
-        """Drop cached remote rows (their values changed under us: a restore)."""
         if self.cache is not None:
             self.cache.forget()
-
-    def on_server_rows(self, msg: Message) -> None:
-        """Rows a server pushed unasked (ESSP)."""
-        if self.cache is not None:
-            self.cache.on_server_rows(msg)
 
     def _pending_writes(self) -> Iterator[PendingWrite]:
         """This table's pushes that servers may not have applied yet (for the cache)."""

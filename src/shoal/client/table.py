@@ -1,22 +1,23 @@
 """A worker's handle on one table: pull, push and push_pull, sync and async.
 
-The table's kind picks how its rows are reached: ``StaticAccess`` (slices at
-fixed servers, shared memory for this node's), ``ReplicatedAccess`` (quorums of
-replicas) or ``AdaptiveAccess`` (rows that move and replicate). This class
-checks the caller's input and hands it on.
+The table's kind picks, once, how its rows are reached (``client.access``):
+``StaticAccess`` (slices at fixed servers, shared memory for this node's),
+``ReplicatedAccess`` (quorums of replicas) or ``AdaptiveAccess`` (rows that move
+and replicate). This class checks the caller's input and hands it on.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from shoal.api.config import TableSpec
 from shoal.api.errors import ShapeError, TableError
+from shoal.client.access import TableAccess
 from shoal.client.adaptive import AdaptiveAccess
-from shoal.client.calls import Rows
+from shoal.client.context import WorkerContext
 from shoal.client.replicated import ReplicatedAccess
 from shoal.client.sampling import Sampler, make_sampler
 from shoal.client.static import StaticAccess
@@ -26,16 +27,13 @@ from shoal.consistency.staleness import StalenessHistogram
 from shoal.placement.layout import TableLayout
 from shoal.storage.shard import ShardStore
 from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
-from shoal.wire.message import Message
-
-if TYPE_CHECKING:
-    from shoal.client.worker import Worker
 
 
 class Table:
     """Rows ``0..num_keys-1`` of ``dim`` values, wherever they live."""
 
-    def __init__(self, worker: Worker, spec: TableSpec, layout: TableLayout, local: dict[int, ShardStore]) -> None:
+    def __init__(self, worker: WorkerContext, spec: TableSpec, layout: TableLayout,
+                 local: dict[int, ShardStore]) -> None:
         self.worker = worker
         self.spec = spec
         self.dtype = np.dtype(spec.dtype)
@@ -43,14 +41,16 @@ class Table:
         #: how stale each read row was: reader's clock minus the clock its row is current at
         self.staleness = StalenessHistogram()
         self.counters: Counter[str] = Counter()
-        self._layout = layout
-        #: static tables: slices at servers, this node's in shared memory, a process cache
-        self.static = StaticAccess(self, layout, local) if not (spec.replicated or spec.adaptive) else None
-        #: replicated tables go through quorums instead of the owner-per-key path
-        self.replicated = ReplicatedAccess(self) if spec.replicated else None
-        #: adaptive tables: rows move and replicate; local ones are in this node's store
-        self.adaptive = AdaptiveAccess(self, next(iter(local.values()), None)) if spec.adaptive else None
+        self.access = self._access_for(layout, local)
         self._sampler: Sampler | None = None
+
+    def _access_for(self, layout: TableLayout, local: dict[int, ShardStore]) -> TableAccess:
+        """The one place that looks at the table's kind."""
+        if self.spec.replicated:
+            return ReplicatedAccess(self, layout)
+        if self.spec.adaptive:
+            return AdaptiveAccess(self, layout, next(iter(local.values()), None))
+        return StaticAccess(self, layout, local)
 
     @property
     def name(self) -> str:
@@ -66,16 +66,16 @@ class Table:
 
     @property
     def layout(self) -> TableLayout:
-        return self.static.layout if self.static is not None else self._layout
+        return self.access.layout
 
     @property
     def local(self) -> dict[int, ShardStore]:
         """This node's slices of a static table, mapped from shared memory."""
-        return self.static.local if self.static is not None else {}
+        return self.access.local
 
     @property
     def cache(self) -> RowCache | None:
-        return self.static.cache.rows if self.static is not None and self.static.cache is not None else None
+        return self.access.row_cache
 
     def __repr__(self) -> str:
         return f"Table({self.name!r}, num_keys={self.num_keys}, dim={self.dim}, dtype={self.spec.dtype})"
@@ -96,45 +96,30 @@ class Table:
 
     def pull_async(self, keys: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
         keys = as_keys(keys, self.spec)
-        out = self._checked_out(keys.shape[0], out)
-        if self.static is not None:
-            return self.static.pull(keys, out)
-        # Requests go out now; waiting, failover or following moved keys run in wait().
-        result = Rows(keys.shape[0], self.dim, self.dtype, out)
-        access = self.replicated or self.adaptive
-        finish = access.pull(keys, result.array())  # type: ignore[union-attr]
-        return Future(None, set(), lambda: (finish(), result.get())[1], 0.0)
+        return self.access.pull(keys, self._checked_out(keys.shape[0], out))
 
     def push_async(self, keys: Any, values: Any) -> Future[None]:
         """Start a push. ``values`` must not be modified until the future is done."""
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
         keys, values, _ = drop_nonfinite(keys, values, self.spec)  # the policy applies before any row lands
-        if self.static is not None:
-            return self.static.push(keys, values)
-        access = self.replicated or self.adaptive
-        return Future(None, set(), access.push(keys, values), 0.0)  # type: ignore[union-attr]
+        return self.access.push(keys, values)
 
     def push_pull_async(self, keys: Any, values: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
+        out = self._checked_out(keys.shape[0], out)
         finite_keys, finite_values, skipped = drop_nonfinite(keys, values, self.spec)
-        if self.static is None:
-            access = self.replicated or self.adaptive
-            access.push(finite_keys, finite_values)()  # type: ignore[union-attr]
-            return self.pull_async(keys, out)
         if skipped:  # rare: the push shrinks but every key still wants its row back
-            self.push_async(finite_keys, finite_values).wait()
-            return self.pull_async(keys, out)
-        return self.static.push_pull(keys, values, self._checked_out(keys.shape[0], out))
+            self.access.push(finite_keys, finite_values).wait()
+            return self.access.pull(keys, out)
+        return self.access.push_pull(keys, values, out)
 
     # ----------------------------------------------------- adaptive placement
 
     def localize(self, keys: Any) -> None:
         """Ask for ``keys`` to move to this worker's node (adaptive tables; asynchronous)."""
-        if self.adaptive is None:
-            raise TableError(f"table {self.name!r} is static; create it with techniques='relocation' or 'auto'")
-        self.adaptive.localize(as_keys(keys, self.spec))
+        self.access.localize(as_keys(keys, self.spec))
 
     def intent(self, keys: Any, start: int, end: int | None = None) -> None:
         """Declare that ``keys`` will be used in clocks ``[start, end)`` (default: just clock ``start``).
@@ -142,8 +127,7 @@ class Table:
         The node's server acts on it ahead of time (relocate or replicate); it
         never blocks the caller. Static tables ignore intents.
         """
-        if self.adaptive is not None:
-            self.adaptive.intent(as_keys(keys, self.spec), int(start), int(start) + 1 if end is None else int(end))
+        self.access.intent(as_keys(keys, self.spec), int(start), int(start) + 1 if end is None else int(end))
 
     # ------------------------------------------------------------- sampling
 
@@ -186,26 +170,11 @@ class Table:
 
     def forget_cached(self) -> None:
         """Drop cached remote rows (their values changed under us: a restore)."""
-        if self.static is not None:
-            self.static.forget_cached()
+        self.access.forget_cached()
 
     def refresh_layout(self) -> None:
         """Fetch a static table's slice owners from the rendezvous; map the slices now on this node."""
-        if self.static is not None:
-            self.static.refresh_layout()
-
-    def on_server_rows(self, msg: Message) -> None:
-        """Rows a server pushed unasked (ESSP)."""
-        if self.static is not None:
-            self.static.on_server_rows(msg)
-
-    def lose_local(self) -> None:
-        """This node's server died: reach every row through messages from now on."""
-        if self.static is not None:
-            self.static.lose_local()
-        if self.adaptive is not None:
-            self.adaptive.store = self.adaptive.node_hints = None
+        self.access.refresh_layout()
 
     def close(self) -> None:
-        if self.static is not None:
-            self.static.close()
+        self.access.close()

@@ -8,7 +8,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +90,6 @@ class Worker:
                                          metrics=self.metrics.url if self.metrics else None)
         #: this worker's numbered requests to each server, handled there in order (static tables, clocks)
         self.streams = Streams(int(registered.get("incarnation", 1)))
-        #: servers that wait for this worker's confirmation before counting its clock in full, by
-        #: (server, table): a slice moved there, or a push of ours was refused there
-        self._fences: dict[tuple[int, str], _Fence] = {}
         self.servers: list[str | None] = []  # by node; None once a server has left
         self._update_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
         self.tracker.on_unsolicited = self._on_server_message
@@ -207,55 +203,23 @@ class Worker:
         self.local_clocks = None
         self._server_exit = None
         for table in self.tables.values():
-            table.lose_local()
+            table.access.lose_local()
 
     def _on_server_message(self, peer: int, msg: Message) -> None:
         """A message no request asked for: rows a server pushed eagerly (ESSP), or a fence."""
         table = self.tables.get(msg.table)
-        if msg.op == Op.FENCE and table is not None and table.static is not None and 0 <= peer < self.num_nodes:
-            known = self._fences.get((peer, msg.table))
-            if known is None or int(msg.body["epoch"]) > known.epoch:
-                self._fences[(peer, msg.table)] = _Fence(int(msg.body["epoch"]), int(msg.body["shard"]))
-            return
-        if msg.op != Op.ROWS or table is None:
-            log.warning("worker %d: ignoring unexpected %s from server %d", self.rank, msg.op.name, peer)
-            return
         try:
-            table.on_server_rows(msg)
+            if table is not None and 0 <= peer < self.num_nodes and table.access.on_server_message(peer, msg):
+                return
         except ShoalError as exc:
-            log.warning("worker %d: ignoring bad rows from server %d: %s", self.rank, peer, exc)
+            log.warning("worker %d: ignoring a bad %s from server %d: %s", self.rank, msg.op.name, peer, exc)
+            return
+        log.warning("worker %d: ignoring unexpected %s from server %d", self.rank, msg.op.name, peer)
 
     def _after_receive(self) -> None:
-        """What replies could not do in place: send parts refused by moved slices where the slices
-        are now, and answer fences once the pushes they wait for have landed."""
+        """What replies could not do in place (parts refused by moved slices, fences to answer)."""
         for table in self.tables.values():
-            if table.static is not None and table.static.has_moved:
-                table.static.resend_moved()
-        if self._fences:
-            self._answer_fences()
-
-    def _answer_fences(self) -> None:
-        """A server that took over a slice, or refused a push of ours, counts this worker's clock only
-        up to its settled clock until this worker confirms: that it routes by the move, and that every
-        push it started before has landed (where the slice is now). Later clocks then cover them."""
-        for key, fence in list(self._fences.items()):
-            server, name = key
-            access = self.tables[name].static
-            assert access is not None
-            if fence.upto is None:
-                try:
-                    if fence.shard >= 0 and not access.learn_move(fence.shard, server, fence.epoch):
-                        continue  # the rendezvous does not know the moves before it yet: again shortly
-                except ShoalError as exc:
-                    log.warning("worker %d: cannot refresh the layout of %r: %s", self.rank, name, exc)
-                    continue
-                fence.upto = access.pushes_started  # pushes started from now on route by the move
-            if access.pushes_open(fence.upto) or not self.server_alive(server) or self._fences.get(key) is not fence:
-                continue
-            del self._fences[key]
-            self.send_ordered(server, Message(Op.CONFIRM, table=name, clock=self.clock,
-                                              body={"rank": self.rank, "epoch": fence.epoch}),
-                              f"CONFIRM {name!r} at epoch {fence.epoch} to server {server}", background=True)
+            table.access.after_receive()
 
     def send_ordered(self, server: int, msg: Message, what: str, on_reply: Callable[[Message], None] | None = None,
                      background: bool = False) -> int:
@@ -272,8 +236,7 @@ class Worker:
 
     def settled_clock(self) -> int:
         """Every push this worker made to a bounded table in iterations before this clock is acknowledged."""
-        oldest = [t.static.oldest_open_push() for t in self.tables.values()
-                  if t.static is not None and t.bound is not None]
+        oldest = [t.access.oldest_open_push() for t in self.tables.values() if t.bound is not None]
         return min([self.clock, *(c for c in oldest if c is not None)])
 
     def local_slices(self, spec: TableSpec, layout: TableLayout, mapped: dict[int, ShardStore]
@@ -372,8 +335,7 @@ class Worker:
         """Finish an iteration: tell every server this worker's new clock."""
         self._check_open()
         for table in self.tables.values():
-            if table.adaptive is not None:
-                table.adaptive.flush_intents()
+            table.access.on_clock()
         self.clock += 1
         # A request, not a one-way message: a lost clock would hold back every bounded read for good.
         # Nobody waits for the acknowledgement, and a newer clock supersedes an unanswered older one
@@ -541,12 +503,3 @@ class Worker:
 
 def _ignore(msg: Message) -> None:
     pass
-
-
-@dataclass
-class _Fence:
-    """A server's wait for this worker's confirmation (see ``Worker._answer_fences``)."""
-
-    epoch: int
-    shard: int  # the slice that moved to the server at ``epoch``; -1: a push of ours it refused
-    upto: int | None = None  # the pushes to land first: those started up to this one

@@ -1,7 +1,11 @@
 """Finding peers and talking to them: rendezvous, membership, barriers, request tracking.
 
-- ``requests``: ``RequestTracker`` (requests in flight, matched to replies) and ``Future``
+- ``requests``: ``RequestTracker`` (requests in flight, matched to replies, sent again) and ``Future``
+- ``replay``: exactly-once serving of requests that arrive more than once
 - ``rendezvous``: the ``Rendezvous`` service
 - ``membership``: register, wait for servers, barrier, leave
+- ``slices``: ``SliceAuthority``, where each slice of each static table lives, and moves
+- ``liveness``: knowing at once that a process on this machine has ended
 - ``fdshare``: passing shared-memory descriptors to co-located processes
+- ``metrics``: Prometheus families and their HTTP endpoint
 """

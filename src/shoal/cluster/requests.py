@@ -228,6 +228,11 @@ class RequestTracker:
     def done(self, reqs: set[int]) -> bool:
         return not any(r in self._pending for r in reqs)
 
+    def answered(self, reqs: set[int]) -> bool:
+        """``done`` after taking in whatever has arrived."""
+        self.pump(0)
+        return self.done(reqs)
+
     def wait(self, reqs: set[int], timeout: float) -> None:
         """Pump until every request in ``reqs`` is answered, or raise ``RequestTimeoutError``."""
         self.wait_until(lambda: self.done(reqs), lambda: reqs, timeout)
@@ -503,13 +508,34 @@ class Future(Generic[T]):
         self._result: T | None = None
         self._error: ShoalError | None = None
         self._settled = False
+        self._ready: Callable[[], bool] | None = None
+
+    @classmethod
+    def completed(cls, finish: Callable[[], T]) -> Future[T]:
+        """A call with no request in flight (every row was local): ``wait()`` only runs ``finish``,
+        which returns the result or raises the call's error."""
+        return cls(None, set(), finish, 0.0)
+
+    @classmethod
+    def running(cls, finish: Callable[[], T], ready: Callable[[], bool]) -> Future[T]:
+        """A call whose ``finish`` does its own waiting and its own timeouts (a quorum that fails
+        over to other replicas, keys that follow a move): ``done()`` asks ``ready`` whether every
+        request sent so far is answered."""
+        future = cls(None, set(), finish, 0.0)
+        future._ready = ready
+        return future
 
     def done(self) -> bool:
-        if self._settled or self._tracker is None:
+        """True once ``wait()`` would not wait for a request already sent."""
+        if self._settled:
             return True
-        self._tracker.pump(0)
+        if self._ready is not None:
+            return self._ready()
+        if self._tracker is None:
+            return True
         if isinstance(self._reqs, set):
-            return self._tracker.done(self._reqs)
+            return self._tracker.answered(self._reqs)
+        self._tracker.pump(0)
         return self._reqs.finished()
 
     def wait(self, timeout: float | None = None) -> T:

@@ -2,6 +2,10 @@
 
 - ``cli``: the ``shoal`` command
 - ``local``: ``LocalCluster`` (one machine: rendezvous, servers, workers)
+- ``status``: ``shoal status``, and the run files that find running jobs
+- ``report``: run reports (plots and an HTML page)
+- ``torchrun``: running under ``torchrun``
+- ``ray_backend``: running on a Ray cluster
 - ``env``: the SHOAL_* environment contract
 - ``server_main``: entry point of a server process
 - ``lifecycle``: children die with their launcher

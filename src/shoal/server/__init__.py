@@ -2,4 +2,11 @@
 
 - ``server``: ``ParameterServer`` (decode, check, dispatch, reply)
 - ``tables``: ``ServedTable`` (key-level pull/push over local shard stores)
+- ``streams``: each worker's requests handled in the order it sent them
+- ``sync``: worker clocks, held pulls and eager pushes
+- ``slicing``: moving slices of static tables between servers while training runs
+- ``replicated``: replicas of replicated tables' shards, and gossip
+- ``adaptive``: adaptive tables: keys that relocate, hot keys that replicate
+- ``checkpoints``: writing this server's rows into a checkpoint, loading them from one
+- ``metrics``: what a server exposes to Prometheus
 """

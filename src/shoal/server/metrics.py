@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import Protocol
 
-from shoal.cluster.metrics import Family, counters
-from shoal.consistency.clocks import FINISHED
+from shoal.cluster.metrics import Family, LatencyHistogram, counters
+from shoal.consistency.clocks import FINISHED, ClockTable
+from shoal.server.adaptive import AdaptiveService
+from shoal.server.replicated import ReplicationService
+from shoal.server.slicing import SliceService
+from shoal.server.sync import Synchroniser
+from shoal.server.tables import ServedTable
 
-if TYPE_CHECKING:
-    from shoal.server.server import ParameterServer
+
+class Measured(Protocol):
+    """What the metrics read of a server (``ParameterServer``)."""
+
+    stats: Counter[str]
+    clocks: ClockTable
+    latency: LatencyHistogram
+    queue_length: int
+    tables: dict[str, ServedTable]
+    sync: Synchroniser
+    replication: ReplicationService
+    adaptive: AdaptiveService
+    slicing: SliceService
 
 #: counters with a family of their own; every other one goes to shoal_server_events_total
 _REJECTED = {"dropped_unauthenticated": "unauthenticated", "rejected_malformed": "malformed"}
@@ -17,7 +34,7 @@ _SLICES = {"slices_sent": "sent", "slices_received": "received", "slice_moves_fa
 _OWN = {"messages", "bytes_in", "bytes_out", *_REJECTED, *_RELOCATIONS, *_SLICES}
 
 
-def server_families(server: ParameterServer) -> list[Family]:
+def server_families(server: Measured) -> list[Family]:
     stats = dict(server.stats)  # one copy: the loop thread keeps counting meanwhile
     for service in (server.sync, server.replication, server.adaptive, server.slicing):
         for key, value in dict(service.stats).items():

@@ -5,4 +5,6 @@
 - ``rules``: Sum, SGD, Adagrad, Adam as update rules
 - ``initialize``: per-key seeded initial values
 - ``kernels``: compiled gather / scatter / rule loops
+- ``validate``: checks on keys and rows that every entry point runs
+- ``checkpoint``: checkpoints on disk, by global key, with optimiser state
 """

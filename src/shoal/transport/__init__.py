@@ -3,6 +3,7 @@
 - ``base``: the contract (``Transport``, ``Listener``, ``Connection``, ``Poller``)
 - ``zmq_transport``: ZeroMQ over tcp and ipc
 - ``inproc``: queues in one process, for unit tests
+- ``faulty``: a wrapper that delays, drops, duplicates and reorders what arrives
 """
 
 from shoal.transport.base import Connection, Listener, Poller, Transport

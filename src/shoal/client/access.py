@@ -1,0 +1,96 @@
+"""What differs between the kinds of table on a worker: how a call reaches the rows.
+
+``Table`` checks the caller's input and hands every call to its access, chosen
+once when the table is made: ``StaticAccess`` (slices at one server each until
+moved, this node's in shared memory), ``ReplicatedAccess`` (quorums of
+replicas) or ``AdaptiveAccess`` (rows that move and replicate). Every call
+returns a ``Future`` whose ``done()`` tells whether requests are still in flight.
+The hooks below do nothing for a kind that has no use for them; the worker calls
+them for every table alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shoal.api.errors import TableError
+from shoal.cluster.requests import Future
+from shoal.consistency.cache import RowCache
+from shoal.placement.layout import TableLayout
+from shoal.storage.shard import ShardStore
+from shoal.wire.message import Message
+
+
+class TableAccess:
+    """Pull, push and push_pull of checked keys and values, and the worker's hooks."""
+
+    def __init__(self, name: str, layout: TableLayout, local: dict[int, ShardStore] | None = None) -> None:
+        self.name = name
+        #: which server holds each slice (static tables: changes when slices move)
+        self.layout = layout
+        #: slices mapped from this node's shared memory, by shard
+        self.local: dict[int, ShardStore] = local or {}
+
+    def pull(self, keys: np.ndarray, out: np.ndarray | None) -> Future[np.ndarray]:
+        """Rows of ``keys`` (int64, in range) in their order, into ``out`` if given."""
+        raise NotImplementedError
+
+    def push(self, keys: np.ndarray, values: np.ndarray) -> Future[None]:
+        """Apply the update rule with ``values`` (finite, the table's dtype) at ``keys``."""
+        raise NotImplementedError
+
+    def push_pull(self, keys: np.ndarray, values: np.ndarray, out: np.ndarray | None) -> Future[np.ndarray]:
+        """Push, then the updated rows of the same keys (one round trip where a kind can)."""
+        self.push(keys, values).wait()
+        return self.pull(keys, out)
+
+    # ------------------------------------------------ what a kind may hold
+
+    @property
+    def row_cache(self) -> RowCache | None:
+        """The process cache of remote rows, if this kind keeps one."""
+        return None
+
+    @property
+    def presence(self) -> np.ndarray | None:
+        """Which keys are on this node now (kinds whose rows move), else None."""
+        return None
+
+    @property
+    def relocates(self) -> bool:
+        """Whether keys can be brought to this node (``localize``, intents)."""
+        return False
+
+    def oldest_open_push(self) -> int | None:
+        """The clock of the oldest push not yet acknowledged, if the bound depends on it."""
+        return None
+
+    # --------------------------------------------------------------- hooks
+
+    def localize(self, keys: np.ndarray) -> None:
+        raise TableError(f"table {self.name!r} is not adaptive; create it with techniques='relocation' or 'auto'")
+
+    def intent(self, keys: np.ndarray, start: int, end: int) -> None:
+        """Keys to be used in clocks ``[start, end)``: kinds that do not move keys ignore it."""
+
+    def on_clock(self) -> None:
+        """The worker is about to advance its clock."""
+
+    def on_server_message(self, server: int, msg: Message) -> bool:
+        """A message a server sent unasked (eager rows, a fence); False if this kind expects none."""
+        return False
+
+    def after_receive(self) -> None:
+        """Work replies could not do in place (parts to send again), run after each receive."""
+
+    def forget_cached(self) -> None:
+        """Drop cached rows (their values changed under us: a restore)."""
+
+    def refresh_layout(self) -> None:
+        """Ask the rendezvous where the slices are now."""
+
+    def lose_local(self) -> None:
+        """This node's server died: reach every row through messages from now on."""
+
+    def close(self) -> None:
+        """Unmap what this access mapped."""

@@ -1,0 +1,74 @@
+"""Which servers a worker believes alive, and following those that were started again."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from shoal.api.config import ClusterSpec
+from shoal.api.errors import ShoalError
+from shoal.cluster import membership
+from shoal.cluster.requests import RequestTracker
+
+_DOWN_FOR_S = 3.0  # how long a replica that failed to answer is left alone
+_STATUS_EVERY_S = 1.0
+
+
+class Servers(Protocol):
+    """What the view uses of its worker."""
+
+    cluster: ClusterSpec
+    tracker: RequestTracker
+    servers: list[str | None]
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    def follow_restarted(self, node: int, address: str) -> None: ...
+
+
+class ReplicaView:
+    """Which servers a worker believes alive: the rendezvous' heartbeats, and its own timeouts.
+
+    ``exited`` are those whose process is known to have ended (its launcher saw it): a server that
+    merely went silent (stopped, or starved of CPU) is routed around but may still answer.
+    """
+
+    def __init__(self, worker: Servers) -> None:
+        self.worker = worker
+        self.alive = [True] * worker.num_nodes
+        self.exited: set[int] = set()
+        self.down_until: dict[int, float] = {}
+        self.checked_at = -1e9
+
+    def refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.checked_at < _STATUS_EVERY_S:
+            return
+        self.checked_at = now
+        try:
+            status = membership.status(self.worker.tracker, self.worker.cluster.timeouts.replica_s)
+        except ShoalError:
+            return  # the rendezvous is slow or gone: keep what we know
+        self.alive = [bool(a) for a in status.get("alive", self.alive)]
+        self.exited = {int(n) for n in status.get("exited", ())}
+        for n, address in enumerate(status.get("servers", [])):
+            if address and self.worker.servers[n] != address:  # a restarted server
+                self.worker.follow_restarted(n, address)
+                self.down_until.pop(n, None)
+
+    def live(self, nodes: list[int]) -> list[int]:
+        now = time.monotonic()
+        return [n for n in nodes if self.alive[n] and self.down_until.get(n, 0.0) <= now]
+
+    def reachable(self, nodes: list[int]) -> list[int]:
+        """``live`` ones, else those the rendezvous' heartbeats call alive: a replica that was slow to
+        answer (an overloaded machine) is tried again before anything is given up for lost."""
+        return self.live(nodes) or [n for n in nodes if self.alive[n]]
+
+    def mark_down(self, node: int) -> None:
+        self.down_until[node] = time.monotonic() + _DOWN_FOR_S
+        address = self.worker.servers[node]
+        if address is not None:  # a fresh socket drops the requests queued for it
+            self.worker.tracker.disconnect(node)
+            self.worker.tracker.connect(node, address)
