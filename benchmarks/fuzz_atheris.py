@@ -34,7 +34,7 @@ with atheris.instrument_imports(include=["shoal"], exclude=["shoal.storage.kerne
     from tests.support.fuzz_server import FuzzServer
     from tests.support.fuzzing import FUZZ_TABLES, LIMITS, SECRET, encoded
 
-    from shoal.server.replicated import SERVER_SENDERS
+    from shoal.api.ids import SERVERS
     from shoal.wire import Codec, Message
     from shoal.wire.schema import SCHEMAS
 
@@ -68,7 +68,7 @@ def seeds() -> list[bytes]:
         arrays = [keys if rule.kind == "i" else rows for rule in schema.arrays] if not schema.variadic else [
             keys, rows]
         for spec in FUZZ_TABLES:
-            for sender in (0, SERVER_SENDERS + 1):
+            for sender in (0, SERVERS + 1):
                 out.append(joined(encoded(Message(op, req=1, table=spec.name, sender=sender, body=body,
                                                   arrays=arrays))))
     return out

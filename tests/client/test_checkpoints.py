@@ -102,7 +102,7 @@ def test_a_checkpoint_of_another_spec_is_refused_by_name(tmp_path):
 
     def load(w):
         w.table("emb", KEYS, DIM + 1)
-        with pytest.raises(CheckpointError, match="was saved with spec"):
+        with pytest.raises(CheckpointError, match="was saved with a different spec"):
             w.restore(tmp_path)
 
     with ThreadCluster(nodes=2) as cluster:

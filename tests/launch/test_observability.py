@@ -14,11 +14,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.api.errors import ConfigError
 from shoal.client.worker import Worker
-from shoal.cluster.metrics import Family, LatencyHistogram, MetricsEndpoint, metrics_token, render
+from shoal.cluster.metrics import Family, FamilyCollector, LatencyHistogram, MetricsEndpoint, metrics_token
 from tests.support.cluster import ThreadCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,19 +43,40 @@ def test_the_exposition_parses_with_the_prometheus_client_and_escapes_labels():
         hist.observe("PULL", seconds)
     odd = Family("shoal_test_total", "counter", "A label with \"quotes\", a \\ and a\nnewline.")
     odd.add(3, table='we"ird\\na\nme')
-    parsed = {f.name: f for f in text_string_to_metric_families(render([hist.family("lat", "h", "op"), odd]))}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FamilyCollector(lambda: [hist.family("lat", "h", "op"), odd], {"node": 3}))
+    parsed = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     buckets = {s.labels["le"]: s.value for s in parsed["lat"].samples if s.name == "lat_bucket"}
     assert buckets["2.5e-05"] == 1 and buckets["0.0005"] == 3 and buckets["10.0"] == 4 and buckets["+Inf"] == 5
-    assert parsed["shoal_test"].samples[0].labels["table"] == 'we"ird\\na\nme'
+    assert parsed["shoal_test"].samples[0].labels == {"node": "3", "table": 'we"ird\\na\nme'}
+    assert parsed["shoal_test"].samples[0].name == "shoal_test_total" and parsed["shoal_test"].type == "counter"
 
 
 def test_open_metrics_bind_loopback_only():
     with pytest.raises(ConfigError, match="off loopback, only for a job with a shared secret"):
-        MetricsEndpoint(lambda: "", host="0.0.0.0")
-    endpoint = MetricsEndpoint(lambda: "x 1\n")
+        MetricsEndpoint(lambda: [], host="0.0.0.0")
+    endpoint = MetricsEndpoint(lambda: [Family("x", "gauge", "X.").add(1)])
     try:
+        assert scrape(endpoint.url)["x"][0].value == 1
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(endpoint.url.replace("/metrics", "/other"), timeout=5)
+    finally:
+        endpoint.close()
+
+
+def test_a_failing_scrape_answers_500_and_the_endpoint_keeps_serving():
+    calls = []
+
+    def families() -> list[Family]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a counter went away")
+        return [Family("x", "gauge", "X.").add(2)]
+
+    endpoint = MetricsEndpoint(families)
+    try:
+        assert _status_of(endpoint.url) == 500
+        assert scrape(endpoint.url)["x"][0].value == 2
     finally:
         endpoint.close()
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from shoal.api.config import TableSpec
+from shoal.api.ids import worker_origin
 from shoal.api.initializers import Normal
 from shoal.api.optim import SGD, Adagrad
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
-from shoal.replication.replica import ShardReplica, worker_origin
+from shoal.replication.replica import ShardReplica
 
 KEYS = np.arange(20, dtype=np.int64)
 

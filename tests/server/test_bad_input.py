@@ -35,7 +35,7 @@ from shoal import (
     TableError,
     TableSpec,
 )
-from shoal.server.replicated import SERVER_SENDERS
+from shoal.api.ids import SERVERS
 from shoal.server.server import ParameterServer
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire import Codec, Message, Op
@@ -331,7 +331,7 @@ def test_placement_rows_with_nan_from_a_peer_are_dropped_and_the_server_keeps_se
     rows[1, 0] = np.nan
     extra = [np.zeros(2, np.int64)] * 2 if kind == "state" else [np.zeros(2, np.uint8)]
     body = {"kind": kind} if kind == "state" else {"kind": kind, "origin": 0, "target": 0, "hops": 0}
-    client.send_frames(frames_of(Message(Op.PLACEMENT, table="a", sender=SERVER_SENDERS, flags=Flag.NO_REPLY,
+    client.send_frames(frames_of(Message(Op.PLACEMENT, table="a", sender=SERVERS, flags=Flag.NO_REPLY,
                                          body=body, arrays=[keys(1, 2), rows, *extra])))
 
     np.testing.assert_array_equal(client.pull(all_keys, table="a"), before)  # answered after the bad message

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from shoal import CheckpointError, ProtocolError, ShoalError, TableError, TableSpec
-from shoal.server.replicated import SERVER_SENDERS
+from shoal.api.ids import SERVERS
 from shoal.wire import Message, Op
 from tests.support.fuzz_server import FuzzServer
 from tests.support.fuzzing import FUZZ_DIR, STAGING, encoded
 
-PEER_SERVER = SERVER_SENDERS + 1
+PEER_SERVER = SERVERS + 1
 
 
 def rows(n: int, dtype: type = np.float32) -> np.ndarray:

@@ -11,6 +11,7 @@ import pytest
 import shoal
 from shoal.api.config import RebalancePolicy
 from shoal.api.errors import ClusterError
+from shoal.api.ids import RENDEZVOUS
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
 from shoal.wire.codec import Codec
@@ -180,14 +181,14 @@ def test_bounds_hold_with_asynchronous_pushes_while_slices_move(model, local_acc
 def _move_back_and_forth(cluster: ThreadCluster, table: str, slices: int, done: threading.Event) -> None:
     """An operator outside the job moving slices between the two servers until ``done``."""
     tracker = RequestTracker(cluster.transport, Codec(cluster.spec.limits, cluster.spec.secret), sender=-100)
-    tracker.connect(membership.RENDEZVOUS_PEER, cluster.spec.rendezvous)
+    tracker.connect(RENDEZVOUS, cluster.spec.rendezvous)
     try:
         shard = 0
         while not done.is_set():
-            owners = membership.call(tracker, membership.RENDEZVOUS_PEER, Message(Op.LAYOUT, table=table), 10,
+            owners = membership.call(tracker, RENDEZVOUS, Message(Op.LAYOUT, table=table), 10,
                                      "layout").body["owners"]
             try:
-                membership.call(tracker, membership.RENDEZVOUS_PEER, Message(Op.MOVE_SLICE, table=table, body={
+                membership.call(tracker, RENDEZVOUS, Message(Op.MOVE_SLICE, table=table, body={
                     "shard": shard % slices, "to": 1 - int(owners[shard % slices])}), 30, "move")
             except ClusterError:  # refused: at start-up a server may not know the other's address yet
                 time.sleep(0.1)

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from shoal import ASP, BSP, ESSP, SSP, Constant, Limits, Normal, TableSpec, Uniform, optim
 from shoal.api.errors import ConfigError
-from shoal.server.replicated import SERVER_SENDERS
+from shoal.api.ids import SERVERS
 from shoal.wire import Codec, Flag, Message, Op
 from shoal.wire.codec import MAX_RANK, WIRE_DTYPES
 from shoal.wire.schema import SCHEMAS
@@ -50,7 +50,7 @@ BAD_CHECKPOINTS = ("list", "no-format", "tables-list", "entry-int", "parts-hosti
 # ------------------------------------------------------------------ values
 
 EDGE_INTS = st.sampled_from([0, 1, -1, 2, 63, 64, 65, 2**31 - 1, 2**31, -(2**31) - 1, 2**32, 2**53 + 1,
-                             2**62, 2**63 - 1, -(2**63), 2**64 - 1, SERVER_SENDERS, SERVER_SENDERS + 1])
+                             2**62, 2**63 - 1, -(2**63), 2**64 - 1, SERVERS, SERVERS + 1])
 #: anything msgpack can carry in an int
 HOSTILE_INTS = EDGE_INTS | st.integers(-(2**63), 2**64 - 1)
 SMALL_INTS = st.integers(-2, 70)
@@ -261,9 +261,9 @@ OPTIONAL: dict[Op, list[str]] = {
 }
 TYPED = {int: NUMBERS, str: st.text(max_size=16), list: st.lists(HOSTILE, max_size=4),
          dict: st.dictionaries(st.text(max_size=6), HOSTILE, max_size=4), bool: st.booleans()}
-_SENDERS = st.sampled_from([-1, 0, 1, 2, SERVER_SENDERS, SERVER_SENDERS + 1, SERVER_SENDERS + 2])
+_SENDERS = st.sampled_from([-1, 0, 1, 2, SERVERS, SERVERS + 1, SERVERS + 2])
 SENDERS = st.one_of(_SENDERS, _SENDERS, _SENDERS, HOSTILE_INTS)
-_PEER_SERVERS = st.sampled_from([SERVER_SENDERS, SERVER_SENDERS + 1])
+_PEER_SERVERS = st.sampled_from([SERVERS, SERVERS + 1])
 #: server-to-server ops come from servers, mostly
 PEER_SENDERS = st.one_of(_PEER_SERVERS, _PEER_SERVERS, _PEER_SERVERS, SENDERS)
 FLAGS = st.sampled_from([0] * 16 + [Flag.NO_REPLY, Flag.SIGNED, Flag.NO_REPLY | Flag.SIGNED, 4, 2**63 - 1])

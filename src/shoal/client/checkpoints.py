@@ -67,9 +67,8 @@ def restore(worker: WorkerContext, root: str | os.PathLike[str]) -> int:
     manifest = checkpoint.read_manifest(path)
     for name, entry in manifest["tables"].items():
         table = worker.tables.get(name)
-        if table is not None and table.spec.to_dict() != entry["spec"]:
-            raise CheckpointError(f"table {name!r} was saved with spec {entry['spec']}, "
-                                  f"not {table.spec.to_dict()}")
+        if table is not None:
+            checkpoint.check_saved_spec(name, entry, table.spec)
     worker.barrier()
     note = _OK
     if worker.rank == 0:

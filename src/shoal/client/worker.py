@@ -15,6 +15,7 @@ import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import ClosedError, ClusterError, RequestTimeoutError, ShoalError, TableError
+from shoal.api.ids import RENDEZVOUS
 from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
 from shoal.client import checkpoints
@@ -26,7 +27,7 @@ from shoal.client.table import Table
 from shoal.cluster import membership
 from shoal.cluster.fdshare import fetch_fds, socket_name
 from shoal.cluster.liveness import ProcessExit
-from shoal.cluster.metrics import MetricsEndpoint, metrics_token, render
+from shoal.cluster.metrics import MetricsEndpoint, metrics_token
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
@@ -83,9 +84,9 @@ class Worker:
         timeout = cluster.timeouts.connect_s
         #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token in a signed job
         self.metrics = None if metrics_port is None else MetricsEndpoint(
-            lambda: render(worker_families(self), {"rank": self.rank, "node": self.node}), metrics_host,
+            lambda: worker_families(self), {"rank": self.rank, "node": self.node}, metrics_host,
             metrics_port, metrics_token(cluster.secret) if cluster.secret else None)
-        self.tracker.connect(membership.RENDEZVOUS_PEER, cluster.rendezvous)
+        self.tracker.connect(RENDEZVOUS, cluster.rendezvous)
         registered = membership.register(self.tracker, "worker", node, rank, "", timeout,
                                          metrics=self.metrics.url if self.metrics else None)
         #: this worker's numbered requests to each server, handled there in order (static tables, clocks)
@@ -167,7 +168,7 @@ class Worker:
                             f"CREATE_TABLE {spec.name!r}", timeout)
         # The rendezvous keeps every table's spec, so that a restarted server can recreate it; it
         # answers with the current layout (slices may have moved since the table was made).
-        current = membership.call(self.tracker, membership.RENDEZVOUS_PEER,
+        current = membership.call(self.tracker, RENDEZVOUS,
                                   Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
                                   timeout, f"CREATE_TABLE {spec.name!r} at the rendezvous").body
         self._update_servers(current.get("servers") or [])
@@ -265,7 +266,7 @@ class Worker:
 
     def fetch_layout(self, table: str) -> dict[str, Any]:
         """A static table's slice owners and epoch, and the live servers, from the rendezvous."""
-        reply = membership.call(self.tracker, membership.RENDEZVOUS_PEER, Message(Op.LAYOUT, table=table),
+        reply = membership.call(self.tracker, RENDEZVOUS, Message(Op.LAYOUT, table=table),
                                 self.cluster.timeouts.request_s, f"LAYOUT of {table!r}")
         self._update_servers(reply.body.get("servers") or [])
         return reply.body
@@ -450,7 +451,7 @@ class Worker:
 
     def _admin(self, msg: Message, what: str, timeout: float | None) -> None:
         self._check_open()
-        membership.call(self.tracker, membership.RENDEZVOUS_PEER, msg,
+        membership.call(self.tracker, RENDEZVOUS, msg,
                         self.cluster.timeouts.request_s if timeout is None else timeout, what)
         self.cluster_status()
         for t in self.tables.values():

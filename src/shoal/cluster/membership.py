@@ -10,11 +10,10 @@ import time
 from typing import Any
 
 from shoal.api.errors import ClusterError, RequestTimeoutError
+from shoal.api.ids import RENDEZVOUS
 from shoal.cluster.requests import RequestTracker
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
-
-RENDEZVOUS_PEER = -1
 
 
 def call(tracker: RequestTracker, peer: int, msg: Message, timeout: float, what: str = "") -> Message:
@@ -30,10 +29,10 @@ def call(tracker: RequestTracker, peer: int, msg: Message, timeout: float, what:
 
 def _rendezvous_call(tracker: RequestTracker, msg: Message, timeout: float) -> dict[str, Any]:
     try:
-        return call(tracker, RENDEZVOUS_PEER, msg, timeout, f"{msg.op.name} to the rendezvous").body
+        return call(tracker, RENDEZVOUS, msg, timeout, f"{msg.op.name} to the rendezvous").body
     except RequestTimeoutError as exc:
         raise ClusterError(
-            f"the rendezvous at {tracker.address_of(RENDEZVOUS_PEER)} did not answer within {timeout:.1f}s "
+            f"the rendezvous at {tracker.address_of(RENDEZVOUS)} did not answer within {timeout:.1f}s "
             "(is the launcher running, and is the rendezvous address right?)"
         ) from exc
 
@@ -80,7 +79,7 @@ def barrier(tracker: RequestTracker, rank: int, generation: int, timeout: float,
     if note is not None:
         body["note"] = note
     try:
-        reply = call(tracker, RENDEZVOUS_PEER, Message(Op.BARRIER, body=body), timeout, f"barrier {generation}")
+        reply = call(tracker, RENDEZVOUS, Message(Op.BARRIER, body=body), timeout, f"barrier {generation}")
         notes = reply.body.get("notes") if isinstance(reply.body, dict) else None
         return {int(r): str(n) for r, n in (notes or {}).items()}
     except RequestTimeoutError as exc:
@@ -96,4 +95,4 @@ def barrier(tracker: RequestTracker, rank: int, generation: int, timeout: float,
 
 
 def leave(tracker: RequestTracker, rank: int, timeout: float) -> None:
-    call(tracker, RENDEZVOUS_PEER, Message(Op.LEAVE, body={"rank": rank, "role": "worker"}), timeout)
+    call(tracker, RENDEZVOUS, Message(Op.LEAVE, body={"rank": rank, "role": "worker"}), timeout)

@@ -1,12 +1,14 @@
-"""Prometheus metrics: families built at scrape time from a process's own counters, served over HTTP.
+"""Prometheus metrics: families built at scrape time from a process's own counters, served over HTTP
+by ``prometheus_client`` (its text exposition and WSGI app).
 
 Nothing on the hot path takes a lock for metrics: servers and workers keep
 plain counters (and :class:`LatencyHistogram` buckets) as they always do; a
-scrape copies them (``dict(counter)`` is one C-level copy under the GIL) and
-renders the Prometheus text format. A job whose messages are signed also
-guards its metrics: a scrape must present a bearer token derived from the
-shared secret (one-way, so the token reveals nothing of the secret). Without a
-secret the endpoint is open, and binds a loopback address only.
+scrape copies them (``dict(counter)`` is one C-level copy under the GIL) into
+:class:`Family` objects, which a custom collector hands to ``prometheus_client``.
+A job whose messages are signed also guards its metrics: a scrape must present
+a bearer token derived from the shared secret (one-way, so the token reveals
+nothing of the secret). Without a secret the endpoint is open, and binds a
+loopback address only.
 """
 
 from __future__ import annotations
@@ -15,12 +17,19 @@ import bisect
 import hashlib
 import hmac
 import logging
+import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import numpy as np
+from prometheus_client.core import Metric
+from prometheus_client.exposition import make_wsgi_app
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 from shoal.api.errors import ConfigError
 from shoal.transport.base import is_loopback_host
@@ -30,14 +39,14 @@ log = logging.getLogger(__name__)
 #: request latency buckets in seconds: 10 µs .. 10 s
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
                    0.5, 1.0, 2.5, 5.0, 10.0)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 Labels = Mapping[str, str | int]
 
 
 @dataclass
 class Family:
-    """One metric family: ``kind`` is ``counter``, ``gauge`` or ``histogram``."""
+    """One metric family: ``kind`` is ``counter``, ``gauge`` or ``histogram``; a counter's name
+    ends in ``_total``."""
 
     name: str
     kind: str
@@ -49,6 +58,36 @@ class Family:
     def add(self, value: float, **labels: str | int) -> Family:
         self.samples.append((labels, float(value)))
         return self
+
+    def metric(self, common: Labels) -> Metric:
+        """This family for ``prometheus_client``, with the ``common`` labels on every sample."""
+        base = self.name.removesuffix("_total") if self.kind == "counter" else self.name
+        metric = Metric(base, self.help, self.kind)
+        for labels, value in self.samples:
+            metric.add_sample(self.name, _strings({**common, **labels}), value)
+        for labels, bounds, total, count in self.histograms:
+            merged = _strings({**common, **labels})
+            for bound, cumulative in bounds:
+                metric.add_sample(f"{base}_bucket", {**merged, "le": floatToGoString(bound)}, cumulative)
+            metric.add_sample(f"{base}_sum", merged, total)
+            metric.add_sample(f"{base}_count", merged, count)
+        return metric
+
+
+def _strings(labels: Labels) -> dict[str, str]:
+    return {k: str(v) for k, v in labels.items()}
+
+
+class FamilyCollector(Collector):
+    """A ``prometheus_client`` collector that builds its families at each scrape."""
+
+    def __init__(self, families: Callable[[], Iterable[Family]], common: Labels | None = None) -> None:
+        self.families = families
+        self.common = dict(common or {})
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.families():
+            yield family.metric(self.common)
 
 
 class LatencyHistogram:
@@ -77,45 +116,6 @@ class LatencyHistogram:
         return fam
 
 
-def _escape(value: str | int) -> str:
-    return str(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-def _labels(labels: Labels, extra: Labels | None = None) -> str:
-    merged = {**labels, **(extra or {})}
-    if not merged:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in merged.items()) + "}"
-
-
-def _number(x: float) -> str:
-    if x == float("inf"):
-        return "+Inf"
-    return repr(float(x)) if x != int(x) or abs(x) >= 1e15 else str(int(x))
-
-
-def _bound(x: float) -> str:
-    """A bucket's ``le`` label as Prometheus clients write it: ``0.005``, ``10.0``, ``+Inf``."""
-    return "+Inf" if x == float("inf") else repr(float(x))
-
-
-def render(families: Iterable[Family], common: Labels | None = None) -> str:
-    """The Prometheus text exposition (format 0.0.4) of ``families``; ``common`` labels go on every sample."""
-    lines: list[str] = []
-    for fam in families:
-        lines.append(f"# HELP {fam.name} " + fam.help.replace("\\", r"\\").replace("\n", r"\n"))
-        lines.append(f"# TYPE {fam.name} {fam.kind}")
-        for labels, value in fam.samples:
-            lines.append(f"{fam.name}{_labels({**(common or {}), **labels})} {_number(value)}")
-        for labels, bounds, total, count in fam.histograms:
-            base = {**(common or {}), **labels}
-            for bound, cumulative in bounds:
-                lines.append(f"{fam.name}_bucket{_labels(base, {'le': _bound(bound)})} {_number(cumulative)}")
-            lines.append(f"{fam.name}_sum{_labels(base)} {_number(total)}")
-            lines.append(f"{fam.name}_count{_labels(base)} {_number(count)}")
-    return "\n".join(lines) + "\n"
-
-
 def counters(name: str, help: str, values: Mapping[str, float], label: str) -> Family:
     """A counter family with one sample per entry of ``values``."""
     fam = Family(name, "counter", help)
@@ -130,48 +130,21 @@ def metrics_token(secret: bytes) -> str:
 
 
 class MetricsEndpoint:
-    """Serves ``GET /metrics`` on ``host:port`` from ``collect()``, in a daemon thread.
+    """Serves ``GET /metrics`` on ``host:port`` from ``families()``, in a daemon thread.
 
     With a ``token``, a request must carry ``Authorization: Bearer <token>``; without one the
     endpoint is open and ``host`` must be a loopback address.
     """
 
-    def __init__(self, collect: Callable[[], str], host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None) -> None:
+    def __init__(self, families: Callable[[], Iterable[Family]], common: Labels | None = None,
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
         if token is None and not is_loopback_host(host):
             raise ConfigError(f"metrics bind {host!r}, off loopback, only for a job with a shared secret "
                               "(SHOAL_SECRET or SHOAL_SECRET_FILE): scrapers then present a token derived from it")
-        expected = None if token is None else f"Bearer {token}".encode()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
-                if expected is not None and not hmac.compare_digest(
-                        self.headers.get("Authorization", "").encode(), expected):
-                    self.send_response(401, "a bearer token is required (shoal metrics-token prints it)")
-                    self.send_header("WWW-Authenticate", 'Bearer realm="shoal"')
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                if self.path.split("?")[0] not in ("/metrics", "/"):
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                try:
-                    body = collect().encode()
-                except Exception:  # a scrape must never take the process down
-                    log.exception("metrics: collecting failed")
-                    self.send_error(500, "collecting metrics failed")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass  # scrapes every few seconds would flood the job's output
-
-        self._http = ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(FamilyCollector(families, common))
+        app = _guarded(make_wsgi_app(registry), None if token is None else f"Bearer {token}".encode())
+        self._http = make_server(host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
         self.url = f"http://{host}:{self._http.server_address[1]}/metrics"
         self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="shoal-metrics", daemon=True)
@@ -181,3 +154,34 @@ class MetricsEndpoint:
         self._http.shutdown()
         self._http.server_close()
         self._thread.join(timeout=5)
+
+
+def _guarded(app: Any, expected: bytes | None) -> Any:
+    """``app`` behind the bearer token (if any), on ``/metrics`` only; a failing scrape answers 500."""
+
+    def guarded(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if expected is not None and not hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode(),
+                                                            expected):
+            start_response("401 a bearer token is required (shoal metrics-token prints it)",
+                           [("WWW-Authenticate", 'Bearer realm="shoal"'), ("Content-Length", "0")])
+            return [b""]
+        if environ.get("PATH_INFO", "/") not in ("/metrics", "/"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"only /metrics is served here\n"]
+        try:
+            return app(environ, start_response)  # type: ignore[no-any-return]
+        except Exception:  # a scrape must never take the process down
+            log.exception("metrics: collecting failed")
+            start_response("500 Internal Server Error", [("Content-Type", "text/plain")], sys.exc_info())
+            return [b"collecting metrics failed\n"]
+
+    return guarded
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scrapes every few seconds would flood the job's output

@@ -19,14 +19,13 @@ from typing import IO, Any
 
 from shoal.api.config import Limits
 from shoal.api.errors import ClusterError, RequestTimeoutError
+from shoal.api.ids import OBSERVER, RENDEZVOUS
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
-
-STATUS_SENDER = -3  # not a worker rank: servers keep no clock for it
 
 
 def runs_dir() -> Path:
@@ -113,8 +112,8 @@ class StatusClient:
     def __init__(self, rendezvous: str, secret: bytes | None, timeout: float = 5.0) -> None:
         self.timeout = timeout
         self.transport = ZmqTransport()
-        self.tracker = RequestTracker(self.transport, Codec(Limits(), secret), sender=STATUS_SENDER)
-        self.tracker.connect(membership.RENDEZVOUS_PEER, rendezvous)
+        self.tracker = RequestTracker(self.transport, Codec(Limits(), secret), sender=OBSERVER)
+        self.tracker.connect(RENDEZVOUS, rendezvous)
         self._connected: dict[int, str] = {}
 
     def snapshot(self) -> Snapshot:

@@ -28,15 +28,7 @@ from shoal.replication.gossip import DIGEST, GossipPayload
 from shoal.storage.checkpoint import place_saved
 from shoal.storage.initialize import fill_initial
 
-WORKER_ORIGINS = 1 << 40  # origins below this are reserved
-RANK_BITS = 20  # worker origin = WORKER_ORIGINS + (incarnation << RANK_BITS) + rank
-MAX_RANKS = 1 << RANK_BITS
 _LOG_BYTES = 64 * 1024 * 1024  # logged updates kept per origin for deltas; older peers get whole states
-
-
-def worker_origin(rank: int, incarnation: int) -> int:
-    """The origin of a worker's pushes: its rank and incarnation (a restarted worker is a new origin)."""
-    return WORKER_ORIGINS + (incarnation << RANK_BITS) + rank
 
 
 @dataclass
@@ -270,4 +262,4 @@ def delta_count(payload: GossipPayload) -> int:
     return sum(len(d.updates) for d in payload.deltas) + len(payload.states)
 
 
-__all__ = ["Delta", "HeldPush", "ShardReplica", "delta_count", "worker_origin"]
+__all__ = ["Delta", "HeldPush", "ShardReplica", "delta_count"]

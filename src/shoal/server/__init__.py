@@ -1,6 +1,8 @@
 """The server process's logic: a request loop over the shards a node owns.
 
 - ``server``: ``ParameterServer`` (decode, check, dispatch, reply)
+- ``service``: ``TableService``, what the loop and checkpoints ask of each kind of table
+- ``static``: ``StaticService``, the static tables: pulls held by the bound, pushes into the slices
 - ``tables``: ``ServedTable`` (key-level pull/push over local shard stores)
 - ``streams``: each worker's requests handled in the order it sent them
 - ``sync``: worker clocks, held pulls and eager pushes

@@ -30,17 +30,19 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import CheckpointError, ConfigError, ProtocolError
+from shoal.api.errors import CheckpointError, ConfigError, ProtocolError, TableError
+from shoal.api.ids import ADAPTIVE_SHARD, server_node, server_sender
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
 from shoal.placement.ownership import MAX_HOPS, Directory, LocationCache, home_of
-from shoal.server.replicated import SERVER_SENDERS
+from shoal.storage import checkpoint
 from shoal.storage.checkpoint import place_saved
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA, any_nonfinite, take_pending
 from shoal.storage.shard import ShardStore
@@ -53,7 +55,6 @@ from shoal.wire.ops import Op
 log = logging.getLogger(__name__)
 
 _CARRIES_ROWS = ("state", "replicate", "sync", "synced")  # placement messages with rows in their second array
-ADAPTIVE_SHARD = -1  # the node-wide store of an adaptive table has no shard number
 _ACTION_S = 0.005  # about how long a relocation or replication takes here: sets the action window
 _HELD_S = 2.0  # a request waiting for rows on their way here longer than this is answered "moved"
 _SYNC_HOPS = 16  # a replica's change chasing a key that keeps moving: after this many hops it is logged and lost
@@ -132,7 +133,7 @@ class AdaptiveService:
         self.reply = reply
         self.clocks = clocks
         self.tables: dict[str, AdaptiveTable] = {}
-        self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node,
+        self.peers = RequestTracker(transport, codec, sender=server_sender(node),
                                     resend_s=cluster.timeouts.resend_s)
         self._addresses: dict[int, str] = {}
         #: messages for servers whose address we do not know yet (they must not be lost: a
@@ -152,15 +153,37 @@ class AdaptiveService:
                 for msg in self._outbox.pop(n, []):
                     self.peers.notify(n, msg)
 
-    def create(self, spec: TableSpec) -> AdaptiveTable:
-        table = AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
-        self.tables[spec.name] = table
+    keeps_rows_across_restart = False
+    served_by_joined_servers = False  # keys are homed over the nodes the table was made on
+
+    def create(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
+        self.tables[spec.name] = AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
+
+    def spec(self, name: str) -> TableSpec:
+        return self._table(name).spec
+
+    def shards(self, name: str) -> list[int]:
+        self._table(name)
+        return [ADAPTIVE_SHARD]  # one node-wide store
+
+    def _table(self, name: str) -> AdaptiveTable:
+        table = self.tables.get(name)
+        if table is None:
+            raise TableError(f"server {self.node} has no adaptive table {name!r}")
         return table
+
+    def share(self, name: str, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """The node-wide store of the table: co-located workers read and update present rows in it."""
+        table = self._table(name)
+        store = table.store
+        return {"spec": table.spec.to_dict(),
+                "shards": [{"shard": ADAPTIVE_SHARD, "num_rows": store.num_rows, "label": store.segment.label}]}, \
+            [store.fd]
 
     # ------------------------------------------------------- worker requests
 
     def handle(self, peer: bytes, msg: Message) -> Message | None:
-        table = self.tables[msg.table]
+        table = self._table(msg.table)
         if msg.op == Op.PULL:
             return self._pull(table, peer, msg)
         if msg.op == Op.PUSH:
@@ -477,7 +500,7 @@ class AdaptiveService:
         msg = Message(Op.PLACEMENT, table=table.spec.name, body={"kind": kind, **body}, arrays=arrays)
         self.stats[f"placement_{kind}_sent"] += 1
         if node == self.node:  # to ourselves: no message
-            msg.sender = SERVER_SENDERS + self.node
+            msg.sender = server_sender(self.node)
             self._placement(table, msg)
         elif node not in self._addresses:
             self._outbox[node].append(msg)
@@ -486,8 +509,8 @@ class AdaptiveService:
             self.peers.notify(node, msg, block=True)  # placement messages carry rows: never dropped
 
     def _placement(self, table: AdaptiveTable, msg: Message) -> None:
-        sender = msg.sender - SERVER_SENDERS
-        if not 0 <= sender < self.cluster.num_nodes:
+        sender = server_node(msg.sender, self.cluster.num_nodes)
+        if sender is None:
             raise ProtocolError(f"placement message from sender {msg.sender}, which is no server")
         kind, body, arrays = msg.body.get("kind"), msg.body, msg.arrays
         try:
@@ -563,14 +586,15 @@ class AdaptiveService:
 
     # ----------------------------------------------------------- checkpoints
 
-    def settle(self, table: AdaptiveTable) -> list[str]:
+    def settle(self, name: str) -> tuple[list[str], list[list[Any]] | None]:
         """Send replicas' changes to their owners now; what still keeps the owners' rows from being final.
 
         With every worker stopped at a barrier nothing new starts: once every server has nothing
         unsettled, each owned row holds every change, wherever it was made.
         """
+        table = self._table(name)
         self._sync(table)
-        return self.unsettled(table)
+        return self.unsettled(table), None
 
     def unsettled(self, table: AdaptiveTable) -> list[str]:
         assert table.store.pending is not None
@@ -589,19 +613,28 @@ class AdaptiveService:
             why.append("messages wait for servers not yet known")
         return why
 
-    def owned_rows(self, table: AdaptiveTable) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The keys this node owns and their values and optimiser state (replicas are left out:
-        their owners write them, with every replica's change once settled)."""
+    def write(self, name: str, staging: Path, index: int) -> list[dict[str, Any]]:
+        """The keys this node owns with their values and optimiser state (replicas are left out: their
+        owners write them, with every replica's change once settled)."""
+        table = self._table(name)
+        why = self.unsettled(table)
+        if why:
+            raise CheckpointError(f"placement of {name!r} is still settling ({'; '.join(why)}); try again")
         store = table.store
         with store.hold(None, exclusive=False):
             keys = np.flatnonzero(table.presence == OWNED)
-            arrays = {name: array[keys] for name, array in store.state_arrays().items()}
-        return keys, arrays
+            arrays = {key: array[keys] for key, array in store.state_arrays().items()}
+        return [{**checkpoint.write_part(staging, index, f"n{self.node}-owned", keys, arrays), "node": self.node}]
 
-    def load_home_rows(self, table: AdaptiveTable, keys: np.ndarray, arrays: dict[str, np.ndarray],
-                       write: bool = True) -> int:
-        """Restore: put the rows of this node's home keys in place (``write`` False: only check that
-        they fit); a job restores before keys move."""
+    def restore(self, name: str, path: Path, entry: dict[str, Any], write: bool) -> int:
+        """Put the rows of this node's home keys in place (``write`` False: only check that they fit);
+        a job restores before keys move."""
+        table = self._table(name)
+        return sum(self._load_home_rows(table, keys.astype(np.int64, copy=False), arrays, write)
+                   for keys, arrays in checkpoint.read_parts(path, entry))
+
+    def _load_home_rows(self, table: AdaptiveTable, keys: np.ndarray, arrays: dict[str, np.ndarray],
+                        write: bool) -> int:
         home = np.zeros(table.spec.num_keys, dtype=np.uint8)
         home[self.node::table.num_nodes] = OWNED
         if not np.array_equal(table.presence, home):

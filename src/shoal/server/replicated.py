@@ -14,17 +14,20 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import CheckpointError, ConfigError, KeyRangeError, ProtocolError, ShoalError
+from shoal.api.errors import CheckpointError, ConfigError, KeyRangeError, ProtocolError, ShoalError, TableError
+from shoal.api.ids import MAX_INCARNATIONS, MAX_RANKS, server_node, server_sender, worker_origin
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
-from shoal.replication.replica import MAX_RANKS, ShardReplica, worker_origin
+from shoal.replication.replica import ShardReplica
+from shoal.storage import checkpoint
 from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
@@ -33,8 +36,6 @@ from shoal.wire.ops import Op
 from shoal.wire.schema import is_int64
 
 log = logging.getLogger(__name__)
-
-SERVER_SENDERS = 1 << 30  # sender id of server n on server-to-server messages
 
 
 class ReplicatedTable:
@@ -91,7 +92,7 @@ class ReplicationService:
         self._incarnations: dict[int, int] = {}
         self._answered_at: dict[tuple[str, int, int], float] = {}
         self._waiting_since: dict[tuple[str, int], float] = {}
-        self.peers = RequestTracker(transport, codec, sender=SERVER_SENDERS + node,
+        self.peers = RequestTracker(transport, codec, sender=server_sender(node),
                                     resend_s=cluster.timeouts.resend_s)
         self.stats: Counter[str] = Counter()
         self._addresses: dict[int, str] = {}
@@ -124,15 +125,35 @@ class ReplicationService:
                    for table in self.tables.values() for shard in table.replicas
                    for n in table.layout.replica_nodes(shard))
 
-    def create(self, spec: TableSpec) -> ReplicatedTable:
-        table = ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.rng)
-        self.tables[spec.name] = table
+    keeps_rows_across_restart = True  # a replica started again regains its rows by gossip
+    served_by_joined_servers = False  # replicas sit on the nodes the table was made on
+
+    def create(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
+        self.tables[spec.name] = ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.rng)
+
+    def spec(self, name: str) -> TableSpec:
+        return self._table(name).spec
+
+    def shards(self, name: str) -> list[int]:
+        return sorted(self._table(name).replicas)
+
+    def _table(self, name: str) -> ReplicatedTable:
+        table = self.tables.get(name)
+        if table is None:
+            raise TableError(f"server {self.node} has no replicated table {name!r}")
         return table
+
+    def share(self, name: str, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        raise TableError(f"replicated table {name!r} is reached through its replicas, not shared memory")
+
+    def describe(self) -> dict[str, list[int]]:
+        """The shards this server holds a replica of, by table."""
+        return {name: sorted(table.replicas) for name, table in self.tables.items()}
 
     # -------------------------------------------------------------- requests
 
     def handle(self, peer: bytes, msg: Message) -> Message | None:
-        table = self.tables[msg.table]
+        table = self._table(msg.table)
         if msg.op == Op.PUSH:
             return self._push(table, peer, msg)
         if msg.op == Op.PULL:
@@ -158,7 +179,7 @@ class ReplicationService:
         rows, grads, _ = drop_nonfinite(rows, grads, table.spec)
         seq, incarnation = msg.body.get("seq"), msg.body.get("inc")
         if not (isinstance(seq, int) and isinstance(incarnation, int) and is_int64(seq) and is_int64(incarnation)
-                and seq >= 1 and 1 <= incarnation < 1 << 20):
+                and seq >= 1 and 1 <= incarnation < MAX_INCARNATIONS):
             raise ProtocolError("a push to a replicated table carries its number and its worker's incarnation "
                                 f"(body.seq >= 1, body.inc in [1, 2**20)), got {seq!r} and {incarnation!r}")
         if not 0 <= msg.sender < min(self.cluster.num_workers, MAX_RANKS):  # each origin costs a shard of state
@@ -245,8 +266,8 @@ class ReplicationService:
                       self.node, table.spec.name, node, exc)
 
     def _gossip_in(self, table: ReplicatedTable, msg: Message) -> None:
-        sender = msg.sender - SERVER_SENDERS
-        if not 0 <= sender < self.cluster.num_nodes:
+        sender = server_node(msg.sender, self.cluster.num_nodes)
+        if sender is None:
             raise ProtocolError(f"gossip from sender {msg.sender}, which is no server")
         replica = table.replica(int(msg.body["shard"]))
         try:
@@ -270,27 +291,41 @@ class ReplicationService:
 
     # ----------------------------------------------------------- checkpoints
 
-    def settle(self, table: ReplicatedTable) -> tuple[list[list[Any]], list[str]]:
-        """Gossip with every live peer replica now. Returns this server's version vector per shard
-        (the replicas of a shard agree once theirs are equal) and what else keeps them from being final."""
+    def settle(self, name: str) -> tuple[list[str], list[list[Any]] | None]:
+        """Gossip with every live peer replica now. Returns what else keeps the replicas from being final
+        and this server's version vector per shard (the replicas of a shard agree once theirs are equal)."""
+        table = self._table(name)
         why = []
         for shard, replica in sorted(table.replicas.items()):
             for node in self._live_peers(table, shard):
                 self._send_gossip(table, node, replica.digest())
             if any(replica.held.values()):
                 why.append(f"shard {shard} holds pushes that wait for earlier ones")
-        return [[shard, wire_version(replica)] for shard, replica in sorted(table.replicas.items())], why
+        return why, [[shard, wire_version(replica)] for shard, replica in sorted(table.replicas.items())]
 
-    def load(self, table: ReplicatedTable, parts: Iterable[tuple[np.ndarray, dict[str, np.ndarray]]],
-             write: bool = True) -> int:
-        """Restore: every replica here takes its keys' rows from the parts (a later part wins, so the
-        caller puts this node's own parts, with its optimiser state, last). Returns the rows filled
-        (``write`` False: that would be filled, writing nothing)."""
+    def write(self, name: str, staging: Path, index: int) -> list[dict[str, Any]]:
+        """Every replica here writes its rows with its own optimiser state."""
+        table = self._table(name)
+        entries = []
+        for shard, replica in sorted(table.replicas.items()):
+            if any(replica.held.values()):
+                raise CheckpointError(f"shard {shard} of {name!r} holds pushes that wait for earlier ones; try again")
+            entry = checkpoint.write_part(staging, index, f"n{self.node}-s{shard}",
+                                          table.layout.mapping.keys_of(shard), replica.state_arrays())
+            entries.append({**entry, "shard": shard, "node": self.node, "version": wire_version(replica)})
+        return entries
+
+    def restore(self, name: str, path: Path, entry: dict[str, Any], write: bool) -> int:
+        """Every replica here takes its keys' rows from the parts, this node's own parts last: where it
+        wrote a row, its optimiser state is the one it kept. Returns the rows filled (``write`` False:
+        that would be filled, writing nothing)."""
+        table = self._table(name)
         if any(any(r.version().values()) for r in table.replicas.values()):
             raise CheckpointError(f"replicated table {table.spec.name!r} has taken updates already: "
                                   "restore right after creating the tables, before training")
+        own_last = sorted(entry["parts"], key=lambda part: part.get("node") == self.node)
         filled = {shard: np.zeros(replica.num_rows, dtype=np.bool_) for shard, replica in table.replicas.items()}
-        for keys, arrays in parts:
+        for keys, arrays in checkpoint.read_parts(path, {**entry, "parts": own_last}):
             shards, rows = table.layout.mapping.locate(keys)
             for shard, replica in table.replicas.items():
                 mine = np.flatnonzero(shards == shard)

@@ -26,27 +26,28 @@ from shoal.api.errors import (
     RequestTimeoutError,
     ServerError,
     ShoalError,
-    SliceMovedError,
     TableError,
 )
+from shoal.api.ids import RENDEZVOUS
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
-from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, metrics_token, render
+from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, metrics_token
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
-from shoal.placement.layout import TableLayout, slice_count
-from shoal.server.adaptive import ADAPTIVE_SHARD, AdaptiveService
+from shoal.placement.layout import slice_count
+from shoal.server.adaptive import AdaptiveService
 from shoal.server.checkpoints import CheckpointService
 from shoal.server.metrics import server_families
 from shoal.server.replicated import ReplicationService
+from shoal.server.service import TableService
 from shoal.server.slicing import SliceService
+from shoal.server.static import StaticService
 from shoal.server.streams import StreamOrder
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, SliceMoving, table_bytes
 from shoal.storage import kernels
 from shoal.storage.segment import Segment
-from shoal.storage.validate import as_keys, as_rows
 from shoal.transport.base import Transport, is_loopback_host
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
@@ -61,6 +62,8 @@ _BURST_S = 0.01  # longest stretch of message handling between timer runs
 _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS})
 #: requests that read or write a table's rows (refused for a table whose rows here were lost)
 _DATA_OPS = frozenset({Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LOCALIZE, Op.INTENT})
+#: requests a table's service serves (each kind serves those it knows)
+_TABLE_OPS = _DATA_OPS | {Op.GOSSIP, Op.REPLICA_STATS, Op.PLACEMENT}
 
 
 def is_loopback(address: str) -> bool:
@@ -112,6 +115,9 @@ class ParameterServer:
                                               lambda peer, msg: self._send(peer, msg, self.codec))
         self.adaptive = AdaptiveService(node, cluster, transport, self.codec,
                                         lambda peer, msg: self._send(peer, msg, self.codec), self.clocks)
+        self.static = StaticService(node, cluster.num_nodes, cluster.cluster_id, self.tables, self.clocks, self.sync)
+        #: the service of each table, by name: the one place that knows a table's kind
+        self.services: dict[str, TableService] = {}
         self._stop = threading.Event()
         self._rendezvous = RequestTracker(transport, self.codec, sender=node, resend_s=cluster.timeouts.resend_s)
         self._heartbeat_req: int | None = None
@@ -120,14 +126,14 @@ class ParameterServer:
         self.slicing = SliceService(node, cluster, transport, self.codec, self.tables, self.sync, self._rendezvous,
                                     self._serve_held)
         self.sync.hold_for_move = self.slicing.hold
-        self.checkpoints = CheckpointService(node, self.tables, self.adaptive, self.replication, self.lost)
+        self.checkpoints = CheckpointService(node, self.services, self.lost)
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
         self.queue_length = 0  # the same, as last reported
         self.latency = LatencyHistogram()
         self.replay = ReplayGuard()  # a request sent again is answered again, never served twice
         #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token in a signed job
         self.metrics = None if metrics_port is None else MetricsEndpoint(
-            lambda: render(server_families(self), {"node": self.node}), metrics_host, metrics_port,
+            lambda: server_families(self), {"node": self.node}, metrics_host, metrics_port,
             metrics_token(cluster.secret) if cluster.secret else None)
         self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
 
@@ -136,7 +142,7 @@ class ParameterServer:
     def run(self, register: bool = True) -> None:
         """Serve until asked to stop, the cluster finishes, or the rendezvous is lost."""
         if register:
-            self._rendezvous.connect(membership.RENDEZVOUS_PEER, self.cluster.rendezvous)
+            self._rendezvous.connect(RENDEZVOUS, self.cluster.rendezvous)
             status = membership.register(
                 self._rendezvous, "server", self.node, self.node, self.address, self.cluster.timeouts.connect_s,
                 metrics=self.metrics.url if self.metrics is not None else None)
@@ -190,7 +196,7 @@ class ParameterServer:
         incarnations = status.get("incarnations") or []
         restarted = self.node < len(incarnations) and int(incarnations[self.node]) > 1
         for name in self._adopt_tables(status, "after a restart"):
-            if restarted and name not in self.replication.tables:
+            if restarted and not self.services[name].keeps_rows_across_restart:
                 self.lost[name] = (f"the rows of table {name!r} on server {self.node} were lost with its previous "
                                    "process (it was started again); restore a checkpoint to go on with them")
 
@@ -201,11 +207,10 @@ class ParameterServer:
         created = []
         for spec in status.get("tables") or []:
             parsed = TableSpec.from_dict(spec)
-            if parsed.name in self.tables or parsed.name in self.replication.tables \
-                    or parsed.name in self.adaptive.tables:
+            if parsed.name in self.services:
                 continue
-            if self.node >= self.cluster.num_nodes and (parsed.replicated or parsed.adaptive):
-                continue  # a server that joined later holds only slices of static tables
+            if self.node >= self.cluster.num_nodes and not self._service_for(parsed).served_by_joined_servers:
+                continue  # a server that joined later holds only what slices are moved to it
             try:
                 self._add_table(parsed, layouts.get(parsed.name))
             except ShoalError as exc:
@@ -233,7 +238,7 @@ class ParameterServer:
                     "poll": True}
             self.queue_length, self._backlog = self._backlog, 0
             self._heartbeat_req = tracker.request(
-                membership.RENDEZVOUS_PEER, Message(Op.CLUSTER_STATUS, body=body), self._on_status, "heartbeat")
+                RENDEZVOUS, Message(Op.CLUSTER_STATUS, body=body), self._on_status, "heartbeat")
         elif self._heartbeat_req is not None and now - self._last_heartbeat > self.cluster.timeouts.connect_s:
             log.error("server %d: rendezvous silent for %.0fs; shutting down", self.node, now - self._last_heartbeat)
             self.stop()
@@ -319,13 +324,6 @@ class ParameterServer:
         except SliceMoving:
             self.slicing.hold(peer, msg)
             return False
-        except SliceMovedError as exc:
-            if msg.op in (Op.PUSH, Op.PUSH_PULL) and msg.table in self.tables and "stream" in msg.body:
-                # The worker sends the push again by a fresh layout, and the part for slices still
-                # here comes back here: until then its later clock ticks must not count here.
-                self.sync.refuse_reads(msg.sender, msg.table, self.tables[msg.table].layout.epoch)
-            self.stats[f"error_{exc.code}"] += 1
-            reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
         except ShoalError as exc:
             self.stats[f"error_{exc.code}"] += 1
             reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
@@ -375,22 +373,10 @@ class ParameterServer:
     def dispatch(self, msg: Message, peer: bytes = b"") -> Message | None:
         """Serve one checked request; None means no reply now (a held pull, or none at all)."""
         op = msg.op
-        if msg.table in self.lost and op in _DATA_OPS:
-            raise ClusterError(self.lost[msg.table])
-        if msg.table in self.replication.tables and op not in (Op.CREATE_TABLE, Op.CLOCK, Op.CONFIRM):
-            return self.replication.handle(peer, msg)
-        if msg.table in self.adaptive.tables and op not in (Op.CREATE_TABLE, Op.CLOCK, Op.CONFIRM):
-            return self.adaptive.handle(peer, msg)
-        if op == Op.PULL:
-            return self.sync.pull(self._table(msg.table), peer, msg)
-        if op == Op.PUSH:
-            table = self._table(msg.table)
-            skipped = self._push(table, msg)
-            return msg.reply(Op.OK, {"skipped": skipped} if skipped else None)
-        if op == Op.PUSH_PULL:
-            table = self._table(msg.table)
-            self._push(table, msg)
-            return self.sync.pull(table, peer, msg)
+        if op in _TABLE_OPS:
+            if msg.table in self.lost and op in _DATA_OPS:
+                raise ClusterError(self.lost[msg.table])
+            return self._service(msg.table).handle(peer, msg)
         if op == Op.CLOCK:
             return msg.reply(Op.OK)
         if op == Op.CONFIRM:
@@ -415,29 +401,22 @@ class ParameterServer:
             return msg.reply(Op.OK)
         raise ProtocolError(f"server does not serve {op.name}")
 
-    def _table(self, name: str) -> ServedTable:
-        table = self.tables.get(name)
-        if table is None:
+    def _service(self, name: str) -> TableService:
+        service = self.services.get(name)
+        if service is None:
             raise TableError(f"server {self.node} has no table {name!r}")
-        return table
-
-    def _push(self, table: ServedTable, msg: Message) -> int:
-        keys = as_keys(msg.arrays[0], table.spec)
-        grads = as_rows(msg.arrays[1], keys.shape[0], table.spec, strict_dtype=True)
-        skipped = table.push(keys, grads)
-        self.sync.after_push(table)
-        return skipped
+        return service
 
     def _create_table(self, msg: Message) -> Message:
         spec = TableSpec.from_dict(msg.body["spec"])
         if spec.name != msg.table:
             raise ProtocolError(f"CREATE_TABLE for {msg.table!r} carries a spec named {spec.name!r}")
-        existing = (self.tables.get(spec.name) or self.replication.tables.get(spec.name)
-                    or self.adaptive.tables.get(spec.name))
+        existing = self.services.get(spec.name)
         if existing is not None:
-            if existing.spec != spec:
+            held = existing.spec(spec.name)
+            if held != spec:
                 raise TableError(f"table {spec.name!r} already exists with a different spec: "
-                                 f"{existing.spec.differences(spec, 'there', 'asked here')}")
+                                 f"{held.differences(spec, 'there', 'asked here')}")
         else:
             size = table_bytes(spec)
             if size > self.cluster.limits.max_table_bytes:
@@ -449,22 +428,21 @@ class ParameterServer:
                                  f"{self.cluster.limits.max_slices} (fewer slices=, or a larger slice_bytes)")
             self._add_table(spec)
             log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
-        if spec.replicated:
-            return msg.reply(Op.OK, {"shards": sorted(self.replication.tables[spec.name].replicas)})
-        if spec.adaptive:
-            return msg.reply(Op.OK, {"shards": [ADAPTIVE_SHARD]})
-        return msg.reply(Op.OK, {"shards": sorted(self.tables[spec.name].stores)})
+        return msg.reply(Op.OK, {"shards": self.services[spec.name].shards(spec.name)})
 
     def _add_table(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
+        """Create ``spec`` in the service of its kind (``current``: its layout now, if known)."""
+        service = self._service_for(spec)
+        service.create(spec, current)
+        self.services[spec.name] = service
+
+    def _service_for(self, spec: TableSpec) -> TableService:
+        """The one place that looks at a table's kind."""
         if spec.replicated:
-            self.replication.create(spec)
-        elif spec.adaptive:
-            self.adaptive.create(spec)
-        else:
-            layout = TableLayout.initial(spec, self.cluster.num_nodes)
-            if current is not None:  # slices may have moved since the table was created
-                layout = layout.at(current["owners"], int(current["epoch"]))
-            self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster.cluster_id, self.clocks)
+            return self.replication
+        if spec.adaptive:
+            return self.adaptive
+        return self.static
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -476,15 +454,13 @@ class ParameterServer:
             "queue": self.queue_length,
             "held": self.sync.held_count(),
             "out_of_order": self.order.waiting_count(),
-            "tables": {n: {"shards": sorted(t.stores), "rows": sum(s.num_rows for s in t.stores.values()),
-                           "epoch": t.layout.epoch} for n, t in self.tables.items()},
             "clocks": [int(c) for c in self.clocks.clocks],
             "slowest_clock": self.clocks.slowest,
             "stats": dict(self.stats + self.sync.stats + self.replication.stats + self.adaptive.stats
                           + self.slicing.stats),
-            "replicated": {n: sorted(t.replicas) for n, t in self.replication.tables.items()},
+            **self.static.describe(),
+            "replicated": self.replication.describe(),
             "adaptive": self.adaptive.describe(),
-            "controllers": {n: t.controller.stats.as_dict() for n, t in self.tables.items()},
         }
 
     # --------------------------------------------------- shared-memory access
@@ -494,18 +470,8 @@ class ParameterServer:
         if request.get("clocks"):  # with this process's id: co-located workers watch it for its end
             return {"num_workers": self.cluster.num_workers, "label": self._clock_segment.label,
                     "pid": os.getpid()}, [self._clock_segment.fd]
-        adaptive = self.adaptive.tables.get(str(request.get("table")))
-        if adaptive is not None:
-            store = adaptive.store
-            return {"spec": adaptive.spec.to_dict(),
-                    "shards": [{"shard": ADAPTIVE_SHARD, "num_rows": store.num_rows, "label": store.segment.label}]}, \
-                [store.fd]
-        table = self._table(str(request.get("table")))
-        stores = dict(table.stores)  # this runs beside the loop, which may move slices meanwhile
-        wanted = request.get("shards")
-        shards = [s for s in sorted(stores) if (wanted is None or s in wanted) and not stores[s].retired]
-        info = [{"shard": s, "num_rows": stores[s].num_rows, "label": stores[s].segment.label} for s in shards]
-        return {"spec": table.spec.to_dict(), "shards": info}, [stores[s].fd for s in shards]
+        name = str(request.get("table"))
+        return self._service(name).share(name, request)
 
     # --------------------------------------------------------------- closing
 
@@ -521,9 +487,7 @@ class ParameterServer:
         self.replication.close()
         self.adaptive.close()
         self.listener.close()
-        for table in self.tables.values():
-            table.close()
-        self.tables.clear()
+        self.static.close()
         del self.clocks
         self._clock_segment.close()
 

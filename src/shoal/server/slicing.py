@@ -33,7 +33,7 @@ import numpy as np
 
 from shoal.api.config import ClusterSpec
 from shoal.api.errors import ProtocolError, TableError
-from shoal.cluster import membership
+from shoal.api.ids import RENDEZVOUS
 from shoal.cluster.requests import RequestTracker
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable
@@ -169,7 +169,7 @@ class SliceService:
     def _report(self, move: _Outgoing) -> None:
         msg = Message(Op.MOVE_DONE, table=move.table, body={
             "shard": move.shard, "to": move.to, "epoch": move.epoch, "ok": move.handed})
-        move.report = self.rendezvous.request(membership.RENDEZVOUS_PEER, msg, lambda reply: self._finish(move),
+        move.report = self.rendezvous.request(RENDEZVOUS, msg, lambda reply: self._finish(move),
                                               f"MOVE_DONE {move.table!r}/{move.shard}")
 
     def _finish(self, move: _Outgoing) -> None:

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import CheckpointError
+from shoal.api.config import TableSpec
+from shoal.api.errors import CheckpointError, ShoalError
 
 FORMAT = 1
 #: numpy parses each array's header with ast.literal_eval, which CPython 3.11 before 3.11.8 can fail
@@ -157,6 +158,17 @@ def latest(root: str | os.PathLike[str]) -> Path:
     if "/" in name or not name.startswith(_PREFIX) or not (path / MANIFEST).is_file():
         raise CheckpointError(f"{root / LATEST} names {name!r}, which is not a complete checkpoint")
     return path
+
+
+def check_saved_spec(name: str, entry: Mapping[str, Any], spec: TableSpec) -> None:
+    """Raise ``CheckpointError`` naming the fields in which the table was saved with another spec."""
+    try:
+        saved = TableSpec.from_dict(entry.get("spec"))
+    except ShoalError as exc:
+        raise CheckpointError(f"the checkpoint's spec of table {name!r} is damaged: {exc}") from None
+    if saved != spec:
+        raise CheckpointError(f"table {name!r} was saved with a different spec: "
+                              f"{saved.differences(spec, 'saved', 'here')}")
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
