@@ -10,13 +10,7 @@ import pytest
 import shoal
 from shoal.storage.kernels import ABSENT, REPLICA
 from tests.support.cluster import ThreadCluster
-
-
-def wait_until(check, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+from tests.support.waiting import wait_until
 
 
 def test_localize_moves_keys_and_later_access_is_local():

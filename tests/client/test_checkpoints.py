@@ -3,8 +3,6 @@ servers, and a deterministic BSP run resumed from one ends bit-identical to the 
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -14,6 +12,7 @@ from shoal.server.replicated import wire_version
 from shoal.storage import checkpoint
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA
 from tests.support.cluster import ThreadCluster
+from tests.support.waiting import wait_until
 
 KEYS, DIM, STEPS, AT = 600, 4, 10, 5
 
@@ -125,13 +124,6 @@ def test_an_unwritable_root_fails_on_every_rank_by_name(tmp_path):
         cluster.run_workers(body)
 
 
-def _wait_until(check, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def test_an_adaptive_table_is_saved_with_every_replica_change_and_restored_at_home(tmp_path):
     hot, moved, everything = np.arange(10), np.arange(10, 20), np.arange(40)
     # Replicas send their changes only when a checkpoint settles the table (no background sync in 60 s).
@@ -146,7 +138,7 @@ def test_an_adaptive_table_is_saved_with_every_replica_change_and_restored_at_ho
             w.advance_clock()
             if w.rank == 1:
                 t.localize(moved)
-            _wait_until(lambda: all((p["ad"].presence[hot] != ABSENT).all() for p in presence)
+            wait_until(lambda: all((p["ad"].presence[hot] != ABSENT).all() for p in presence)
                         and (presence[1]["ad"].presence[moved] == OWNED).all())
             w.barrier()
             t.push(everything, np.full((40, 2), w.rank + 1.0, np.float32))
@@ -167,7 +159,7 @@ def test_an_adaptive_table_is_saved_with_every_replica_change_and_restored_at_ho
             w.barrier()
             if w.rank == 1:
                 t.localize(hot)
-                _wait_until(lambda: (cluster.servers[1].adaptive.tables["ad"].presence[hot] == OWNED).all())
+                wait_until(lambda: (cluster.servers[1].adaptive.tables["ad"].presence[hot] == OWNED).all())
             w.barrier()
             with pytest.raises(CheckpointError, match="restore right after creating the tables"):
                 w.restore(tmp_path)

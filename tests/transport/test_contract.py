@@ -20,6 +20,7 @@ from shoal.transport.base import Connection, Listener, Transport
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.inproc import InProcTransport
 from shoal.transport.zmq_transport import ZmqTransport
+from tests.support.waiting import wait_until
 
 WAIT_S = 5.0  # upper bound for anything that should arrive; tests normally take milliseconds
 
@@ -94,13 +95,6 @@ def recv_on(conn: Connection) -> list[bytes]:
     frames = conn.recv(WAIT_S)
     assert frames is not None, f"no reply from {conn.address} within {WAIT_S}s"
     return as_bytes(frames)
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {WAIT_S}s"
-        time.sleep(0.01)
 
 
 # ---------------------------------------------------------------- addresses
@@ -286,7 +280,7 @@ def test_send_to_a_closed_connection_eventually_returns_false(ends: Endpoints) -
     conn.close()
 
     # ZeroMQ learns of the disconnect asynchronously; until then a send is queued and dropped.
-    wait_until(lambda: listener.send(peer, [b"late"]) is False, "send to the closed peer failing")
+    wait_until(lambda: listener.send(peer, [b"late"]) is False, WAIT_S, "send to the closed peer failing")
 
 
 def test_connection_sent_before_the_listener_binds(ends: Endpoints) -> None:

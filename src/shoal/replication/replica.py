@@ -29,6 +29,10 @@ from shoal.storage.checkpoint import place_saved
 from shoal.storage.initialize import fill_initial
 
 _LOG_BYTES = 64 * 1024 * 1024  # logged updates kept per origin for deltas; older peers get whole states
+#: updates sent to a peer are not sent to it again for this long, though its digests may not show them yet:
+#: they are on their way (answering every digest with all the peer lacks sent each update again and
+#: again while the peer's queue was backed up, which backed it up further; lost ones go again after it)
+_IN_FLIGHT_S = 0.5
 
 
 @dataclass
@@ -64,6 +68,8 @@ class ShardReplica:
             self._first[...] = spec.optimizer.initial_accumulator  # type: ignore[index]
         self.held: dict[int, dict[int, HeldPush]] = defaultdict(dict)
         self.peer_versions: dict[int, dict[int, int]] = {}
+        #: per peer, per origin: up to which update we sent it, and when
+        self._sent: dict[int, dict[int, tuple[int, float]]] = defaultdict(dict)
         self.delays: dict[int, DelaySamples] = defaultdict(DelaySamples)  # accepting replica -> delays to here
         self.accept_times: deque[float] = deque(maxlen=4096)
 
@@ -193,14 +199,20 @@ class ShardReplica:
         self.peer_versions[peer] = peer_version
         payload = GossipPayload(self.shard, self.version(), stage)
         used = 0
+        now = self.now()
+        sent = self._sent[peer]
         for origin, state in self.lattice.origins.items():
             theirs = peer_version.get(origin, 0)
+            upto, at = sent.get(origin, (0, 0.0))
+            if now - at < _IN_FLIGHT_S:
+                theirs = max(theirs, upto)  # on their way to the peer
             if state.seq <= theirs or used >= budget:
                 continue
             delta = self.lattice.delta_since(origin, theirs)
             if delta is None:
                 payload.states.append((origin, state.seq, state.total))
                 used += state.total.nbytes
+                sent[origin] = (state.seq, now)
                 continue
             taken: list[Update] = []
             for update in delta.updates:  # a prefix is fine: the receiver replays in order
@@ -209,6 +221,7 @@ class ShardReplica:
                 taken.append(update)
                 used += update.values.nbytes + update.rows.nbytes
             payload.deltas.append(Delta(origin, delta.from_seq, tuple(taken)))
+            sent[origin] = (taken[-1].seq, now)
         return payload
 
     def absorb(self, payload: GossipPayload) -> int:
