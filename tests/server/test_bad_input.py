@@ -8,6 +8,7 @@ through a raw DEALER socket of the test's own, so frames can be malformed by han
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from shoal import (
     TableSpec,
 )
 from shoal.api.ids import SERVERS
+from shoal.cluster.throttle import ThrottledWarnings
 from shoal.server.server import ParameterServer
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire import Codec, Message, Op
@@ -414,6 +416,38 @@ def test_message_without_a_valid_tag_is_refused_and_not_applied(signed_client: R
     assert_error_reply(reply, AuthError)
     assert reply.arrays == []
     assert_serves_unchanged(signed_client, before)
+
+
+def test_a_flood_of_wrongly_signed_messages_logs_one_warning_and_counts_them_all(
+        signed_client: RawClient, caplog: pytest.LogCaptureFixture) -> None:
+    """Each wrongly signed message logged a warning (2,136 lines in 5 s): now the first is logged,
+    the rest are counted (in the server's stats, and in the next warning an interval later)."""
+    before = signed_client.pull(ALL_KEYS)
+    flood = 500
+    with caplog.at_level(logging.WARNING, logger="shoal.server.server"):
+        for _ in range(flood):
+            signed_client.send_frames(signed_push_frames(b"x" * 32))
+        for _ in range(flood):
+            assert_error_reply(signed_client.reply(codec=Codec()), AuthError)
+    warnings = [r.getMessage() for r in caplog.records if "unauthenticated" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert signed_client.live.server.stats["dropped_unauthenticated"] == flood
+    assert_serves_unchanged(signed_client, before)
+
+
+def test_throttled_warnings_report_how_many_came_meanwhile(caplog: pytest.LogCaptureFixture) -> None:
+    clock = [0.0]
+    warnings = ThrottledWarnings(logging.getLogger("shoal.test"), every_s=10.0, now=lambda: clock[0])
+    with caplog.at_level(logging.WARNING, logger="shoal.test"):
+        for second in range(25):
+            clock[0] = float(second)
+            warnings.warn("kind", "bad thing from %s", "peer")
+            warnings.warn("other", "another thing")
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad thing from peer", "another thing",
+        "bad thing from peer (10 such in the last 10s)", "another thing (10 such in the last 10s)",
+        "bad thing from peer (10 such in the last 10s)", "another thing (10 such in the last 10s)",
+    ]
 
 
 def test_signed_push_applies(signed_client: RawClient) -> None:

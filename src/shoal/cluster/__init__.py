@@ -8,4 +8,5 @@
 - ``liveness``: knowing at once that a process on this machine has ended
 - ``fdshare``: passing shared-memory descriptors to co-located processes
 - ``metrics``: Prometheus families and their HTTP endpoint
+- ``throttle``: warnings that may come in floods, logged once per interval with their count
 """

@@ -19,6 +19,7 @@ from shoal.api.config import RebalancePolicy, TableSpec
 from shoal.api.errors import ClusterError, ShoalError
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.slices import SliceAuthority
+from shoal.cluster.throttle import ThrottledWarnings
 from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
@@ -88,6 +89,7 @@ class Rendezvous:
         # A request sent again is answered again, never served twice (a REGISTER counts incarnations).
         self._replay = ReplayGuard(keep_reply_bytes=1 << 20)
         self._told_finished: set[int] = set()
+        self._warnings = ThrottledWarnings(log)  # bad messages may come by the thousand
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -199,7 +201,7 @@ class Rendezvous:
         try:
             msg = self.codec.decode(frames)
         except ShoalError as exc:
-            log.warning("rendezvous: dropping bad message: %s", exc)
+            self._warnings.warn("bad message", "rendezvous: dropping bad message: %s", exc)
             req = getattr(exc, "req", None)
             if isinstance(req, int):
                 err = Message(Op.ERROR, req=req, body={"code": exc.code, "message": str(exc)})

@@ -26,6 +26,7 @@ from shoal.api.errors import (
     error_from_code,
 )
 from shoal.cluster.metrics import LatencyHistogram
+from shoal.cluster.throttle import ThrottledWarnings
 from shoal.transport.base import Connection, Transport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
@@ -42,7 +43,6 @@ RESEND_MIN_S = 0.05  # never sooner: a reply slowed by a busy peer must not look
 RESEND_BYTES_PER_S = 50e6
 RESEND_MAX_S = 8.0
 RESEND_CHECK_S = 0.05
-DROP_WARNING_EVERY_S = 10.0
 ReplyHandler = Callable[[Message], None]
 
 
@@ -126,7 +126,7 @@ class RequestTracker:
         self.after_receive: Callable[[], None] | None = None
         self._in_after_receive = False
         #: one-way messages dropped since the last warning, and when it was, per (peer, op)
-        self._dropped: dict[tuple[int, str], tuple[int, float]] = {}
+        self._warnings = ThrottledWarnings(log)
 
     # ----------------------------------------------------------- connections
 
@@ -215,15 +215,9 @@ class RequestTracker:
             return sent
 
     def _note_dropped(self, peer: int, op: str) -> None:
-        """A peer that reads slowly (an overloaded machine) fills its queue again and again: one
-        warning per peer and op every ``DROP_WARNING_EVERY_S``, with the count since the last."""
-        count, warned_at = self._dropped.get((peer, op), (0, -DROP_WARNING_EVERY_S))
-        now = time.monotonic()
-        if now - warned_at < DROP_WARNING_EVERY_S:
-            self._dropped[(peer, op)] = (count + 1, warned_at)
-            return
-        log.warning("dropped %d one-way %s message(s) to peer %s: its queue is full", count + 1, op, peer)
-        self._dropped[(peer, op)] = (0, now)
+        """A peer that reads slowly (an overloaded machine) fills its queue again and again."""
+        self._warnings.warn(("dropped", peer, op), "dropped a one-way %s message to peer %s: its queue is full",
+                            op, peer)
 
     def done(self, reqs: set[int]) -> bool:
         return not any(r in self._pending for r in reqs)

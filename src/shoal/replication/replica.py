@@ -224,6 +224,10 @@ class ShardReplica:
             sent[origin] = (taken[-1].seq, now)
         return payload
 
+    def forget_sent(self, peer: int) -> None:
+        """What was last sent to ``peer`` did not leave: answer its next digest in full."""
+        self._sent.pop(peer, None)
+
     def absorb(self, payload: GossipPayload) -> int:
         """Merge what a peer sent; returns the number of updates new here."""
         now = self.now()

@@ -259,11 +259,15 @@ class ReplicationService:
         body, arrays = payload.to_wire(table.spec.dim)
         self.stats["gossip_sent"] += 1
         try:
-            self.peers.notify(node, Message(Op.GOSSIP, table=table.spec.name, body=body, arrays=arrays))
+            sent = self.peers.notify(node, Message(Op.GOSSIP, table=table.spec.name, body=body, arrays=arrays))
         except ShoalError as exc:  # e.g. one origin's whole state exceeds the message limit
+            sent = False
             self.stats["gossip_failed"] += 1
             log.error("server %d: gossip for table %r to server %d failed: %s (raise max_message_bytes?)",
                       self.node, table.spec.name, node, exc)
+        if not sent and (payload.deltas or payload.states):
+            # Not on its way after all (the peer's queue was full): the next answer sends it.
+            table.replica(payload.shard).forget_sent(node)
 
     def _gossip_in(self, table: ReplicatedTable, msg: Message) -> None:
         sender = server_node(msg.sender, self.cluster.num_nodes)

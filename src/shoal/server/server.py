@@ -34,6 +34,7 @@ from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, metrics_token
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.requests import RequestTracker
+from shoal.cluster.throttle import ThrottledWarnings
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import slice_count
 from shoal.server.adaptive import AdaptiveService
@@ -131,6 +132,7 @@ class ParameterServer:
         self.queue_length = 0  # the same, as last reported
         self.latency = LatencyHistogram()
         self.replay = ReplayGuard()  # a request sent again is answered again, never served twice
+        self._warnings = ThrottledWarnings(log)  # bad messages may come by the thousand
         #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token in a signed job
         self.metrics = None if metrics_port is None else MetricsEndpoint(
             lambda: server_families(self), {"node": self.node}, metrics_host, metrics_port,
@@ -266,12 +268,12 @@ class ParameterServer:
             msg = self.codec.decode(frames)
         except AuthError as exc:
             self.stats["dropped_unauthenticated"] += 1
-            log.warning("server %d: dropped an unauthenticated message: %s", self.node, exc)
+            self._warnings.warn("unauthenticated", "server %d: dropped an unauthenticated message: %s", self.node, exc)
             self._reply_error(peer, exc, self._unsigned)
             return
         except ShoalError as exc:
             self.stats["rejected_malformed"] += 1
-            log.warning("server %d: rejected a malformed message: %s", self.node, exc)
+            self._warnings.warn("malformed", "server %d: rejected a malformed message: %s", self.node, exc)
             self._reply_error(peer, exc, self.codec)
             return
         self.stats[f"op_{msg.op.name.lower()}"] += 1
