@@ -19,6 +19,7 @@ from shoal.api.config import ClusterSpec, Limits, TableSpec, Timeouts
 from shoal.api.consistency import ASP, BSP, ESSP, SSP, LazyPull
 from shoal.api.errors import (
     AuthError,
+    BudgetError,
     CheckpointError,
     ClosedError,
     ClusterError,
@@ -28,7 +29,9 @@ from shoal.api.errors import (
     MessageTooLargeError,
     NonFiniteError,
     ProtocolError,
+    ReplayError,
     RequestTimeoutError,
+    RoleError,
     ServerError,
     ShapeError,
     ShoalError,
@@ -68,8 +71,9 @@ def init(local_access: bool | None = None) -> Worker:
 
 __all__ = [
     "ASP", "BSP", "Dynamic", "ESSP", "LazyPull", "SSP",
-    "AuthError", "CheckpointError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError", "Constant",
-    "DTypeError", "Future", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError", "Normal",
-    "ProtocolError", "RequestTimeoutError", "ServerError", "ShapeError", "ShoalError", "SliceMovedError", "Table",
-    "TableError", "TableSpec", "Timeouts", "Uniform", "Worker", "WriteQuorumError", "init", "optim",
+    "AuthError", "BudgetError", "CheckpointError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError",
+    "Constant", "DTypeError", "Future", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError",
+    "Normal", "ProtocolError", "ReplayError", "RequestTimeoutError", "RoleError", "ServerError", "ShapeError",
+    "ShoalError", "SliceMovedError", "Table", "TableError", "TableSpec", "Timeouts", "Uniform", "Worker",
+    "WriteQuorumError", "init", "optim",
 ]

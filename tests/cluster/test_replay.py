@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from shoal.api.config import Limits, Timeouts
-from shoal.cluster.replay import ReplayGuard, Verdict
+from shoal.cluster.replay import ENTRIES, PER_STREAM, REPLY_BYTES, STREAMS, ReplayGuard, Verdict, new_incarnation
 from shoal.cluster.requests import RESEND_BYTES_PER_S, RESEND_MIN_S, RequestTracker, RoundTrip
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
@@ -18,21 +19,78 @@ from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from tests.support.cluster import ThreadCluster
 
+A = new_incarnation()
+B = new_incarnation()
+
 
 def test_a_repeat_is_dropped_while_served_and_answered_again_after():
-    guard = ReplayGuard(per_peer=3, reply_bytes=10)
-    assert guard.admit(b"a", 1) == (Verdict.NEW, None)
-    assert guard.admit(b"a", 1) == (Verdict.IN_PROGRESS, None)
-    assert guard.admit(b"b", 1) == (Verdict.NEW, None)  # requests are told apart per peer
-    guard.answered(b"a", 1, [b"reply"], 5)
-    assert guard.admit(b"a", 1) == (Verdict.ANSWERED, [b"reply"])
-    guard.admit(b"a", 2)
-    guard.answered(b"a", 2, [b"another!"], 8)  # over the byte budget together: the oldest reply goes
-    assert guard.admit(b"a", 1) == (Verdict.ANSWERED, None)
-    assert guard.admit(b"a", 2) == (Verdict.ANSWERED, [b"another!"])
-    for req in (3, 4, 5):  # only the last three requests per peer are remembered
-        guard.admit(b"a", req)
-    assert guard.admit(b"a", 1) == (Verdict.NEW, None)
+    guard = ReplayGuard(per_stream=3, reply_bytes=10)
+    assert guard.admit(0, A, 1) == (Verdict.NEW, None)
+    assert guard.admit(0, A, 1) == (Verdict.IN_PROGRESS, None)
+    assert guard.admit(0, B, 1) == (Verdict.NEW, None)  # requests are told apart per stream
+    guard.answered(A, 1, [b"reply"], 5)
+    assert guard.admit(0, A, 1) == (Verdict.ANSWERED, [b"reply"])
+    guard.admit(0, A, 2)
+    guard.answered(A, 2, [b"another!"], 8)  # over the byte budget together: the oldest reply goes
+    assert guard.admit(0, A, 1) == (Verdict.ANSWERED, None)
+    assert guard.admit(0, A, 2) == (Verdict.ANSWERED, [b"another!"])
+    for req in (3, 4, 5):  # only the last three requests per stream are remembered...
+        guard.admit(0, A, req)
+    assert guard.admit(0, A, 1) == (Verdict.STALE, None)  # ...and the forgotten ones are refused
+    assert guard.admit(0, A, 6) == (Verdict.NEW, None)
+
+
+def test_a_stream_is_its_senders_alone():
+    guard = ReplayGuard()
+    assert guard.admit(0, A, 1) == (Verdict.NEW, None)
+    assert guard.admit(1, A, 2) == (Verdict.STALE, None)  # another sender naming worker 0's stream
+    assert guard.admit(0, 0, 1) == (Verdict.STALE, None)  # a stream not born at any time (no incarnation)
+
+
+def test_junk_from_one_stream_or_from_many_keeps_memory_bounded():
+    """100k requests of one stream, then 100k streams of one request each, every one answered with a
+    100-byte reply: the guard keeps what its bounds allow, a few MB, not what it was sent."""
+    guard = ReplayGuard()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for req in range(1, 100_001):
+            guard.admit(0, A, req)
+            guard.answered(A, req, [b"r" * 100], 100)
+        assert guard.entries == PER_STREAM
+        for i in range(100_000):
+            incarnation = new_incarnation()
+            guard.admit(i % 64, incarnation, 1)
+            guard.answered(incarnation, 1, [b"r" * 100], 100)
+        held_mb = (tracemalloc.get_traced_memory()[0] - before) / 2**20
+    finally:
+        tracemalloc.stop()
+    assert guard.streams == STREAMS and guard.entries <= ENTRIES and guard.kept_reply_bytes <= REPLY_BYTES
+    assert held_mb < 8, f"{held_mb:.1f} MB held"
+
+
+def test_a_dropped_stream_cannot_be_played_again():
+    guard = ReplayGuard(streams=2)
+    old = new_incarnation()
+    assert guard.admit(0, old, 1) == (Verdict.NEW, None)
+    time.sleep(0.002)  # later births
+    guard.admit(0, new_incarnation(), 1)
+    guard.admit(0, new_incarnation(), 1)  # the oldest stream is dropped: its sender's horizon moves past it
+    assert guard.admit(0, old, 1) == (Verdict.STALE, None)
+    assert guard.admit(0, old, 2) == (Verdict.STALE, None)
+    assert guard.admit(0, new_incarnation(), 1) == (Verdict.NEW, None)  # a stream born now is welcome
+    assert guard.admit(1, old - 1, 1) == (Verdict.NEW, None)  # other senders' horizons did not move
+
+
+def test_a_sender_that_left_is_forgotten_but_its_goodbye_still_answered():
+    guard = ReplayGuard()
+    for req in range(1, 101):
+        guard.admit(3, A, req)
+        guard.answered(A, req, [b"ok"], 2)
+    guard.retire(3)
+    assert guard.entries == 16
+    assert guard.admit(3, A, 100) == (Verdict.ANSWERED, [b"ok"])
+    assert guard.admit(3, A, 50) == (Verdict.STALE, None)
 
 
 def test_counts_stay_exact_when_a_tenth_of_all_messages_are_lost_or_duplicated():

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from shoal.api.errors import ConfigError
-from shoal.launch.local import LaunchOptions
 from tests.conftest import shoal_segment_holders
 
 PROBE = str(Path(__file__).resolve().parents[1] / "scripts" / "probe_worker.py")
@@ -159,8 +158,42 @@ def test_a_missing_worker_command_is_a_clear_error():
     assert "no worker command given" in proc.stderr
 
 
-def test_any_loopback_host_binds_without_a_secret_and_another_address_needs_one():
-    LaunchOptions(command=["true"], host="127.0.0.2")
-    with pytest.raises(ConfigError, match="needs a shared secret"):
-        LaunchOptions(command=["true"], host="10.1.2.3")
-    LaunchOptions(command=["true"], host="10.1.2.3", secret=b"k" * 32)
+def test_a_job_without_a_secret_gets_its_own_and_hands_it_over_by_a_private_file(tmp_path):
+    """Every job is authenticated: ``shoal run`` makes a secret when none is given. The children get
+    the path of a file only this user may read, never the secret on a command line or in a variable."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    for name in ("SHOAL_SECRET", "SHOAL_SECRET_FILE"):
+        env.pop(name, None)
+    job = subprocess.Popen([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "1", "--", sys.executable,
+                            PROBE, str(tmp_path), "hang"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=env)
+    try:
+        infos = wait_for_infos(tmp_path, 1)
+        pids = job_pids(infos)
+        run_file = json.loads(next((tmp_path / f"shoal-runs-{os.getuid()}").glob("*.json")).read_text())
+        secret_file = Path(run_file["secret_file"])
+        assert secret_file.stat().st_mode & 0o777 == 0o600 and len(bytes.fromhex(secret_file.read_text())) == 32
+        secret = secret_file.read_text()
+        for pid in pids:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert f"SHOAL_SECRET_FILE={secret_file}".encode() in environ
+            assert secret.encode() not in cmdline and not any(secret.encode() in e for e in environ)
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=30)
+    assert not secret_file.exists()  # gone with the job
+
+
+def test_a_run_directory_another_user_could_enter_is_refused(tmp_path):
+    from shoal.launch.status import private_runs_dir
+
+    folder = tmp_path / f"shoal-runs-{os.getuid()}"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(tmp_path))
+        import tempfile
+        patch.setattr(tempfile, "tempdir", None)
+        with pytest.raises(ConfigError, match="no one else may enter"):
+            private_runs_dir()

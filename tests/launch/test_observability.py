@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "busy_worker.py"
 
 
-def scrape(url: str) -> dict[str, list]:
-    with urllib.request.urlopen(url, timeout=5) as response:
+def scrape(url: str, token: str | None = None) -> dict[str, list]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=5) as response:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = response.read().decode()
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
@@ -134,12 +135,16 @@ def test_a_running_job_serves_metrics_and_shoal_status_shows_it(tmp_path):
         workers = [line.split("metrics ")[-1] for line in lines if line.startswith("worker ")]
         assert len(workers) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls + workers), table
 
-        server = scrape(urls[0])
+        run_file = next((tmp_path / f"shoal-runs-{os.getuid()}").glob("*.json"))
+        secret = bytes.fromhex(Path(json.loads(run_file.read_text())["secret_file"]).read_text())
+        token = metrics_token(secret)  # every job has a secret, so its metrics want the token
+        assert _status_of(urls[0]) == 401
+        server = scrape(urls[0], token)
         assert total(server["shoal_server_requests"], "shoal_server_requests_total", op="pull") > 0
         assert total(server["shoal_server_request_seconds"], "shoal_server_request_seconds_count", op="PULL") > 0
         assert total(server["shoal_server_bytes"], "shoal_server_bytes_total", direction="in") > 0
         assert server["shoal_server_clock"][1].value >= server["shoal_server_clock"][0].value  # fastest >= slowest
-        worker = scrape(workers[0])
+        worker = scrape(workers[0], token)
         assert total(worker["shoal_worker_requests"], "shoal_worker_requests_total", op="PULL") > 0
         assert total(worker["shoal_worker_request_seconds"], "shoal_worker_request_seconds_count", op="PULL") > 0
         assert total(worker["shoal_worker_read_staleness_clocks"], "shoal_worker_read_staleness_clocks_count",

@@ -37,15 +37,18 @@ from shoal import (
     TableSpec,
 )
 from shoal.api.ids import SERVERS
+from shoal.cluster.replay import new_incarnation
 from shoal.cluster.throttle import ThrottledWarnings
 from shoal.server.server import ParameterServer
 from shoal.transport.zmq_transport import ZmqTransport
-from shoal.wire import Codec, Message, Op
+from shoal.wire import PROTOCOL_VERSION, Codec, Message, Op
 from shoal.wire.ops import Flag
 
 REPLY_WAIT_S = 30.0  # generous: the first request may wait for numba to compile the kernels
 SECRET = b"k" * 32
 REQ = 9
+WORKER = 0  # requests come as worker 0's, of one stream
+INCARNATION = new_incarnation()
 SPEC = TableSpec("t", num_keys=64, dim=4, init=Normal(std=1.0), seed=3)
 ALL_KEYS = np.arange(SPEC.num_keys, dtype=np.int64)
 
@@ -104,6 +107,7 @@ class RawClient:
     def call(self, msg: Message) -> Message:
         if not msg.req:
             msg.req = next(self._reqs)
+        msg.sender, msg.incarnation = WORKER if msg.sender == -1 else msg.sender, INCARNATION
         self.send_frames(self.codec.encode(msg))
         reply = self.reply()
         assert reply.req == msg.req
@@ -146,7 +150,7 @@ def connect() -> Iterator[Callable[..., RawClient]]:
     def connect(live: LiveServer, secret: bytes | None = None) -> RawClient:
         sockets.append(ctx.socket(zmq.DEALER))
         sockets[-1].connect(live.server.address)
-        return RawClient(sockets[-1], live, Codec(secret=secret))
+        return RawClient(sockets[-1], live, Codec(secret=secret, local=True))  # over loopback
 
     yield connect
     for sock in sockets:
@@ -184,7 +188,8 @@ def values(n: int, dtype: Any = np.float32, dim: int = SPEC.dim, fill: float = 1
 
 
 def frames_of(msg: Message) -> list[bytes]:
-    msg.req = REQ
+    msg.sender = WORKER if msg.sender == -1 else msg.sender  # as worker 0, unless it says otherwise
+    msg.req, msg.incarnation = REQ, INCARNATION if msg.sender == WORKER else new_incarnation()
     return [memoryview(f).tobytes() for f in Codec().encode(msg)]
 
 
@@ -224,7 +229,7 @@ BAD_REQUESTS = [
     pytest.param(push_frames()[:2], ProtocolError, REQ, id="values frame missing"),
     pytest.param([*push_frames(), b"\x00" * 8], ProtocolError, REQ, id="extra frame"),
     pytest.param(with_header(push_frames(), op=99), ProtocolError, REQ, id="unknown op"),
-    pytest.param(with_header(push_frames(), v=2), ProtocolError, REQ, id="unknown protocol version"),
+    pytest.param(with_header(push_frames(), v=PROTOCOL_VERSION + 1), ProtocolError, REQ, id="unknown protocol version"),
     pytest.param(with_header(push_frames(), dtype=["<i8", "|O"]), ProtocolError, REQ, id="object dtype"),
     pytest.param(frames_of(Message(Op.VALUES, arrays=[values(1)])), ProtocolError, REQ,
                  id="op the server does not serve"),

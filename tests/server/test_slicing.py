@@ -11,7 +11,7 @@ import pytest
 import shoal
 from shoal.api.config import RebalancePolicy
 from shoal.api.errors import ClusterError
-from shoal.api.ids import RENDEZVOUS
+from shoal.api.ids import OPERATOR, RENDEZVOUS
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
 from shoal.wire.codec import Codec
@@ -180,7 +180,7 @@ def test_bounds_hold_with_asynchronous_pushes_while_slices_move(model, local_acc
 
 def _move_back_and_forth(cluster: ThreadCluster, table: str, slices: int, done: threading.Event) -> None:
     """An operator outside the job moving slices between the two servers until ``done``."""
-    tracker = RequestTracker(cluster.transport, Codec(cluster.spec.limits, cluster.spec.secret), sender=-100)
+    tracker = RequestTracker(cluster.transport, Codec(cluster.spec.limits, cluster.spec.secret), sender=OPERATOR)
     tracker.connect(RENDEZVOUS, cluster.spec.rendezvous)
     try:
         shard = 0

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from shoal import ClusterSpec
 from shoal.api.config import Timeouts
 from shoal.api.errors import ERRORS_BY_CODE, AuthError, ServerError, ShoalError
+from shoal.cluster.replay import new_incarnation
 from shoal.server.server import ParameterServer
 from shoal.storage.checkpoint import FORMAT, MANIFEST
 from shoal.transport.inproc import InProcConnection, InProcTransport
@@ -39,9 +40,11 @@ from tests.support.fuzzing import (
     FINITE_TABLES,
     FUZZ_DIR,
     FUZZ_TABLES,
+    INCARNATIONS,
     LIMITS,
     NUM_NODES,
     PROTECTED,
+    REQUESTS,
     SERVED_OPS,
     SMALL_INTS,
     STAGING,
@@ -103,13 +106,14 @@ class FuzzServer:
         self.cluster = ClusterSpec("fz" + uuid.uuid4().hex[:10], NUM_NODES, 1, "inproc://fuzz-rendezvous", secret,
                                    LIMITS, Timeouts(request_s=30.0))
         self.server = ParameterServer(0, self.cluster, self.transport, bind="inproc://*", share_memory=False)
-        self.codec = Codec(LIMITS, secret)  # decodes as the server does, to know what it must answer
+        self.codec = Codec(LIMITS, secret, local=True)  # decodes as the server does, to know what it must answer
         self.unsigned = Codec(LIMITS)
         self.conn = self._connect()
         self.tally: Counter[str] = Counter()
         self.cases = 0
         self.slowest_s = 0.0
         self._req = 0
+        self.incarnation = new_incarnation()
         for spec in (PROTECTED, *FUZZ_TABLES):
             reply = self.call(Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}))
             assert reply.op == Op.OK, reply.body
@@ -136,7 +140,7 @@ class FuzzServer:
     def call(self, msg: Message) -> Message:
         """A well-formed request (with a request id of its own) and its one reply."""
         self._req += 1
-        msg.req = self._req
+        msg.req, msg.sender, msg.incarnation = self._req, 0, self.incarnation  # as worker 0
         replies = self.feed(on_the_wire(self.codec.encode(msg)))
         assert len(replies) == 1 and replies[0].req == msg.req, replies
         return replies[0]
@@ -297,8 +301,9 @@ def protected_frames(draw: st.DrawFn, owned: np.ndarray, elsewhere: np.ndarray,
     rows = np.frombuffer(draw(st.binary(min_size=8 * n, max_size=8 * n)), dtype=np.int16).reshape(n, 4) / 64
     keys, rows = _with_defect(draw(DEFECTS), keys.copy(), rows.astype(np.float32), draw(st.integers(0, n - 1)),
                               int(elsewhere[0]))
-    msg = Message(draw(st.sampled_from([Op.PUSH, Op.PUSH_PULL])), req=draw(SMALL_INTS), table=PROTECTED.name,
-                  clock=draw(SMALL_INTS), sender=draw(st.sampled_from([-1, 0, 1])), arrays=[keys, rows])
+    msg = Message(draw(st.sampled_from([Op.PUSH, Op.PUSH_PULL])), req=draw(REQUESTS), table=PROTECTED.name,
+                  clock=draw(SMALL_INTS), sender=draw(st.sampled_from([-1, 0, 1, 1])),
+                  incarnation=draw(INCARNATIONS), arrays=[keys, rows])
     return encoded(msg, secret), True
 
 

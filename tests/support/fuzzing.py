@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from shoal import ASP, BSP, ESSP, SSP, Constant, Limits, Normal, TableSpec, Uniform, optim
 from shoal.api.errors import ConfigError
 from shoal.api.ids import SERVERS
+from shoal.cluster.replay import new_incarnation
 from shoal.wire import Codec, Flag, Message, Op
 from shoal.wire.codec import MAX_RANK, WIRE_DTYPES
 from shoal.wire.schema import SCHEMAS
@@ -55,6 +56,13 @@ EDGE_INTS = st.sampled_from([0, 1, -1, 2, 63, 64, 65, 2**31 - 1, 2**31, -(2**31)
 HOSTILE_INTS = EDGE_INTS | st.integers(-(2**63), 2**64 - 1)
 SMALL_INTS = st.integers(-2, 70)
 NUMBERS = SMALL_INTS | HOSTILE_INTS
+
+
+def mostly(usual: st.SearchStrategy[Any], other: st.SearchStrategy[Any], one_in: int = 8) -> st.SearchStrategy[Any]:
+    """``usual``, except one time in ``one_in``: ``other``."""
+    return st.integers(1, one_in).flatmap(lambda k: other if k == 1 else usual)
+
+
 SCALARS = (st.none() | st.booleans() | HOSTILE_INTS | st.floats() | st.text(max_size=12) | st.binary(max_size=12)
            | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=12)))
 #: any msgpack value: what a hostile peer can put in a header or a body
@@ -262,10 +270,16 @@ OPTIONAL: dict[Op, list[str]] = {
 TYPED = {int: NUMBERS, str: st.text(max_size=16), list: st.lists(HOSTILE, max_size=4),
          dict: st.dictionaries(st.text(max_size=6), HOSTILE, max_size=4), bool: st.booleans()}
 _SENDERS = st.sampled_from([-1, 0, 1, 2, SERVERS, SERVERS + 1, SERVERS + 2])
-SENDERS = st.one_of(_SENDERS, _SENDERS, _SENDERS, HOSTILE_INTS)
+#: worker ops come from the fuzz cluster's workers, mostly (others are refused by their role)
+SENDERS = mostly(st.sampled_from([0, 1]), st.one_of(_SENDERS, HOSTILE_INTS), one_in=3)
 _PEER_SERVERS = st.sampled_from([SERVERS, SERVERS + 1])
 #: server-to-server ops come from servers, mostly
-PEER_SENDERS = st.one_of(_PEER_SERVERS, _PEER_SERVERS, _PEER_SERVERS, SENDERS)
+PEER_SENDERS = mostly(_PEER_SERVERS, SENDERS, one_in=4)
+
+#: request numbers: mostly new ones, so that cases reach the handlers past the replay guard
+REQUESTS = mostly(st.integers(1, 2**62), NUMBERS)
+#: incarnations: mostly a stream born now (one per case), sometimes one refused as too old
+INCARNATIONS = mostly(st.integers(0, 2**20).map(lambda n: new_incarnation() ^ n), NUMBERS)
 FLAGS = st.sampled_from([0] * 16 + [Flag.NO_REPLY, Flag.SIGNED, Flag.NO_REPLY | Flag.SIGNED, 4, 2**63 - 1])
 #: ops that reach a server's handlers, weighted up; the others (replies, rendezvous ops) are refused
 TABLE_OPS = [Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.CLOCK, Op.CREATE_TABLE, Op.GOSSIP, Op.PLACEMENT, Op.LOCALIZE,
@@ -364,8 +378,8 @@ def _op_messages(draw: st.DrawFn, ops: st.SearchStrategy[Op], tables: st.SearchS
         table = OP_TABLES[op]
     if op == Op.SLICE_STATE and table in {s.name for s in FINITE_TABLES}:
         table = draw(_OPEN)  # a slice carries raw state, NaN included: keep it off the tables checked for NaN
-    return Message(op, req=draw(NUMBERS), table=table, epoch=draw(NUMBERS), clock=draw(NUMBERS),
-                   sender=draw(PEER_SENDERS if op in SHAPED else SENDERS),
+    return Message(op, req=draw(REQUESTS), table=table, epoch=draw(NUMBERS), clock=draw(NUMBERS),
+                   sender=draw(PEER_SENDERS if op in SHAPED else SENDERS), incarnation=draw(INCARNATIONS),
                    flags=draw(FLAGS), body=body, arrays=arrays)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -213,11 +214,22 @@ class Limits:
     #: most slices one table may be cut into: each is a shared-memory segment (a descriptor in the
     #: server and in every co-located worker)
     max_slices: int = 4096
+    #: memory one server may give the tables it holds, checked before a table is allocated;
+    #: 0: half of the machine's memory
+    server_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         _int_at_least("max_message_bytes", self.max_message_bytes, 4096)
         _int_at_least("max_table_bytes", self.max_table_bytes, 4096)
         _int_at_least("max_slices", self.max_slices, 1)
+        _int_at_least("server_memory_bytes", self.server_memory_bytes, 0)
+
+    @property
+    def server_budget(self) -> int:
+        """``server_memory_bytes``, with 0 read as half of this machine's memory."""
+        if self.server_memory_bytes:
+            return self.server_memory_bytes
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 @dataclass(frozen=True)

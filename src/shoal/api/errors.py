@@ -39,6 +39,20 @@ class AuthError(ShoalError):
     code = "AuthError"
 
 
+class ReplayError(AuthError):
+    """A message was played again: its request number was already served in its sender's stream, or is
+    older than the receiver remembers of that stream (so it may have been)."""
+
+    code = "ReplayError"
+
+
+class RoleError(AuthError):
+    """A request from a sender that may not make it: not a member of the job, or not in the role the
+    request needs (a CLOCK naming another worker's rank, a server op from a worker)."""
+
+    code = "RoleError"
+
+
 class KeyRangeError(ShoalError, IndexError):
     """A key lies outside ``[0, num_keys)`` of its table."""
 
@@ -67,6 +81,12 @@ class TableError(ShoalError):
     """A table is unknown, or was created twice with different specs."""
 
     code = "TableError"
+
+
+class BudgetError(TableError):
+    """A table does not fit in the memory a server may give its tables (``Limits.server_memory_bytes``)."""
+
+    code = "BudgetError"
 
 
 class RequestTimeoutError(ShoalError, TimeoutError):
@@ -140,11 +160,14 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         ProtocolError,
         MessageTooLargeError,
         AuthError,
+        ReplayError,
+        RoleError,
         KeyRangeError,
         DTypeError,
         ShapeError,
         NonFiniteError,
         TableError,
+        BudgetError,
         RequestTimeoutError,
         ClusterError,
         ServerError,

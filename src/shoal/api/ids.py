@@ -7,7 +7,8 @@
 ``SERVERS + node``     a server, on server-to-server messages (gossip, placement)
 ``RENDEZVOUS`` (-1)    the rendezvous, as the peer a tracker connects to
 ``OBSERVER`` (-3)      ``shoal status`` and the run-report sampler: no worker, so
-                       servers keep no clock for it
+                       servers keep no clock for it; it only reads
+``OPERATOR`` (-4)      an operator's tool: reads, moves slices, drains servers
 =====================  ==========================================================
 
 **Origins** (the slots of a replicated shard's SumLattice): a worker's pushes
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import NewType
 
-#: a message's sender: a worker rank, ``SERVERS + node``, ``RENDEZVOUS`` or ``OBSERVER``
+#: a message's sender: a worker rank, ``SERVERS + node``, ``RENDEZVOUS``, ``OBSERVER`` or ``OPERATOR``
 Sender = NewType("Sender", int)
 #: a SumLattice slot: whose pushes an update counts as
 Origin = NewType("Origin", int)
@@ -27,6 +28,7 @@ Origin = NewType("Origin", int)
 SERVERS = 1 << 30
 RENDEZVOUS = Sender(-1)
 OBSERVER = Sender(-3)
+OPERATOR = Sender(-4)
 
 WORKER_ORIGINS = 1 << 40  # origins below this are reserved
 RANK_BITS = 20  # worker origin = WORKER_ORIGINS + (incarnation << RANK_BITS) + rank

@@ -1,7 +1,8 @@
 """Finding peers and talking to them: rendezvous, membership, barriers, request tracking.
 
 - ``requests``: ``RequestTracker`` (requests in flight, matched to replies, sent again) and ``Future``
-- ``replay``: exactly-once serving of requests that arrive more than once
+- ``replay``: exactly-once serving of requests that arrive more than once, replayed ones refused
+- ``roles``: who may ask for what (workers, servers, observers, operators)
 - ``rendezvous``: the ``Rendezvous`` service
 - ``membership``: register, wait for servers, barrier, leave
 - ``slices``: ``SliceAuthority``, where each slice of each static table lives, and moves

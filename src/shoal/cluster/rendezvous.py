@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.api.config import RebalancePolicy, TableSpec
-from shoal.api.errors import ClusterError, ShoalError
+from shoal.api.errors import ClusterError, ReplayError, ShoalError
 from shoal.cluster.replay import ReplayGuard, Verdict
+from shoal.cluster.roles import RENDEZVOUS_OPS, Roles
 from shoal.cluster.slices import SliceAuthority
 from shoal.cluster.throttle import ThrottledWarnings
-from shoal.transport.base import Transport
+from shoal.transport.base import Transport, is_loopback
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Flag, Op
@@ -63,6 +64,8 @@ class Rendezvous:
         self.num_workers = num_workers
         self.listener = transport.listen(address)
         self.address = self.listener.address
+        self.codec = codec.for_wire(is_loopback(self.address))
+        self.roles = Roles(num_workers, num_nodes)
         self.servers: dict[int, Member] = {}
         self.workers: dict[int, Member] = {}
         self.left: set[int] = set()
@@ -192,9 +195,9 @@ class Rendezvous:
     # -------------------------------------------------------------- handling
 
     def _reply(self, peer: bytes, msg: Message) -> None:
+        """Send the reply ``msg`` (kept, to answer a repeat of its request with)."""
         frames = self.codec.encode(msg)
-        if msg.req:
-            self._replay.answered(peer, msg.req, frames, sum(len(f) for f in frames))
+        self._replay.answered(msg.incarnation, msg.req, frames, sum(len(f) for f in frames))
         self.listener.send(peer, frames)
 
     def _handle(self, peer: bytes, frames: list) -> None:
@@ -207,16 +210,28 @@ class Rendezvous:
                 err = Message(Op.ERROR, req=req, body={"code": exc.code, "message": str(exc)})
                 self.listener.send(peer, Codec(self.codec.limits).encode(err))
             return
-        if msg.req and not msg.flags & Flag.NO_REPLY:
-            verdict, reply = self._replay.admit(peer, msg.req)
-            if verdict is not Verdict.NEW:  # sent again by a peer that did not hear back: never twice
-                if reply is not None:
-                    self.listener.send(peer, reply)
-                return
         try:
+            if self._repeated(peer, msg):
+                return
+            self.roles.check(msg, RENDEZVOUS_OPS)
             self._dispatch(peer, msg)
         except ShoalError as exc:  # a request that cannot be met gets a typed error, not silence
             self._reply(peer, msg.reply(Op.ERROR, {"code": exc.code, "message": f"rendezvous: {exc}"}))
+
+    def _repeated(self, peer: bytes, msg: Message) -> bool:
+        """Whether ``msg`` repeats one already here (answered again if its reply was kept); raises
+        ``ReplayError`` for one older than what is remembered of its sender."""
+        verdict, reply = self._replay.admit(msg.sender, msg.incarnation, msg.req)
+        if verdict is Verdict.STALE:
+            self._warnings.warn("replayed", "rendezvous: refused a replayed %s from sender %s", msg.op.name,
+                                msg.sender)
+            raise ReplayError(f"request {msg.req} of sender {msg.sender} was served already, or is older than "
+                              "this rendezvous remembers")
+        if verdict is Verdict.NEW:
+            return False
+        if reply is not None and not msg.flags & Flag.NO_REPLY:  # sent again by a peer that did not hear back
+            self.listener.send(peer, reply)
+        return True
 
     def _dispatch(self, peer: bytes, msg: Message) -> None:
         if msg.op == Op.REGISTER:
@@ -266,6 +281,7 @@ class Rendezvous:
                 self._reply(peer, msg.reply(Op.OK))
             if msg.body["role"] == "worker":
                 self.left.add(int(msg.body["rank"]))
+                self._replay.retire(msg.sender)
                 for gen in list(self._barriers):
                     self._fail_if_unreachable(gen)
                 if len(self.left) >= self.num_workers:
@@ -316,6 +332,7 @@ class Rendezvous:
                 raise ClusterError(f"a joining server takes node {self.num_nodes}, the next free one, "
                                    f"not {member.node}")
             self.num_nodes += 1  # a server joining a running cluster: it gets slices to serve
+            self.roles.num_nodes = self.num_nodes
             log.info("server %d joined at %s", member.node, member.address)
         if member.role == "server":
             self.slices.server_joined(member.node)

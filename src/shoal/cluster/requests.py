@@ -26,8 +26,9 @@ from shoal.api.errors import (
     error_from_code,
 )
 from shoal.cluster.metrics import LatencyHistogram
+from shoal.cluster.replay import new_incarnation
 from shoal.cluster.throttle import ThrottledWarnings
-from shoal.transport.base import Connection, Transport
+from shoal.transport.base import Connection, Transport, is_loopback
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Flag, Op
@@ -98,7 +99,10 @@ class RequestTracker:
         self.transport = transport
         self.codec = codec
         self.sender = sender
+        #: this tracker's stream of requests, as receivers tell it apart (born with its first request)
+        self.incarnation = 0
         self._conns: dict[int, Connection] = {}
+        self._codecs: dict[int, Codec] = {}  # per peer: the codec for the wire it is reached by
         self._peer_of: dict[int, int] = {}  # id(connection) -> peer
         self._poller = transport.poller()
         self._pending: dict[int, _Pending] = {}
@@ -138,12 +142,14 @@ class RequestTracker:
                 self.disconnect(peer)
             conn = self.transport.connect(address)
             self._conns[peer] = conn
+            self._codecs[peer] = self.codec.for_wire(is_loopback(address))
             self._peer_of[id(conn)] = peer
             self._poller.register(conn)
 
     def disconnect(self, peer: int) -> None:
         with self._lock:
             conn = self._conns.pop(peer, None)
+            self._codecs.pop(peer, None)
             if conn is not None:
                 self._poller.unregister(conn)
                 self._peer_of.pop(id(conn), None)
@@ -177,9 +183,8 @@ class RequestTracker:
             conn = self._conns.get(peer)
             if conn is None:
                 raise ClosedError(f"not connected to peer {peer}")
-            req = next(self._ids)
-            msg.req, msg.sender = req, self.sender
-            frames = self.codec.encode(msg)
+            req = self._stamp(msg)
+            frames = self._codecs[peer].encode(msg)
             conn.send(frames)  # bounded wait for room; raises if the peer is stuck
             op = msg.op.name
             now = time.perf_counter()
@@ -203,9 +208,9 @@ class RequestTracker:
             conn = self._conns.get(peer)
             if conn is None or self._closed:
                 return False
-            msg.sender = self.sender
+            self._stamp(msg)
             msg.flags |= Flag.NO_REPLY
-            frames = self.codec.encode(msg)
+            frames = self._codecs[peer].encode(msg)
             sent = conn.send(frames, block=block)
             if sent:
                 self.sent[msg.op.name] += 1
@@ -213,6 +218,13 @@ class RequestTracker:
             if not sent:
                 self._note_dropped(peer, msg.op.name)
             return sent
+
+    def _stamp(self, msg: Message) -> int:
+        """Number ``msg`` in this tracker's stream: receivers serve each number once."""
+        if not self.incarnation:
+            self.incarnation = new_incarnation()
+        msg.req, msg.sender, msg.incarnation = next(self._ids), self.sender, self.incarnation
+        return msg.req
 
     def _note_dropped(self, peer: int, op: str) -> None:
         """A peer that reads slowly (an overloaded machine) fills its queue again and again."""
@@ -400,7 +412,7 @@ class RequestTracker:
     def _dispatch_checked(self, peer: int, frames: list) -> None:
         self.bytes_received += _size(frames)
         try:
-            msg = self.codec.decode(frames)
+            msg = self._codecs.get(peer, self.codec).decode(frames)
         except ShoalError as exc:
             req = getattr(exc, "req", None)
             if isinstance(req, int) and req in self._pending:

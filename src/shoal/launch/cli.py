@@ -67,40 +67,50 @@ def _parser() -> argparse.ArgumentParser:
                                         "or a list of the running jobs when there are several.")
     status.add_argument("cluster_id", nargs="?", help="the job's cluster id, or a unique start of it")
     status.add_argument("--rendezvous", help="the rendezvous address, e.g. tcp://10.0.0.1:29400")
-    status.add_argument("--secret-file", help="the cluster's secret, if its messages are signed")
+    status.add_argument("--secret-file", help="the job's secret (default: the one `shoal run` made for it)")
     status.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS (with rates)")
     status.add_argument("--count", type=int, default=None, help="tables to print (default 1, or 3600 with --watch)")
-    token = sub.add_parser("metrics-token", help="print the bearer token that scrapes a signed job's metrics",
+    token = sub.add_parser("metrics-token", help="print the bearer token that scrapes a job's metrics",
                            description="Prometheus presents it (bearer_token_file) to every server and worker "
-                                       "of a job whose messages are signed; it is derived from the secret, "
-                                       "which it does not reveal.")
-    token.add_argument("--secret-file", help="the cluster's secret (default: SHOAL_SECRET or SHOAL_SECRET_FILE)")
+                                       "of the job; it is derived from the job's secret, which it does not reveal.")
+    token.add_argument("cluster_id", nargs="?", help="a job `shoal run` started here (default: the only one)")
+    token.add_argument("--secret-file", help="the job's secret (default: SHOAL_SECRET, SHOAL_SECRET_FILE, or "
+                                             "the one `shoal run` made for the job)")
     return parser
 
 
 def _metrics_token(args: argparse.Namespace) -> int:
     secret = read_secret({"SHOAL_SECRET_FILE": args.secret_file} if args.secret_file else dict(os.environ))
     if secret is None:
-        print("shoal metrics-token: no secret (give --secret-file, or set SHOAL_SECRET or SHOAL_SECRET_FILE)",
-              file=sys.stderr)
-        return 1
+        try:
+            job = find_job(args.cluster_id)
+        except ClusterError as exc:
+            print(f"shoal metrics-token: no secret given (--secret-file, SHOAL_SECRET or SHOAL_SECRET_FILE) "
+                  f"and {exc}", file=sys.stderr)
+            return 1
+        secret = read_secret({"SHOAL_SECRET_FILE": job.get("secret_file") or ""})
+        if secret is None:
+            print(f"shoal metrics-token: job {job['cluster_id']} left no secret file; give --secret-file",
+                  file=sys.stderr)
+            return 1
     print(metrics_token(secret))
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
     rendezvous = args.rendezvous or (None if args.cluster_id else os.environ.get("SHOAL_RENDEZVOUS"))
-    signed = False
+    secret_file = args.secret_file
     if not rendezvous:
         try:
             job = find_job(args.cluster_id)
         except ClusterError as exc:
             print(f"shoal status: {exc}", file=sys.stderr)
             return 1
-        rendezvous, signed = job["rendezvous"], bool(job.get("signed"))
-    secret = read_secret({"SHOAL_SECRET_FILE": args.secret_file} if args.secret_file else dict(os.environ))
-    if signed and secret is None:
-        print("shoal status: this job signs its messages; give --secret-file", file=sys.stderr)
+        rendezvous, secret_file = job["rendezvous"], secret_file or job.get("secret_file")
+    secret = read_secret({"SHOAL_SECRET_FILE": secret_file} if secret_file else dict(os.environ))
+    if secret is None:
+        print("shoal status: give the job's secret (--secret-file, SHOAL_SECRET or SHOAL_SECRET_FILE)",
+              file=sys.stderr)
         return 1
     count = args.count if args.count is not None else (3600 if args.watch else 1)
     watch(rendezvous, secret, args.watch or 1.0, count, sys.stdout)

@@ -15,6 +15,7 @@ variable fails at once with a message that names it.
 | ``SHOAL_BIND`` | server bind address, default ``tcp://127.0.0.1:0`` |
 | ``SHOAL_LOCAL_ACCESS`` | ``0`` sends every key through a server (classic PS mode) |
 | ``SHOAL_MAX_MESSAGE_BYTES`` | largest message accepted |
+| ``SHOAL_SERVER_MEMORY`` | bytes each server may give its tables (default: half the machine's memory) |
 | ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` | seconds |
 | ``SHOAL_BARRIER_TIMEOUT`` / ``SHOAL_REPLICA_TIMEOUT`` | seconds |
 | ``SHOAL_RESEND_TIMEOUT`` | most seconds before an unanswered request is sent again (default 1; less once timed) |
@@ -36,6 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from shoal.api.config import ClusterSpec, Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ConfigError
@@ -112,7 +114,8 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterSpec:
         workers_per_node=_int(env, "WORKERS_PER_NODE"),
         rendezvous=_get(env, "RENDEZVOUS"),
         secret=read_secret(env),
-        limits=Limits(max_message_bytes=_int(env, "MAX_MESSAGE_BYTES", Limits().max_message_bytes)),
+        limits=Limits(max_message_bytes=_int(env, "MAX_MESSAGE_BYTES", Limits().max_message_bytes),
+                      server_memory_bytes=_int(env, "SERVER_MEMORY", 0)),
         timeouts=Timeouts(
             connect_s=_seconds(env, "CONNECT_TIMEOUT", defaults.connect_s),
             request_s=_seconds(env, "REQUEST_TIMEOUT", defaults.request_s),
@@ -220,8 +223,9 @@ def log_level(env: Mapping[str, str] | None = None) -> str:
 
 
 def child_env(cluster: ClusterSpec, node: int, rank: int | None, local_access: bool, bind: str | None,
-              launcher: int) -> dict[str, str]:
-    """The variables a launcher sets for one child process."""
+              launcher: int, secret_file: Path | None = None) -> dict[str, str]:
+    """The variables a launcher sets for one child process: the secret by the path of a file only
+    this user may read, or (no file shared with the child: Ray) in its own variable."""
     env = {
         PREFIX + "CLUSTER_ID": cluster.cluster_id,
         PREFIX + "NUM_NODES": str(cluster.num_nodes),
@@ -229,6 +233,7 @@ def child_env(cluster: ClusterSpec, node: int, rank: int | None, local_access: b
         PREFIX + "RENDEZVOUS": cluster.rendezvous,
         PREFIX + "NODE": str(node),
         PREFIX + "MAX_MESSAGE_BYTES": str(cluster.limits.max_message_bytes),
+        PREFIX + "SERVER_MEMORY": str(cluster.limits.server_memory_bytes),
         PREFIX + "CONNECT_TIMEOUT": str(cluster.timeouts.connect_s),
         PREFIX + "REQUEST_TIMEOUT": str(cluster.timeouts.request_s),
         PREFIX + "BARRIER_TIMEOUT": str(cluster.timeouts.barrier_s),
@@ -242,6 +247,8 @@ def child_env(cluster: ClusterSpec, node: int, rank: int | None, local_access: b
         env[PREFIX + "LOCAL_RANK"] = str(rank % max(cluster.workers_per_node, 1))
     if bind:
         env[PREFIX + "BIND"] = bind
-    if cluster.secret:
+    if secret_file is not None:
+        env[PREFIX + "SECRET_FILE"] = str(secret_file)
+    elif cluster.secret:
         env[PREFIX + "SECRET"] = cluster.secret.hex()
     return env

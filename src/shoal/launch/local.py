@@ -32,8 +32,7 @@ from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch.env import child_env
 from shoal.launch.lifecycle import die_with_parent
 from shoal.launch.report import LoadSampler, write_report
-from shoal.launch.status import record_run
-from shoal.transport.base import is_loopback_host
+from shoal.launch.status import keep_secret, record_run
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
 
@@ -73,8 +72,6 @@ class LaunchOptions:
             raise ConfigError(f"transport must be 'tcp' or 'ipc', got {self.transport!r}")
         if self.on_server_failure not in ("fail", "continue", "restart"):
             raise ConfigError(f"on_server_failure must be fail, continue or restart, got {self.on_server_failure!r}")
-        if not is_loopback_host(self.host) and self.secret is None:
-            raise ConfigError(f"binding {self.host!r} (not loopback) needs a shared secret (--secret-file)")
 
 
 @dataclass
@@ -156,12 +153,15 @@ class LocalCluster:
         """Run the job to the end; returns the exit status for the shell."""
         opts = self.options
         transport = ZmqTransport()
-        codec = Codec(opts.limits, opts.secret)
+        # Every job is authenticated: one secret per job unless given, in a file only this user reads.
+        secret = opts.secret or secrets.token_bytes(32)
+        secret_file = keep_secret(self.cluster_id, secret)
+        codec = Codec(opts.limits, secret)
         num_workers = opts.nodes * opts.workers_per_node
         rendezvous = Rendezvous(transport, codec, self._address("rendezvous"), self.cluster_id,
                                 opts.nodes, num_workers, rebalance=opts.rebalance)
         cluster = ClusterSpec(self.cluster_id, opts.nodes, opts.workers_per_node, rendezvous.address,
-                              opts.secret, opts.limits, opts.timeouts)
+                              secret, opts.limits, opts.timeouts)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         run_file = None
         sampler: LoadSampler | None = None
@@ -173,20 +173,21 @@ class LocalCluster:
             for node in range(opts.nodes):
                 self._spawn(f"s{node}", [sys.executable, "-m", "shoal.launch.server_main"],
                             child_env(cluster, node, None, opts.local_access, self._address(f"server{node}"),
-                                      os.getpid()), is_worker=False)
+                                      os.getpid(), secret_file), is_worker=False)
             for rank in range(num_workers):
                 node = rank // opts.workers_per_node
                 self._spawn(f"w{rank}", list(opts.command),
-                            child_env(cluster, node, rank, opts.local_access, None, os.getpid()), is_worker=True)
+                            child_env(cluster, node, rank, opts.local_access, None, os.getpid(), secret_file),
+                            is_worker=True)
             rendezvous.start()
             command = shlex.join(opts.command)
-            run_file = record_run(self.cluster_id, rendezvous.address, opts.secret is not None,
+            run_file = record_run(self.cluster_id, rendezvous.address, secret_file,
                                   f"{opts.nodes} x {opts.workers_per_node}", command)
             print(f"shoal: job {self.cluster_id}: {opts.nodes} node(s) x {opts.workers_per_node} worker(s) running "
                   f"{command}; rendezvous {rendezvous.address}; watch it with: shoal status {self.cluster_id}",
                   file=sys.stderr, flush=True)
             if opts.report:
-                sampler = LoadSampler(rendezvous.address, opts.secret, Path(opts.report))
+                sampler = LoadSampler(rendezvous.address, secret, Path(opts.report))
             for child in self.children:
                 self._start_pump(child)
             status = self._watch(rendezvous)
@@ -200,6 +201,7 @@ class LocalCluster:
                 sampler.stop()
             if run_file is not None:
                 run_file.unlink(missing_ok=True)
+            secret_file.unlink(missing_ok=True)
             self._teardown()
             rendezvous.stop()
             transport.close()

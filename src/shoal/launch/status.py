@@ -1,16 +1,19 @@
 """``shoal status``: a live table of a running cluster, from its rendezvous and its servers.
 
 ``shoal run`` leaves a small run file (rendezvous address, cluster id, launcher
-pid, command; never the secret) in a per-user directory while the job runs, so
-that ``shoal status`` finds a running job by its cluster id, or by itself when
-only one runs; with several and none named it lists them. For a cluster started
-any other way, pass ``--rendezvous`` (and ``--secret-file`` if it signs).
+pid, command, and the path of the job's secret file -- never the secret) in a
+per-user directory only its owner may enter, while the job runs, so that
+``shoal status`` finds a running job by its cluster id, or by itself when only
+one runs; with several and none named it lists them. For a cluster started any
+other way, pass ``--rendezvous`` and ``--secret-file``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shoal.api.config import Limits
-from shoal.api.errors import ClusterError, RequestTimeoutError
+from shoal.api.errors import ClusterError, ConfigError, RequestTimeoutError
 from shoal.api.ids import OBSERVER, RENDEZVOUS
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
@@ -32,13 +35,50 @@ def runs_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"shoal-runs-{os.getuid()}"
 
 
-def record_run(cluster_id: str, rendezvous: str, signed: bool, shape: str = "", command: str = "") -> Path:
-    """Leave the run file of a job this process launched; ``shape`` is e.g. ``2 x 1``."""
+def private_runs_dir() -> Path:
+    """``runs_dir``, made if missing; refused unless it is ours and closed to everyone else (another
+    user could have made it first in the shared temporary directory, to read what we put there)."""
     folder = runs_dir()
     folder.mkdir(mode=0o700, exist_ok=True)
-    path = folder / f"{cluster_id}.json"
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ConfigError(f"{folder} must be a directory of user {os.getuid()} that no one else may enter; "
+                          "remove it, or set TMPDIR to a private directory")
+    return folder
+
+
+def keep_secret(name: str, secret: bytes) -> Path:
+    """Write a job's secret (hex) into a file only this user may read; its path is what children and
+    ``shoal status`` are given, so the secret is on no command line and in no environment."""
+    path = private_runs_dir() / f"{name}.secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret.hex())
+    return path
+
+
+def shared_secret(name: str) -> Path:
+    """The file of the secret every process of job ``name`` on this machine shares: the first process
+    to ask makes it (linked into place whole, so no one reads half a secret), the others read it."""
+    path = private_runs_dir() / f"{name}.secret"
+    if not path.exists():
+        draft = keep_secret(f"{name}.{os.getpid()}.draft", secrets.token_bytes(32))
+        try:
+            os.link(draft, path)
+        except FileExistsError:
+            pass  # another process of the job was first
+        finally:
+            draft.unlink()
+    return path
+
+
+def record_run(cluster_id: str, rendezvous: str, secret_file: Path | None, shape: str = "",
+               command: str = "") -> Path:
+    """Leave the run file of a job this process launched; ``shape`` is e.g. ``2 x 1``."""
+    path = private_runs_dir() / f"{cluster_id}.json"
     path.write_text(json.dumps({"cluster_id": cluster_id, "rendezvous": rendezvous, "pid": os.getpid(),
-                                "signed": signed, "started": time.time(), "shape": shape, "command": command}))
+                                "secret_file": None if secret_file is None else str(secret_file),
+                                "started": time.time(), "shape": shape, "command": command}))
     return path
 
 

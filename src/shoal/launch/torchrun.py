@@ -12,9 +12,11 @@ rendezvous, at ``MASTER_ADDR`` and ``SHOAL_RENDEZVOUS_PORT`` (default
 the torchrun agent that started its node is gone. Workers restarted by the
 elastic agent find their node's server still running and rejoin.
 
-Off loopback a shared secret is required (``SHOAL_SECRET`` or
-``SHOAL_SECRET_FILE``) and servers bind ``SHOAL_BIND_HOST`` (default: the
-address this host uses to reach ``MASTER_ADDR``).
+Every message is authenticated. On one host without ``SHOAL_SECRET`` or
+``SHOAL_SECRET_FILE``, the job's processes share a secret made by the first of
+them, in a file of the user's private run directory named by the torchrun run id
+and port. Across hosts the secret must be given, and servers bind
+``SHOAL_BIND_HOST`` (default: the address this host uses to reach ``MASTER_ADDR``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from shoal.api.errors import ClusterError, ConfigError
 from shoal.cluster.fdshare import socket_name
 from shoal.launch import env as shoal_env
 from shoal.launch.env import ProcessRole
+from shoal.launch.status import shared_secret
 
 _LOOPBACK = ("127.", "localhost", "::1")
 
@@ -75,14 +78,16 @@ def role(environ: Mapping[str, str] | None = None) -> ProcessRole:
     run_id = re.sub(r"[^A-Za-z0-9_-]", "-", _need(environ, "TORCHELASTIC_RUN_ID"))[:40]
     nodes = _int(environ, "GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in environ else (
         _int(environ, "WORLD_SIZE") // _int(environ, "LOCAL_WORLD_SIZE"))
+    cluster_id = f"{run_id}-{port}"
     secret = shoal_env.read_secret(environ)
-    loopback = master.startswith(_LOOPBACK)
-    if not loopback and secret is None:
-        raise ConfigError("torchrun across hosts needs a shared secret: set SHOAL_SECRET or SHOAL_SECRET_FILE")
+    if secret is None:
+        if not master.startswith(_LOOPBACK):
+            raise ConfigError("torchrun across hosts needs a shared secret: set SHOAL_SECRET or SHOAL_SECRET_FILE")
+        secret = shoal_env.read_secret({"SHOAL_SECRET_FILE": str(shared_secret(f"torchrun-{cluster_id}"))})
     host = environ.get("SHOAL_BIND_HOST") or _local_address(master)
     defaults = Timeouts()
     cluster = ClusterSpec(
-        cluster_id=f"{run_id}-{port}", num_nodes=nodes, workers_per_node=_int(environ, "LOCAL_WORLD_SIZE"),
+        cluster_id=cluster_id, num_nodes=nodes, workers_per_node=_int(environ, "LOCAL_WORLD_SIZE"),
         rendezvous=f"tcp://{master}:{port}", secret=secret, limits=Limits(),
         timeouts=Timeouts(connect_s=float(environ.get("SHOAL_CONNECT_TIMEOUT", defaults.connect_s))),
     )
@@ -110,7 +115,10 @@ def start_node_services(r: ProcessRole, environ: Mapping[str, str] | None = None
         raise ConfigError(f"SHOAL_TORCHRUN_ROLE must be 'colocated', got {role_name!r}")
     if environ.get("LOCAL_RANK", "0") != "0" or _server_running(r.cluster, r.node):
         return
-    child = shoal_env.child_env(r.cluster, r.node, None, r.local_access, r.bind, launcher=os.getppid())
+    given = shoal_env.read_secret(environ) is not None  # else the job's shared secret file (``role``)
+    secret_file = None if given else shared_secret(f"torchrun-{r.cluster.cluster_id}")
+    child = shoal_env.child_env(r.cluster, r.node, None, r.local_access, r.bind, launcher=os.getppid(),
+                                secret_file=secret_file)
     child.pop("SHOAL_LAUNCHER_PID")  # detached: it watches the torchrun agent instead
     child["SHOAL_WATCH_PID"] = str(os.getppid())
     if r.node == 0:

@@ -42,6 +42,7 @@ from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
 from shoal.placement.ownership import MAX_HOPS, Directory, LocationCache, home_of
+from shoal.server.tables import table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.checkpoint import place_saved
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA, any_nonfinite, take_pending
@@ -158,6 +159,9 @@ class AdaptiveService:
 
     def create(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
         self.tables[spec.name] = AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
+
+    def bytes_here(self, spec: TableSpec) -> int:
+        return table_bytes(spec)  # room for every key on every node: any key may come here
 
     def spec(self, name: str) -> TableSpec:
         return self._table(name).spec

@@ -27,6 +27,7 @@ from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
 from shoal.replication.replica import ShardReplica
+from shoal.server.tables import table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
 from shoal.transport.base import Transport
@@ -130,6 +131,10 @@ class ReplicationService:
 
     def create(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
         self.tables[spec.name] = ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.rng)
+
+    def bytes_here(self, spec: TableSpec) -> int:
+        num_nodes = self.cluster.num_nodes  # each shard has a replica on ``replicas`` of the nodes
+        return -(-table_bytes(spec) * min(spec.replicas, num_nodes) // num_nodes)
 
     def spec(self, name: str) -> TableSpec:
         return self._table(name).spec

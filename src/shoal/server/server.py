@@ -20,20 +20,23 @@ import numpy as np
 from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import (
     AuthError,
+    BudgetError,
     ClusterError,
     ConfigError,
     ProtocolError,
+    ReplayError,
     RequestTimeoutError,
     ServerError,
     ShoalError,
     TableError,
 )
-from shoal.api.ids import RENDEZVOUS
+from shoal.api.ids import RENDEZVOUS, server_sender
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
 from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, metrics_token
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.requests import RequestTracker
+from shoal.cluster.roles import SERVER_OPS, Roles
 from shoal.cluster.throttle import ThrottledWarnings
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import slice_count
@@ -49,7 +52,7 @@ from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, SliceMoving, table_bytes
 from shoal.storage import kernels
 from shoal.storage.segment import Segment
-from shoal.transport.base import Transport, is_loopback_host
+from shoal.transport.base import Transport, is_loopback
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Flag, Op
@@ -65,13 +68,6 @@ _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS}
 _DATA_OPS = frozenset({Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LOCALIZE, Op.INTENT})
 #: requests a table's service serves (each kind serves those it knows)
 _TABLE_OPS = _DATA_OPS | {Op.GOSSIP, Op.REPLICA_STATS, Op.PLACEMENT}
-
-
-def is_loopback(address: str) -> bool:
-    """True for addresses only this machine can reach (loopback tcp, ipc, in-process)."""
-    if not address.startswith("tcp://"):
-        return True
-    return is_loopback_host(address[6:].rpartition(":")[0].strip("[]"))
 
 
 class ParameterServer:
@@ -92,8 +88,9 @@ class ParameterServer:
         self.transport = transport
         if not is_loopback(bind) and cluster.secret is None:
             raise ConfigError(f"server {node} would bind {bind!r}, which is not loopback: that needs a shared secret")
-        self.codec = Codec(cluster.limits, cluster.secret)
+        self.codec = Codec(cluster.limits, cluster.secret, local=is_loopback(bind))
         self._unsigned = Codec(cluster.limits)  # only for telling a peer its tag was wrong
+        self.roles = Roles(cluster.num_workers, cluster.num_nodes)
         kernels.warm_up()  # not on the first request a worker times
         # libzmq drops a peer that sends a frame past this hard cap; messages between
         # the soft limit and the cap get a typed error reply instead.
@@ -120,7 +117,8 @@ class ParameterServer:
         #: the service of each table, by name: the one place that knows a table's kind
         self.services: dict[str, TableService] = {}
         self._stop = threading.Event()
-        self._rendezvous = RequestTracker(transport, self.codec, sender=node, resend_s=cluster.timeouts.resend_s)
+        self._rendezvous = RequestTracker(transport, self.codec, sender=server_sender(node),
+                                          resend_s=cluster.timeouts.resend_s)
         self._heartbeat_req: int | None = None
         self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
         self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
@@ -193,6 +191,7 @@ class ParameterServer:
         """After (re)registering: peers, and the tables workers created before we started. A server
         started again (its node registered before) recreates them, but only replicated tables get
         their rows back (by gossip): the rows of the others went with its previous process."""
+        self.roles.num_nodes = max(self.roles.num_nodes, len(status.get("servers") or []))
         self.replication.on_status(status)
         self.adaptive.on_status(status)
         incarnations = status.get("incarnations") or []
@@ -247,6 +246,7 @@ class ParameterServer:
 
     def _on_status(self, msg: Message) -> None:
         self._last_heartbeat = time.monotonic()
+        self.roles.num_nodes = max(self.roles.num_nodes, len(msg.body.get("servers") or []))  # servers joined
         self.replication.on_status(msg.body)
         self.adaptive.on_status(msg.body)
         self._adopt_tables(msg.body, "created before it joined")
@@ -277,23 +277,16 @@ class ParameterServer:
             self._reply_error(peer, exc, self.codec)
             return
         self.stats[f"op_{msg.op.name.lower()}"] += 1
-        if msg.req and not msg.flags & Flag.NO_REPLY:
-            verdict, reply = self.replay.admit(peer, msg.req)
-            if verdict is not Verdict.NEW:  # sent again by a requester that did not hear back
-                self.stats[f"repeats_{verdict.name.lower()}"] += 1
-                if reply is not None:
-                    self.listener.send(peer, reply)
-                elif verdict is Verdict.ANSWERED and msg.op in _IDEMPOTENT:
-                    self._serve(peer, msg)  # a read whose (large) reply was not kept: read again
-                elif verdict is Verdict.ANSWERED and msg.op == Op.PUSH_PULL:  # the push is in: only read
-                    self._serve(peer, Message(Op.PULL, req=msg.req, table=msg.table, epoch=msg.epoch,
-                                              clock=msg.clock, sender=msg.sender, arrays=msg.arrays[:1]))
-                return
         try:
+            if self._repeated(peer, msg):
+                return
+            self.roles.check(msg, SERVER_OPS)
             in_turn = self.order.admit(peer, msg)
-        except ShoalError as exc:
+        except ShoalError as exc:  # a replay, a sender out of its role, a stream out of order
             self.stats[f"error_{exc.code}"] += 1
-            self._reply_error(peer, exc, self.codec)
+            if not msg.flags & Flag.NO_REPLY:
+                self._send(peer, msg.reply(Op.ERROR, {"code": exc.code, "message": f"server {self.node}: {exc}"}),
+                           self.codec)
             return
         if in_turn:
             self._serve_in_turn(peer, msg)
@@ -316,6 +309,29 @@ class ParameterServer:
             self._serve_in_turn(peer, msg)
         else:
             self._serve(peer, msg)  # a read released by its bound while the slice moved
+
+    def _repeated(self, peer: bytes, msg: Message) -> bool:
+        """Whether ``msg`` repeats a request already here (then answered as a repeat); raises
+        ``ReplayError`` for one older than what is remembered of its sender's stream."""
+        verdict, reply = self.replay.admit(msg.sender, msg.incarnation, msg.req)
+        if verdict is Verdict.NEW:
+            return False
+        self.stats[f"repeats_{verdict.name.lower()}"] += 1
+        if verdict is Verdict.STALE:
+            self._warnings.warn("replayed", "server %d: refused a replayed %s from sender %s", self.node,
+                                msg.op.name, msg.sender)
+            raise ReplayError(f"request {msg.req} of sender {msg.sender} was served already, or is older than "
+                              f"server {self.node} remembers")
+        if msg.flags & Flag.NO_REPLY:
+            return True
+        if reply is not None:  # sent again by a requester that did not hear back
+            self.listener.send(peer, reply)
+        elif verdict is Verdict.ANSWERED and msg.op in _IDEMPOTENT:
+            self._serve(peer, msg)  # a read whose (large) reply was not kept: read again
+        elif verdict is Verdict.ANSWERED and msg.op == Op.PUSH_PULL:  # the push is in: only read
+            self._serve(peer, Message(Op.PULL, req=msg.req, table=msg.table, epoch=msg.epoch, clock=msg.clock,
+                                      sender=msg.sender, incarnation=msg.incarnation, arrays=msg.arrays[:1]))
+        return True
 
     def _serve(self, peer: bytes, msg: Message) -> bool:
         """Serve a decoded request; False if it is held until a slice's move ends."""
@@ -369,7 +385,7 @@ class ParameterServer:
         size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self.stats["bytes_out"] += size
         if reply.req and reply.op in (Op.OK, Op.VALUES, Op.ERROR):
-            self.replay.answered(peer, reply.req, frames, size)
+            self.replay.answered(reply.incarnation, reply.req, frames, size)
         self.listener.send(peer, frames)
 
     def dispatch(self, msg: Message, peer: bytes = b"") -> Message | None:
@@ -424,6 +440,7 @@ class ParameterServer:
             if size > self.cluster.limits.max_table_bytes:
                 raise TableError(f"table {spec.name!r} needs {size} bytes with its optimiser state; "
                                  f"the limit is {self.cluster.limits.max_table_bytes}")
+            self._check_budget(spec)
             slices = slice_count(spec, self.cluster.num_nodes)
             if slices > self.cluster.limits.max_slices:
                 raise TableError(f"table {spec.name!r} would be cut into {slices} slices; the limit is "
@@ -431,6 +448,16 @@ class ParameterServer:
             self._add_table(spec)
             log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
         return msg.reply(Op.OK, {"shards": self.services[spec.name].shards(spec.name)})
+
+    def _check_budget(self, spec: TableSpec) -> None:
+        """Refuse a table this server cannot hold before allocating anything of it."""
+        budget = self.cluster.limits.server_budget
+        held = sum(self.services[name].bytes_here(self.services[name].spec(name)) for name in self.services)
+        needed = self._service_for(spec).bytes_here(spec)
+        if held + needed > budget:
+            raise BudgetError(f"table {spec.name!r} needs {needed / 2**20:.0f} MiB on server {self.node}, which "
+                              f"holds {held / 2**20:.0f} MiB of tables already; its budget is {budget / 2**20:.0f} "
+                              "MiB (Limits.server_memory_bytes, SHOAL_SERVER_MEMORY)")
 
     def _add_table(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
         """Create ``spec`` in the service of its kind (``current``: its layout now, if known)."""

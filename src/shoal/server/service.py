@@ -29,6 +29,10 @@ class TableService(Protocol):
         """Make the table (``current``: its layout now, if slices moved since it was made)."""
         ...
 
+    def bytes_here(self, spec: TableSpec) -> int:
+        """The memory a new table of this kind takes on this server (checked against its budget first)."""
+        ...
+
     def spec(self, name: str) -> TableSpec: ...
 
     def shards(self, name: str) -> list[int]:

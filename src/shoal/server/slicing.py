@@ -33,7 +33,7 @@ import numpy as np
 
 from shoal.api.config import ClusterSpec
 from shoal.api.errors import ProtocolError, TableError
-from shoal.api.ids import RENDEZVOUS
+from shoal.api.ids import RENDEZVOUS, server_sender
 from shoal.cluster.requests import RequestTracker
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable
@@ -82,7 +82,7 @@ class SliceService:
         self.sync = sync
         self.rendezvous = rendezvous
         self.redispatch = redispatch
-        self.peers = RequestTracker(transport, codec, sender=node, resend_s=cluster.timeouts.resend_s)
+        self.peers = RequestTracker(transport, codec, sender=server_sender(node), resend_s=cluster.timeouts.resend_s)
         self.addresses: dict[int, str] = {}
         self.outgoing: dict[tuple[str, int], _Outgoing] = {}
         self.incoming: dict[tuple[str, int], _Incoming] = {}

@@ -19,7 +19,7 @@ from shoal.api.errors import CheckpointError, ProtocolError, SliceMovedError, Ta
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
 from shoal.server.sync import Synchroniser
-from shoal.server.tables import ServedTable
+from shoal.server.tables import ServedTable, table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.validate import as_keys, as_rows
 from shoal.wire.message import Message
@@ -46,6 +46,9 @@ class StaticService:
         if current is not None:  # slices may have moved since the table was created
             layout = layout.at(current["owners"], int(current["epoch"]))
         self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster_id, self.clocks)
+
+    def bytes_here(self, spec: TableSpec) -> int:
+        return -(-table_bytes(spec) // self.num_nodes)  # its share of the slices
 
     def spec(self, name: str) -> TableSpec:
         return self._table(name).spec

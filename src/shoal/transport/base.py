@@ -20,6 +20,13 @@ def is_loopback_host(host: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+def is_loopback(address: str) -> bool:
+    """True for addresses only this machine can reach (loopback tcp, ipc, in-process)."""
+    if not address.startswith("tcp://"):
+        return True
+    return is_loopback_host(address[6:].rpartition(":")[0].strip("[]"))
+
+
 class Listener(ABC):
     """A bound endpoint that receives from and replies to many peers."""
 

@@ -1,19 +1,29 @@
-"""Messages <-> frames: a msgpack header, raw array frames, and an optional HMAC tag.
+"""Messages <-> frames: a msgpack header, raw array frames, and a tag proving the secret.
 
 Arrays are never serialised: each travels as its own frame straight from the
 array's memory and is read back with ``np.frombuffer`` (no copy). The header
 names each frame's dtype and shape, and the decoder checks them against the
 frame sizes before building a view. Nothing here can execute code from the
 wire: msgpack decodes plain data only, and there is no pickle anywhere.
+
+The tag is keyed BLAKE3 (about 4 GB/s a core, against under 2 for
+HMAC-SHA256), under a key derived from the job's secret. Off this machine it
+covers every frame. On a wire only this machine reaches (loopback tcp, ipc) it
+covers the header alone: a local process that does not hold the secret can
+neither forge a header nor see or alter traffic on loopback without the
+privileges that would let it read the secret anyway, and the arrays are then
+not hashed at all. The header carries the sender, its incarnation and the
+request number, so the receiver's ``ReplayGuard`` refuses a tagged message
+played again, on any connection.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Sequence
 from typing import Any
 
+import blake3
 import msgpack
 import numpy as np
 
@@ -28,6 +38,8 @@ WIRE_DTYPES = frozenset({"<f4", "<f8", "<i4", "<i8", "<u8", "|u1", "|b1"})
 MAX_RANK = 4
 _MAX_DIM = 1 << 40  # no real array has a dimension this long; larger ones only overflow reshape
 _HEADER_LIMIT = 1 << 20  # headers are small; a larger one is hostile or broken
+_KEY_CONTEXT = "shoal 2026-12 message tag"  # the tag key is derived from the secret, never the secret itself
+_TAGS = Flag.SIGNED | Flag.SIGNED_HEADER
 
 Frame = Any  # bytes, memoryview, numpy array, or zmq.Frame: anything with the buffer protocol
 
@@ -42,16 +54,35 @@ def _failure(exc: ShoalError, header: dict[str, Any] | None) -> ShoalError:
 
 
 def _view(frame: Frame) -> memoryview:
+    """The frame's bytes, flat (arrays of any dtype and shape are cast to bytes for the tag)."""
     buf = getattr(frame, "buffer", None)  # zmq.Frame exposes its bytes as .buffer
-    return buf if isinstance(buf, memoryview) else memoryview(frame)
+    view = buf if isinstance(buf, memoryview) else memoryview(frame)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    return view.cast("B") if view.nbytes else memoryview(b"")
+
+
+def tag_key(secret: bytes) -> bytes:
+    """The 32-byte BLAKE3 key a job's secret stands for."""
+    return blake3.blake3(secret, derive_key_context=_KEY_CONTEXT).digest()
 
 
 class Codec:
-    """Encodes and checks messages for one peer, under one limit and one secret."""
+    """Encodes and checks messages under one limit and one secret, for one kind of wire.
 
-    def __init__(self, limits: Limits | None = None, secret: bytes | None = None) -> None:
+    ``local``: the wire only this machine reaches, where a tag over the header is enough
+    (see the module's docstring); a codec that is not local refuses such tags.
+    """
+
+    def __init__(self, limits: Limits | None = None, secret: bytes | None = None, local: bool = False) -> None:
         self.limits = limits or Limits()
         self.secret = secret
+        self.local = local
+        self._key = None if secret is None else tag_key(secret)
+
+    def for_wire(self, local: bool) -> Codec:
+        """This codec for a wire that is (or is not) only this machine's."""
+        return self if local == self.local else Codec(self.limits, self.secret, local)
 
     # ------------------------------------------------------------------ encode
 
@@ -62,7 +93,9 @@ class Codec:
                 raise ProtocolError(f"dtype {a.dtype} cannot travel on the wire")
             if not 1 <= a.ndim <= MAX_RANK:
                 raise ProtocolError(f"arrays on the wire have 1 to {MAX_RANK} dimensions, got shape {a.shape}")
-        flags = msg.flags | (Flag.SIGNED if self.secret else 0)
+        flags = msg.flags & ~_TAGS
+        if self._key is not None:
+            flags |= Flag.SIGNED_HEADER if self.local else Flag.SIGNED
         header = {
             "v": PROTOCOL_VERSION,
             "op": int(msg.op),
@@ -71,6 +104,7 @@ class Codec:
             "epoch": msg.epoch,
             "clock": msg.clock,
             "sender": msg.sender,
+            "inc": msg.incarnation,
             "flags": flags,
             "dtype": [a.dtype.str for a in arrays],
             "shapes": [list(a.shape) for a in arrays],
@@ -83,13 +117,13 @@ class Codec:
             raise MessageTooLargeError(
                 f"{msg.op.name} message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}"
             )
-        if self.secret:
-            frames.append(self._tag(frames))
+        if self._key is not None:
+            frames.append(self._tag(frames[:1] if self.local else frames))
         return frames
 
     def _tag(self, frames: Sequence[Frame]) -> bytes:
-        assert self.secret is not None
-        mac = hmac.new(self.secret, digestmod=hashlib.sha256)
+        assert self._key is not None
+        mac = blake3.blake3(key=self._key)
         for f in frames:
             mac.update(_view(f))
         return mac.digest()
@@ -108,12 +142,8 @@ class Codec:
                 MessageTooLargeError(f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}"),
                 header,
             )
-        if self.secret is not None:
-            if len(views) < 2 or views[-1].nbytes != TAG_BYTES:
-                raise _failure(AuthError("message is not signed; this peer requires an HMAC tag"), header)
-            if not hmac.compare_digest(self._tag(views[:-1]), views[-1].tobytes()):
-                raise _failure(AuthError("message has a wrong HMAC tag (different shared secret?)"), header)
-            views = views[:-1]
+        if self._key is not None:
+            views = self._verified(views, header)
         try:
             msg = self._message(header, views[1:])
             check_schema(msg)
@@ -122,6 +152,21 @@ class Codec:
         except Exception as exc:  # anything else a hostile header provokes is malformed input too
             raise _failure(ProtocolError(f"malformed message: {type(exc).__name__}: {exc}"), header) from None
         return msg
+
+    def _verified(self, views: list[memoryview], header: dict[str, Any]) -> list[memoryview]:
+        """The frames without their tag, once the tag is checked."""
+        flags = header.get("flags")
+        header_only = isinstance(flags, int) and not isinstance(flags, bool) and bool(flags & Flag.SIGNED_HEADER)
+        if len(views) < 2 or views[-1].nbytes != TAG_BYTES:
+            raise _failure(AuthError("message is not signed; this peer requires a tag made with the job's secret"),
+                           header)
+        if header_only and not self.local:
+            raise _failure(AuthError("message is signed over its header only, which is enough only on a "
+                                     "wire this machine alone reaches; this one is not"), header)
+        covered = views[:1] if header_only else views[:-1]
+        if not hmac.compare_digest(self._tag(covered), views[-1].tobytes()):
+            raise _failure(AuthError("message has a wrong tag (different shared secret?)"), header)
+        return views[:-1]
 
     def _header(self, view: memoryview) -> dict[str, Any]:
         if view.nbytes > _HEADER_LIMIT:
@@ -141,7 +186,7 @@ class Codec:
         return header
 
     def _message(self, header: dict[str, Any], frames: Sequence[memoryview]) -> Message:
-        for name, types in (("req", int), ("epoch", int), ("clock", int), ("sender", int), ("flags", int),
+        for name, types in (("req", int), ("epoch", int), ("clock", int), ("sender", int), ("inc", int), ("flags", int),
                             ("table", str), ("body", dict), ("dtype", list), ("shapes", list)):
             if not isinstance(header.get(name), types) or isinstance(header.get(name), bool):
                 raise ProtocolError(f"header field {name!r} must be {types.__name__}, got {header.get(name)!r}")
@@ -161,7 +206,8 @@ class Codec:
             )
         arrays = [self._array(i, d, s, f) for i, (d, s, f) in enumerate(zip(dtypes, shapes, frames, strict=True))]
         return Message(op=op, req=header["req"], table=header["table"], epoch=header["epoch"],
-                       clock=header["clock"], sender=header["sender"], flags=header["flags"],
+                       clock=header["clock"], sender=header["sender"], incarnation=header["inc"],
+                       flags=header["flags"],
                        body=header["body"], arrays=arrays)
 
     @staticmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Op(IntEnum):
@@ -49,4 +49,5 @@ class Flag:
     """Bits of the header's ``flags`` field."""
 
     NO_REPLY = 1  # one-way message: the receiver sends nothing back
-    SIGNED = 2  # the last frame is an HMAC-SHA256 tag
+    SIGNED = 2  # the last frame is a tag over every frame (keyed BLAKE3)
+    SIGNED_HEADER = 4  # the last frame is a tag over the header only: for a wire only this machine reaches
