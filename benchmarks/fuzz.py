@@ -202,7 +202,7 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"\natheris {results['versions']['atheris']}: {a['runs']} runs in {a['seconds']} s, "
                      f"{len(a['failures'])} failure(s), coverage {a['coverage_edges']} edges / "
                      f"{a['coverage_features']} features.")
-    server = results["targets"]["server: requests, broken and garbage"]
+    server = results["targets"]["server with a secret (the default): requests, broken and garbage"]
     lines.append(f"\nProtected table intact after every chunk: {server.get('protected_table_intact')}; "
                  f"slowest server case {server.get('slowest_case_s')} s.")
     return "\n".join(lines)

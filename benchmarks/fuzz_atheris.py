@@ -35,6 +35,7 @@ with atheris.instrument_imports(include=["shoal"], exclude=["shoal.storage.kerne
     from tests.support.fuzzing import FUZZ_TABLES, LIMITS, SECRET, encoded
 
     from shoal.api.ids import SERVERS
+    from shoal.cluster.replay import new_incarnation
     from shoal.wire import Codec, Message
     from shoal.wire.schema import SCHEMAS
 
@@ -59,7 +60,8 @@ def joined(frames: list[bytes]) -> bytes:
 
 
 def seeds() -> list[bytes]:
-    """A plausible message of every op for every fuzz table, as a first corpus."""
+    """A plausible message of every op for every fuzz table, as a first corpus (each its own stream of
+    requests, so that the replay window lets it through)."""
     fields = {int: 0, str: "x", list: [], dict: FUZZ_TABLES[0].to_dict(), bool: False}
     keys, rows = np.arange(3, dtype=np.int64), np.ones((3, 4), dtype=np.float32)
     out = []
@@ -70,7 +72,7 @@ def seeds() -> list[bytes]:
         for spec in FUZZ_TABLES:
             for sender in (0, SERVERS + 1):
                 out.append(joined(encoded(Message(op, req=1, table=spec.name, sender=sender, body=body,
-                                                  arrays=arrays))))
+                                                  incarnation=new_incarnation(), arrays=arrays))))
     return out
 
 

@@ -204,3 +204,26 @@ def test_a_default_job_refuses_unsigned_shutdown_create_table_and_clock_from_out
         launcher.send_signal(signal.SIGTERM)
         launcher.communicate(timeout=30)
     assert not Path(job["secret_file"]).exists()  # the job's secret goes with it
+
+
+def test_a_large_table_is_built_while_the_server_goes_on_answering(outsider: Outsider):
+    """Making a table of hundreds of MB takes seconds; the request loop serves meanwhile, and answers
+    every CREATE_TABLE of it once the table is ready."""
+    with ThreadCluster(nodes=1, transport=ZmqTransport(), secret=SECRET) as cluster:
+        codec = Codec(secret=SECRET, local=True)
+        sock = outsider.connect(cluster.servers[0].address)
+        first, second = new_incarnation(), new_incarnation()  # two requesters' streams
+        big = TableSpec("big", 2_000_000, 64)  # 512 MB of rows, each drawn from the initialiser
+        for incarnation in (first, second, first):  # the last one a repeat: answered once, with the first
+            sock.send_multipart(codec.encode(Message(Op.CREATE_TABLE, req=1, table="big", sender=0,
+                                                     incarnation=incarnation, body={"spec": big.to_dict()})))
+        sock.send_multipart(codec.encode(Message(Op.PING, req=2, sender=0, incarnation=first)))
+        replies = []
+        while len(replies) < 3:
+            assert sock.poll(60_000), replies
+            replies.append(codec.decode(sock.recv_multipart()))
+        assert (replies[0].req, replies[0].op) == (2, Op.OK)  # the ping did not wait for the table
+        assert sorted((r.incarnation, r.req, r.op) for r in replies[1:]) == sorted(
+            [(first, 1, Op.OK), (second, 1, Op.OK)])
+        assert not sock.poll(200)  # no answer to the repeat
+        assert cluster.servers[0].services["big"].spec("big") == big

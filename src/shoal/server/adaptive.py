@@ -157,8 +157,11 @@ class AdaptiveService:
     keeps_rows_across_restart = False
     served_by_joined_servers = False  # keys are homed over the nodes the table was made on
 
-    def create(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
-        self.tables[spec.name] = AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
+    def build(self, spec: TableSpec, current: dict[str, Any] | None = None) -> AdaptiveTable:
+        return AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
+
+    def install(self, spec: TableSpec, built: AdaptiveTable) -> None:
+        self.tables[spec.name] = built
 
     def bytes_here(self, spec: TableSpec) -> int:
         return table_bytes(spec)  # room for every key on every node: any key may come here

@@ -129,8 +129,11 @@ class ReplicationService:
     keeps_rows_across_restart = True  # a replica started again regains its rows by gossip
     served_by_joined_servers = False  # replicas sit on the nodes the table was made on
 
-    def create(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
-        self.tables[spec.name] = ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.rng)
+    def build(self, spec: TableSpec, current: dict[str, Any] | None = None) -> ReplicatedTable:
+        return ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.rng)
+
+    def install(self, spec: TableSpec, built: ReplicatedTable) -> None:
+        self.tables[spec.name] = built
 
     def bytes_here(self, spec: TableSpec) -> int:
         num_nodes = self.cluster.num_nodes  # each shard has a replica on ``replicas`` of the nodes

@@ -41,6 +41,7 @@ from shoal.cluster.throttle import ThrottledWarnings
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import slice_count
 from shoal.server.adaptive import AdaptiveService
+from shoal.server.builds import TableBuilds
 from shoal.server.checkpoints import CheckpointService
 from shoal.server.metrics import server_families
 from shoal.server.replicated import ReplicationService
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 _HEARTBEAT_S = 0.5
 _PEER_WAIT_S = 0.02  # heartbeat period while a replica does not know where a peer replica is
 _BURST_S = 0.01  # longest stretch of message handling between timer runs
+_BUILD_POLL_S = 0.01  # how often the loop looks for a table built off it
 #: requests served again when repeated after their reply was too large to keep
 _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS})
 #: requests that read or write a table's rows (refused for a table whose rows here were lost)
@@ -126,6 +128,7 @@ class ParameterServer:
                                     self._serve_held)
         self.sync.hold_for_move = self.slicing.hold
         self.checkpoints = CheckpointService(node, self.services, self.lost)
+        self.builds = TableBuilds(node)  # tables being allocated off the request loop
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
         self.queue_length = 0  # the same, as last reported
         self.latency = LatencyHistogram()
@@ -164,6 +167,7 @@ class ParameterServer:
                     item = self.listener.recv(0)
                 self._backlog = max(self._backlog, burst)
                 try:
+                    self.install_built()
                     self._expire_out_of_order()
                     self.sync.tick()
                     self.replication.tick()
@@ -183,6 +187,8 @@ class ParameterServer:
         """How long the loop may block: until the next lazy-pull deadline or gossip round, at most 50 ms."""
         deadlines = [d for d in (self.sync.next_deadline(), self.replication.next_round(), self.adaptive.next_timer())
                      if d is not None]
+        if self.builds.pending:
+            deadlines.append(time.monotonic() + _BUILD_POLL_S)
         if not deadlines:
             return 0.05
         return min(0.05, max(0.0, min(deadlines) - time.monotonic()))
@@ -208,7 +214,7 @@ class ParameterServer:
         created = []
         for spec in status.get("tables") or []:
             parsed = TableSpec.from_dict(spec)
-            if parsed.name in self.services:
+            if parsed.name in self.services or parsed.name in self.builds.pending:
                 continue
             if self.node >= self.cluster.num_nodes and not self._service_for(parsed).served_by_joined_servers:
                 continue  # a server that joined later holds only what slices are moved to it
@@ -401,7 +407,7 @@ class ParameterServer:
             self.sync.confirm(msg.sender, msg.table, int(msg.body["epoch"]))
             return msg.reply(Op.OK)
         if op == Op.CREATE_TABLE:
-            return self._create_table(msg)
+            return self._create_table(peer, msg)
         if op == Op.SLICE_STATE:
             return self.slicing.receive(msg)
         if op == Op.CHECKPOINT:
@@ -425,16 +431,20 @@ class ParameterServer:
             raise TableError(f"server {self.node} has no table {name!r}")
         return service
 
-    def _create_table(self, msg: Message) -> Message:
+    def _create_table(self, peer: bytes, msg: Message) -> Message | None:
+        """Answered at once for a table held here; else once it is built, off the request loop."""
         spec = TableSpec.from_dict(msg.body["spec"])
         if spec.name != msg.table:
             raise ProtocolError(f"CREATE_TABLE for {msg.table!r} carries a spec named {spec.name!r}")
         existing = self.services.get(spec.name)
-        if existing is not None:
-            held = existing.spec(spec.name)
+        held = existing.spec(spec.name) if existing is not None else self.builds.spec(spec.name)
+        if held is not None:
             if held != spec:
                 raise TableError(f"table {spec.name!r} already exists with a different spec: "
                                  f"{held.differences(spec, 'there', 'asked here')}")
+            if existing is None:
+                self.builds.join(spec.name, peer, msg)
+                return None
         else:
             size = table_bytes(spec)
             if size > self.cluster.limits.max_table_bytes:
@@ -445,14 +455,37 @@ class ParameterServer:
             if slices > self.cluster.limits.max_slices:
                 raise TableError(f"table {spec.name!r} would be cut into {slices} slices; the limit is "
                                  f"{self.cluster.limits.max_slices} (fewer slices=, or a larger slice_bytes)")
-            self._add_table(spec)
-            log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
+            self.builds.start(spec, self._service_for(spec), peer, msg)
+            return None
         return msg.reply(Op.OK, {"shards": self.services[spec.name].shards(spec.name)})
+
+    def install_built(self, wait: bool = False) -> None:
+        """Serve the tables built since the last call, and answer the requests that made them
+        (``wait``: wait for the ones still being built)."""
+        for build in self.builds.finished(wait):
+            spec = build.spec
+            try:
+                build.service.install(spec, build.future.result())
+            except ShoalError as exc:
+                replies = [m.reply(Op.ERROR, {"code": exc.code, "message": f"server {self.node}: {exc}"})
+                           for _, m in build.waiting]
+            except Exception as exc:  # a bug: report it, keep serving
+                log.exception("server %d: failure building table %r", self.node, spec.name)
+                err = ServerError(f"server {self.node} failed building table {spec.name!r}: {exc!r}")
+                replies = [m.reply(Op.ERROR, {"code": err.code, "message": str(err)}) for _, m in build.waiting]
+            else:
+                self.services[spec.name] = build.service
+                log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
+                shards = build.service.shards(spec.name)
+                replies = [m.reply(Op.OK, {"shards": shards}) for _, m in build.waiting]
+            for (peer, _), reply in zip(build.waiting, replies, strict=True):
+                self._send(peer, reply, self.codec)
 
     def _check_budget(self, spec: TableSpec) -> None:
         """Refuse a table this server cannot hold before allocating anything of it."""
         budget = self.cluster.limits.server_budget
         held = sum(self.services[name].bytes_here(self.services[name].spec(name)) for name in self.services)
+        held += self.builds.pending_bytes()
         needed = self._service_for(spec).bytes_here(spec)
         if held + needed > budget:
             raise BudgetError(f"table {spec.name!r} needs {needed / 2**20:.0f} MiB on server {self.node}, which "
@@ -462,7 +495,7 @@ class ParameterServer:
     def _add_table(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
         """Create ``spec`` in the service of its kind (``current``: its layout now, if known)."""
         service = self._service_for(spec)
-        service.create(spec, current)
+        service.install(spec, service.build(spec, current))
         self.services[spec.name] = service
 
     def _service_for(self, spec: TableSpec) -> TableService:
@@ -511,6 +544,8 @@ class ParameterServer:
         if self._fdshare is not None:
             self._fdshare.close()
             self._fdshare = None
+        self.install_built(wait=True)  # then closed with the others
+        self.builds.close()
         self._rendezvous.close()
         self.slicing.close()
         self.replication.close()

@@ -25,8 +25,13 @@ class TableService(Protocol):
     #: whether a server that joins a running cluster holds such tables (static ones: the slices moved to it)
     served_by_joined_servers: bool
 
-    def create(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
-        """Make the table (``current``: its layout now, if slices moved since it was made)."""
+    def build(self, spec: TableSpec, current: dict[str, Any] | None = None) -> Any:
+        """Allocate and initialise this server's part of the table (``current``: its layout now, if slices
+        moved since it was made). Touches nothing the request loop reads: it may run on another thread."""
+        ...
+
+    def install(self, spec: TableSpec, built: Any) -> None:
+        """Start serving a table ``build`` made (on the request loop's thread)."""
         ...
 
     def bytes_here(self, spec: TableSpec) -> int:

@@ -41,11 +41,14 @@ class StaticService:
         self.clocks = clocks
         self.sync = sync
 
-    def create(self, spec: TableSpec, current: dict[str, Any] | None = None) -> None:
+    def build(self, spec: TableSpec, current: dict[str, Any] | None = None) -> ServedTable:
         layout = TableLayout.initial(spec, self.num_nodes)
         if current is not None:  # slices may have moved since the table was created
             layout = layout.at(current["owners"], int(current["epoch"]))
-        self.tables[spec.name] = ServedTable(spec, layout, self.node, self.cluster_id, self.clocks)
+        return ServedTable(spec, layout, self.node, self.cluster_id, self.clocks)
+
+    def install(self, spec: TableSpec, built: ServedTable) -> None:
+        self.tables[spec.name] = built
 
     def bytes_here(self, spec: TableSpec) -> int:
         return -(-table_bytes(spec) // self.num_nodes)  # its share of the slices
