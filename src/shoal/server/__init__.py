@@ -3,6 +3,7 @@
 - ``server``: ``ParameterServer`` (decode, check, dispatch, reply)
 - ``service``: ``TableService``, what the loop and checkpoints ask of each kind of table
 - ``builds``: tables allocated and initialised off the request loop
+- ``peers``: ``PeerDirectory``, the other servers: one tracker and address book for the services
 - ``static``: ``StaticService``, the static tables: pulls held by the bound, pushes into the slices
 - ``tables``: ``ServedTable`` (key-level pull/push over local shard stores)
 - ``streams``: each worker's requests handled in the order it sent them

@@ -38,18 +38,16 @@ import numpy as np
 from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import CheckpointError, ConfigError, ProtocolError, TableError
 from shoal.api.ids import ADAPTIVE_SHARD, server_node, server_sender
-from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
 from shoal.placement.ownership import MAX_HOPS, Directory, LocationCache, home_of
+from shoal.server.peers import PeerDirectory
 from shoal.server.tables import table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.checkpoint import place_saved
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA, any_nonfinite, take_pending
 from shoal.storage.shard import ShardStore
 from shoal.storage.validate import as_keys, as_rows, zero_nonfinite
-from shoal.transport.base import Transport
-from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
@@ -127,16 +125,15 @@ class AdaptiveTable:
 class AdaptiveService:
     """The adaptive tables of one server and the messages that move their keys."""
 
-    def __init__(self, node: int, cluster: ClusterSpec, transport: Transport, codec: Codec,
+    def __init__(self, node: int, cluster: ClusterSpec, peers: PeerDirectory,
                  reply: Callable[[bytes, Message], None], clocks: ClockTable) -> None:
         self.node = node
         self.cluster = cluster
         self.reply = reply
         self.clocks = clocks
         self.tables: dict[str, AdaptiveTable] = {}
-        self.peers = RequestTracker(transport, codec, sender=server_sender(node),
-                                    resend_s=cluster.timeouts.resend_s)
-        self._addresses: dict[int, str] = {}
+        self.peers = peers
+        peers.on_address(self._send_queued)
         #: messages for servers whose address we do not know yet (they must not be lost: a
         #: state message is the only copy of its rows)
         self._outbox: dict[int, list[Message]] = defaultdict(list)
@@ -146,13 +143,10 @@ class AdaptiveService:
 
     # ------------------------------------------------------------ membership
 
-    def on_status(self, status: dict[str, Any]) -> None:
-        for n, address in enumerate(status.get("servers", [])):
-            if n != self.node and address and self._addresses.get(n) != address:
-                self._addresses[n] = address
-                self.peers.connect(n, address)
-                for msg in self._outbox.pop(n, []):
-                    self.peers.notify(n, msg)
+    def _send_queued(self, node: int) -> None:
+        """A peer's address is known at last: what waited for it goes out."""
+        for msg in self._outbox.pop(node, []):
+            self.peers.tracker.notify(node, msg)
 
     keeps_rows_across_restart = False
     served_by_joined_servers = False  # keys are homed over the nodes the table was made on
@@ -509,11 +503,11 @@ class AdaptiveService:
         if node == self.node:  # to ourselves: no message
             msg.sender = server_sender(self.node)
             self._placement(table, msg)
-        elif node not in self._addresses:
+        elif node not in self.peers.addresses:
             self._outbox[node].append(msg)
             self.stats["placement_queued_for_unknown_peer"] += 1
         else:
-            self.peers.notify(node, msg, block=True)  # placement messages carry rows: never dropped
+            self.peers.tracker.notify(node, msg, block=True)  # placement messages carry rows: never dropped
 
     def _placement(self, table: AdaptiveTable, msg: Message) -> None:
         sender = server_node(msg.sender, self.cluster.num_nodes)
@@ -657,7 +651,6 @@ class AdaptiveService:
                        "window": t.window, "held": len(t.held), **dict(t.stats)} for name, t in self.tables.items()}
 
     def close(self) -> None:
-        self.peers.close()
         for table in self.tables.values():
             table.close()
 

@@ -22,16 +22,14 @@ import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import CheckpointError, ConfigError, KeyRangeError, ProtocolError, ShoalError, TableError
-from shoal.api.ids import MAX_INCARNATIONS, MAX_RANKS, server_node, server_sender, worker_origin
-from shoal.cluster.requests import RequestTracker
+from shoal.api.ids import MAX_INCARNATIONS, MAX_RANKS, server_node, worker_origin
 from shoal.placement.layout import TableLayout
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
 from shoal.replication.replica import ShardReplica
+from shoal.server.peers import PeerDirectory
 from shoal.server.tables import table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
-from shoal.transport.base import Transport
-from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import is_int64
@@ -76,7 +74,7 @@ class ReplicatedTable:
 class ReplicationService:
     """Replicated tables of one server, and the gossip between replicas."""
 
-    def __init__(self, node: int, cluster: ClusterSpec, transport: Transport, codec: Codec,
+    def __init__(self, node: int, cluster: ClusterSpec, peers: PeerDirectory,
                  reply: Callable[[bytes, Message], None], rng: random.Random | None = None,
                  now: Callable[[], float] = time.monotonic) -> None:
         self.node = node
@@ -93,17 +91,15 @@ class ReplicationService:
         self._incarnations: dict[int, int] = {}
         self._answered_at: dict[tuple[str, int, int], float] = {}
         self._waiting_since: dict[tuple[str, int], float] = {}
-        self.peers = RequestTracker(transport, codec, sender=server_sender(node),
-                                    resend_s=cluster.timeouts.resend_s)
+        self.peers = peers
         self.stats: Counter[str] = Counter()
-        self._addresses: dict[int, str] = {}
         self._held_replies: dict[int, tuple[bytes, Message]] = {}  # token -> waiting push (W > 1)
         self._tokens = 0
 
     # ------------------------------------------------------------ membership
 
     def on_status(self, status: dict[str, Any]) -> None:
-        """Follow the rendezvous: peer addresses (a restarted peer has a new one) and liveness."""
+        """Follow the rendezvous: which servers live (a restarted one is new: its replicas start empty)."""
         alive = [bool(a) for a in status.get("alive", self.alive)]
         for n, lives in enumerate(alive):
             if not lives and n < len(self.alive) and self.alive[n]:
@@ -113,16 +109,12 @@ class ReplicationService:
             if int(incarnation) > self._incarnations.get(n, 1):  # a process started in a dead one's place
                 self._died_at[n] = self.now()
             self._incarnations[n] = int(incarnation)
-        for n, address in enumerate(status.get("servers", [])):
-            if n != self.node and address and self._addresses.get(n) != address:
-                self._addresses[n] = address
-                self.peers.connect(n, address)
 
     def missing_peers(self) -> bool:
         """Whether a peer replica's address is still unknown (it has not registered yet, as at start-up):
         until it is, this server's replicas cannot gossip with it, and a push only one of them took
         is at risk if that server dies."""
-        return any(n != self.node and n not in self._addresses
+        return any(n != self.node and n not in self.peers.addresses
                    for table in self.tables.values() for shard in table.replicas
                    for n in table.layout.replica_nodes(shard))
 
@@ -261,13 +253,13 @@ class ReplicationService:
 
     def _live_peers(self, table: ReplicatedTable, shard: int) -> list[int]:
         return [n for n in table.layout.replica_nodes(shard)
-                if n != self.node and self.alive[n] and n in self._addresses]
+                if n != self.node and self.alive[n] and n in self.peers.addresses]
 
     def _send_gossip(self, table: ReplicatedTable, node: int, payload: GossipPayload) -> None:
         body, arrays = payload.to_wire(table.spec.dim)
         self.stats["gossip_sent"] += 1
         try:
-            sent = self.peers.notify(node, Message(Op.GOSSIP, table=table.spec.name, body=body, arrays=arrays))
+            sent = self.peers.tracker.notify(node, Message(Op.GOSSIP, table=table.spec.name, body=body, arrays=arrays))
         except ShoalError as exc:  # e.g. one origin's whole state exceeds the message limit
             sent = False
             self.stats["gossip_failed"] += 1
@@ -346,9 +338,6 @@ class ReplicationService:
                 replica.load(rows[mine], arrays, mine, write)
                 filled[shard][rows[mine]] = True
         return sum(int(f.sum()) for f in filled.values())
-
-    def close(self) -> None:
-        self.peers.close()
 
 
 def wire_version(replica: ShardReplica) -> list[list[int]]:

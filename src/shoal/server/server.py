@@ -44,6 +44,7 @@ from shoal.server.adaptive import AdaptiveService
 from shoal.server.builds import TableBuilds
 from shoal.server.checkpoints import CheckpointService
 from shoal.server.metrics import server_families
+from shoal.server.peers import PeerDirectory
 from shoal.server.replicated import ReplicationService
 from shoal.server.service import TableService
 from shoal.server.slicing import SliceService
@@ -111,9 +112,11 @@ class ParameterServer:
         self.order = StreamOrder(cluster.num_workers)
         self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec),
                                  max_hold_s=cluster.timeouts.request_s, seen=self.order.seen)
-        self.replication = ReplicationService(node, cluster, transport, self.codec,
+        #: the other servers: one tracker and address book for gossip, placement and slice moves
+        self.peers = PeerDirectory(node, transport, self.codec, cluster.timeouts.resend_s)
+        self.replication = ReplicationService(node, cluster, self.peers,
                                               lambda peer, msg: self._send(peer, msg, self.codec))
-        self.adaptive = AdaptiveService(node, cluster, transport, self.codec,
+        self.adaptive = AdaptiveService(node, cluster, self.peers,
                                         lambda peer, msg: self._send(peer, msg, self.codec), self.clocks)
         self.static = StaticService(node, cluster.num_nodes, cluster.cluster_id, self.tables, self.clocks, self.sync)
         #: the service of each table, by name: the one place that knows a table's kind
@@ -124,7 +127,7 @@ class ParameterServer:
         self._heartbeat_req: int | None = None
         self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
         self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
-        self.slicing = SliceService(node, cluster, transport, self.codec, self.tables, self.sync, self._rendezvous,
+        self.slicing = SliceService(node, cluster, self.peers, self.tables, self.sync, self._rendezvous,
                                     self._serve_held)
         self.sync.hold_for_move = self.slicing.hold
         self.checkpoints = CheckpointService(node, self.services, self.lost)
@@ -198,8 +201,8 @@ class ParameterServer:
         started again (its node registered before) recreates them, but only replicated tables get
         their rows back (by gossip): the rows of the others went with its previous process."""
         self.roles.num_nodes = max(self.roles.num_nodes, len(status.get("servers") or []))
+        self.peers.on_status(status)
         self.replication.on_status(status)
-        self.adaptive.on_status(status)
         incarnations = status.get("incarnations") or []
         restarted = self.node < len(incarnations) and int(incarnations[self.node]) > 1
         for name in self._adopt_tables(status, "after a restart"):
@@ -253,8 +256,8 @@ class ParameterServer:
     def _on_status(self, msg: Message) -> None:
         self._last_heartbeat = time.monotonic()
         self.roles.num_nodes = max(self.roles.num_nodes, len(msg.body.get("servers") or []))  # servers joined
+        self.peers.on_status(msg.body)
         self.replication.on_status(msg.body)
-        self.adaptive.on_status(msg.body)
         self._adopt_tables(msg.body, "created before it joined")
         self.slicing.on_status(msg.body)
         if msg.body.get("finished"):
@@ -548,7 +551,7 @@ class ParameterServer:
         self.builds.close()
         self._rendezvous.close()
         self.slicing.close()
-        self.replication.close()
+        self.peers.close()
         self.adaptive.close()
         self.listener.close()
         self.static.close()

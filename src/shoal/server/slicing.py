@@ -33,13 +33,12 @@ import numpy as np
 
 from shoal.api.config import ClusterSpec
 from shoal.api.errors import ProtocolError, TableError
-from shoal.api.ids import RENDEZVOUS, server_sender
+from shoal.api.ids import RENDEZVOUS
 from shoal.cluster.requests import RequestTracker
+from shoal.server.peers import PeerDirectory
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable
 from shoal.storage.shard import ShardStore
-from shoal.transport.base import Transport
-from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import is_int64
@@ -72,18 +71,16 @@ class _Incoming:
 class SliceService:
     """Hands slices of this server's static tables to other servers, and takes them in."""
 
-    def __init__(self, node: int, cluster: ClusterSpec, transport: Transport, codec: Codec,
+    def __init__(self, node: int, cluster: ClusterSpec, peers: PeerDirectory,
                  tables: dict[str, ServedTable], sync: Synchroniser, rendezvous: RequestTracker,
                  redispatch: Callable[[bytes, Message], None]) -> None:
         self.node = node
         self.cluster = cluster
-        self.codec = codec
         self.tables = tables
         self.sync = sync
         self.rendezvous = rendezvous
         self.redispatch = redispatch
-        self.peers = RequestTracker(transport, codec, sender=server_sender(node), resend_s=cluster.timeouts.resend_s)
-        self.addresses: dict[int, str] = {}
+        self.peers = peers
         self.outgoing: dict[tuple[str, int], _Outgoing] = {}
         self.incoming: dict[tuple[str, int], _Incoming] = {}
         #: requests for moving slices, answered when their move ends
@@ -96,11 +93,7 @@ class SliceService:
     # ------------------------------------------------------------ commands
 
     def on_status(self, status: dict[str, Any]) -> None:
-        """Peers' addresses, and the moves the rendezvous wants this server to make."""
-        for n, address in enumerate(status.get("servers") or []):
-            if address and n != self.node and self.addresses.get(n) != address:
-                self.addresses[n] = address
-                self.peers.connect(n, address)
+        """The moves the rendezvous wants this server to make."""
         for cmd in status.get("moves") or []:
             if int(cmd["from"]) == self.node and (cmd["table"], int(cmd["shard"])) not in self.outgoing:
                 self.start(str(cmd["table"]), int(cmd["shard"]), int(cmd["to"]), int(cmd["epoch"]))
@@ -113,7 +106,7 @@ class SliceService:
             return  # a command repeated by a heartbeat reply that crossed this move's end
         move = _Outgoing(name, shard, to, epoch)
         self.outgoing[(name, shard)] = move
-        if table is None or shard not in table.stores or to not in self.addresses:
+        if table is None or shard not in table.stores or to not in self.peers.addresses:
             why = "no such table here" if table is None else (
                 "slice not held here" if shard not in table.stores else f"server {to} unknown")
             log.warning("server %d: cannot move slice %d of %r to %d: %s", self.node, shard, name, to, why)
@@ -137,13 +130,13 @@ class SliceService:
             msg = Message(Op.SLICE_STATE, table=name, body={
                 "shard": shard, "epoch": epoch, "first_row": first, "num_rows": store.num_rows, "names": names,
                 "subscribers": ranks, "last": last_row >= store.num_rows}, arrays=parts)
-            move.reqs.add(self.peers.request(to, msg, _ignore, f"SLICE_STATE {name!r}/{shard} to server {to}"))
+            move.reqs.add(self.peers.tracker.request(to, msg, _ignore, f"SLICE_STATE {name!r}/{shard} to server {to}"))
 
     def tick(self) -> None:
         """Advance moves: a handed-over slice is reported; one whose receiver is silent is undone."""
         if not self.outgoing:
             return
-        self.peers.pump(0)
+        self.peers.tracker.pump(0)
         for move in list(self.outgoing.values()):
             if move.report is not None:
                 if self.rendezvous.done({move.report}) and (error := self.rendezvous.take_error(move.report)):
@@ -151,8 +144,8 @@ class SliceService:
                               self.node, move.shard, move.table, error)
                     self._finish(move)
                 continue
-            if self.peers.done(move.reqs):
-                errors = [e for r in sorted(move.reqs) if (e := self.peers.take_error(r))]
+            if self.peers.tracker.done(move.reqs):
+                errors = [e for r in sorted(move.reqs) if (e := self.peers.tracker.take_error(r))]
                 if errors:
                     log.warning("server %d: server %d refused slice %d of %r: %s", self.node, move.to, move.shard,
                                 move.table, errors[0])
@@ -254,7 +247,6 @@ class SliceService:
         for incoming in self.incoming.values():
             incoming.store.close()
         self.incoming.clear()
-        self.peers.close()
 
 
 def _ignore(msg: Message) -> None:
