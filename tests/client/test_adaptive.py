@@ -9,6 +9,7 @@ import pytest
 
 import shoal
 from shoal.storage.kernels import ABSENT, REPLICA
+from tests.support.clock import ManualClock
 from tests.support.cluster import ThreadCluster
 from tests.support.waiting import wait_until
 
@@ -73,7 +74,8 @@ def test_intents_replicate_hot_keys_and_counts_stay_exact(technique):
 
 
 def test_a_replica_wanted_again_before_its_last_sync_is_kept():
-    with ThreadCluster(nodes=2) as c:
+    clock = ManualClock()  # the servers' syncs run when the test moves it
+    with ThreadCluster(nodes=2, now=clock) as c:
         w1 = c.worker(1)
         t = w1.table("r", 10, 1, techniques="replication", sync_ms=1000)
         store = c.servers[1].adaptive.tables["r"]
@@ -84,7 +86,10 @@ def test_a_replica_wanted_again_before_its_last_sync_is_kept():
         wait_until(lambda: bool(store.dropping[0]))
         t.intent([0], 3, 50)  # wanted again before that sync
         w1.advance_clock()
-        time.sleep(2.5)  # two syncs: a drop still pending would have gone out
+        wait_until(lambda: not store.dropping[0])  # the new intent reached the server first
+        for _ in range(2):  # two syncs: a drop still pending would have gone out
+            clock.advance(1.1)
+            wait_until(lambda: store.next_sync > clock())
         assert store.presence[0] == REPLICA
         requests = t.counters["requests"]
         t.pull([0])

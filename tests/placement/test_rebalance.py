@@ -8,6 +8,7 @@ from shoal.api.config import RebalancePolicy, TableSpec
 from shoal.cluster.slices import SliceAuthority
 from shoal.placement.layout import TableLayout, slice_count
 from shoal.placement.rebalance import SliceInfo, imbalance, plan_drain, plan_moves
+from tests.support.clock import ManualClock
 
 
 def _loads(slices, moves, servers):
@@ -55,16 +56,8 @@ def test_bounded_mapping_caps_slice_bytes_and_whole_placement_uses_one_server():
     assert len(set(whole.owners.tolist())) == 1
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_the_rebalancer_moves_slices_only_after_the_imbalance_persists():
-    clock = _Clock()
+    clock = ManualClock(0.0)
     policy = RebalancePolicy(threshold=1.3, windows=3, window_s=1.0, min_bytes_per_s=1.0, max_moves=8)
     authority = SliceAuthority(2, policy, now=clock)
     authority.add_table(TableSpec("t", 800, 4, slices=8, placement="whole"))
@@ -72,7 +65,7 @@ def test_the_rebalancer_moves_slices_only_after_the_imbalance_persists():
     hot = [[s, 1000.0, 1, 0.0] for s in range(8)]
     for window in range(3):
         authority.on_load(owner, {"t": hot})
-        clock.t += 1.0
+        clock.advance(1.0)
         authority.tick()
         assert bool(authority.active) == (window == 2), window  # the third hot window triggers
     moved = []

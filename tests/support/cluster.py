@@ -8,6 +8,7 @@ unless a ZeroMQ transport is asked for.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,9 @@ FAST = Timeouts(connect_s=10.0, request_s=10.0, barrier_s=20.0)
 class ThreadCluster:
     def __init__(self, nodes: int = 2, workers_per_node: int = 1, transport: Transport | None = None,
                  secret: bytes | None = None, limits: Limits | None = None, timeouts: Timeouts = FAST,
-                 rebalance: RebalancePolicy | None = None, metrics: bool = False) -> None:
+                 rebalance: RebalancePolicy | None = None, metrics: bool = False,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        """``now``: the clock the servers' timers read (a ``ManualClock`` to move it by hand)."""
         self.transport = transport or InProcTransport()
         self.inproc = isinstance(self.transport, InProcTransport)
         cluster_id = "t" + uuid.uuid4().hex[:10]
@@ -38,7 +41,8 @@ class ThreadCluster:
         self.spec = ClusterSpec(cluster_id, nodes, workers_per_node, self.rendezvous.address, secret, limits,
                                 timeouts)
         bind = "inproc://*" if self.inproc else "tcp://127.0.0.1:0"
-        self.servers = [ParameterServer(n, self.spec, self.transport, bind=bind, metrics_port=0 if metrics else None)
+        self.servers = [ParameterServer(n, self.spec, self.transport, bind=bind, metrics_port=0 if metrics else None,
+                                        now=now)
                         for n in range(nodes)]
         self.threads = [threading.Thread(target=s.run, daemon=True, name=f"server-{n}")
                         for n, s in enumerate(self.servers)]

@@ -29,7 +29,7 @@ import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ class Held:
     waiting_for: np.ndarray
     #: for a push held in part: where the held keys sat in the original request
     positions: np.ndarray | None = None
-    since: float = field(default_factory=time.monotonic)
+    since: float = 0.0  # when it began to wait, on the service's clock
 
 
 class AdaptiveTable:
@@ -126,8 +126,10 @@ class AdaptiveService:
     """The adaptive tables of one server and the messages that move their keys."""
 
     def __init__(self, node: int, cluster: ClusterSpec, peers: PeerDirectory,
-                 reply: Callable[[bytes, Message], None], clocks: ClockTable) -> None:
+                 reply: Callable[[bytes, Message], None], clocks: ClockTable,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.node = node
+        self.now = now  # every timer of the service reads this clock (tests move it by hand)
         self.cluster = cluster
         self.reply = reply
         self.clocks = clocks
@@ -138,7 +140,7 @@ class AdaptiveService:
         #: state message is the only copy of its rows)
         self._outbox: dict[int, list[Message]] = defaultdict(list)
         self.stats: Counter[str] = Counter()
-        self._clock_seen = (0, time.monotonic())
+        self._clock_seen = (0, now())
         self._clock_s = 0.0
 
     # ------------------------------------------------------------ membership
@@ -231,7 +233,7 @@ class AdaptiveService:
         absent = table.store.read_present(keys, np.arange(keys.shape[0]), out)
         pos, coming = self._moved(table, keys, absent)
         if coming.size:
-            table.held.append(Held(peer, msg, coming))
+            table.held.append(Held(peer, msg, coming, since=self.now()))
             table.stats["requests_held"] += 1
             return None
         return self._answer(table, msg, keys, pos, out)
@@ -250,7 +252,7 @@ class AdaptiveService:
             rest = Message(msg.op, req=msg.req, table=msg.table, sender=msg.sender, body=msg.body,
                            arrays=[keys[pos], grads[pos]])
             where = pos if positions is None else positions[pos]
-            table.held.append(Held(peer, rest, coming, where))
+            table.held.append(Held(peer, rest, coming, where, since=self.now()))
             table.stats["requests_held"] += 1
             return None
         return self._answer(table, msg, keys, pos, None, positions)
@@ -556,7 +558,7 @@ class AdaptiveService:
         too long for rows that did not come (the requester then retries elsewhere)."""
         slowest = self.clocks.slowest
         seen, at = self._clock_seen
-        now = time.monotonic()
+        now = self.now()
         if slowest > seen:
             per_clock = (now - at) / (slowest - seen)
             self._clock_s = per_clock if self._clock_s == 0 else 0.8 * self._clock_s + 0.2 * per_clock

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -85,7 +86,10 @@ class ParameterServer:
         share_memory: bool = True,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``now``: the clock the services' timers read (held pulls, gossip rounds, replica syncs);
+        tests pass one they move by hand. The loop's own waits are in real time."""
         self.node = node
         self.cluster = cluster
         self.transport = transport
@@ -111,13 +115,13 @@ class ParameterServer:
         #: each worker's requests handled in the order it sent them
         self.order = StreamOrder(cluster.num_workers)
         self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec),
-                                 max_hold_s=cluster.timeouts.request_s, seen=self.order.seen)
+                                 max_hold_s=cluster.timeouts.request_s, seen=self.order.seen, now=now)
         #: the other servers: one tracker and address book for gossip, placement and slice moves
         self.peers = PeerDirectory(node, transport, self.codec, cluster.timeouts.resend_s)
         self.replication = ReplicationService(node, cluster, self.peers,
-                                              lambda peer, msg: self._send(peer, msg, self.codec))
+                                              lambda peer, msg: self._send(peer, msg, self.codec), now=now)
         self.adaptive = AdaptiveService(node, cluster, self.peers,
-                                        lambda peer, msg: self._send(peer, msg, self.codec), self.clocks)
+                                        lambda peer, msg: self._send(peer, msg, self.codec), self.clocks, now)
         self.static = StaticService(node, cluster.num_nodes, cluster.cluster_id, self.tables, self.clocks, self.sync)
         #: the service of each table, by name: the one place that knows a table's kind
         self.services: dict[str, TableService] = {}
