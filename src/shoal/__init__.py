@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
 from shoal.api import optim
 from shoal.api.config import ClusterSpec, Limits, TableSpec, Timeouts
@@ -41,11 +43,26 @@ from shoal.api.errors import (
 )
 from shoal.api.initializers import Constant, Normal, Uniform
 from shoal.api.replication import Dynamic
-from shoal.client.table import Table
-from shoal.client.worker import Worker
-from shoal.cluster.requests import Future
+
+if TYPE_CHECKING:
+    from shoal.client.table import Table
+    from shoal.client.worker import Worker
+    from shoal.cluster.requests import Future
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+#: names imported on first use: they bring the worker (and numba's kernels), which the launcher,
+#: the servers' start and ``shoal status`` do without
+_LAZY = {"Table": "shoal.client.table", "Worker": "shoal.client.worker", "Future": "shoal.cluster.requests"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shoal' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __version__ = "0.1.0"
 
@@ -53,6 +70,7 @@ __version__ = "0.1.0"
 def init(local_access: bool | None = None) -> Worker:
     """Join the cluster this process was started in: by ``shoal run``, by ``torchrun``
     (see ``shoal.launch.torchrun``), or by anything that sets the ``SHOAL_*`` variables."""
+    from shoal.client.worker import Worker
     from shoal.launch import env, torchrun
     from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers
 

@@ -72,7 +72,7 @@ class Worker:
         self._owns_transport = owns_transport
         self.tracker = RequestTracker(transport, Codec(cluster.limits, cluster.secret), sender=rank,
                                       resend_s=cluster.timeouts.resend_s)
-        kernels.warm_up()  # not on the first pull or push of the training loop
+        warming = kernels.warm_up_meanwhile()  # while registering; not on the training loop's first pull
         self.clock = 0
         self.tables: dict[str, Table] = {}
         #: where shutdown writes what this worker logged, for the run report (see ``log``)
@@ -102,6 +102,7 @@ class Worker:
         self._server_exit: ProcessExit | None = None  # tells when the local server's process has ended
         if local_access:
             self._attach_clocks()
+        warming.join()
 
     @property
     def num_workers(self) -> int:

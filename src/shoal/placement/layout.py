@@ -21,14 +21,14 @@ import numpy as np
 from shoal.api.config import TableSpec
 from shoal.placement import kernels
 from shoal.placement.mapping import KeyMapping, make_mapping
-from shoal.storage.rules import rule_for
+from shoal.storage.state import state_of
 
 
 def row_bytes(spec: TableSpec) -> int:
     """Bytes one row needs: values plus the update rule's per-row state."""
     itemsize = np.dtype(spec.dtype).itemsize
     per_row = spec.dim * itemsize
-    for st in rule_for(spec.optimizer).state:
+    for st in state_of(spec.optimizer):
         width = spec.dim if st.per_value else 1
         per_row += width * np.dtype(st.dtype or spec.dtype).itemsize
     return per_row

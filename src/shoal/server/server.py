@@ -98,7 +98,7 @@ class ParameterServer:
         self.codec = Codec(cluster.limits, cluster.secret, local=is_loopback(bind))
         self._unsigned = Codec(cluster.limits)  # only for telling a peer its tag was wrong
         self.roles = Roles(cluster.num_workers, cluster.num_nodes)
-        kernels.warm_up()  # not on the first request a worker times
+        self._warming = kernels.warm_up_meanwhile()  # while registering; not on the first request timed
         # libzmq drops a peer that sends a frame past this hard cap; messages between
         # the soft limit and the cap get a typed error reply instead.
         hard_cap = cluster.limits.max_message_bytes * 2 + (1 << 20)
@@ -158,6 +158,7 @@ class ParameterServer:
                 metrics=self.metrics.url if self.metrics is not None else None)
             self._rejoin(status)
             log.info("server %d serving at %s", self.node, self.address)
+        self._warming.join()
         try:
             while not self._stop.is_set():
                 item = self.listener.recv(self._wait_s())

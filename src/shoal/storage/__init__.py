@@ -3,6 +3,7 @@
 - ``segment``: memfd segments and striped row locks
 - ``shard``: ``ShardStore`` (values + optimiser state of one shard)
 - ``rules``: Sum, SGD, Adagrad, Adam as update rules
+- ``state``: the per-row state each optimiser keeps (what a row weighs, without the kernels)
 - ``initialize``: per-key seeded initial values
 - ``kernels``: compiled gather / scatter / rule loops
 - ``validate``: checks on keys and rows that every entry point runs

@@ -8,6 +8,7 @@ GIL (``nogil``) so a worker's receive path and compute can overlap.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numba
@@ -333,3 +334,11 @@ def warm_up() -> None:
     """Start numba now: its first call in a process costs about 0.3 s even from the cache (each kernel
     after that a few ms), which would otherwise land on a job's first pull or push."""
     first_out_of_range(np.zeros(1, dtype=np.int64), 1)
+
+
+def warm_up_meanwhile() -> threading.Thread:
+    """``warm_up`` on a thread of its own, while the caller waits on the network (registering, waiting
+    for its peers); join it before the first pull or push that is timed."""
+    thread = threading.Thread(target=warm_up, name="shoal-numba-warm-up", daemon=True)
+    thread.start()
+    return thread

@@ -7,22 +7,11 @@ batch of distinct rows through a compiled kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from shoal.api.optim import SGD, Adagrad, Adam, Optimizer, Sum
 from shoal.storage import kernels
-
-
-@dataclass(frozen=True)
-class StateArray:
-    """A per-row array a rule keeps; ``per_value`` arrays have the row's width."""
-
-    name: str
-    per_value: bool
-    dtype: str
-    fill: float
+from shoal.storage.state import StateArray, state_of
 
 
 class UpdateRule:
@@ -68,7 +57,7 @@ class SGDRule(UpdateRule):
 class AdagradRule(UpdateRule):
     def __init__(self, opt: Adagrad) -> None:
         self.opt = opt
-        self.state = (StateArray("accum", True, "", opt.initial_accumulator),)
+        self.state = state_of(opt)
 
     def apply(self, values, state, rows, grads):  # type: ignore[no-untyped-def]
         kernels.adagrad_rows(values, state["accum"], rows, grads, self.opt.lr, self.opt.eps)
@@ -77,11 +66,7 @@ class AdagradRule(UpdateRule):
 class AdamRule(UpdateRule):
     def __init__(self, opt: Adam) -> None:
         self.opt = opt
-        self.state = (
-            StateArray("first", True, "", 0.0),
-            StateArray("second", True, "", 0.0),
-            StateArray("steps", False, "float64", 0.0),
-        )
+        self.state = state_of(opt)
 
     def apply(self, values, state, rows, grads):  # type: ignore[no-untyped-def]
         o = self.opt

@@ -1,0 +1,104 @@
+"""Where a job's start-up goes: a trivial 2-node job end to end, and what each process pays.
+
+    python benchmarks/bench_startup.py [--runs 5]
+
+The job is ``shoal run --nodes 2 --workers-per-node 1`` of a script that calls
+``shoal.init()``, one barrier and ``shutdown()``. Its workers print when each
+phase ended (time since the launcher started), and the costs every process pays
+are timed alone, each in a fresh interpreter: the interpreter itself, ``import
+shoal`` (which leaves the worker and numba out), the worker's import (numba
+with it), numba's first call (``kernels.warm_up``: LLVM and the cached kernels),
+and the launcher's import. Medians over ``--runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import write_results  # noqa: E402
+
+WORKER = r"""
+import os, time
+t0 = float(os.environ["BENCH_T0"])
+def mark(what): print(f"phase {what} {time.time() - t0:.4f}", flush=True)
+mark("worker started")
+import shoal
+ps = shoal.init()
+mark("init done")
+ps.barrier()
+mark("barrier done")
+ps.shutdown()
+mark("shutdown done")
+"""
+
+ALONE = {
+    "python -c pass": "pass",
+    "import shoal": "import shoal",
+    "import the worker (numba)": "import shoal.client.worker",
+    "numba's first call": "import shoal.client.worker, time; t = time.perf_counter(); "
+                          "from shoal.storage import kernels; kernels.warm_up(); "
+                          "print(time.perf_counter() - t)",
+    "import the launcher": "import shoal.launch.cli",
+}
+
+
+def alone(code: str) -> float:
+    """Seconds a fresh interpreter takes to run ``code`` (or what it prints, if it prints a number)."""
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    return float(out) if out else time.perf_counter() - started
+
+
+def job(script: Path) -> tuple[float, dict[str, float]]:
+    env = {**os.environ, "BENCH_T0": repr(time.time())}
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node",
+                           "1", "--", sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          check=True, timeout=120)
+    wall = time.perf_counter() - started
+    phases: dict[str, float] = {}
+    for line in done.stdout.splitlines() + done.stderr.splitlines():
+        if "phase " in line:
+            what, _, at = line.split("phase ", 1)[1].rpartition(" ")
+            phases[what] = max(phases.get(what, 0.0), float(at))  # the later of the two workers
+    return wall, phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    costs = {name: statistics.median(alone(code) for _ in range(args.runs)) for name, code in ALONE.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "trivial.py"
+        script.write_text(WORKER)
+        runs = [job(script) for _ in range(args.runs)]
+    wall = statistics.median(w for w, _ in runs)
+    phases = {k: statistics.median(p[k] for _, p in runs) for k in runs[0][1]}
+
+    lines = ["| the trivial 2-node job (median) | s since the launcher started |", "|---|---:|"]
+    lines += [f"| workers: {k} | {v:.2f} |" for k, v in phases.items()]
+    lines.append(f"| **launcher exited** | **{wall:.2f}** |")
+    lines += ["", "| each process pays, alone on the machine (median) | s |", "|---|---:|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in costs.items()]
+    numba = costs["import the worker (numba)"] - costs["import shoal"] + costs["numba's first call"]
+    lines.append(f"\nA worker and a server each pay numba's import and first call, {numba:.2f} s of CPU, before "
+                 f"anything of the job runs: {4 * numba:.1f} s for the four processes of this job, on "
+                 f"{os.cpu_count()} cores.")
+    table = "\n".join(lines)
+    print("\n" + table)
+    write_results("startup", {"runs": args.runs, "wall_s": wall, "phases_s": phases, "alone_s": costs}, table)
+
+
+if __name__ == "__main__":
+    main()
