@@ -65,8 +65,8 @@ def main() -> None:
         print(f"{mode} on 2 emulated hosts: {r['triples_per_s']:,.0f} triples/s", flush=True)
     classic = rows[0]["triples_per_s"]
     lines = [f"Synthetic Zipf(1.1) graph, ComplEx d=100, 6 negatives, {args.seconds:.0f} s per contender; "
-             f"2 emulated hosts (network namespaces, {args.rate} tbf each, HMAC on) sharing 2 cores. Huge pages "
-             f"for shared memory: {shmem_huge_pages()}.", "",
+             f"2 emulated hosts (network namespaces, {args.rate} tbf each, every message tagged) sharing 2 cores. "
+             f"Huge pages for shared memory: {shmem_huge_pages()}.", "",
              "| contender | triples/s | vs baseline | vs classic PS | cores busy: workers | servers |",
              "|---|---:|---:|---:|---:|---:|",
              f"| single-process baseline | {base:,.0f} | 1.00 | {base / classic:.2f} | 1.00 | 0.00 |"]

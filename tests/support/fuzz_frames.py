@@ -4,7 +4,7 @@
 * ``broken_frames``: a valid message of any op, then truncated, bit-flipped,
   frames dropped, added or swapped, header fields replaced by values of the
   wrong type, absurd shapes and sizes, dtypes the wire refuses, other
-  versions and ops, and (with a secret) bad or missing HMAC tags;
+  versions and ops, and (with a secret) bad or missing tags;
 * ``check_decode``: what decoding any frames must give.
 """
 

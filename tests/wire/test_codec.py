@@ -1,4 +1,4 @@
-"""Codec: messages <-> frames, the checks on everything that arrives, and the HMAC tag.
+"""Codec: messages <-> frames, the checks on everything that arrives, and the tag (keyed BLAKE3).
 
 Frames are decoded here as a socket would hand them over (one bytes object or
 ``zmq.Frame`` per frame), never as the arrays ``encode`` returned.
@@ -343,7 +343,7 @@ def test_decode_refuses_a_message_over_the_limit(secret: bytes | None) -> None:
     assert err.req == REQ  # type: ignore[attr-defined]
 
 
-# ------------------------------------------------------------------ HMAC tag
+# ------------------------------------------------------------------ tag
 
 
 def flip_byte(frame: bytes, at: int = 0) -> bytes:

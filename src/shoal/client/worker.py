@@ -82,7 +82,7 @@ class Worker:
         self._clock_requests: dict[int, int] = {}  # per server: the newest clock not yet acknowledged
         self._closed = False
         timeout = cluster.timeouts.connect_s
-        #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token in a signed job
+        #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token derived from the job's secret
         self.metrics = None if metrics_port is None else MetricsEndpoint(
             lambda: worker_families(self), {"rank": self.rank, "node": self.node}, metrics_host,
             metrics_port, metrics_token(cluster.secret) if cluster.secret else None)

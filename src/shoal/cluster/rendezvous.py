@@ -221,7 +221,7 @@ class Rendezvous:
     def _repeated(self, peer: bytes, msg: Message) -> bool:
         """Whether ``msg`` repeats one already here (answered again if its reply was kept); raises
         ``ReplayError`` for one older than what is remembered of its sender."""
-        verdict, reply = self._replay.admit(msg.sender, msg.incarnation, msg.req)
+        verdict, reply = self._replay.admit(msg.sender, msg.incarnation, msg.req, bool(msg.flags & Flag.NO_REPLY))
         if verdict is Verdict.STALE:
             self._warnings.warn("replayed", "rendezvous: refused a replayed %s from sender %s", msg.op.name,
                                 msg.sender)
@@ -255,8 +255,7 @@ class Rendezvous:
             if msg.table not in self.tables:
                 self.slices.add_table(TableSpec.from_dict(msg.body["spec"]))
             self.tables.setdefault(msg.table, msg.body["spec"])
-            if 0 <= msg.sender < self.num_workers:
-                self._creators.setdefault(msg.table, set()).add(msg.sender)
+            self._creators.setdefault(msg.table, set()).add(msg.sender)  # a worker (roles.py)
             if not msg.flags & Flag.NO_REPLY:  # the reply carries where the slices are now
                 body = self.slices.describe(msg.table) if msg.table in self.slices.layouts else {}
                 body["servers"] = self.status()["servers"]

@@ -3,22 +3,24 @@
 A requester sends a request again when its reply is overdue (the message or
 its reply was lost, or the link duplicated it); an attacker who captured a
 tagged message may play it again on a connection of its own. The receiver
-therefore keeps, per *stream* -- a requester's incarnation, with the sender
-it belongs to, both covered by the tag -- the requests it saw lately and the replies it sent: a
+therefore keeps, per *stream* -- a requester's (sender, incarnation), both
+covered by the tag -- the requests it saw lately and the replies it sent: a
 repeat of one still being served is dropped, a repeat of one already answered
 gets the same reply again, and only a new request is served. A push applied
 twice would be a lost update of another kind, so this sits in front of every
 handler, for one-way messages too.
 
-Memory is bounded whatever peers send. Per stream, only the latest
-``PER_STREAM`` request numbers are kept, and every number at or below the
-highest one forgotten is refused from then on (its ``floor``); across streams,
-at most ``ENTRIES`` numbers are kept (the least recently heard stream loses its
-oldest first), and at most ``STREAMS`` streams. A stream dropped altogether
-raises its sender's *horizon* to the stream's birth time, which an incarnation
-carries in its high bits: a stream of that sender born no later is refused as
-one that may have been dropped. A live requester is never hit by this, because
-a tracker's incarnation is born when it sends its first request.
+Memory is bounded whatever peers send. A request still being served is never
+forgotten (a requester keeps few in flight). Of the answered ones, each stream
+keeps its latest ``PER_STREAM``, and all streams together ``ENTRIES`` (the least
+recently heard stream gives up its oldest first); every number at or below the
+highest one forgotten is refused from then on (the stream's ``floor``). At most
+``STREAMS`` streams are held: the least recently heard one with nothing in
+service is dropped, leaving a tombstone (its floor) so that it is neither
+replayed nor refused when heard again. Past ``TOMBSTONES`` tombstones the oldest
+goes too and raises its sender's *horizon* to the stream's birth time, which an
+incarnation carries in its high bits: a stream of that sender born no later and
+not held is refused as one that may have been dropped.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-#: request numbers remembered per stream: far more than any requester keeps in flight
+#: answered request numbers remembered per stream: far more than any requester keeps in flight
 PER_STREAM = 4096
-#: request numbers remembered in all (about 100 bytes each)
+#: answered request numbers remembered in all (about 100 bytes each)
 ENTRIES = 1 << 17
-#: streams remembered; the least recently heard is forgotten first
+#: streams held; the least recently heard idle one is dropped first
 STREAMS = 4096
+#: streams dropped whose floor is still known
+TOMBSTONES = 1 << 15
 #: bytes of replies kept to answer repeats with; older replies are dropped first
 REPLY_BYTES = 8 << 20
 #: larger replies are not kept: a repeat of a read is served again instead (reads are idempotent)
@@ -56,6 +60,8 @@ class Verdict(Enum):
 
 
 _SERVING = None  # a request seen whose reply is not sent yet
+_ABSENT = False  # not a value ``seen`` holds
+Key = tuple[int, int]  # (sender, incarnation)
 
 
 def new_incarnation() -> int:
@@ -69,24 +75,27 @@ def born_ms(incarnation: int) -> int:
 
 @dataclass
 class _Stream:
-    sender: int
     floor: int = 0  # every request number at or below this is refused unless still remembered
     #: request number -> the reply frames kept, True (answered, reply not kept) or None (serving)
     seen: OrderedDict[int, list[Any] | bool | None] = field(default_factory=OrderedDict)
+    serving: int = 0  # entries of ``seen`` still being served
 
 
 class ReplayGuard:
     def __init__(self, per_stream: int = PER_STREAM, entries: int = ENTRIES, streams: int = STREAMS,
-                 reply_bytes: int = REPLY_BYTES, keep_reply_bytes: int = KEEP_REPLY_BYTES) -> None:
+                 tombstones: int = TOMBSTONES, reply_bytes: int = REPLY_BYTES,
+                 keep_reply_bytes: int = KEEP_REPLY_BYTES) -> None:
         self.per_stream, self.max_entries, self.max_streams = per_stream, entries, streams
+        self.max_tombstones = tombstones
         self.reply_bytes = reply_bytes
         self.keep_reply_bytes = min(keep_reply_bytes, reply_bytes)
-        #: by incarnation, least recently heard first
-        self._streams: OrderedDict[int, _Stream] = OrderedDict()
+        self._streams: OrderedDict[Key, _Stream] = OrderedDict()  # least recently heard first
+        self._keys: dict[int, list[Key]] = {}  # incarnation -> its streams (a reply names only that)
         self._entries = 0
-        self._horizon: dict[int, int] = {}  # sender -> birth (ms) of its latest dropped stream
+        self._tombstones: OrderedDict[Key, int] = OrderedDict()  # dropped streams' floors, oldest first
+        self._horizon: dict[int, int] = {}  # sender -> birth (ms) of its latest forgotten stream
         self._common_horizon = 0
-        self._kept: OrderedDict[tuple[int, int], int] = OrderedDict()  # replies kept, oldest first: size
+        self._kept: OrderedDict[tuple[Key, int], int] = OrderedDict()  # replies kept, oldest first: size
         self._kept_bytes = 0
 
     @property
@@ -102,44 +111,44 @@ class ReplayGuard:
     def kept_reply_bytes(self) -> int:
         return self._kept_bytes
 
-    def admit(self, sender: int, incarnation: int, req: int) -> tuple[Verdict, list[Any] | None]:
+    def admit(self, sender: int, incarnation: int, req: int,
+              one_way: bool = False) -> tuple[Verdict, list[Any] | None]:
         """Whether request ``req`` of ``sender``'s stream ``incarnation`` is new; for a repeat of an
-        answered one, its reply if kept."""
-        key = incarnation
+        answered one, its reply if kept. A ``one_way`` message needs no reply: it counts as answered."""
+        key = (sender, incarnation)
         stream = self._streams.get(key)
         if stream is None:
-            if born_ms(incarnation) <= max(self._horizon.get(sender, 0), self._common_horizon):
+            stream = self._open(key)
+            if stream is None:
                 return Verdict.STALE, None
-            stream = self._streams[key] = _Stream(sender)
-            if len(self._streams) > self.max_streams:
-                self._drop_stream(next(iter(self._streams)))
-        elif stream.sender != sender:  # another sender's stream: only a forger would ask this
-            return Verdict.STALE, None
         else:
             self._streams.move_to_end(key)
-        entry = stream.seen.get(req, False)
-        if entry is not False:
+        entry = stream.seen.get(req, _ABSENT)
+        if entry is not _ABSENT:
             if entry is _SERVING:
                 return Verdict.IN_PROGRESS, None
             return Verdict.ANSWERED, entry if isinstance(entry, list) else None
         if req <= stream.floor:
             return Verdict.STALE, None
-        stream.seen[req] = _SERVING
+        stream.seen[req] = True if one_way else _SERVING
+        stream.serving += 0 if one_way else 1
         self._entries += 1
-        if len(stream.seen) > self.per_stream:
-            self._forget_oldest(key, stream)
-        while self._entries > self.max_entries:
-            oldest_key, oldest = next(iter(self._streams.items()))
-            self._forget_oldest(oldest_key, oldest)
+        if len(stream.seen) - stream.serving > self.per_stream:
+            self._forget_answered(key, stream)
+        if self._entries > self.max_entries:
+            self._trim()
         return Verdict.NEW, None
 
     def answered(self, incarnation: int, req: int, frames: list[Any], size: int) -> None:
         """Keep the reply to request ``req`` of stream ``incarnation`` (within the byte budget) to send
         again if the request is repeated."""
-        key = incarnation
-        stream = self._streams.get(key)
-        if stream is None or req not in stream.seen:
+        for key in self._keys.get(incarnation, ()):
+            stream = self._streams[key]
+            if stream.seen.get(req, _ABSENT) is _SERVING:
+                break
+        else:
             return
+        stream.serving -= 1
         keep = size <= self.keep_reply_bytes
         stream.seen[req] = frames if keep else True
         if not keep:
@@ -150,34 +159,74 @@ class ReplayGuard:
             old_key, old_req = next(iter(self._kept))
             self._forget_reply((old_key, old_req))
             old = self._streams.get(old_key)
-            if old is not None and old_req in old.seen:
+            if old is not None and isinstance(old.seen.get(old_req, _ABSENT), list):
                 old.seen[old_req] = True  # answered, reply no longer kept
 
     def retire(self, sender: int) -> None:
-        """``sender`` has left: forget all but its last few requests (a repeat of its goodbye still gets
-        its answer), refusing the forgotten ones from now on."""
-        for key in [k for k, stream in self._streams.items() if stream.sender == sender]:
+        """``sender`` has left: forget all but its last few answered requests (a repeat of its goodbye
+        still gets its answer), refusing the forgotten ones from now on."""
+        for key in [k for k in self._streams if k[0] == sender]:
             stream = self._streams[key]
-            while len(stream.seen) > _KEPT_AFTER_LEAVING:
-                self._forget_oldest(key, stream)
+            while len(stream.seen) - stream.serving > _KEPT_AFTER_LEAVING and self._forget_answered(key, stream):
+                pass
 
-    def _forget_oldest(self, key: int, stream: _Stream) -> None:
-        req, _ = stream.seen.popitem(last=False)
+    # ------------------------------------------------------------------ bounds
+
+    def _open(self, key: Key) -> _Stream | None:
+        """A stream heard for the first time, or again after it was dropped; None if it may have been
+        forgotten altogether (born no later than its sender's horizon)."""
+        sender, incarnation = key
+        floor = self._tombstones.pop(key, None)
+        if floor is None and born_ms(incarnation) <= max(self._horizon.get(sender, 0), self._common_horizon):
+            return None
+        stream = self._streams[key] = _Stream(floor or 0)
+        self._keys.setdefault(incarnation, []).append(key)
+        if len(self._streams) > self.max_streams:
+            self._drop_idle(keep=key)
+        return stream
+
+    def _forget_answered(self, key: Key, stream: _Stream) -> bool:
+        """Forget the stream's oldest answered request (those being served stay); False if none."""
+        req = next((r for r, entry in stream.seen.items() if entry is not _SERVING), None)
+        if req is None:
+            return False
+        del stream.seen[req]
         self._entries -= 1
         stream.floor = max(stream.floor, req)
         self._forget_reply((key, req))
+        return True
 
-    def _drop_stream(self, key: int) -> None:
+    def _trim(self) -> None:
+        """Over ``ENTRIES``: the least recently heard streams give up answered requests first."""
+        for key, stream in list(self._streams.items()):
+            while self._entries > self.max_entries and self._forget_answered(key, stream):
+                pass
+            if self._entries <= self.max_entries:
+                return
+
+    def _drop_idle(self, keep: Key) -> None:
+        """Over ``STREAMS``: drop the least recently heard stream with nothing in service (but ``keep``),
+        keeping its floor as a tombstone."""
+        key = next((k for k, s in self._streams.items() if k != keep and not s.serving), None)
+        if key is None:  # every other stream has a request in service: the least recently heard goes
+            key = next(k for k in self._streams if k != keep)
         stream = self._streams.pop(key)
+        keys = self._keys[key[1]]
+        keys.remove(key)
+        if not keys:
+            del self._keys[key[1]]
         for req in stream.seen:
             self._forget_reply((key, req))
         self._entries -= len(stream.seen)
-        self._horizon[stream.sender] = max(self._horizon.get(stream.sender, 0), born_ms(key))
-        if len(self._horizon) > HORIZONS:  # senders by the ten thousand: one horizon for all
-            self._common_horizon = max(self._common_horizon, *self._horizon.values())
-            self._horizon.clear()
+        self._tombstones[key] = max(stream.floor, max(stream.seen, default=0))
+        if len(self._tombstones) > self.max_tombstones:
+            (sender, incarnation), _ = self._tombstones.popitem(last=False)
+            self._horizon[sender] = max(self._horizon.get(sender, 0), born_ms(incarnation))
+            if len(self._horizon) > HORIZONS:  # senders by the ten thousand: one horizon for all
+                self._common_horizon = max(self._common_horizon, *self._horizon.values())
+                self._horizon.clear()
 
-    def _forget_reply(self, key: tuple[int, int]) -> None:
+    def _forget_reply(self, key: tuple[Key, int]) -> None:
         size = self._kept.pop(key, None)
         if size is not None:
             self._kept_bytes -= size

@@ -1,5 +1,7 @@
-"""Who may ask for what. A tag proves that a sender holds the job's secret; its sender id,
-covered by the tag, says which member it is, and the member's role what it may ask.
+"""Who may ask for what. A tag proves that a sender holds the job's secret, not which member it
+is: every member holds the same secret, so the sender id is the member's own word. Checking each
+op against the role of the id it names keeps a misconfigured or buggy member (or a tool pointed
+at the wrong job) from acting out of its place; it does not stop a member bent on lying.
 
 A worker asks for rows, clocks, tables and checkpoints, and names only itself
 (a CLOCK or BARRIER naming another rank is refused); a server talks to other

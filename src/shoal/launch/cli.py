@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--workers-per-node", type=int, default=1, help="workers on each node (default 1)")
     run.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="server transport (default tcp)")
     run.add_argument("--host", default="127.0.0.1", help="address servers bind (default 127.0.0.1)")
-    run.add_argument("--secret-file", help="file holding a hex shared secret; every message is then signed")
+    run.add_argument("--secret-file", help="file holding the job's secret (hex); default: one made for the job")
     run.add_argument("--classic", action="store_true",
                      help="send every key through a server, also local ones (classic parameter server)")
     run.add_argument("--max-message-bytes", type=int, default=Limits().max_message_bytes,

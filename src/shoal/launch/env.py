@@ -11,10 +11,11 @@ variable fails at once with a message that names it.
 | ``SHOAL_WORKERS_PER_NODE`` | workers on each node |
 | ``SHOAL_NODE`` | this process's node |
 | ``SHOAL_RANK`` | this worker's global rank (workers only) |
-| ``SHOAL_SECRET`` / ``SHOAL_SECRET_FILE`` | shared secret (hex), or a file holding it; required off loopback |
+| ``SHOAL_SECRET`` / ``SHOAL_SECRET_FILE`` | the job's secret (hex), or a file holding it; launchers make one |
 | ``SHOAL_BIND`` | server bind address, default ``tcp://127.0.0.1:0`` |
 | ``SHOAL_LOCAL_ACCESS`` | ``0`` sends every key through a server (classic PS mode) |
 | ``SHOAL_MAX_MESSAGE_BYTES`` | largest message accepted |
+| ``SHOAL_OWNS_SECRET_FILE`` | ``1``: the server removes ``SHOAL_SECRET_FILE`` when it ends (torchrun's own) |
 | ``SHOAL_SERVER_MEMORY`` | bytes each server may give its tables (default: half the machine's memory) |
 | ``SHOAL_CONNECT_TIMEOUT`` / ``SHOAL_REQUEST_TIMEOUT`` | seconds |
 | ``SHOAL_BARRIER_TIMEOUT`` / ``SHOAL_REPLICA_TIMEOUT`` | seconds |
@@ -29,7 +30,7 @@ variable fails at once with a message that names it.
 | ``SHOAL_RUN_DIR`` | workers write their run records here at shutdown, for the run report |
 | ``SHOAL_METRICS`` | ``0`` turns off the Prometheus endpoint every process serves |
 | ``SHOAL_METRICS_PORT`` | fixed ports: servers serve on this plus their node, workers on this plus nodes plus rank |
-| ``SHOAL_METRICS_HOST`` | the address metrics bind, default ``127.0.0.1``; another needs the shared secret |
+| ``SHOAL_METRICS_HOST`` | the address metrics bind, default ``127.0.0.1`` |
 """
 
 from __future__ import annotations
@@ -193,6 +194,14 @@ def run_dir(env: Mapping[str, str] | None = None) -> str | None:
     """Where workers write their run records (``SHOAL_RUN_DIR``), if a report was asked for."""
     env = os.environ if env is None else env
     return env.get(PREFIX + "RUN_DIR") or None
+
+
+def owned_secret_file(env: Mapping[str, str] | None = None) -> Path | None:
+    """The secret file this server removes when it ends (``SHOAL_OWNS_SECRET_FILE``: torchrun's
+    per-invocation secret, which no one needs once the node's server is gone)."""
+    env = os.environ if env is None else env
+    path = env.get(PREFIX + "SECRET_FILE")
+    return Path(path) if path and env.get(PREFIX + "OWNS_SECRET_FILE") == "1" else None
 
 
 def watch_pid(env: Mapping[str, str] | None = None) -> int | None:

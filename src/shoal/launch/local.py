@@ -158,8 +158,13 @@ class LocalCluster:
         secret_file = keep_secret(self.cluster_id, secret)
         codec = Codec(opts.limits, secret)
         num_workers = opts.nodes * opts.workers_per_node
-        rendezvous = Rendezvous(transport, codec, self._address("rendezvous"), self.cluster_id,
-                                opts.nodes, num_workers, rebalance=opts.rebalance)
+        try:
+            rendezvous = Rendezvous(transport, codec, self._address("rendezvous"), self.cluster_id,
+                                    opts.nodes, num_workers, rebalance=opts.rebalance)
+        except BaseException:  # e.g. its address is taken: nothing of the job may stay behind
+            secret_file.unlink(missing_ok=True)
+            transport.close()
+            raise
         cluster = ClusterSpec(self.cluster_id, opts.nodes, opts.workers_per_node, rendezvous.address,
                               secret, opts.limits, opts.timeouts)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

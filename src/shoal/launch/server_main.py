@@ -67,6 +67,9 @@ def main() -> int:
             rendezvous.linger(role.node, timeout_s=2 * rendezvous.dead_after_s)
             rendezvous.stop()
         transport.close()
+        owned = env.owned_secret_file()
+        if owned is not None:
+            owned.unlink(missing_ok=True)
     return 0
 
 

@@ -102,8 +102,10 @@ def running_jobs() -> list[dict[str, Any]]:
             continue
         if _alive(int(info.get("pid", 0))):
             jobs.append(info)
-        else:
+        else:  # its launcher was killed: what it left goes now
             path.unlink(missing_ok=True)
+            if info.get("secret_file"):
+                Path(info["secret_file"]).unlink(missing_ok=True)
     return sorted(jobs, key=lambda j: -float(j.get("started", 0)))
 
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from shoal.api.config import ClusterSpec, Limits, Timeouts
 from shoal.api.errors import ClusterError, ConfigError
@@ -83,7 +84,7 @@ def role(environ: Mapping[str, str] | None = None) -> ProcessRole:
     if secret is None:
         if not master.startswith(_LOOPBACK):
             raise ConfigError("torchrun across hosts needs a shared secret: set SHOAL_SECRET or SHOAL_SECRET_FILE")
-        secret = shoal_env.read_secret({"SHOAL_SECRET_FILE": str(shared_secret(f"torchrun-{cluster_id}"))})
+        secret = shoal_env.read_secret({"SHOAL_SECRET_FILE": str(_job_secret_file(cluster_id))})
     host = environ.get("SHOAL_BIND_HOST") or _local_address(master)
     defaults = Timeouts()
     cluster = ClusterSpec(
@@ -94,6 +95,12 @@ def role(environ: Mapping[str, str] | None = None) -> ProcessRole:
     return ProcessRole(cluster=cluster, node=_int(environ, "GROUP_RANK"), rank=_int(environ, "RANK"),
                        local_access=environ.get("SHOAL_LOCAL_ACCESS", "1") not in ("0", "false", "no"),
                        bind=f"tcp://{host}:0")
+
+
+def _job_secret_file(cluster_id: str) -> Path:
+    """The secret every process of the job on this host shares (several torchrun invocations may
+    make one job here, as nodes of it); node 0's server removes it when it ends."""
+    return shared_secret(f"torchrun-{cluster_id}")
 
 
 def _server_running(cluster: ClusterSpec, node: int) -> bool:
@@ -116,9 +123,11 @@ def start_node_services(r: ProcessRole, environ: Mapping[str, str] | None = None
     if environ.get("LOCAL_RANK", "0") != "0" or _server_running(r.cluster, r.node):
         return
     given = shoal_env.read_secret(environ) is not None  # else the job's shared secret file (``role``)
-    secret_file = None if given else shared_secret(f"torchrun-{r.cluster.cluster_id}")
+    secret_file = None if given else _job_secret_file(r.cluster.cluster_id)
     child = shoal_env.child_env(r.cluster, r.node, None, r.local_access, r.bind, launcher=os.getppid(),
                                 secret_file=secret_file)
+    if secret_file is not None and r.node == 0:
+        child["SHOAL_OWNS_SECRET_FILE"] = "1"  # it hosts the rendezvous, and leaves last
     child.pop("SHOAL_LAUNCHER_PID")  # detached: it watches the torchrun agent instead
     child["SHOAL_WATCH_PID"] = str(os.getppid())
     if r.node == 0:

@@ -24,6 +24,7 @@ Between servers (all one-way messages, op ``PLACEMENT``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -249,8 +250,7 @@ class AdaptiveService:
         pos, coming = self._moved(table, keys, absent)
         if coming.size:
             # The present part is in; the rest waits for its rows and is applied on arrival.
-            rest = Message(msg.op, req=msg.req, table=msg.table, sender=msg.sender, body=msg.body,
-                           arrays=[keys[pos], grads[pos]])
+            rest = dataclasses.replace(msg, arrays=[keys[pos], grads[pos]])  # its stream and number kept
             where = pos if positions is None else positions[pos]
             table.held.append(Held(peer, rest, coming, where, since=self.now()))
             table.stats["requests_held"] += 1

@@ -88,14 +88,15 @@ class ParameterServer:
         metrics_host: str = "127.0.0.1",
         now: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``now``: the clock the services' timers read (held pulls, gossip rounds, replica syncs);
-        tests pass one they move by hand. The loop's own waits are in real time."""
+        """``now``: the clock the synchroniser and static tables (held pulls, fences, lazy pulls), the
+        replication service (deaths, waiting pushes) and the adaptive service (replica syncs, held
+        requests) read; tests pass one they move by hand. The loop's own waits, heartbeats and gossip
+        rounds are in real time."""
         self.node = node
         self.cluster = cluster
         self.transport = transport
         if not is_loopback(bind) and cluster.secret is None:
             raise ConfigError(f"server {node} would bind {bind!r}, which is not loopback: that needs a shared secret")
-        self.codec = Codec(cluster.limits, cluster.secret, local=is_loopback(bind))
         self._unsigned = Codec(cluster.limits)  # only for telling a peer its tag was wrong
         self.roles = Roles(cluster.num_workers, cluster.num_nodes)
         self._warming = kernels.warm_up_meanwhile()  # while registering; not on the first request timed
@@ -104,6 +105,8 @@ class ParameterServer:
         hard_cap = cluster.limits.max_message_bytes * 2 + (1 << 20)
         self.listener = transport.listen(bind, max_frame_bytes=hard_cap)
         self.address = self.listener.address
+        # For the wire the listener is on: judged by the address bound, not the one asked for.
+        self.codec = Codec(cluster.limits, cluster.secret, local=is_loopback(self.address))
         self.tables: dict[str, ServedTable] = {}
         #: tables whose rows here were lost (with this node's previous process), and why: refused until restored
         self.lost: dict[str, str] = {}
@@ -141,7 +144,7 @@ class ParameterServer:
         self.latency = LatencyHistogram()
         self.replay = ReplayGuard()  # a request sent again is answered again, never served twice
         self._warnings = ThrottledWarnings(log)  # bad messages may come by the thousand
-        #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token in a signed job
+        #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token derived from the job's secret
         self.metrics = None if metrics_port is None else MetricsEndpoint(
             lambda: server_families(self), {"node": self.node}, metrics_host, metrics_port,
             metrics_token(cluster.secret) if cluster.secret else None)
@@ -327,7 +330,7 @@ class ParameterServer:
     def _repeated(self, peer: bytes, msg: Message) -> bool:
         """Whether ``msg`` repeats a request already here (then answered as a repeat); raises
         ``ReplayError`` for one older than what is remembered of its sender's stream."""
-        verdict, reply = self.replay.admit(msg.sender, msg.incarnation, msg.req)
+        verdict, reply = self.replay.admit(msg.sender, msg.incarnation, msg.req, bool(msg.flags & Flag.NO_REPLY))
         if verdict is Verdict.NEW:
             return False
         self.stats[f"repeats_{verdict.name.lower()}"] += 1

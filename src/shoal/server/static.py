@@ -45,7 +45,7 @@ class StaticService:
         layout = TableLayout.initial(spec, self.num_nodes)
         if current is not None:  # slices may have moved since the table was created
             layout = layout.at(current["owners"], int(current["epoch"]))
-        return ServedTable(spec, layout, self.node, self.cluster_id, self.clocks)
+        return ServedTable(spec, layout, self.node, self.cluster_id, self.clocks, now=self.sync.now)
 
     def install(self, spec: TableSpec, built: ServedTable) -> None:
         self.tables[spec.name] = built

@@ -8,6 +8,7 @@ same contract tests (``tests/transport/test_contract.py``).
 
 from __future__ import annotations
 
+import ipaddress
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -16,8 +17,14 @@ Frames = list[Any]  # each item supports the buffer protocol
 
 
 def is_loopback_host(host: str) -> bool:
-    """True for a host name or address only this machine can reach."""
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    """True for a host name or address only this machine can reach (a name like ``127.x.example``
+    is not: it may resolve anywhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def is_loopback(address: str) -> bool:

@@ -3,7 +3,7 @@
 - ``ops``: op codes, flags, protocol version
 - ``message``: ``Message``
 - ``schema``: per-op checks
-- ``codec``: ``Codec`` (msgpack header + raw frames + HMAC tag, size limit)
+- ``codec``: ``Codec`` (msgpack header + raw frames + keyed BLAKE3 tag, size limit)
 """
 
 from shoal.wire.codec import Codec

@@ -137,7 +137,7 @@ class Codec:
             raise _failure(ProtocolError("empty message"), None)
         header = self._header(views[0])
         size = sum(v.nbytes for v in views)
-        if size > self.limits.max_message_bytes + (TAG_BYTES if self.secret else 0):
+        if size > self.limits.max_message_bytes + (TAG_BYTES if self._key is not None else 0):
             raise _failure(
                 MessageTooLargeError(f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}"),
                 header,
