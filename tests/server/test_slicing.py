@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -14,10 +15,16 @@ from shoal.api.errors import ClusterError
 from shoal.api.ids import OPERATOR, RENDEZVOUS
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
+from shoal.consistency.clocks import ClockTable
+from shoal.placement.layout import TableLayout
+from shoal.server.server import ParameterServer
+from shoal.server.sync import Synchroniser
+from shoal.server.tables import ServedTable
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from tests.support.cluster import ThreadCluster
+from tests.support.waiting import wait_until
 
 KEYS = 400
 
@@ -85,6 +92,55 @@ def test_slices_moving_back_and_forth_under_concurrent_pushes_lose_nothing():
         assert len(moves) == 10
         got = tables[1].pull(np.arange(KEYS))
         np.testing.assert_array_equal(got[:, 0], sum(counts))
+
+
+def test_a_worker_watching_the_servers_takes_in_one_that_joined():
+    """The status a waiting call reads lists a server the worker has not met yet (it joined after the
+    worker registered): the worker connects to it instead of failing on the unknown node."""
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(0)
+        joiner = ParameterServer(2, c.spec, c.transport, bind="inproc://*")
+        thread = threading.Thread(target=joiner.run, daemon=True, name="server-2")
+        thread.start()
+        try:
+            wait_until(lambda: len(membership.status(w.tracker, 5.0).get("servers", [])) == 3,
+                       what="the joined server listed in the status")
+            w.replica_view.refresh(force=True)
+            assert w.server_alive(2) and w.live_servers() == [0, 1, 2]
+            table = _table(w)
+            w.move_slice("moving", 3, to=2)
+            table.push(np.arange(KEYS), np.ones((KEYS, 4), np.float32))
+            np.testing.assert_array_equal(table.pull(np.arange(KEYS))[:, 0], np.ones(KEYS))
+        finally:
+            w.shutdown()  # while the joined server still answers its last clock
+            joiner.stop()
+            thread.join(timeout=10)
+
+
+def test_rows_changed_before_a_subscriber_is_heard_from_reach_it_once_it_is():
+    """A slice that moved here brings its subscribers, one of which this server may not have heard
+    from yet (its messages are still on their way): the rows that changed meanwhile are owed to it
+    and sent with its next eager message, never dropped while "the rest did not change" vouches for
+    its stale copies."""
+    spec = shoal.TableSpec("eager", 8, 1, optimizer=shoal.optim.Sum(), consistency=shoal.ESSP(0), slices=1)
+    clocks = ClockTable.fresh(2)
+    table = ServedTable(spec, TableLayout.initial(spec, 1), 0, "t" + uuid.uuid4().hex[:10], clocks)
+    sent: list[tuple[bytes, Message]] = []
+    sync = Synchroniser(clocks, {"eager": table}, lambda peer, msg: sent.append((peer, msg)))
+    try:
+        keys = np.arange(4)
+        table.subscribe(1, keys)  # worker 1 caches rows 0..3 (it pulled them from the slice's last owner)
+        table.push(keys, np.full((4, 1), 5.0, np.float32))
+        sync.adopted("eager")  # worker 1 not heard from here: nowhere to send its rows yet
+        assert not sent
+        for worker in (0, 1):
+            sync.observe(f"w{worker}".encode(), Message(Op.CLOCK, clock=1, sender=worker, body={"rank": worker}))
+        rows = [msg for peer, msg in sent if peer == b"w1" and msg.op == Op.ROWS]
+        assert rows and rows[-1].clock == 1
+        got = {int(k): float(v) for msg in rows for k, v in zip(msg.arrays[0], msg.arrays[1][:, 0], strict=True)}
+        assert got == {0: 5.0, 1: 5.0, 2: 5.0, 3: 5.0}, got
+    finally:
+        table.close()
 
 
 def test_moving_to_an_unknown_server_or_slice_is_refused_by_name():

@@ -24,7 +24,7 @@ class Servers(Protocol):
     @property
     def num_nodes(self) -> int: ...
 
-    def follow_restarted(self, node: int, address: str) -> None: ...
+    def follow_servers(self, addresses: list[str | None]) -> None: ...
 
 
 class ReplicaView:
@@ -52,10 +52,13 @@ class ReplicaView:
             return  # the rendezvous is slow or gone: keep what we know
         self.alive = [bool(a) for a in status.get("alive", self.alive)]
         self.exited = {int(n) for n in status.get("exited", ())}
-        for n, address in enumerate(status.get("servers", [])):
-            if address and self.worker.servers[n] != address:  # a restarted server
-                self.worker.follow_restarted(n, address)
+        addresses: list[str | None] = list(status.get("servers") or [])
+        known = self.worker.servers
+        for n, address in enumerate(addresses):
+            if address and (n >= len(known) or known[n] != address):  # restarted, or joined since
                 self.down_until.pop(n, None)
+        if addresses:
+            self.worker.follow_servers(addresses)
 
     def live(self, nodes: list[int]) -> list[int]:
         now = time.monotonic()

@@ -92,7 +92,7 @@ class Worker:
         #: this worker's numbered requests to each server, handled there in order (static tables, clocks)
         self.streams = Streams(int(registered.get("incarnation", 1)))
         self.servers: list[str | None] = []  # by node; None once a server has left
-        self._update_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
+        self.follow_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
         self.tracker.on_unsolicited = self._on_server_message
         self.tracker.after_receive = self._after_receive
         self.replica_view = ReplicaView(self)
@@ -172,7 +172,7 @@ class Worker:
         current = membership.call(self.tracker, RENDEZVOUS,
                                   Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
                                   timeout, f"CREATE_TABLE {spec.name!r} at the rendezvous").body
-        self._update_servers(current.get("servers") or [])
+        self.follow_servers(current.get("servers") or [])
         layout = TableLayout.initial(spec, self.num_nodes)
         if spec.replicated or spec.adaptive:
             local = self._attach(spec) if self.local_access and not spec.replicated else {}
@@ -269,10 +269,10 @@ class Worker:
         """A static table's slice owners and epoch, and the live servers, from the rendezvous."""
         reply = membership.call(self.tracker, RENDEZVOUS, Message(Op.LAYOUT, table=table),
                                 self.cluster.timeouts.request_s, f"LAYOUT of {table!r}")
-        self._update_servers(reply.body.get("servers") or [])
+        self.follow_servers(reply.body.get("servers") or [])
         return reply.body
 
-    def _update_servers(self, addresses: list[str | None]) -> None:
+    def follow_servers(self, addresses: list[str | None]) -> None:
         """Connect to servers that joined, drop those that left, follow those started again."""
         for n, address in enumerate(addresses):
             known = self.servers[n] if n < len(self.servers) else None
@@ -447,7 +447,7 @@ class Worker:
     def cluster_status(self) -> dict[str, Any]:
         """The rendezvous's view: servers (None once departed), workers, layouts, barriers."""
         status = membership.status(self.tracker, self.cluster.timeouts.request_s)
-        self._update_servers(status.get("servers") or [])
+        self.follow_servers(status.get("servers") or [])
         return status
 
     def _admin(self, msg: Message, what: str, timeout: float | None) -> None:

@@ -116,6 +116,7 @@ class SliceService:
         store = move.store = table.stores[shard]
         table.moving.add(shard)
         store.retire()
+        table.mark_owed_changed(shard)
         self.stats["slices_sent"] += 1
         subscribers = table.subscribers(shard)
         ranks = sorted(subscribers)

@@ -232,10 +232,8 @@ class Synchroniser:
         # "Rows not resent did not change" covers the slices held here and not moving: a moving slice's
         # changed rows travel with it, and its new owner sends them.
         shards = sorted(s for s in table.stores if s not in table.moving)
-        for update in table.eager_updates():
-            peer = self.peers.get(update.worker)
-            if peer is None:
-                continue
+        for update in table.eager_updates(lambda worker: worker in self.peers):
+            peer = self.peers[update.worker]
             self.stats["eager_messages"] += 1
             self.stats["eager_rows"] += int(update.keys.shape[0])
             # Numbered per worker and table: a worker applies "the rest did not change" only in order.

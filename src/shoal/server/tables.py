@@ -60,6 +60,8 @@ class ServedTable:
         self.controller: ShardController[Any] = ShardController(spec.consistency, clocks, now)
         # ESSP: per shard, per worker, which rows that worker has fetched (and so caches).
         self._subscribed: dict[int, dict[int, np.ndarray]] = {s: {} for s in self.stores}
+        #: per shard, per subscriber not reachable from here yet: rows changed that it has not been sent
+        self._owed: dict[int, dict[int, np.ndarray]] = {}
         #: slices being handed to another server: requests for them wait for the move to end
         self.moving: set[int] = set()
         #: per slice: bytes in and out, requests, and seconds spent on them, since the last report
@@ -131,11 +133,13 @@ class ServedTable:
                 mask = subs[worker] = np.zeros(store.num_rows, dtype=np.bool_)
             mask[rows] = True
 
-    def eager_updates(self) -> list[EagerUpdate]:
+    def eager_updates(self, reachable: Callable[[int], bool]) -> list[EagerUpdate]:
         """Changed rows for each subscriber, collected once per advance of the slowest clock.
 
-        Every subscriber gets a message, empty or not: it tells the worker that
-        the rows it caches from this server are current at the new clock.
+        Every ``reachable`` subscriber gets a message, empty or not: it tells the
+        worker that the rows it caches from this server are current at the new
+        clock. One not reachable yet (a slice's subscriber this server has not
+        heard from) is owed its changed rows until it is.
         """
         if not self.spec.consistency.eager:
             return []
@@ -144,9 +148,16 @@ class ServedTable:
             if shard in self.moving:
                 continue  # its changed rows travel with it; the new owner pushes them
             changed = store.take_dirty()
+            owed = self._owed.get(shard, {})
             keys_of_rows = self.layout.mapping.keys_of(shard)
             for worker, mask in self._subscribed[shard].items():
                 rows = changed[mask[changed]]
+                if worker in owed:
+                    rows = np.union1d(owed.pop(worker), rows)
+                if not reachable(worker):
+                    if rows.size:
+                        self._owed.setdefault(shard, {})[worker] = rows
+                    continue
                 per_worker.setdefault(worker, []).append((keys_of_rows[rows], store.read(rows)))
         updates = []
         for worker, parts in per_worker.items():
@@ -167,10 +178,19 @@ class ServedTable:
 
     # -------------------------------------------------------- moving slices
 
+    def mark_owed_changed(self, shard: int) -> None:
+        """Slice ``shard`` is about to be sent away: rows owed to a subscriber travel as changed rows,
+        which its new owner sends to every subscriber."""
+        owed = self._owed.pop(shard, {})
+        store = self.stores[shard]
+        if owed and store.dirty is not None:
+            store.dirty[np.unique(np.concatenate(list(owed.values())))] = 1
+
     def release_slice(self, shard: int, to: int, epoch: int) -> None:
         """The slice now lives on ``to``: forget it here."""
         store = self.stores.pop(shard)
         self._subscribed.pop(shard, None)
+        self._owed.pop(shard, None)
         self.load.pop(shard, None)
         self.moving.discard(shard)
         self.layout = self.layout.at(_with_owner(self.layout.owners, shard, to), max(epoch, self.layout.epoch))
