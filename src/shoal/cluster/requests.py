@@ -188,13 +188,14 @@ class RequestTracker:
             conn.send(frames)  # bounded wait for room; raises if the peer is stuck
             op = msg.op.name
             now = time.perf_counter()
+            size = _size(frames)
             pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background,
-                               nbytes=_size(frames) + reply_bytes, on_error=on_error, on_end=on_end)
+                               nbytes=size + reply_bytes, on_error=on_error, on_end=on_end)
             if self.resend_s is not None:
                 pending.frames, pending.resend_at = frames, now + self._resend_after(pending)
             self._pending[req] = pending
             self.sent[op] += 1
-            self.bytes_sent += _size(frames)
+            self.bytes_sent += size
             return req
 
     def notify(self, peer: int, msg: Message, block: bool = False) -> bool:

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 _HEARTBEAT_S = 0.5
 _PEER_WAIT_S = 0.02  # heartbeat period while a replica does not know where a peer replica is
 _BURST_S = 0.01  # longest stretch of message handling between timer runs
+_TIMERS_EVERY_S = 0.002  # while requests keep coming, timers run at most this often
 _BUILD_POLL_S = 0.01  # how often the loop looks for a table built off it
 #: requests served again when repeated after their reply was too large to keep
 _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS})
@@ -162,9 +163,10 @@ class ParameterServer:
             self._rejoin(status)
             log.info("server %d serving at %s", self.node, self.address)
         self._warming.join()
+        wait, timers_at = 0.0, 0.0
         try:
             while not self._stop.is_set():
-                item = self.listener.recv(self._wait_s())
+                first = item = self.listener.recv(wait)
                 burst_until = time.monotonic() + _BURST_S
                 burst = 0
                 while item is not None:
@@ -177,19 +179,30 @@ class ParameterServer:
                         break  # timers (heartbeat, gossip, lazy pulls) must run under sustained load too
                     item = self.listener.recv(0)
                 self._backlog = max(self._backlog, burst)
-                try:
-                    self.install_built()
-                    self._expire_out_of_order()
-                    self.sync.tick()
-                    self.replication.tick()
-                    self.adaptive.tick()
-                    self.slicing.tick()
-                except Exception:  # timers must not end the loop either
-                    log.exception("server %d: unexpected failure in a timer", self.node)
-                if register:
-                    self._heartbeat()
+                now = time.monotonic()
+                if first is not None and now < timers_at:
+                    # Requests one at a time: the timers wait for a pause or their period, not run
+                    # after each request (they cost as much as serving a small one).
+                    wait = timers_at - now
+                    continue
+                self._run_timers(register)
+                timers_at = time.monotonic() + _TIMERS_EVERY_S
+                wait = self._wait_s()
         finally:
             self.close()
+
+    def _run_timers(self, register: bool) -> None:
+        try:
+            self.install_built()
+            self._expire_out_of_order()
+            self.sync.tick()
+            self.replication.tick()
+            self.adaptive.tick()
+            self.slicing.tick()
+        except Exception:  # timers must not end the loop either
+            log.exception("server %d: unexpected failure in a timer", self.node)
+        if register:
+            self._heartbeat()
 
     def stop(self) -> None:
         self._stop.set()

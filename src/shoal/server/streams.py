@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.api.errors import ProtocolError
 from shoal.wire.message import Message
@@ -58,6 +59,10 @@ def position_of(msg: Message) -> Position | None:
     value = msg.body.get("stream")
     if value is None:
         return None
+    global _last_position
+    last = _last_position  # one tuple, read once: server threads of one process share it
+    if last[0] is msg and last[1] is value:  # asked again while the same request is handled
+        return last[2]
     if not (isinstance(value, list) and len(value) == 4 and all(is_int64(v) and v >= 0 for v in value)):
         raise ProtocolError(f"stream must be [incarnation, seq, floor, settled] of non-negative ints, "
                             f"got {value!r}")
@@ -66,7 +71,14 @@ def position_of(msg: Message) -> Position | None:
         raise ProtocolError(f"stream floor {floor} lies past the request's own seq {seq}")
     if settled > msg.clock:
         raise ProtocolError(f"settled clock {settled} lies past the request's clock {msg.clock}")
-    return Position(msg.sender, incarnation, seq, floor, settled)
+    position = Position(msg.sender, incarnation, seq, floor, settled)
+    _last_position = (msg, value, position)
+    return position
+
+
+#: the request whose position was read last, its stream field and its position: one request is
+#: asked about several times while it is handled (admitted, served, finished)
+_last_position: tuple[Any, Any, Position | None] = (None, None, None)
 
 
 def settled_of(msg: Message) -> int | None:

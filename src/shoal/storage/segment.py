@@ -18,8 +18,6 @@ import fcntl
 import mmap
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import numpy.typing as npt
@@ -115,26 +113,16 @@ class StripedLocks:
         self.num_stripes = num_stripes
         self._threads = _thread_lock(fd)
 
-    @contextmanager
-    def hold(self, rows: np.ndarray | None, exclusive: bool) -> Iterator[None]:
+    def hold(self, rows: np.ndarray | None, exclusive: bool) -> _Held:
         """Lock the stripes that ``rows`` touch (all stripes if ``rows`` is None)."""
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        runs = self._runs(rows)
-        with self._threads:
-            taken: list[tuple[int, int]] = []
-            try:
-                for start, length in runs:  # ascending order: no deadlock between holders
-                    fcntl.lockf(self.fd, mode, length, start, os.SEEK_SET)
-                    taken.append((start, length))
-                yield
-            finally:
-                for start, length in reversed(taken):
-                    fcntl.lockf(self.fd, fcntl.LOCK_UN, length, start, os.SEEK_SET)
+        return _Held(self, self._runs(rows), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
 
     def _runs(self, rows: np.ndarray | None) -> list[tuple[int, int]]:
         """Contiguous byte ranges to lock, as (start, length)."""
         if rows is None or rows.shape[0] * 4 >= self.num_stripes:
             return [(0, self.num_stripes)]
+        if rows.shape[0] == 1:  # the most frequent request of all: no array work
+            return [(int(rows[0]) % self.num_stripes, 1)]
         stripes = np.unique(rows % self.num_stripes)
         runs: list[tuple[int, int]] = []
         for s in stripes.tolist():
@@ -143,3 +131,34 @@ class StripedLocks:
             else:
                 runs.append((s, 1))
         return runs
+
+
+class _Held:
+    """The stripes of one ``StripedLocks.hold``, locked for the ``with`` block (a plain class: a
+    generator-based context manager costs more than the locking on small requests)."""
+
+    __slots__ = ("locks", "runs", "mode", "taken")
+
+    def __init__(self, locks: StripedLocks, runs: list[tuple[int, int]], mode: int) -> None:
+        self.locks, self.runs, self.mode = locks, runs, mode
+        self.taken = 0
+
+    def __enter__(self) -> None:
+        fd = self.locks.fd
+        self.locks._threads.acquire()
+        try:
+            for start, length in self.runs:  # ascending order: no deadlock between holders
+                fcntl.lockf(fd, self.mode, length, start, os.SEEK_SET)
+                self.taken += 1
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        fd = self.locks.fd
+        try:
+            for start, length in reversed(self.runs[: self.taken]):
+                fcntl.lockf(fd, fcntl.LOCK_UN, length, start, os.SEEK_SET)
+        finally:
+            self.taken = 0
+            self.locks._threads.release()

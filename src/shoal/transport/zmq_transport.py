@@ -57,15 +57,16 @@ class ZmqListener(Listener):
             self.socket.close(0)
             raise ConfigError(f"cannot bind {address!r}: {exc}") from exc
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()  # one for the socket's life: Socket.poll makes one per call
+        self._poller.register(self.socket, zmq.POLLIN)
 
     def recv(self, timeout: float | None) -> tuple[bytes, Frames] | None:
-        if timeout == 0:  # the server's loop drains a burst this way: no poll call per message
-            try:
-                parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+        if timeout == 0:  # the server's loop drains a burst this way: no poll call, no exception when empty
+            if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
                 return None
+            parts = self.socket.recv_multipart(copy=False)
         else:
-            if not self.socket.poll(_ms(timeout), zmq.POLLIN):
+            if not self._poller.poll(_ms(timeout)):
                 return None
             parts = self.socket.recv_multipart(copy=False)
         return parts[0].bytes, parts[1:]
@@ -91,6 +92,8 @@ class ZmqConnection(Connection):
         self.socket.setsockopt(zmq.LINGER, _LINGER_MS)
         self.socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self.socket.copy_threshold = _COPY_THRESHOLD
+        self._poller = zmq.Poller()  # one for the socket's life: Socket.poll makes one per call
+        self._poller.register(self.socket, zmq.POLLIN)
         try:
             self.socket.connect(normalise_address(address))
         except zmq.ZMQError as exc:
@@ -108,7 +111,10 @@ class ZmqConnection(Connection):
                                "(its queue is full: stopped or overloaded)") from None
 
     def recv(self, timeout: float | None) -> Frames | None:
-        if not self.socket.poll(_ms(timeout), zmq.POLLIN):
+        if timeout == 0:
+            if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+                return None
+        elif not self._poller.poll(_ms(timeout)):
             return None
         return self.socket.recv_multipart(copy=False)
 

@@ -40,6 +40,11 @@ _MAX_DIM = 1 << 40  # no real array has a dimension this long; larger ones only 
 _HEADER_LIMIT = 1 << 20  # headers are small; a larger one is hostile or broken
 _KEY_CONTEXT = "shoal 2026-12 message tag"  # the tag key is derived from the secret, never the secret itself
 _TAGS = Flag.SIGNED | Flag.SIGNED_HEADER
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT_FIELDS = ("req", "epoch", "clock", "sender", "inc", "flags")
+_OTHER_FIELDS = (("table", str), ("body", dict), ("dtype", list), ("shapes", list))
+_OPS = {int(op): op for op in Op}
+_WIRE_NUMPY = {name: np.dtype(name) for name in WIRE_DTYPES}
 
 Frame = Any  # bytes, memoryview, numpy array, or zmq.Frame: anything with the buffer protocol
 
@@ -87,12 +92,15 @@ class Codec:
     # ------------------------------------------------------------------ encode
 
     def encode(self, msg: Message) -> list[Frame]:
-        arrays = [np.ascontiguousarray(a) for a in msg.arrays]
+        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in msg.arrays]
+        dtypes = []
         for a in arrays:
-            if a.dtype.str not in WIRE_DTYPES:
+            name = a.dtype.str
+            if name not in WIRE_DTYPES:
                 raise ProtocolError(f"dtype {a.dtype} cannot travel on the wire")
             if not 1 <= a.ndim <= MAX_RANK:
                 raise ProtocolError(f"arrays on the wire have 1 to {MAX_RANK} dimensions, got shape {a.shape}")
+            dtypes.append(name)
         flags = msg.flags & ~_TAGS
         if self._key is not None:
             flags |= Flag.SIGNED_HEADER if self.local else Flag.SIGNED
@@ -106,7 +114,7 @@ class Codec:
             "sender": msg.sender,
             "inc": msg.incarnation,
             "flags": flags,
-            "dtype": [a.dtype.str for a in arrays],
+            "dtype": dtypes,
             "shapes": [list(a.shape) for a in arrays],
             "body": msg.body,
         }
@@ -186,43 +194,44 @@ class Codec:
         return header
 
     def _message(self, header: dict[str, Any], frames: Sequence[memoryview]) -> Message:
-        for name, types in (("req", int), ("epoch", int), ("clock", int), ("sender", int), ("inc", int), ("flags", int),
-                            ("table", str), ("body", dict), ("dtype", list), ("shapes", list)):
-            if not isinstance(header.get(name), types) or isinstance(header.get(name), bool):
-                raise ProtocolError(f"header field {name!r} must be {types.__name__}, got {header.get(name)!r}")
-            if types is int and not is_int64(header[name]):  # clocks and ids land in int64 arrays
-                raise ProtocolError(f"header field {name!r} must fit in 64 signed bits, got {header[name]!r}")
-        raw_op = header.get("op")
-        try:
-            if not isinstance(raw_op, int) or isinstance(raw_op, bool):
-                raise ValueError
-            op = Op(raw_op)
-        except ValueError:
-            raise ProtocolError(f"unknown op {header.get('op')!r}") from None
+        get = header.get
+        for name in _INT_FIELDS:  # exact ints (no bools) that fit in 64 bits: they land in int64 arrays
+            value = get(name)
+            if type(value) is not int:
+                raise ProtocolError(f"header field {name!r} must be int, got {value!r}")
+            if not _INT64_MIN <= value <= _INT64_MAX:
+                raise ProtocolError(f"header field {name!r} must fit in 64 signed bits, got {value!r}")
+        for name, kind in _OTHER_FIELDS:
+            if type(get(name)) is not kind:
+                raise ProtocolError(f"header field {name!r} must be {kind.__name__}, got {get(name)!r}")
+        raw_op = get("op")
+        op = _OPS.get(raw_op) if type(raw_op) is int else None
+        if op is None:
+            raise ProtocolError(f"unknown op {raw_op!r}")
         dtypes, shapes = header["dtype"], header["shapes"]
         if len(dtypes) != len(frames) or len(shapes) != len(frames):
             raise ProtocolError(
                 f"header describes {len(dtypes)} dtype(s) and {len(shapes)} shape(s) for {len(frames)} frame(s)"
             )
         arrays = [self._array(i, d, s, f) for i, (d, s, f) in enumerate(zip(dtypes, shapes, frames, strict=True))]
-        return Message(op=op, req=header["req"], table=header["table"], epoch=header["epoch"],
-                       clock=header["clock"], sender=header["sender"], incarnation=header["inc"],
-                       flags=header["flags"],
-                       body=header["body"], arrays=arrays)
+        return Message(op, header["req"], header["table"], header["epoch"], header["clock"], header["sender"],
+                       header["inc"], header["flags"], header["body"], arrays)
 
     @staticmethod
     def _array(i: int, dtype: Any, shape: Any, frame: memoryview) -> np.ndarray:
-        if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+        dt = _WIRE_NUMPY.get(dtype) if type(dtype) is str else None
+        if dt is None:
             raise ProtocolError(f"frame {i}: dtype {dtype!r} is not allowed on the wire")
-        if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_RANK
-                or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < _MAX_DIM for n in shape)):
+        if type(shape) is not list or not 1 <= len(shape) <= MAX_RANK:
             raise ProtocolError(f"frame {i}: bad shape {shape!r}")
-        dt = np.dtype(dtype)
         count = 1
         for n in shape:
+            if type(n) is not int or not 0 <= n < _MAX_DIM:
+                raise ProtocolError(f"frame {i}: bad shape {shape!r}")
             count *= n
         if count * dt.itemsize != frame.nbytes:
             raise ProtocolError(
                 f"frame {i}: shape {shape} of {dtype} needs {count * dt.itemsize} bytes, frame has {frame.nbytes}"
             )
-        return np.frombuffer(frame, dtype=dt).reshape(shape)
+        array = np.frombuffer(frame, dtype=dt)
+        return array if len(shape) == 1 else array.reshape(shape)
