@@ -129,3 +129,23 @@ def test_a_repeated_pull_held_for_moving_keys_is_held_once_and_times_out() -> No
 
         assert table.held == []
         fuzz.check_intact()
+
+
+def test_an_attack_reusing_an_answered_request_id_gets_the_kept_reply_and_changes_nothing() -> None:
+    # Found by `make fuzz`: a NaN push to the protected table carrying the sender, incarnation and
+    # number of a request answered before (on another connection) got that request's kept reply, an
+    # OK. That is the replay window doing its work (a number is served once, whatever connection
+    # it comes by): the push itself is never applied, and the fuzzer now expects the kept reply.
+    with FuzzServer() as fuzz:
+        first = Message(Op.LOCALIZE, req=4294967296, table="fz_adapt", sender=0, incarnation=4294967296,
+                        arrays=[np.array([0, 2])])
+        assert [r.op for r in fuzz.feed(encoded(first))] == [Op.OK]
+        nan = rows(2)
+        nan[1, 1] = np.nan
+        attack = Message(Op.PUSH, req=4294967296, table="protected", sender=0, incarnation=4294967296,
+                         arrays=[fuzz.owned[:2], nan])
+
+        replies = fuzz.feed(encoded(attack))
+
+        assert fuzz.repeated and [(r.op, r.table) for r in replies] == [(Op.OK, "fz_adapt")]
+        fuzz.check_intact()
