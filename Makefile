@@ -23,6 +23,7 @@ test-heavy: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_pull_push.py
+	$(PY) benchmarks/bench_request_cost.py
 	$(PY) benchmarks/bench_local_access.py
 	$(PY) benchmarks/bench_mf.py
 	$(PY) benchmarks/bench_consistency.py

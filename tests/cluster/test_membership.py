@@ -10,12 +10,17 @@ import pytest
 
 import shoal
 from shoal.api.config import ClusterSpec, Timeouts
+from shoal.api.ids import RENDEZVOUS
 from shoal.client.worker import Worker
+from shoal.cluster import membership
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch.env import role_from_env
 from shoal.server.server import ParameterServer
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+from shoal.wire.schema import BarrierNote
 from tests.support.cluster import ThreadCluster
 
 QUICK = Timeouts(connect_s=1.5, request_s=1.5, barrier_s=1.5)
@@ -119,3 +124,22 @@ def _barrier_error(worker, errors):
         worker.barrier()
     except shoal.ShoalError as exc:
         errors.append(exc)
+
+
+def test_barrier_notes_are_typed_and_a_malformed_one_is_not_passed_on():
+    with ThreadCluster(nodes=1, workers_per_node=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        heard: list[dict[int, BarrierNote]] = []
+        t = threading.Thread(target=lambda: heard.append(w1.barrier()))
+        t.start()
+        assert w0.barrier(BarrierNote(False, "disk full")) == {0: BarrierNote(False, "disk full")}
+        t.join(timeout=30)
+        assert heard == [{0: BarrierNote(False, "disk full")}]
+        # A note that is not one (the string an older worker sent, say) reaches nobody.
+        generation = 2
+        t = threading.Thread(target=lambda: heard.append(w1.barrier()))
+        t.start()
+        reply = membership.call(w0.tracker, RENDEZVOUS, Message(Op.BARRIER, body={
+            "rank": 0, "generation": generation, "note": "ok:/tmp/x"}), 30, "barrier")
+        t.join(timeout=30)
+        assert reply.body["notes"] == {} and heard[-1] == {}

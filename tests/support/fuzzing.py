@@ -240,7 +240,7 @@ _PATHS = [str(FUZZ_DIR / name) for name in BAD_CHECKPOINTS] + ["", ".", "/", "/n
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
     **{name: NUMBERS for name in (
         "rank", "pid", "generation", "stage", "start", "end", "epoch", "first_row", "num_rows", "hops", "seq",
-        "inc")},
+        "inc", "parts")},
     **{name: NODES for name in ("node", "to", "owner", "origin", "target", "shard")},
     **{name: st.booleans() for name in ("last", "ok", "active", "totals", "final", "poll", "commit")},
     **{name: st.text(max_size=16) for name in ("role", "address", "code", "message")},
@@ -266,7 +266,8 @@ EXTRA_FIELDS = st.lists(st.sampled_from(sorted(FIELDS)), max_size=2)
 OPTIONAL: dict[Op, list[str]] = {
     Op.PULL: ["shard", "totals", "stream"], Op.PUSH: ["shard", "seq", "inc", "stream"],
     Op.PUSH_PULL: ["shard", "seq", "inc", "stream"], Op.CLOCK: ["final", "stream"],
-    Op.PLACEMENT: ["to", "hops", "owner", "active", "node", "origin", "target"], Op.SLICE_STATE: ["subscribers"],
+    Op.PLACEMENT: ["to", "hops", "owner", "active", "node", "origin", "target", "parts"],
+    Op.SLICE_STATE: ["subscribers"],
 }
 TYPED = {int: NUMBERS, str: st.text(max_size=16), list: st.lists(HOSTILE, max_size=4),
          dict: st.dictionaries(st.text(max_size=6), HOSTILE, max_size=4), bool: st.booleans()}
@@ -308,16 +309,25 @@ def gossip_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
     return body, [rows, values, *whole]
 
 
+#: the arrays each kind of placement message carries (``wire.schema.PLACEMENT_KINDS``)
+PLACEMENT_ARRAYS = {"relocate": ["keys"], "handover": ["keys"], "owner": ["keys"], "announce": ["keys"],
+                    "state": ["keys", "rows", "interest", "replicas"], "replicate": ["keys", "rows"],
+                    "sync": ["keys", "rows", "marks"], "synced": ["keys", "rows", "marks"]}
+
+
 @st.composite
 def placement_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """A PLACEMENT message of a known kind: keys, rows and per-key integers of one length, mostly."""
+    """A PLACEMENT message of a known kind with the arrays of its kind, of one length, mostly."""
     n = draw(st.integers(0, 6))
-    body = {"kind": draw(st.sampled_from(PLACEMENT_KINDS)),
-            **{name: draw(FIELDS[name]) for name in OPTIONAL[Op.PLACEMENT]}}
+    kind = draw(st.sampled_from(PLACEMENT_KINDS))
+    body = {"kind": kind, **{name: draw(FIELDS[name]) for name in OPTIONAL[Op.PLACEMENT]}}
     interest, replicas = _small_ints(n, draw), _small_ints(n, draw)
     if n and draw(one_in(4)):  # bit masks with every bit set, or more nodes than there are
         replicas[draw(INDEX) % n] = draw(st.sampled_from([-1, 1 << 62, 1 << NUM_NODES, -(2**63)]))
-    return body, [draw(key_arrays(n)), draw(row_arrays(n)), interest, replicas]
+    arrays = {"keys": draw(key_arrays(n)), "rows": draw(row_arrays(n)), "interest": interest,
+              "replicas": replicas, "marks": _small_ints(n, draw, 1).astype(np.uint8)}
+    names = PLACEMENT_ARRAYS[kind] if not draw(one_in(8)) else ["keys", "rows", "interest", "replicas"]
+    return body, [arrays[name] for name in names]
 
 
 SLICE_NAMES = st.sampled_from([["values", "accum", "dirty"], ["values"], ["values", "first", "second", "steps"]]) \

@@ -26,7 +26,7 @@ from shoal import (
     ShoalError,
 )
 from shoal.wire import PROTOCOL_VERSION, Codec, Flag, Message, Op
-from shoal.wire.schema import SCHEMAS, ArrayRule
+from shoal.wire.schema import PLACEMENT_KINDS, SCHEMAS, ArrayRule
 
 SECRET = b"s" * 32
 OTHER_SECRET = b"o" * 32
@@ -170,23 +170,30 @@ BODY_FIELD = {int: INT64, str: st.text(max_size=16), dict: st.dictionaries(st.te
 def array_for(rule: ArrayRule, n: int) -> st.SearchStrategy[np.ndarray]:
     if rule.kind == "i":
         return hnp.arrays(st.sampled_from([np.int64, np.int32]), (n,) + (2,) * (rule.ndim - 1))
+    if rule.kind == "u":
+        return hnp.arrays(np.uint8, (n,) + (2,) * (rule.ndim - 1))
     dims = st.lists(st.integers(1, 4), min_size=rule.ndim - 1, max_size=rule.ndim - 1)
     return dims.flatmap(lambda d: hnp.arrays(st.sampled_from([np.float32, np.float64]), (n, *d)))
 
 
 @st.composite
 def messages(draw: st.DrawFn) -> Message:
-    """Any message that fits its op's schema."""
+    """Any message that fits its op's schema (and its kind's, for a placement message)."""
     op = draw(st.sampled_from(list(Op)))
     schema = SCHEMAS[op]
     body = draw(st.dictionaries(st.text(max_size=6), PLAIN, max_size=3))
     for name, types in schema.body.items():
         body[name] = draw(BODY_FIELD[types[0]])
+    if op == Op.PLACEMENT:
+        body["kind"] = draw(st.sampled_from(sorted(PLACEMENT_KINDS)))
+        schema = PLACEMENT_KINDS[body["kind"]]
+        for name, types in schema.body.items():
+            body[name] = draw(BODY_FIELD[types[0]])
     shared_rows = draw(st.integers(0, 6))
     arrays = [draw(array_for(rule, shared_rows if schema.same_rows else draw(st.integers(0, 6))))
               for rule in schema.arrays]
     return Message(
-        op, req=draw(INT64), table=draw(st.text(min_size=1 if schema.needs_table else 0, max_size=20)),
+        op, req=draw(INT64), table=draw(st.text(min_size=1 if SCHEMAS[op].needs_table else 0, max_size=20)),
         epoch=draw(INT64), clock=draw(INT64), sender=draw(INT64),
         flags=draw(st.sampled_from([0, Flag.NO_REPLY])), body=body, arrays=arrays,
     )
@@ -413,6 +420,49 @@ def test_message_not_fitting_its_op_is_rejected(msg: Message, error: type[ShoalE
     err = rejects(Codec(), on_the_wire(Codec().encode(msg)), error)
 
     assert err.req == REQ  # type: ignore[attr-defined]
+
+
+def placement(kind: str, arrays: list[np.ndarray], **body: Any) -> Message:
+    return Message(Op.PLACEMENT, table="t", body={"kind": kind, **body}, arrays=arrays)
+
+
+@pytest.mark.parametrize(("msg", "error", "says"), [
+    pytest.param(placement("teleport", [keys(1)]), ProtocolError, "unknown placement message 'teleport'",
+                 id="unknown kind"),
+    pytest.param(placement("handover", [keys(1)], to=1), ProtocolError, "placement 'handover' needs body field 'hops'",
+                 id="handover without hops"),
+    pytest.param(placement("announce", [keys(1)], active=1, node=0, hops=0), ProtocolError, "'active' of type bool",
+                 id="announce active not a bool"),
+    pytest.param(placement("relocate", [keys(1), rows(1)], to=1), ProtocolError, "carries 1 array(s), got 2",
+                 id="relocate with rows"),
+    pytest.param(placement("state", [keys(1, 2), rows(2), keys(0), keys(0, 0)]), ShapeError, "disagree",
+                 id="state interest of another length"),
+    pytest.param(placement("sync", [keys(1), rows(1), keys(1)], origin=0, target=1, hops=0), ProtocolError,
+                 "array 2 must be of kind 'u'", id="sync marks not bytes"),
+])
+def test_placement_message_not_fitting_its_kind_is_rejected_on_arrival(msg: Message, error: type[ShoalError],
+                                                                        says: str) -> None:
+    msg.req = REQ
+
+    err = rejects(Codec(), on_the_wire(Codec().encode(msg)), error)
+
+    assert says in str(err) and err.req == REQ  # type: ignore[attr-defined]
+
+
+def test_each_placement_kind_round_trips() -> None:
+    bodies = {"relocate": {"to": 1}, "handover": {"to": 1, "hops": 0}, "owner": {"owner": 0},
+              "announce": {"active": True, "node": 1, "hops": 0}, "state": {}, "replicate": {},
+              "sync": {"origin": 0, "target": 1, "hops": 0}, "synced": {"target": 1, "parts": 0}}
+    carried = {"relocate": 1, "handover": 1, "owner": 1, "announce": 1, "state": 4, "replicate": 2, "sync": 3,
+               "synced": 3}
+    extra = [rows(2), keys(0, 0)]
+    assert sorted(bodies) == sorted(PLACEMENT_KINDS)
+    for kind, body in bodies.items():
+        arrays = [keys(0, 1), *extra, keys(1, 1)][: carried[kind]]
+        if kind in ("sync", "synced"):
+            arrays[2] = np.zeros(2, dtype=np.uint8)
+        msg = Codec().decode(on_the_wire(Codec().encode(placement(kind, arrays, **body))))
+        assert msg.body["kind"] == kind and len(msg.arrays) == carried[kind]
 
 
 def test_absurd_dimensions_are_a_protocol_error_not_a_crash() -> None:

@@ -38,28 +38,28 @@ from shoal.cluster import membership
 from shoal.storage import checkpoint
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
+from shoal.wire.schema import BarrierNote
 
 log = logging.getLogger(__name__)
 
 _ATTEMPTS = 5  # a slice or key on its way to another server makes a server refuse; try again a little later
-_OK = "ok:"
-_FAILED = "failed:"
+_SILENT = BarrierNote(False, "rank 0 said nothing")
 
 
 def save(worker: WorkerContext, root: str | os.PathLike[str], tables: Iterable[str] | None, keep: int) -> Path:
     names = _covered_tables(worker, tables)
     worker.barrier()
-    note = _OK
+    note = None
     if worker.rank == 0:
         try:
-            note = _OK + str(_write(worker, Path(root), names, keep))
+            note = BarrierNote(True, str(_write(worker, Path(root), names, keep)))
         except (ShoalError, OSError) as exc:  # every rank hears of it at the barrier below
-            note = _FAILED + f"{type(exc).__name__}: {exc}"
-    outcome = worker.barrier(note if worker.rank == 0 else None).get(0, _FAILED + "rank 0 said nothing")
-    if not outcome.startswith(_OK):
+            note = BarrierNote(False, f"{type(exc).__name__}: {exc}")
+    outcome = worker.barrier(note).get(0, _SILENT)
+    if not outcome.ok:
         raise CheckpointError(f"checkpoint at clock {worker.clock} under {str(root)!r} failed on rank 0: "
-                              f"{outcome[len(_FAILED):]}")
-    return Path(outcome[len(_OK):])
+                              f"{outcome.detail}")
+    return Path(outcome.detail)
 
 
 def restore(worker: WorkerContext, root: str | os.PathLike[str]) -> int:
@@ -70,15 +70,16 @@ def restore(worker: WorkerContext, root: str | os.PathLike[str]) -> int:
         if table is not None:
             checkpoint.check_saved_spec(name, entry, table.spec)
     worker.barrier()
-    note = _OK
+    note = None
     if worker.rank == 0:
+        note = BarrierNote(True, str(path))
         try:
             _load(worker, path, manifest)
         except (ShoalError, OSError) as exc:
-            note = _FAILED + f"{type(exc).__name__}: {exc}"
-    outcome = worker.barrier(note if worker.rank == 0 else None).get(0, _FAILED + "rank 0 said nothing")
-    if not outcome.startswith(_OK):
-        raise CheckpointError(f"restoring {str(path)!r} failed on rank 0: {outcome[len(_FAILED):]}")
+            note = BarrierNote(False, f"{type(exc).__name__}: {exc}")
+    outcome = worker.barrier(note).get(0, _SILENT)
+    if not outcome.ok:
+        raise CheckpointError(f"restoring {str(path)!r} failed on rank 0: {outcome.detail}")
     clock = int(manifest["clock"])
     worker.resume_clock(clock)
     return clock

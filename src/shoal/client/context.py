@@ -25,6 +25,7 @@ from shoal.consistency.staleness import StalenessHistogram
 from shoal.placement.layout import TableLayout
 from shoal.storage.shard import ShardStore
 from shoal.wire.message import Message
+from shoal.wire.schema import BarrierNote
 
 
 class WorkerContext(Protocol):
@@ -69,7 +70,7 @@ class WorkerContext(Protocol):
 
     def follow_restarted(self, node: int, address: str) -> None: ...
 
-    def barrier(self, note: str | None = None) -> dict[int, str]: ...
+    def barrier(self, note: BarrierNote | None = None) -> dict[int, BarrierNote]: ...
 
     def resume_clock(self, clock: int) -> None: ...
 

@@ -37,6 +37,7 @@ from shoal.transport.base import Transport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
+from shoal.wire.schema import BarrierNote
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +411,7 @@ class Worker:
         """Wait for every request still in flight (async pushes included)."""
         self.tracker.wait_all(self.cluster.timeouts.request_s)
 
-    def barrier(self, note: str | None = None) -> dict[int, str]:
+    def barrier(self, note: BarrierNote | None = None) -> dict[int, BarrierNote]:
         """Wait until every worker reaches this barrier; own pushes are applied first.
 
         Returns the ``note`` each rank passed (by rank), so one rank can tell the

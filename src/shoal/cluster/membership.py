@@ -14,6 +14,7 @@ from shoal.api.ids import RENDEZVOUS
 from shoal.cluster.requests import RequestTracker
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
+from shoal.wire.schema import BarrierNote
 
 
 def call(tracker: RequestTracker, peer: int, msg: Message, timeout: float, what: str = "") -> Message:
@@ -73,15 +74,15 @@ def wait_for_servers(tracker: RequestTracker, num_nodes: int, timeout: float) ->
 
 
 def barrier(tracker: RequestTracker, rank: int, generation: int, timeout: float,
-            note: str | None = None) -> dict[int, str]:
+            note: BarrierNote | None = None) -> dict[int, BarrierNote]:
     """Block until every worker reaches barrier ``generation``; returns each rank's ``note``, if it gave one."""
     body: dict[str, object] = {"rank": rank, "generation": generation}
     if note is not None:
-        body["note"] = note
+        body["note"] = note.to_body()
     try:
         reply = call(tracker, RENDEZVOUS, Message(Op.BARRIER, body=body), timeout, f"barrier {generation}")
         notes = reply.body.get("notes") if isinstance(reply.body, dict) else None
-        return {int(r): str(n) for r, n in (notes or {}).items()}
+        return {int(r): n for r, value in (notes or {}).items() if (n := BarrierNote.from_body(value)) is not None}
     except RequestTimeoutError as exc:
         try:
             st = status(tracker, 5.0)

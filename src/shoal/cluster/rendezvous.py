@@ -25,6 +25,7 @@ from shoal.transport.base import Transport, is_loopback
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Flag, Op
+from shoal.wire.schema import BarrierNote
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,8 @@ class Rendezvous:
             return
         if len(arrived) >= self.num_workers:
             # What ranks said on arrival (an outcome rank 0 decided, say) goes back to everyone.
-            notes = {str(m.body["rank"]): m.body["note"] for _, m in waiting if isinstance(m.body.get("note"), str)}
+            notes = {str(m.body["rank"]): m.body["note"] for _, m in waiting
+                     if BarrierNote.from_body(m.body.get("note")) is not None}
             for p, m in self._barriers.pop(gen):
                 self._reply(p, m.reply(Op.OK, {"notes": notes}))
             self._warn_of_unshared_tables()

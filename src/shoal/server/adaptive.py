@@ -515,7 +515,8 @@ class AdaptiveService:
         sender = server_node(msg.sender, self.cluster.num_nodes)
         if sender is None:
             raise ProtocolError(f"placement message from sender {msg.sender}, which is no server")
-        kind, body, arrays = msg.body.get("kind"), msg.body, msg.arrays
+        # Each kind's fields and arrays were checked against ``wire.schema.PLACEMENT_KINDS`` on arrival.
+        kind, body, arrays = msg.body["kind"], msg.body, msg.arrays
         try:
             keys = as_keys(arrays[0], table.spec)
             rows = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True) if kind in _CARRIES_ROWS else None
@@ -527,7 +528,7 @@ class AdaptiveService:
             if kind == "relocate":
                 self._relocate_at_home(table, keys, _node(body["to"], table))
             elif kind == "handover":
-                self._handover(table, keys, _node(body["to"], table), int(body["hops"]))
+                self._handover(table, keys, _node(body["to"], table), _count(body["hops"]))
             elif kind == "owner":
                 owner = _node(body["owner"], table)
                 table.directory.record(keys[table.directory.is_home(keys)], owner)
@@ -535,21 +536,21 @@ class AdaptiveService:
                 held = keys[table.presence[keys] == REPLICA]
                 table.replica_owner[held] = owner
             elif kind == "announce":
-                self._announce(table, keys, bool(body["active"]), _node(body["node"], table), int(body["hops"]))
-            elif rows is None:
-                raise ProtocolError(f"unknown placement message {kind!r}")
-            elif kind == "state":
-                self._receive_state(table, keys, rows, _ints(arrays[2], keys), _ints(arrays[3], keys), sender)
-            elif kind == "replicate":
-                self._receive_replica(table, keys, rows, sender)
-            elif kind == "sync":
-                self._sync_at_owner(table, keys, rows, _ints(arrays[2], keys), _node(body["origin"], table),
-                                    _node(body["target"], table), int(body["hops"]))
-            else:  # synced
-                self._synced(table, keys, rows, _ints(arrays[2], keys), _node(body["target"], table),
-                             _count(body.get("parts", 0)))
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed placement message {kind!r}: {exc!r}") from None
+                self._announce(table, keys, body["active"], _node(body["node"], table), _count(body["hops"]))
+            else:
+                assert rows is not None  # the other kinds carry rows
+                if kind == "state":
+                    self._receive_state(table, keys, rows, arrays[2].astype(np.int64), arrays[3].astype(np.int64),
+                                        sender)
+                elif kind == "replicate":
+                    self._receive_replica(table, keys, rows, sender)
+                elif kind == "sync":
+                    self._sync_at_owner(table, keys, rows, arrays[2], _node(body["origin"], table),
+                                        _node(body["target"], table), _count(body["hops"]))
+                else:  # synced
+                    self._synced(table, keys, rows, arrays[2], _node(body["target"], table), _count(body["parts"]))
+        except ValueError as exc:  # a node that is no node of the table, a count out of range
+            raise ProtocolError(f"malformed placement message {kind!r}: {exc}") from None
 
     # ----------------------------------------------------------------- timers
 
@@ -675,9 +676,3 @@ def _count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 20:
         raise ValueError(f"bad count {value!r}")
     return value
-
-
-def _ints(arr: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    if arr.shape != keys.shape or arr.dtype.kind not in "iu":
-        raise ValueError(f"expected {keys.shape[0]} integers, got {arr.shape} {arr.dtype}")
-    return arr.astype(np.int64)

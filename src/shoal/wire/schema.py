@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -32,8 +33,11 @@ class OpSchema:
 
 KEYS = ArrayRule("i", 1)
 ROWS = ArrayRule("f", 2)
+PER_KEY = ArrayRule("i", 1)  # an integer per key (interest bits, replica bits)
+MARKS = ArrayRule("u", 1)  # a byte per key (0 or 1)
 _INT = (int,)
 _STR = (str,)
+_BOOL = (bool,)
 
 SCHEMAS: dict[Op, OpSchema] = {
     Op.OK: OpSchema(),
@@ -73,6 +77,39 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.CONFIRM: OpSchema(body={"rank": _INT, "epoch": _INT}, needs_table=True),
 }
 
+#: what each kind of PLACEMENT message (server to server, adaptive tables) carries; its handler
+#: (``server.adaptive``) reads exactly these fields and arrays
+PLACEMENT_KINDS: dict[str, OpSchema] = {
+    "relocate": OpSchema(body={"to": _INT}, arrays=(KEYS,)),
+    "handover": OpSchema(body={"to": _INT, "hops": _INT}, arrays=(KEYS,)),
+    "owner": OpSchema(body={"owner": _INT}, arrays=(KEYS,)),
+    "announce": OpSchema(body={"active": _BOOL, "node": _INT, "hops": _INT}, arrays=(KEYS,)),
+    "state": OpSchema(arrays=(KEYS, ROWS, PER_KEY, PER_KEY), same_rows=True),
+    "replicate": OpSchema(arrays=(KEYS, ROWS), same_rows=True),
+    "sync": OpSchema(body={"origin": _INT, "target": _INT, "hops": _INT}, arrays=(KEYS, ROWS, MARKS),
+                     same_rows=True),
+    "synced": OpSchema(body={"target": _INT, "parts": _INT}, arrays=(KEYS, ROWS, MARKS), same_rows=True),
+}
+
+
+@dataclass(frozen=True)
+class BarrierNote:
+    """What one rank tells every other at a barrier (``BARRIER``'s optional ``note``): whether its
+    part went well (rank 0 writing a checkpoint, say), and the detail (the path, or what failed)."""
+
+    ok: bool
+    detail: str = ""
+
+    def to_body(self) -> dict[str, Any]:
+        return {"ok": self.ok, "detail": self.detail}
+
+    @classmethod
+    def from_body(cls, value: Any) -> BarrierNote | None:
+        """The note ``value`` stands for; None if it is not one."""
+        if isinstance(value, dict) and type(value.get("ok")) is bool and type(value.get("detail")) is str:
+            return cls(value["ok"], value["detail"])
+        return None
+
 
 def is_int64(value: object) -> bool:
     """An int that fits in 64 signed bits: ids, clocks and body ints end up in int64 arrays."""
@@ -80,29 +117,39 @@ def is_int64(value: object) -> bool:
 
 
 def check_schema(msg: Message) -> None:
-    """Raise ``ProtocolError`` (or ``ShapeError``) if ``msg`` does not fit its op."""
+    """Raise ``ProtocolError`` (or ``ShapeError``) if ``msg`` does not fit its op (and sub-kind)."""
     schema = SCHEMAS[msg.op]
+    _check(msg, schema, msg.op.name)
+    if msg.op == Op.PLACEMENT:
+        kind = msg.body["kind"]
+        sub = PLACEMENT_KINDS.get(kind)
+        if sub is None:
+            raise ProtocolError(f"unknown placement message {kind!r}; the kinds are {sorted(PLACEMENT_KINDS)}")
+        _check(msg, sub, f"placement {kind!r}")
+
+
+def _check(msg: Message, schema: OpSchema, what: str) -> None:
     for name, types in schema.body.items():
         value = msg.body.get(name)
         if not isinstance(value, types) or (types == _INT and not is_int64(value)):
             raise ProtocolError(
-                f"{msg.op.name} needs body field {name!r} of type "
+                f"{what} needs body field {name!r} of type "
                 f"{'/'.join(t.__name__ for t in types)}, got {value!r}"
             )
     if schema.needs_table and not msg.table:
-        raise ProtocolError(f"{msg.op.name} needs a table name")
+        raise ProtocolError(f"{what} needs a table name")
     if schema.variadic:
         return
     if len(msg.arrays) != len(schema.arrays):
-        raise ProtocolError(f"{msg.op.name} carries {len(schema.arrays)} array(s), got {len(msg.arrays)}")
+        raise ProtocolError(f"{what} carries {len(schema.arrays)} array(s), got {len(msg.arrays)}")
     for i, (arr, rule) in enumerate(zip(msg.arrays, schema.arrays, strict=True)):
         if arr.dtype.kind != rule.kind:
-            raise ProtocolError(f"{msg.op.name} array {i} must be of kind {rule.kind!r}, got dtype {arr.dtype}")
+            raise ProtocolError(f"{what} array {i} must be of kind {rule.kind!r}, got dtype {arr.dtype}")
         if arr.ndim != rule.ndim:
-            raise ShapeError(f"{msg.op.name} array {i} must have {rule.ndim} dimension(s), got shape {arr.shape}")
+            raise ShapeError(f"{what} array {i} must have {rule.ndim} dimension(s), got shape {arr.shape}")
     if schema.same_rows and len({a.shape[0] for a in msg.arrays}) > 1:
         raise ShapeError(
-            f"{msg.op.name}: arrays disagree on the number of rows: {[a.shape for a in msg.arrays]}"
+            f"{what}: arrays disagree on the number of rows: {[a.shape for a in msg.arrays]}"
         )
 
 
