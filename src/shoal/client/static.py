@@ -179,7 +179,8 @@ class StaticAccess(TableAccess):
                 if at is not None and at.shape[0] == 0:
                     continue
             count = n if at is None else at.shape[0]
-            for chunk in self._chunks(at, count, call.keys.shape[0]):
+            chunks = (at,) if count <= self._chunk else self._chunks(at, count, call.keys.shape[0])
+            for chunk in chunks:
                 try:
                     self._send(call, node, chunk, layout.epoch, op)
                 except ClosedError:
@@ -192,7 +193,10 @@ class StaticAccess(TableAccess):
         """A call that needs a dead server's rows fails at once, before any part of it is sent. Only a
         server whose process has ended counts: one that is merely silent may answer yet, and a call
         waiting for it fails after the request timeout, naming it."""
-        dead = sorted(set(nodes) & self.worker.replica_view.exited)
+        exited = self.worker.replica_view.exited
+        if not exited:  # the usual case: no server has ended
+            return
+        dead = sorted(set(nodes) & exited)
         if dead:
             lost = sorted({int(s) for s in np.unique(shard) if int(layout.owners[s]) in dead})
             raise ClusterError(f"server(s) {dead} died: slices {lost} of {self.spec.name!r} that this call needs "
@@ -359,7 +363,7 @@ class StaticAccess(TableAccess):
     def _settle_moved_pushes(self) -> None:
         """A read comes after this worker's pushes routed by an older layout have landed where their
         slices are now: a read sent to the new owner would not otherwise wait for them."""
-        if not self.routed_before(self.layout.epoch):
+        if (not self._unacked and not self._moved_calls) or not self.routed_before(self.layout.epoch):
             return
 
         def awaited() -> set[int]:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+import numpy as np
+
 from shoal.api.errors import (
     AuthError,
     ClosedError,
@@ -576,4 +578,5 @@ class Future(Generic[T]):
 
 
 def _size(frames: list[Any]) -> int:
-    return sum(len(f) if isinstance(f, bytes) else memoryview(getattr(f, "buffer", f)).nbytes for f in frames)
+    # Arrays and views count their bytes; bytes and zmq frames have a length in bytes.
+    return sum(f.nbytes if isinstance(f, (np.ndarray, memoryview)) else len(f) for f in frames)

@@ -60,6 +60,8 @@ def _failure(exc: ShoalError, header: dict[str, Any] | None) -> ShoalError:
 
 def _view(frame: Frame) -> memoryview:
     """The frame's bytes, flat (arrays of any dtype and shape are cast to bytes for the tag)."""
+    if type(frame) is bytes:  # headers and tags: no attribute lookup that fails
+        return memoryview(frame)
     buf = getattr(frame, "buffer", None)  # zmq.Frame exposes its bytes as .buffer
     view = buf if isinstance(buf, memoryview) else memoryview(frame)
     if view.format == "B" and view.ndim == 1:
