@@ -2,7 +2,7 @@
 
 - ``ops``: op codes, flags, protocol version
 - ``message``: ``Message``
-- ``schema``: per-op checks
+- ``schema``: per-op checks, the kinds of placement message, barrier notes
 - ``codec``: ``Codec`` (msgpack header + raw frames + keyed BLAKE3 tag, size limit)
 """
 

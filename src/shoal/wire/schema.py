@@ -1,4 +1,5 @@
-"""What each op must carry. Checked on every decoded message, before any handler runs."""
+"""What each op (and each kind of placement message) must carry. Checked on every decoded message,
+before any handler runs; and the typed notes ranks pass at a barrier."""
 
 from __future__ import annotations
 
