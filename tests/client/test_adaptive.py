@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import shoal
+from shoal.server.metrics import server_families
 from shoal.storage.kernels import ABSENT, REPLICA
 from tests.support.clock import ManualClock
 from tests.support.cluster import ThreadCluster
@@ -31,6 +32,22 @@ def test_localize_moves_keys_and_later_access_is_local():
         # Their home moved them: its workers read where from the node's cache, no "moved" answer.
         assert t1.counters["moved_retries"] == 0
 
+
+
+def test_relocated_keys_are_counted_in_the_servers_metrics():
+    # The counters of keys moved lived with each table, while the metrics read the service's: the
+    # family shoal_server_relocated_keys_total stayed at zero however many keys moved.
+    with ThreadCluster(nodes=2) as c:
+        t0 = c.worker(0).table("a", 20, 2, techniques="relocation")
+        c.worker(1).table("a", 20, 2, techniques="relocation")
+        t0.localize(np.arange(1, 20, 2))  # the ten keys homed on node 1
+        wait_until(lambda: c.servers[0].adaptive.describe()["a"]["owned"] == 20)
+
+        def relocated(server: int) -> dict[str, float]:
+            (family,) = [f for f in server_families(c.servers[server]) if f.name == "shoal_server_relocated_keys_total"]
+            return {labels["direction"]: value for labels, value in family.samples}
+
+        assert relocated(0) == {"here": 10, "away": 0} and relocated(1) == {"here": 0, "away": 10}
 
 def test_requests_during_a_move_are_answered_and_lose_nothing():
     with ThreadCluster(nodes=2) as c:

@@ -130,7 +130,7 @@ def test_an_adaptive_table_is_saved_with_every_replica_change_and_restored_at_ho
     options = dict(techniques="auto", init=shoal.Constant(0.0), sync_ms=60_000)
 
     with ThreadCluster(nodes=2) as cluster:
-        presence = [s.adaptive.tables for s in cluster.servers]
+        adaptive = [s.adaptive for s in cluster.servers]
 
         def save(w):
             t = w.table("ad", 40, 2, **options)
@@ -138,13 +138,13 @@ def test_an_adaptive_table_is_saved_with_every_replica_change_and_restored_at_ho
             w.advance_clock()
             if w.rank == 1:
                 t.localize(moved)
-            wait_until(lambda: all((p["ad"].presence[hot] != ABSENT).all() for p in presence)
-                        and (presence[1]["ad"].presence[moved] == OWNED).all())
+            wait_until(lambda: all((a.tables["ad"].presence[hot] != ABSENT).all() for a in adaptive)
+                        and (adaptive[1].tables["ad"].presence[moved] == OWNED).all())
             w.barrier()
             t.push(everything, np.full((40, 2), w.rank + 1.0, np.float32))
             w.barrier()
             if w.rank == 0:
-                pending = [p["ad"].store.pending[p["ad"].presence == REPLICA] for p in presence]
+                pending = [a.tables["ad"].store.pending[a.tables["ad"].presence == REPLICA] for a in adaptive]
                 assert any(part.any() for part in pending), "no replica change was left to settle"
             return w.checkpoint(tmp_path)
 

@@ -14,11 +14,16 @@ def test_home_directory_records_moves_and_who_must_hand_over():
     d = Directory(num_keys=10, num_nodes=2, node=0)
     assert d.owners(np.array([0, 2, 4])).tolist() == [0, 0, 0]
     handover = d.move(np.array([0, 2, 3]), to=1)  # key 3 is not a home key of node 0: ignored
-    assert {k: v.tolist() for k, v in handover.items()} == {0: [0, 2]}
-    assert d.move(np.array([0]), to=1) == {}  # already there
-    d.record(np.array([2]), owner=0)
+    assert {k: (v.tolist(), e.tolist()) for k, (v, e) in handover.items()} == {0: ([0, 2], [1, 1])}
+    again = d.move(np.array([0]), to=1)  # known there: the holder is asked anyway (it may have moved on)
+    assert {k: (v.tolist(), e.tolist()) for k, (v, e) in again.items()} == {1: ([0], [2])}
+    one = np.ones(1, np.int64)
+    assert d.record(np.array([2]), owner=0, epochs=one, steps=one).tolist() == [2]  # moved on by its owner
     assert d.owners(np.array([0, 2])).tolist() == [1, 0]
-    assert d.moves[2] == 2
+    # Reports arrive in any order: the newest stays; one older than the home's latest decision is ignored.
+    assert d.record(np.array([2]), owner=1, epochs=one, steps=one * 0).tolist() == []
+    assert d.record(np.array([0]), owner=0, epochs=one, steps=one * 5).tolist() == []
+    assert d.owners(np.array([0, 2])).tolist() == [1, 0]
 
 
 def test_location_cache_falls_back_to_home_after_two_hops():

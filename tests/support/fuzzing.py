@@ -310,8 +310,9 @@ def gossip_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
 
 
 #: the arrays each kind of placement message carries (``wire.schema.PLACEMENT_KINDS``)
-PLACEMENT_ARRAYS = {"relocate": ["keys"], "handover": ["keys"], "owner": ["keys"], "announce": ["keys"],
-                    "state": ["keys", "rows", "interest", "replicas"], "replicate": ["keys", "rows"],
+PLACEMENT_ARRAYS = {"relocate": ["keys"], "handover": ["keys", "epochs"], "owner": ["keys", "epochs", "steps"],
+                    "announce": ["keys"],
+                    "state": ["keys", "rows", "interest", "replicas", "epochs", "steps"], "replicate": ["keys", "rows"],
                     "sync": ["keys", "rows", "marks"], "synced": ["keys", "rows", "marks"]}
 
 
@@ -325,7 +326,8 @@ def placement_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
     if n and draw(one_in(4)):  # bit masks with every bit set, or more nodes than there are
         replicas[draw(INDEX) % n] = draw(st.sampled_from([-1, 1 << 62, 1 << NUM_NODES, -(2**63)]))
     arrays = {"keys": draw(key_arrays(n)), "rows": draw(row_arrays(n)), "interest": interest,
-              "replicas": replicas, "marks": _small_ints(n, draw, 1).astype(np.uint8)}
+              "replicas": replicas, "marks": _small_ints(n, draw, 1).astype(np.uint8),
+              "epochs": _small_ints(n, draw), "steps": _small_ints(n, draw)}
     names = PLACEMENT_ARRAYS[kind] if not draw(one_in(8)) else ["keys", "rows", "interest", "replicas"]
     return body, [arrays[name] for name in names]
 

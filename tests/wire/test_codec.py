@@ -26,7 +26,7 @@ from shoal import (
     ShoalError,
 )
 from shoal.wire import PROTOCOL_VERSION, Codec, Flag, Message, Op
-from shoal.wire.schema import PLACEMENT_KINDS, SCHEMAS, ArrayRule
+from shoal.wire.schema import PLACEMENT_KINDS, ROWS, SCHEMAS, ArrayRule
 
 SECRET = b"s" * 32
 OTHER_SECRET = b"o" * 32
@@ -435,7 +435,7 @@ def placement(kind: str, arrays: list[np.ndarray], **body: Any) -> Message:
                  id="announce active not a bool"),
     pytest.param(placement("relocate", [keys(1), rows(1)], to=1), ProtocolError, "carries 1 array(s), got 2",
                  id="relocate with rows"),
-    pytest.param(placement("state", [keys(1, 2), rows(2), keys(0), keys(0, 0)]), ShapeError, "disagree",
+    pytest.param(placement("state", [keys(1, 2), rows(2), keys(0), *[keys(0, 0)] * 3]), ShapeError, "disagree",
                  id="state interest of another length"),
     pytest.param(placement("sync", [keys(1), rows(1), keys(1)], origin=0, target=1, hops=0), ProtocolError,
                  "array 2 must be of kind 'u'", id="sync marks not bytes"),
@@ -453,12 +453,12 @@ def test_each_placement_kind_round_trips() -> None:
     bodies = {"relocate": {"to": 1}, "handover": {"to": 1, "hops": 0}, "owner": {"owner": 0},
               "announce": {"active": True, "node": 1, "hops": 0}, "state": {}, "replicate": {},
               "sync": {"origin": 0, "target": 1, "hops": 0}, "synced": {"target": 1, "parts": 0}}
-    carried = {"relocate": 1, "handover": 1, "owner": 1, "announce": 1, "state": 4, "replicate": 2, "sync": 3,
+    carried = {"relocate": 1, "handover": 2, "owner": 3, "announce": 1, "state": 6, "replicate": 2, "sync": 3,
                "synced": 3}
-    extra = [rows(2), keys(0, 0)]
     assert sorted(bodies) == sorted(PLACEMENT_KINDS)
     for kind, body in bodies.items():
-        arrays = [keys(0, 1), *extra, keys(1, 1)][: carried[kind]]
+        second = rows(2) if PLACEMENT_KINDS[kind].arrays[1:2] == (ROWS,) else keys(3, 4)
+        arrays = [keys(0, 1), second, *[keys(1, 1)] * 4][: carried[kind]]
         if kind in ("sync", "synced"):
             arrays[2] = np.zeros(2, dtype=np.uint8)
         msg = Codec().decode(on_the_wire(Codec().encode(placement(kind, arrays, **body))))

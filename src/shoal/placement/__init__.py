@@ -1,4 +1,4 @@
-"""Where keys live. Pure: computes mappings and plans, never sends anything.
+"""Where keys live. Pure: computes mappings, plans and decisions, never sends anything.
 
 - ``mapping``: range, round-robin and hash key -> (shard, row) rules
 - ``layout``: ``TableLayout``, a mapping plus shard owners at an epoch
@@ -6,4 +6,7 @@
 - ``rebalance``: planning slice moves so that servers carry similar load
 - ``ownership``: who owns a key of an adaptive table, as each party knows it
 - ``intent``: intent signals and the actions they turn into
+- ``adaptive_table``: one node's state of an adaptive table, and the effects decisions produce
+- ``held``: worker requests served from the rows here or held for rows on their way here
+- ``machine``: ``PlacementMachine``, relocation, replicas and intents as events in, messages out
 """

@@ -1,9 +1,10 @@
 """Who owns a key of an adaptive table, as each party knows it (Lapse, DESIGN.md §6).
 
-Every key has a *home* node (``key % num_nodes``) that always knows its current
-owner. Everyone else keeps a location cache of hints that may be stale: a
+Every key has a *home* node (``key % num_nodes``) that decides where it moves
+when a node asks for it, and learns where its owners move it on their own.
+Everyone else keeps a location cache of hints that may be stale: a
 request sent on a stale hint is answered "moved, try there", and after two such
-hops it goes to the home node, which knows.
+hops it goes to the home node, which knows best.
 """
 
 from __future__ import annotations
@@ -18,14 +19,21 @@ def home_of(keys: np.ndarray, num_nodes: int) -> np.ndarray:
 
 
 class Directory:
-    """At a home node: the owner of each of its home keys, and how often each moved."""
+    """At a home node: the owner of each of its home keys, and the version of that knowledge.
+
+    A key's version is ``(epoch, step)``: ``epoch`` counts the moves this home
+    decided (each handover carries its epoch, so that an older one still on its
+    way cannot move the key back), ``step`` the moves its owners made on their
+    own since (reported to the home in any order: the newest report wins).
+    """
 
     def __init__(self, num_keys: int, num_nodes: int, node: int) -> None:
         self.node = node
         self.num_nodes = num_nodes
         self.owner = np.full(num_keys, -1, dtype=np.int64)
         self.owner[node::num_nodes] = node  # initially every key lives at home
-        self.moves = np.zeros(num_keys, dtype=np.int64)
+        self.epoch = np.zeros(num_keys, dtype=np.int64)
+        self.step = np.zeros(num_keys, dtype=np.int64)
 
     def is_home(self, keys: np.ndarray) -> np.ndarray:
         return home_of(keys, self.num_nodes) == self.node
@@ -33,19 +41,28 @@ class Directory:
     def owners(self, keys: np.ndarray) -> np.ndarray:
         return self.owner[keys]
 
-    def move(self, keys: np.ndarray, to: int) -> dict[int, np.ndarray]:
-        """Record that ``keys`` now belong to ``to``; the keys each previous owner must hand over."""
+    def move(self, keys: np.ndarray, to: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Decide that ``keys`` now belong to ``to``: per owner known until now, the keys it must hand
+        over and the epoch of this decision for each. An owner known to be ``to`` already is asked too:
+        the key may have moved on meanwhile, and its holder must send it back."""
         keys = keys[self.is_home(keys)]
         previous = self.owner[keys].copy()
         self.owner[keys] = to
-        self.moves[keys] += 1
-        return {int(o): keys[previous == o] for o in np.unique(previous) if o != to}
+        self.epoch[keys] += 1
+        self.step[keys] = 0
+        return {int(o): (keys[previous == o], self.epoch[keys[previous == o]]) for o in np.unique(previous)}
 
-    def record(self, keys: np.ndarray, owner: int) -> None:
-        """An owner moved keys itself and says where they went."""
-        keys = keys[self.is_home(keys)]
+    def record(self, keys: np.ndarray, owner: int, epochs: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """An owner moved keys on its own and says where, at which version; the home keys this report
+        is the newest news of (the others: an older report, or a move decided here since)."""
+        home = self.is_home(keys)
+        keys, epochs, steps = keys[home], epochs[home], steps[home]
+        newer = (epochs > self.epoch[keys]) | ((epochs == self.epoch[keys]) & (steps > self.step[keys]))
+        keys = keys[newer]
         self.owner[keys] = owner
-        self.moves[keys] += 1
+        self.epoch[keys] = epochs[newer]
+        self.step[keys] = steps[newer]
+        return keys
 
 
 class LocationCache:

@@ -82,10 +82,11 @@ SCHEMAS: dict[Op, OpSchema] = {
 #: (``server.adaptive``) reads exactly these fields and arrays
 PLACEMENT_KINDS: dict[str, OpSchema] = {
     "relocate": OpSchema(body={"to": _INT}, arrays=(KEYS,)),
-    "handover": OpSchema(body={"to": _INT, "hops": _INT}, arrays=(KEYS,)),
-    "owner": OpSchema(body={"owner": _INT}, arrays=(KEYS,)),
+    "handover": OpSchema(body={"to": _INT, "hops": _INT}, arrays=(KEYS, PER_KEY), same_rows=True),  # + epochs
+    "owner": OpSchema(body={"owner": _INT}, arrays=(KEYS, PER_KEY, PER_KEY), same_rows=True),  # + versions
     "announce": OpSchema(body={"active": _BOOL, "node": _INT, "hops": _INT}, arrays=(KEYS,)),
-    "state": OpSchema(arrays=(KEYS, ROWS, PER_KEY, PER_KEY), same_rows=True),
+    # rows, interest, replicas, versions (epoch, step)
+    "state": OpSchema(arrays=(KEYS, ROWS, PER_KEY, PER_KEY, PER_KEY, PER_KEY), same_rows=True),
     "replicate": OpSchema(arrays=(KEYS, ROWS), same_rows=True),
     "sync": OpSchema(body={"origin": _INT, "target": _INT, "hops": _INT}, arrays=(KEYS, ROWS, MARKS),
                      same_rows=True),

@@ -1,0 +1,125 @@
+"""One node's state of an adaptive table, and the effects its decisions produce (DESIGN.md §6).
+
+Every node keeps a row for every key in shared memory, with its presence
+(absent, owned, replica) and where the node believes absent keys live.
+Co-located workers read and update present rows themselves. The decisions
+(``placement.machine``) change this state and return ``Send`` and ``Answer``
+records; the server carries them out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shoal.api.config import TableSpec
+from shoal.api.errors import ConfigError
+from shoal.api.ids import ADAPTIVE_SHARD
+from shoal.placement.intent import NodeIntents, OwnerInterest
+from shoal.placement.ownership import Directory, LocationCache
+from shoal.storage.kernels import OWNED
+from shoal.storage.shard import ShardStore
+
+MAX_NODES = 63  # interest and replica sets are bits of an int64
+
+
+@dataclass(frozen=True, eq=False)
+class Send:
+    """A placement message about ``table`` to the server of ``node``: ``kind`` with its body fields
+    and arrays (declared in ``wire.schema.PLACEMENT_KINDS``)."""
+
+    table: str
+    node: int
+    kind: str
+    body: dict[str, Any]
+    arrays: list[np.ndarray]
+
+
+@dataclass(frozen=True, eq=False)
+class Answer:
+    """The answer to a worker request that ``ticket`` stands for: rows (a pull) or None (a push),
+    and for keys not here, their positions in the request and where they are believed to be."""
+
+    ticket: Any
+    values: np.ndarray | None
+    moved: np.ndarray
+    owners: np.ndarray
+
+
+@dataclass
+class Effects:
+    """What one event asks the server to do."""
+
+    sends: list[Send] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)
+
+
+@dataclass(eq=False)  # compared by identity: field equality would compare arrays (and raise)
+class Held:
+    """A worker request waiting for keys on their way here."""
+
+    ticket: Any
+    keys: np.ndarray
+    grads: np.ndarray | None  # None for a pull
+    waiting_for: np.ndarray
+    #: for a push held in part: where the held keys sat in the original request
+    positions: np.ndarray | None
+    since: float  # when it began to wait
+
+
+class AdaptiveTable:
+    """One node's view of an adaptive table."""
+
+    def __init__(self, spec: TableSpec, node: int, num_nodes: int, cluster_id: str) -> None:
+        if num_nodes > MAX_NODES:
+            raise ConfigError(f"adaptive tables support at most {MAX_NODES} nodes")
+        self.spec = spec
+        self.node = node
+        self.num_nodes = num_nodes
+        keys = np.arange(spec.num_keys, dtype=np.int64)
+        self.store = ShardStore.create(spec, ADAPTIVE_SHARD, keys, cluster_id)
+        assert self.store.presence is not None and self.store.pending is not None
+        assert self.store.location is not None
+        self.presence = self.store.presence
+        self.presence[node::num_nodes] = OWNED  # keys start at home
+        self.directory = Directory(spec.num_keys, num_nodes, node)
+        # In shared memory: this node's workers read where the keys that left went.
+        self.hints = LocationCache(spec.num_keys, num_nodes, shared=self.store.location)
+        self.incoming = np.zeros(spec.num_keys, dtype=np.bool_)
+        #: the version (``placement.ownership.Directory``) of each key this node owns, as it came
+        self.epoch = np.zeros(spec.num_keys, dtype=np.int64)
+        self.step = np.zeros(spec.num_keys, dtype=np.int64)
+        self.held: list[Held] = []
+        #: handovers (keys, epochs, to) of keys on their way here: carried out when the keys arrive
+        self.deferred_handovers: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self.interest = OwnerInterest(spec.num_keys)
+        self.intents = NodeIntents(spec.num_keys)
+        self.replica_owner = np.full(spec.num_keys, -1, dtype=np.int64)
+        self.dropping = np.zeros(spec.num_keys, dtype=np.bool_)
+        #: per owner: answers ("synced") still due for this node's syncs, forwarded parts included
+        self.syncs_unanswered: Counter[int] = Counter()
+        #: parts of replicas' syncs for keys on their way here: added when the keys arrive
+        self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]] = []
+        self.next_sync = 0.0
+        self.window = 1  # clocks ahead that intents are acted on
+        self.acted_at = -1  # the node clock the window was last estimated at
+        self.window_estimate = 1.0
+        self.stats: Counter[str] = Counter()
+
+    @property
+    def scale(self) -> float:
+        assert self.store.rule.scale is not None  # adaptive tables have additive rules
+        return self.store.rule.scale
+
+    def where(self, keys: np.ndarray) -> np.ndarray:
+        """Best knowledge of each key's owner: the directory for home keys, else the hint."""
+        owners = self.hints.hint[keys].astype(np.int64)
+        home = self.directory.is_home(keys)
+        owners[home] = self.directory.owner[keys[home]]
+        return owners
+
+    def close(self) -> None:
+        self.store.close()

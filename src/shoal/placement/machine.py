@@ -1,0 +1,462 @@
+"""The placement of one adaptive table at one node, as a state machine (DESIGN.md §6).
+
+Events come in (a worker's pull, push, localisation or intent; a placement
+message from another node; a tick of the clock), the state in
+``AdaptiveTable`` changes, and each event returns the ``Effects`` it asks for:
+placement messages to send and held worker requests to answer. No sockets and
+no clock: the server reads the time and the workers' clocks, passes them in,
+and carries the effects out.
+
+Between nodes (all one-way, each kind declared in ``wire.schema.PLACEMENT_KINDS``):
+
+* ``relocate`` (requester -> home): move keys to the requester; the home
+  records the new owner and asks the old one for a ``handover``;
+* ``handover`` (home -> owner): give up keys; the owner sends their ``state``;
+* ``state`` (old owner -> new owner): rows and interest; requests that waited
+  for them are served;
+* ``owner`` (owner -> home): keys an owner moved on its own (intent-driven);
+* ``announce`` (node -> owner): a node's workers will (or no longer) use keys;
+* ``replicate`` (owner -> node): a replica of keys;
+* ``sync`` / ``synced`` (replica -> owner -> replica): the replica's change since
+  the last sync, and the owner's row after adding it; with ``drop`` the replica
+  goes away after its last change is in. A part for keys that moved on is
+  passed to their owner, which answers it too: ``synced`` counts such parts.
+
+A message to this node itself is taken in at once, inside the same event.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from shoal.api.errors import ProtocolError
+from shoal.placement import held
+from shoal.placement.adaptive_table import AdaptiveTable, Answer, Effects, Send
+from shoal.placement.intent import Action, smoothed_window
+from shoal.placement.ownership import MAX_HOPS, home_of
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA, any_nonfinite, take_pending
+from shoal.storage.validate import as_keys, as_rows
+
+log = logging.getLogger(__name__)
+
+CARRIES_ROWS = ("state", "replicate", "sync", "synced")  # kinds with rows in their second array
+ACTION_S = 0.005  # about how long a relocation or replication takes here: sets the action window
+SYNC_HOPS = 16  # a replica's change chasing a key that keeps moving: after this many hops it is logged and lost
+HANDOVER_HOPS = 16  # the same for a handover
+
+
+class PlacementMachine:
+    """Decisions about where the keys of one adaptive table live, at one node."""
+
+    def __init__(self, table: AdaptiveTable) -> None:
+        self.table = table
+        self.node = table.node
+        self._effects = Effects()
+        self._now = 0.0
+
+    # ----------------------------------------------------------------- events
+
+    def pull(self, keys: np.ndarray, ticket: object, now: float) -> Effects:
+        """A worker's pull of ``keys`` (checked): answered now, or held for rows on their way here."""
+        self._now = now
+        self._answer(held.serve_pull(self.table, keys, ticket, now))
+        return self._take()
+
+    def push(self, keys: np.ndarray, grads: np.ndarray, ticket: object, now: float) -> Effects:
+        """A worker's push (keys and finite rows checked)."""
+        self._now = now
+        self._answer(held.serve_push(self.table, keys, grads, ticket, now))
+        return self._take()
+
+    def localize(self, keys: np.ndarray) -> Effects:
+        """A local worker asks for keys to live here: ask their homes."""
+        table = self.table
+        keys = keys[(table.presence[keys] != OWNED) & ~table.incoming[keys]]
+        if keys.size:
+            table.incoming[keys] = True
+            table.stats["localize_requested"] += int(keys.size)
+            homes = home_of(keys, table.num_nodes)
+            for home in np.unique(homes):
+                self._send(int(home), "relocate", {"to": self.node}, [keys[homes == home]])
+        return self._take()
+
+    def intend(self, keys: np.ndarray, start: int, end: int) -> None:
+        """A local worker will use ``keys`` during clocks ``[start, end)``: acted on when they come near."""
+        self.table.intents.add(keys, start, end)
+
+    def receive(self, kind: str, sender: int, body: dict[str, Any], arrays: list[np.ndarray], now: float) -> Effects:
+        """A placement message from the server of node ``sender`` (its kind's fields and arrays were
+        checked against the schema on arrival; node numbers and counts are checked here).
+
+        Raises:
+            ProtocolError: a node that is no node of the table, a count out of range, NaN/Inf rows.
+        """
+        self._now = now
+        self._receive(kind, sender, body, arrays)
+        return self._take()
+
+    def tick(self, now: float, node_clock: int, clock_s: float) -> Effects:
+        """Act on intents that came into the window (``node_clock``: the slowest clock of this node's
+        workers; ``clock_s``: seconds per clock lately), sync replicas when due, and answer requests
+        that waited too long."""
+        table = self.table
+        self._now = now
+        self._act_on_intents(node_clock, clock_s)
+        if now >= table.next_sync:
+            table.next_sync = now + table.spec.sync_ms / 1000.0
+            self._sync()
+        for answer in held.expire_held(table, now):
+            self._answer(answer)
+        return self._take()
+
+    def settle(self, now: float) -> tuple[Effects, list[str]]:
+        """Before a checkpoint: send replicas' changes to their owners now; what still keeps the owned
+        rows here from being final."""
+        self._now = now
+        self._sync()
+        return self._take(), self.unsettled()
+
+    def unsettled(self) -> list[str]:
+        table = self.table
+        assert table.store.pending is not None
+        why = []
+        replicas = np.flatnonzero(table.presence == REPLICA)
+        if replicas.size and table.store.pending[replicas].any():
+            why.append("replicas have changes not yet sent to their owners")
+        unanswered = sum(table.syncs_unanswered.values())
+        if unanswered:
+            why.append(f"{unanswered} replica sync(s) unanswered")
+        if table.incoming.any() or table.deferred_syncs or table.deferred_handovers:
+            why.append(f"{int(table.incoming.sum())} key(s) on their way here")
+        if table.held:
+            why.append(f"{len(table.held)} request(s) waiting for keys")
+        return why
+
+    def _take(self) -> Effects:
+        effects, self._effects = self._effects, Effects()
+        return effects
+
+    def _answer(self, answer: Answer | None) -> None:
+        if answer is not None:
+            self._effects.answers.append(answer)
+
+    def _send(self, node: int, kind: str, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        self.table.stats[f"placement_{kind}_sent"] += 1
+        if node == self.node:  # to ourselves: no message
+            self._receive(kind, self.node, body, arrays)
+        else:
+            self._effects.sends.append(Send(self.table.spec.name, node, kind, body, arrays))
+
+    def _receive(self, kind: str, sender: int, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        table = self.table
+        try:
+            _node(sender, table)
+            keys = as_keys(arrays[0], table.spec)
+            rows = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True) if kind in CARRIES_ROWS else None
+            if rows is not None and any_nonfinite(rows):
+                # Rows are checked where they enter (pushes): a peer sending NaN/Inf is broken. Nothing applied.
+                log.error("server %d: %s message of %r from server %d carries NaN/Inf: dropped",
+                          self.node, kind, table.spec.name, sender)
+                raise ProtocolError(f"placement {kind!r} from server {sender} carries NaN/Inf")
+            self._dispatch(kind, sender, body, arrays, keys, rows)
+        except ValueError as exc:
+            raise ProtocolError(f"malformed placement message {kind!r}: {exc}") from None
+
+    def _dispatch(self, kind: str, sender: int, body: dict[str, Any], arrays: list[np.ndarray], keys: np.ndarray,
+                  rows: np.ndarray | None) -> None:
+        table = self.table
+        if kind == "relocate":
+            self._relocate_at_home(keys, _node(body["to"], table))
+        elif kind == "handover":
+            self._handover(keys, arrays[1].astype(np.int64), _node(body["to"], table), _count(body["hops"]))
+        elif kind == "owner":
+            self._learn_owner(keys, _node(body["owner"], table), arrays[1].astype(np.int64),
+                              arrays[2].astype(np.int64))
+        elif kind == "announce":
+            self._announce(keys, body["active"], _node(body["node"], table), _count(body["hops"]))
+        elif rows is None:
+            raise ValueError(f"unknown kind {kind!r}")
+        elif kind == "state":
+            self._receive_state(keys, rows, *(a.astype(np.int64) for a in arrays[2:6]))
+        elif kind == "replicate":
+            self._receive_replica(keys, rows, sender)
+        elif kind == "sync":
+            self._sync_at_owner(keys, rows, arrays[2], _node(body["origin"], table), _node(body["target"], table),
+                                _count(body["hops"]))
+        else:  # synced
+            self._synced(keys, rows, arrays[2], _node(body["target"], table), _count(body["parts"]))
+
+    # ------------------------------------------------------------ relocation
+
+    def _relocate_at_home(self, keys: np.ndarray, to: int) -> None:
+        table = self.table
+        table.hints.learn(keys[table.directory.is_home(keys)], to)
+        for owner, (part, epochs) in table.directory.move(keys, to).items():
+            self._send(owner, "handover", {"to": to, "hops": 0}, [part, epochs])
+
+    def _handover(self, keys: np.ndarray, epochs: np.ndarray, to: int, hops: int) -> None:
+        """Give owned keys to ``to`` unless a newer move brought them here; chase the others.
+
+        A key not here is on its way here (the handover waits for it), or moved on: the handover
+        follows the hints, each of which was set when the key left by the same channel, so it arrives
+        behind the key. When ``to`` is this node, the key is to come back here from wherever it went.
+        """
+        table = self.table
+        owned = table.presence[keys] == OWNED
+        here, here_epochs = keys[owned], epochs[owned]
+        newer = here_epochs > table.epoch[here]
+        table.stats["handovers_stale"] += int((~newer).sum())
+        here = here[newer]
+        table.epoch[here], table.step[here] = here_epochs[newer], 0
+        self._give(here, to)
+        rest, rest_epochs = keys[~owned], epochs[~owned]
+        where = table.hints.route(rest, hops)
+        where[where == self.node] = table.where(rest[where == self.node])  # a home: the owner it knows
+        wait = (where == self.node) | (table.incoming[rest] & (to != self.node))
+        if wait.any():
+            table.deferred_handovers.append((rest[wait], rest_epochs[wait], to))
+        rest, rest_epochs, where = rest[~wait], rest_epochs[~wait], where[~wait]
+        if rest.size and hops >= HANDOVER_HOPS:
+            table.stats["handovers_lost"] += int(rest.size)
+            log.error("server %d: a handover of %d key(s) of %r to node %d found no owner in %d hops: dropped",
+                      self.node, rest.size, table.spec.name, to, hops)
+        elif rest.size:
+            for node, part in _group(where, np.arange(rest.size)):
+                self._send(node, "handover", {"to": to, "hops": hops + 1}, [rest[part], rest_epochs[part]])
+
+    def _give(self, keys: np.ndarray, to: int) -> None:
+        """Hand owned keys, their interest and their version to ``to``; from now on requests for them
+        are redirected."""
+        table = self.table
+        if to == self.node or not keys.size:
+            return
+        with table.store.hold(None, exclusive=True):
+            values = table.store.values[keys].copy()
+            table.presence[keys] = ABSENT
+        table.hints.learn(keys, to)
+        interest = table.interest.interest[keys].copy()
+        replicas = table.interest.replicas[keys].copy()
+        table.interest.interest[keys] = 0
+        table.interest.replicas[keys] = 0
+        table.stats["keys_relocated_away"] += int(keys.size)
+        self._send(to, "state", {}, [keys, values, interest, replicas, table.epoch[keys], table.step[keys]])
+
+    def _receive_state(self, keys: np.ndarray, values: np.ndarray, interest: np.ndarray, replicas: np.ndarray,
+                       epochs: np.ndarray, steps: np.ndarray) -> None:
+        table = self.table
+        store = table.store
+        assert store.pending is not None
+        with store.hold(None, exclusive=True):
+            # A replica here becomes the row: its changes not yet synced stay in. Only a replica's
+            # pending row can be non-zero; the others are left untouched (a first write to a page of
+            # shared memory costs a page fault: 2 ms for 250 rows here).
+            replica_keys = keys[table.presence[keys] == REPLICA]
+            store.values[keys] = values
+            store.values[replica_keys] += store.pending[replica_keys]
+            store.pending[replica_keys] = 0
+            table.presence[keys] = OWNED
+        table.epoch[keys], table.step[keys] = epochs, steps
+        table.replica_owner[keys] = -1
+        table.dropping[keys] = False
+        table.incoming[keys] = False
+        table.hints.learn(keys, self.node)
+        table.interest.interest[keys] |= interest
+        table.interest.replicas[keys] |= replicas
+        table.stats["keys_relocated_here"] += int(keys.size)
+        # The homes already know: they started the move, or the old owner told them.
+        for holder in _bits(np.bitwise_or.reduce(replicas) if replicas.size else 0):
+            mine = keys[(replicas >> holder) & 1 == 1]
+            self._send(holder, "owner", {"owner": self.node}, [mine, table.epoch[mine], table.step[mine]])
+        deferred, table.deferred_handovers = table.deferred_handovers, []
+        for k, e, to in deferred:
+            self._handover(k, e, to, 0)
+        syncs, table.deferred_syncs = table.deferred_syncs, []
+        for k, deltas, drop, origin, target, hops in syncs:
+            self._sync_at_owner(k, deltas, drop, origin, target, hops)
+        for answer in held.replay_held(table, self._now):
+            self._answer(answer)
+
+    def _learn_owner(self, keys: np.ndarray, owner: int, epochs: np.ndarray, steps: np.ndarray) -> None:
+        """Keys moved to ``owner`` without this node asking: as their home (the newest report wins),
+        or as a replica's holder."""
+        table = self.table
+        home = table.directory.is_home(keys)
+        table.hints.learn(table.directory.record(keys, owner, epochs, steps), owner)
+        table.hints.learn(keys[~home], owner)
+        table.replica_owner[keys[table.presence[keys] == REPLICA]] = owner
+
+    def _move_on_intent(self, keys: np.ndarray, to: int) -> None:
+        """Move owned keys to a node that alone wants them, and tell their homes (one step later
+        than the version they had, so that the homes order such reports)."""
+        table = self.table
+        table.step[keys] += 1
+        self._give(keys, to)
+        homes = home_of(keys, table.num_nodes)
+        for home in np.unique(homes):
+            part = keys[homes == home]
+            self._send(int(home), "owner", {"owner": to}, [part, table.epoch[part], table.step[part]])
+
+    # ------------------------------------------------------------ replication
+
+    def _replicate_to(self, keys: np.ndarray, node: int) -> None:
+        table = self.table
+        keys = keys[(table.interest.replicas[keys] >> node) & 1 == 0]
+        if not keys.size:
+            return
+        with table.store.hold(None, exclusive=False):
+            values = table.store.values[keys].copy()
+        table.interest.replicas[keys] |= 1 << node
+        table.stats["replicas_made"] += int(keys.size)
+        self._send(node, "replicate", {}, [keys, values])
+
+    def _receive_replica(self, keys: np.ndarray, values: np.ndarray, owner: int) -> None:
+        table = self.table
+        with table.store.hold(None, exclusive=True):
+            fresh = table.presence[keys] == ABSENT
+            keys, values = keys[fresh], values[fresh]
+            table.store.values[keys] = values  # pending rows of absent keys are zero already
+            table.presence[keys] = REPLICA
+        table.replica_owner[keys] = owner
+        # Made for interest this node has withdrawn meanwhile: it goes with its first sync.
+        table.dropping[keys] = ~table.intents.announced[keys]
+        table.stats["replicas_held"] += int(keys.size)
+        for answer in held.replay_held(table, self._now):
+            self._answer(answer)
+
+    def _sync(self) -> None:
+        """Send each owner the change its replicas here saw since the last sync (one sync in flight per owner)."""
+        table = self.table
+        store = table.store
+        assert store.pending is not None
+        replicas = np.flatnonzero(table.presence == REPLICA)
+        if not replicas.size:
+            return
+        for owner, keys in _group(table.replica_owner[replicas], replicas):
+            if table.syncs_unanswered[owner]:
+                continue
+            with store.hold(None, exclusive=True):
+                changed, deltas = take_pending(store.pending, keys, table.dropping[keys])
+            if not changed.size:
+                continue
+            table.syncs_unanswered[owner] = 1
+            table.stats["sync_sent"] += 1
+            self._send(owner, "sync", {"origin": self.node, "target": owner, "hops": 0},
+                       [changed, deltas, table.dropping[changed].astype(np.uint8)])
+
+    def _sync_at_owner(self, keys: np.ndarray, deltas: np.ndarray, drop: np.ndarray, origin: int, target: int,
+                       hops: int) -> None:
+        """Add a replica's change. The part for keys that moved on is passed on (their owner adds it),
+        the part for keys on their way here waits for them; the answer says how many such parts there
+        are, and the replica waits for their answers too (nothing it sent is unaccounted for)."""
+        table = self.table
+        owned = table.presence[keys] == OWNED
+        rest = np.flatnonzero(~owned)
+        parts = 0
+        if rest.size and hops >= SYNC_HOPS:
+            table.stats["sync_rows_lost"] += int(rest.size)
+            log.error("server %d: a replica's change to %d key(s) of %r found no owner in %d hops: lost",
+                      self.node, rest.size, table.spec.name, hops)
+        elif rest.size:
+            dest = table.where(keys[rest])
+            if hops >= MAX_HOPS:  # the home knows the owner
+                away = ~table.directory.is_home(keys[rest])
+                dest[away] = home_of(keys[rest][away], table.num_nodes)
+            table.stats["sync_forwarded"] += int(rest.size)
+            for owner, part in _group(dest, rest):
+                parts += 1
+                if owner == self.node:  # ours, not here yet
+                    table.deferred_syncs.append((keys[part], deltas[part], drop[part], origin, target, hops))
+                else:
+                    self._send(owner, "sync", {"origin": origin, "target": target, "hops": hops + 1},
+                               [keys[part], deltas[part], drop[part]])
+        keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
+        with table.store.hold(None, exclusive=True):
+            table.store.values[keys] += deltas  # keys of one sync are distinct
+            values = table.store.values[keys].copy()
+        table.interest.replicas[keys[drop.astype(bool)]] &= ~(1 << origin)
+        self._send(origin, "synced", {"target": target, "parts": parts}, [keys, values, drop])
+
+    def _synced(self, keys: np.ndarray, values: np.ndarray, drop: np.ndarray, target: int, parts: int) -> None:
+        table = self.table
+        store = table.store
+        assert store.pending is not None
+        table.syncs_unanswered[target] = max(0, table.syncs_unanswered[target] + parts - 1)
+        with store.hold(None, exclusive=True):
+            replica = table.presence[keys] == REPLICA
+            keys, values, drop = keys[replica], values[replica], drop[replica].astype(bool)
+            store.values[keys] = values + store.pending[keys]
+            # A replica goes once its last change is in; changes made meanwhile go in the next sync.
+            gone = keys[drop & ~np.any(store.pending[keys] != 0, axis=1)]
+            table.presence[gone] = ABSENT
+        table.dropping[gone] = False
+        table.replica_owner[gone] = -1
+        table.stats["replicas_dropped"] += int(gone.size)
+
+    # ---------------------------------------------------------------- intent
+
+    def _announce(self, keys: np.ndarray, active: bool, node: int, hops: int) -> None:
+        """At (what we think is) the owner: note a node's interest and act on it."""
+        table = self.table
+        owned = keys[table.presence[keys] == OWNED]
+        if owned.size:
+            if active:
+                table.interest.announce(owned, node)
+                for action, part in table.interest.decide(table.spec.techniques, owned, node, self.node).items():
+                    if action == Action.RELOCATE and part.size:
+                        self._move_on_intent(part, node)
+                    elif action == Action.REPLICATE and part.size:
+                        self._replicate_to(part, node)
+            else:
+                table.interest.withdraw(owned, node)
+        rest = keys[table.presence[keys] != OWNED]
+        if rest.size and hops <= MAX_HOPS:
+            for owner, part in _group(table.where(rest) if hops < MAX_HOPS else home_of(rest, table.num_nodes), rest):
+                if owner != self.node:
+                    self._send(owner, "announce", {"active": active, "node": node, "hops": hops + 1}, [part])
+
+    def _act_on_intents(self, clock: int, clock_s: float) -> None:
+        table = self.table
+        if table.spec.techniques == "static":
+            return
+        if clock != table.acted_at:  # the estimate moves once per clock, not per pass of the loop
+            table.acted_at = clock
+            table.window_estimate = smoothed_window(ACTION_S, clock_s, table.window_estimate)
+            table.window = math.ceil(table.window_estimate)
+        if not table.intents.any_due(clock, table.window):  # most passes: nothing to do
+            return
+        start, stop = table.intents.due(clock, table.window)
+        if start.size:
+            # Interest came back before a replica here sent its last change: keep the replica (the
+            # owner, still counting it, would not send it again).
+            table.dropping[start] = False
+            table.stats["intents_announced"] += int(start.size)
+            self._announce(start, True, self.node, 0)
+        if stop.size:
+            table.stats["intents_withdrawn"] += int(stop.size)
+            table.dropping[stop[table.presence[stop] == REPLICA]] = True
+            self._announce(stop, False, self.node, 0)
+
+
+def _group(where: np.ndarray, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    return [(int(n), keys[where == n]) for n in np.unique(where)]
+
+
+def _bits(mask: int) -> list[int]:
+    return [i for i in range(64) if (int(mask) >> i) & 1]
+
+
+def _node(value: Any, table: AdaptiveTable) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < table.num_nodes:
+        raise ValueError(f"bad node {value!r}")
+    return value
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 20:
+        raise ValueError(f"bad count {value!r}")
+    return value
+

@@ -1,0 +1,328 @@
+"""The placement state machine of adaptive tables, without sockets or sleeps.
+
+Several nodes' ``PlacementMachine``s are joined by a simulated network: one FIFO
+channel per pair of nodes (as one ZeroMQ connection is), with the next message
+delivered from a channel drawn by a seeded generator, so every seed is another
+interleaving of the same protocol. Workers push through their node's shared
+rows and send the rest where their location cache says, following "moved"
+answers as the worker does. A guarantee is checked by counting: every push is
+in its key's row exactly once, wherever the key went.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+import shoal
+from shoal.api.config import TableSpec
+from shoal.api.errors import ProtocolError
+from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
+from shoal.placement.held import HELD_S
+from shoal.placement.machine import PlacementMachine
+from shoal.placement.ownership import LocationCache
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA
+
+NUM_KEYS = 24
+
+
+@dataclass(eq=False)
+class Push:
+    """A worker's push of one to each of ``keys``, until every key's owner has it."""
+
+    node: int
+    keys: np.ndarray
+    hops: int = 0
+
+
+class Network:
+    def __init__(self, nodes: int, techniques: str, seed: int, sync_ms: float = 50.0) -> None:
+        self.spec = TableSpec("t", num_keys=NUM_KEYS, dim=2, techniques=techniques, init=shoal.Constant(0.0),
+                              sync_ms=sync_ms)
+        cluster_id = uuid.uuid4().hex[:12]
+        self.tables = [AdaptiveTable(self.spec, n, nodes, cluster_id) for n in range(nodes)]
+        self.machines = [PlacementMachine(t) for t in self.tables]
+        self.caches = [LocationCache(NUM_KEYS, nodes) for _ in range(nodes)]  # each node's worker's
+        self.channels: dict[tuple[int, int], deque[Send]] = {
+            (a, b): deque() for a in range(nodes) for b in range(nodes) if a != b}
+        self.rng = np.random.default_rng(seed)
+        self.now = 0.0
+        self.clock = 0
+        self.unanswered: set[Push] = set()
+        self.retries: deque[Push] = deque()  # the parts of pushes answered "moved", sent again in turn
+        self.pushed = np.zeros(NUM_KEYS, dtype=np.int64)  # pushes acknowledged, per key
+
+    def close(self) -> None:
+        for table in self.tables:
+            table.close()
+
+    # ------------------------------------------------------------- carrying out
+
+    def carry_out(self, node: int, effects: Effects) -> None:
+        for send in effects.sends:
+            assert send.node != node and send.table == "t"
+            # Copies, as the wire makes them: no node shares an array with another.
+            self.channels[(node, send.node)].append(
+                Send(send.table, send.node, send.kind, dict(send.body), [a.copy() for a in send.arrays]))
+        for answer in effects.answers:
+            push, keys = answer.ticket
+            self.unanswered.discard(push)
+            done = np.ones(keys.shape[0], dtype=bool)
+            done[answer.moved] = False
+            self.pushed[keys[done]] += 1
+            if answer.moved.size:  # follow "moved", as a worker does
+                self.caches[push.node].learn(keys[answer.moved], answer.owners)
+                self.retries.append(Push(push.node, keys[answer.moved], push.hops + 1))
+
+    def deliver_one(self) -> bool:
+        busy: list[tuple[int, int] | None] = [pair for pair, queue in self.channels.items() if queue]
+        if self.retries:
+            busy.append(None)
+        if not busy:
+            return False
+        pair = busy[self.rng.integers(len(busy))]
+        if pair is None:
+            self.send_push(self.retries.popleft())
+        else:
+            self.deliver(*pair)
+        return True
+
+    def deliver(self, src: int, dst: int) -> None:
+        """The next message from ``src`` to ``dst``."""
+        send = self.channels[(src, dst)].popleft()
+        self.carry_out(dst, self.machines[dst].receive(send.kind, src, send.body, send.arrays, self.now))
+
+    def deliver_all(self, limit: int = 100_000) -> None:
+        for _ in range(limit):
+            if not self.deliver_one():
+                return
+        raise AssertionError("the placement messages did not settle")
+
+    def tick(self, seconds: float = 0.0) -> None:
+        self.now += seconds
+        for node, machine in enumerate(self.machines):
+            self.carry_out(node, machine.tick(self.now, self.clock, 0.01))
+
+    # --------------------------------------------------------------- workers
+
+    def push(self, node: int, keys: np.ndarray) -> None:
+        """A worker on ``node`` adds one to each of ``keys``: the rows here in shared memory, the rest remote."""
+        table = self.tables[node]
+        absent = table.store.update_present(keys, np.ones((keys.size, 2), np.float32), table.scale)
+        self.pushed[keys[~absent]] += 1
+        if absent.any():
+            self.send_push(Push(node, keys[absent]))
+
+    def send_push(self, push: Push) -> None:
+        where = self.caches[push.node].route(push.keys, push.hops)
+        if push.hops == 0:
+            where = self.tables[push.node].hints.hint[push.keys]  # the node's own cache first
+        for dest in np.unique(where):
+            part = Push(push.node, push.keys[where == dest], push.hops)
+            self.unanswered.add(part)
+            grads = np.ones((part.keys.size, 2), np.float32)
+            self.carry_out(int(dest), self.machines[int(dest)].push(part.keys, grads, (part, part.keys), self.now))
+
+    # ------------------------------------------------------------------ checks
+
+    def settle(self) -> None:
+        """Deliver everything and let replicas sync until nothing is left in flight (time moves only
+        by sync periods: a request held past ``HELD_S`` would show as one left unanswered)."""
+        for _ in range(200):
+            self.deliver_all()
+            going = any((t.dropping & (t.presence == REPLICA)).any() for t in self.tables)  # at the next sync
+            if not any(m.unsettled() for m in self.machines) and not going and not self.unanswered \
+                    and not self.retries:
+                return
+            self.tick(self.spec.sync_ms / 1000.0)
+        raise AssertionError(f"not settled: {[m.unsettled() for m in self.machines]}, "
+                             f"{len(self.unanswered)} push(es) unanswered")
+
+    def owned_values(self) -> np.ndarray:
+        owners = np.stack([t.presence == OWNED for t in self.tables])
+        assert (owners.sum(axis=0) == 1).all(), "every key has exactly one owner"
+        homes = [t.directory.owner[n::len(self.tables)] for n, t in enumerate(self.tables)]
+        known = np.concatenate(homes)[np.argsort(np.concatenate([np.arange(NUM_KEYS)[n::len(self.tables)]
+                                                                   for n in range(len(self.tables))]))]
+        np.testing.assert_array_equal(known, owners.argmax(axis=0), "each home knows where its keys are")
+        return np.stack([t.store.values[:, 0] for t in self.tables])[owners.argmax(axis=0), np.arange(NUM_KEYS)]
+
+
+@pytest.fixture
+def network_of():
+    made: list[Network] = []
+
+    def make(*args, **kwargs) -> Network:
+        made.append(Network(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for network in made:
+        network.close()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_push_lands_once_while_keys_relocate_in_any_order(network_of, seed):
+    net = network_of(3, "relocation", seed)
+    rng = np.random.default_rng(1000 + seed)
+    for _ in range(60):
+        node = int(rng.integers(3))
+        keys = np.unique(rng.integers(0, NUM_KEYS, size=int(rng.integers(1, 8))))
+        if rng.random() < 0.4:
+            net.carry_out(node, net.machines[node].localize(keys))
+        else:
+            net.push(node, keys)
+        for _ in range(int(rng.integers(0, 6))):
+            net.deliver_one()
+    net.settle()
+
+    assert not net.unanswered
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)
+    moved = sum(t.stats["keys_relocated_here"] for t in net.tables)
+    assert moved > 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_replicas_made_from_intents_sync_every_change_once_and_go(network_of, seed):
+    net = network_of(3, "auto", seed, sync_ms=10.0)
+    rng = np.random.default_rng(2000 + seed)
+    for node in range(3):  # overlapping intents: shared keys replicate, the others relocate
+        start = int(rng.integers(0, 3))
+        net.machines[node].intend(np.unique(rng.integers(0, NUM_KEYS, size=10)), start, start + 4)
+    for clock in range(8):
+        net.clock = clock
+        net.tick(0.004)
+        for _ in range(6):
+            node = int(rng.integers(3))
+            net.push(node, np.unique(rng.integers(0, NUM_KEYS, size=int(rng.integers(1, 6)))))
+            for _ in range(int(rng.integers(0, 4))):
+                net.deliver_one()
+    net.clock = 100  # every intent over: replicas send their last change and go
+    net.tick(0.004)
+    net.settle()
+
+    assert sum(t.stats["replicas_made"] for t in net.tables) > 0
+    assert all((t.presence != REPLICA).all() for t in net.tables)
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)
+
+
+def test_a_request_held_for_keys_that_arrived_and_left_at_once_is_answered_without_waiting(network_of):
+    # Key 1 (homed on node 1) lives on node 2. Node 0 asks for it, then node 2 asks for it back; the
+    # home's handover reaches node 0 before the key's rows (another channel) and waits for them. A
+    # pull at node 0 waits for the rows too. When they arrive, the waiting handover sends the key on
+    # at once: the pull must be answered "moved to node 2" then, not after the held timeout.
+    net = network_of(3, "relocation", 0)
+    key = np.array([1])
+    net.carry_out(2, net.machines[2].localize(key))
+    net.deliver_all()
+    net.carry_out(0, net.machines[0].localize(key))
+    net.deliver(0, 1)  # relocate: the home asks node 2 for a handover
+    net.deliver(1, 2)  # handover: node 2 sends the rows to node 0 (on channel 2 -> 0)
+    net.carry_out(2, net.machines[2].localize(key))
+    net.deliver(2, 1)  # relocate: the home asks node 0, the owner it knows, for a handover
+    net.deliver(1, 0)  # handover before the rows: it waits for them
+    net.carry_out(0, net.machines[0].pull(key, (Push(0, key), key), net.now))
+    assert net.tables[0].held
+
+    net.deliver(2, 0)  # the rows: node 0 owns the key for a moment and hands it on
+
+    assert not net.tables[0].held
+    net.deliver_all()
+    assert net.tables[2].presence[1] == OWNED and not net.unanswered
+
+
+def test_a_handover_older_than_the_move_that_brought_a_key_here_does_not_move_it_back(network_of):
+    net = network_of(3, "relocation", 0)
+    key = np.array([1])  # homed on node 1
+    net.carry_out(0, net.machines[0].localize(key))
+    net.deliver_all()  # the home's first decision: to node 0
+    net.carry_out(2, net.machines[2].localize(key))
+    net.deliver_all()  # its second: to node 2
+    assert net.tables[2].presence[1] == OWNED and net.tables[2].epoch[1] == 2
+
+    # The first decision's handover, had it come the long way round, is older than the key's version here.
+    effects = net.machines[2].receive("handover", 0, {"to": 0, "hops": 1}, [key, np.array([1])], net.now)
+
+    assert effects.sends == [] and net.tables[2].presence[1] == OWNED
+    assert net.tables[2].stats["handovers_stale"] == 1
+
+
+def test_reports_of_moves_reaching_the_home_out_of_order_leave_it_knowing_the_owner(network_of):
+    # Key 1 (homed on node 1) moves 0 -> 2 -> 0 on intents; the owners' reports reach the home by
+    # different channels, the newer first. The home used to keep the last report it read (node 2),
+    # and when node 2 then asked for the key, sent no handover: it believed node 2 had it already.
+    net = network_of(3, "relocation", 0)
+    key = np.array([1])
+    net.carry_out(0, net.machines[0].localize(key))
+    net.deliver_all()
+    wants = {"active": True, "hops": 3}  # an announcement at the end of its hops: not passed on
+    net.carry_out(0, net.machines[0].receive("announce", 2, {**wants, "node": 2}, [key], net.now))
+    net.deliver(0, 2)  # the rows; node 0's report (owner 2) stays on its way to the home
+    net.carry_out(2, net.machines[2].receive("announce", 0, {**wants, "node": 0}, [key], net.now))
+    net.deliver(2, 0)  # the rows, back at node 0
+    net.deliver(2, 1)  # node 2's report (owner 0) first
+    net.deliver(0, 1)  # then node 0's, older
+
+    assert net.tables[1].directory.owner[1] == 0
+    net.carry_out(2, net.machines[2].localize(key))
+    net.deliver_all()
+    assert net.tables[2].presence[1] == OWNED and not net.tables[2].incoming.any()
+
+
+def test_a_pull_held_for_rows_that_never_come_is_answered_moved_after_the_held_time(network_of):
+    net = network_of(2, "relocation", 0)
+    machine, table = net.machines[0], net.tables[0]
+    key = np.array([1])  # homed on node 1
+    net.carry_out(0, machine.localize(key))  # the relocate message is never delivered
+    assert machine.pull(key, "ticket", net.now).answers == []
+    assert table.held and machine.unsettled() == ["1 key(s) on their way here", "1 request(s) waiting for keys"]
+
+    assert machine.tick(net.now + HELD_S / 2, 0, 0.0).answers == []
+    (answer,) = machine.tick(net.now + HELD_S * 1.01, 0, 0.0).answers
+
+    assert answer.ticket == "ticket" and answer.moved.tolist() == [0] and answer.owners.tolist() == [1]
+    assert table.stats["held_requests_timed_out"] == 1 and not table.held
+
+
+def test_a_message_to_this_node_is_taken_in_within_the_same_event(network_of):
+    net = network_of(2, "relocation", 0)
+    effects = net.machines[0].localize(np.array([0, 2, 3]))  # 0 and 2 live here already; 3 is homed on node 1
+    assert [(s.node, s.kind, s.arrays[0].tolist()) for s in effects.sends] == [(1, "relocate", [3])]
+
+
+def test_the_action_window_follows_the_time_a_clock_takes(network_of):
+    net = network_of(2, "auto", 0)
+    machine, table = net.machines[0], net.tables[0]
+    for clock in range(1, 40):  # clocks of 0.5 ms: an action (about 5 ms) needs about ten clocks of notice
+        machine.tick(clock * 0.0005, clock, 0.0005)
+    assert 9 <= table.window <= 12
+    for clock in range(40, 80):  # clocks of 50 ms: the next clock is notice enough
+        machine.tick(clock * 0.05, clock, 0.05)
+    assert table.window == 2
+
+
+@pytest.mark.parametrize(("kind", "body", "error"), [
+    ("handover", {"to": 7, "hops": 0}, "bad node 7"),
+    ("handover", {"to": 1, "hops": -1}, "bad count -1"),
+    ("owner", {"owner": True}, "bad node True"),
+])
+def test_a_placement_message_naming_no_node_of_the_table_is_refused_and_changes_nothing(network_of, kind, body,
+                                                                                         error):
+    net = network_of(2, "relocation", 0)
+    before = net.tables[0].presence.copy()
+    with pytest.raises(ProtocolError, match=error):
+        net.machines[0].receive(kind, 1, body, [np.array([0, 2]), *[np.ones(2, np.int64)] * 2], 0.0)
+    np.testing.assert_array_equal(net.tables[0].presence, before)
+
+
+def test_nan_rows_from_a_peer_are_refused_before_anything_changes(network_of):
+    net = network_of(2, "relocation", 0)
+    rows = np.array([[np.nan, 0.0]], np.float32)
+    with pytest.raises(ProtocolError, match="NaN/Inf"):
+        net.machines[0].receive("state", 1, {}, [np.array([1]), rows, *[np.zeros(1, np.int64)] * 4], 0.0)
+    assert net.tables[0].presence[1] == ABSENT
+
