@@ -10,6 +10,9 @@ import pytest
 
 import shoal
 from shoal.api.config import Timeouts
+from shoal.client.replica_view import DOWN_FOR_S
+from shoal.client.replicated import QUORUM_EVERY_S
+from tests.support.clock import ManualClock
 from tests.support.cluster import ThreadCluster
 
 QUICK = Timeouts(connect_s=10, request_s=10, barrier_s=10, replica_s=0.5)
@@ -56,18 +59,36 @@ def test_reads_merge_replicas_so_a_quorum_of_two_sees_writes_gossip_has_not_spre
         np.testing.assert_array_equal(r3.pull(np.arange(30)), 1.0)  # R=3 merges in the writer's replica
 
 
-def test_dynamic_quorum_is_chosen_from_the_model():
+def test_dynamic_quorum_is_chosen_from_the_model_again_as_the_workers_clock_moves():
+    clock = ManualClock()
     with ThreadCluster(nodes=3, timeouts=QUICK) as c:
-        w = c.worker(0)
+        w = c.worker(0, now=clock)
         t = w.table("dyn", 30, 1, replicas=3, read_quorum=shoal.Dynamic(p=0.9, latency_ms=200), gossip_ms=5)
+
+        def choices() -> int:
+            return sum(v for k, v in t.counters.items() if k.startswith("quorum_choice_r"))
+
         for _ in range(30):
             t.push(np.arange(30), np.ones((30, 1), np.float32))
             t.pull(np.arange(30))
-        t.access.shards[0].model_at = -1e9
+        shards = len(t.access.shards)
+        assert choices() == shards  # once per shard at the first read; the clock has not moved since
+        clock.advance(QUORUM_EVERY_S)
         t.pull(np.arange(30))
         shard = t.access.shards[0]
-        assert 1 <= shard.read_quorum <= 3 and shard.predicted
-        assert any(k.startswith("quorum_choice_r") for k in t.counters)
+        assert choices() == 2 * shards and 1 <= shard.read_quorum <= 3 and shard.predicted
+
+
+def test_a_replica_that_did_not_answer_is_left_alone_for_a_while_on_the_workers_clock():
+    clock = ManualClock()
+    with ThreadCluster(nodes=3, timeouts=QUICK) as c:
+        view = c.worker(0, now=clock).replica_view
+        view.mark_down(1)
+        assert view.live([0, 1, 2]) == [0, 2]
+        clock.advance(DOWN_FOR_S * 0.99)
+        assert view.live([0, 1, 2]) == [0, 2] and view.reachable([1]) == [1]  # alive by the heartbeats
+        clock.advance(DOWN_FOR_S * 0.02)
+        assert view.live([0, 1, 2]) == [0, 1, 2]
 
 
 def test_reads_and_writes_route_around_a_dead_replica():

@@ -17,6 +17,7 @@ from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
+from tests.support.clock import ManualClock
 from tests.support.cluster import ThreadCluster
 
 A = new_incarnation()
@@ -215,6 +216,36 @@ def test_a_lost_request_is_sent_again_after_the_peers_round_trip_not_the_configu
     first, repeat = [at for req, at in seen if req == lost]
     assert tracker.resent == 1
     assert repeat - first < 0.5  # about RESEND_MIN_S (50 ms) on an idle machine; not the configured 1 s
+
+
+def test_an_unanswered_request_is_sent_again_by_the_trackers_clock_then_twice_as_late():
+    clock = ManualClock()
+    transport = ZmqTransport()
+    listener = transport.listen("tcp://127.0.0.1:0")  # reads, never answers
+    codec = Codec(Limits())
+    tracker = RequestTracker(transport, codec, sender=0, resend_s=0.5, now=clock)
+    tracker.connect(1, listener.address)
+
+    def copies_received() -> list[int]:
+        got = []
+        while (item := listener.recv(0.2)) is not None:
+            got.append(codec.decode(item[1]).req)
+        return got
+
+    try:
+        req = tracker.request(1, Message(Op.PING), lambda _: None)
+        assert copies_received() == [req]
+        resent = []
+        for step_s in (0.4, 0.2, 0.7, 0.4):  # due at 0.5 s, then 1.0 s after that (at 1.5 s)
+            clock.advance(step_s)
+            tracker.pump(0)
+            resent.append(tracker.resent)
+        assert resent == [0, 1, 1, 2]
+        assert copies_received() == [req, req]  # the same request, not a new one
+    finally:
+        tracker.close()
+        listener.close()
+        transport.close()
 
 
 def test_a_large_read_is_not_sent_again_while_its_reply_could_still_be_arriving():

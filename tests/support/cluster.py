@@ -50,8 +50,10 @@ class ThreadCluster:
             t.start()
         self.workers: list[Worker] = []
 
-    def worker(self, rank: int, local_access: bool = True) -> Worker:
-        w = Worker(self.spec, rank, rank // self.spec.workers_per_node, self.transport, local_access=local_access)
+    def worker(self, rank: int, local_access: bool = True, now: Callable[[], float] = time.monotonic) -> Worker:
+        """``now``: the clock the worker's timers read (a ``ManualClock`` to move it by hand)."""
+        w = Worker(self.spec, rank, rank // self.spec.workers_per_node, self.transport, local_access=local_access,
+                   now=now)
         self.workers.append(w)
         return w
 

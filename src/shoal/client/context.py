@@ -42,6 +42,8 @@ class WorkerContext(Protocol):
     #: the local server's clock table in shared memory (None: no local server)
     local_clocks: np.ndarray | None
     servers: list[str | None]
+    #: the clock of the worker's timers (``Worker.now``)
+    now: Callable[[], float]
 
     @property
     def num_nodes(self) -> int: ...

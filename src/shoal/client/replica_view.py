@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Protocol
 
 from shoal.api.config import ClusterSpec
@@ -10,7 +10,7 @@ from shoal.api.errors import ShoalError
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
 
-_DOWN_FOR_S = 3.0  # how long a replica that failed to answer is left alone
+DOWN_FOR_S = 3.0  # how long a replica that failed to answer is left alone
 _STATUS_EVERY_S = 1.0
 
 
@@ -20,6 +20,7 @@ class Servers(Protocol):
     cluster: ClusterSpec
     tracker: RequestTracker
     servers: list[str | None]
+    now: Callable[[], float]
 
     @property
     def num_nodes(self) -> int: ...
@@ -42,7 +43,7 @@ class ReplicaView:
         self.checked_at = -1e9
 
     def refresh(self, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self.worker.now()
         if not force and now - self.checked_at < _STATUS_EVERY_S:
             return
         self.checked_at = now
@@ -61,7 +62,7 @@ class ReplicaView:
             self.worker.follow_servers(addresses)
 
     def live(self, nodes: list[int]) -> list[int]:
-        now = time.monotonic()
+        now = self.worker.now()
         return [n for n in nodes if self.alive[n] and self.down_until.get(n, 0.0) <= now]
 
     def reachable(self, nodes: list[int]) -> list[int]:
@@ -70,7 +71,7 @@ class ReplicaView:
         return self.live(nodes) or [n for n in nodes if self.alive[n]]
 
     def mark_down(self, node: int) -> None:
-        self.down_until[node] = time.monotonic() + _DOWN_FOR_S
+        self.down_until[node] = self.worker.now() + DOWN_FOR_S
         address = self.worker.servers[node]
         if address is not None:  # a fresh socket drops the requests queued for it
             self.worker.tracker.disconnect(node)

@@ -38,7 +38,7 @@ from shoal.storage.initialize import fill_initial
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
-_QUORUM_EVERY_S = 2.0
+QUORUM_EVERY_S = 2.0
 
 
 @dataclass
@@ -303,8 +303,8 @@ class ReplicatedAccess(TableAccess):
     # ------------------------------------------------------- dynamic quorums
 
     def _refresh_quorum(self, shard_id: int, shard: _Shard) -> None:
-        now = time.monotonic()
-        if now - shard.model_at < _QUORUM_EVERY_S:
+        now = self.worker.now()
+        if now - shard.model_at < QUORUM_EVERY_S:
             return
         shard.model_at = now
         policy = self.spec.read_quorum

@@ -64,15 +64,19 @@ class Worker:
         metrics_port: int | None = None,
         run_dir: str | None = None,
         metrics_host: str = "127.0.0.1",
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cluster = cluster
+        #: the clock of this worker's timers: resends, how long a replica counts as down, when a dynamic
+        #: read quorum is chosen again (tests move it by hand); waits keep real time
+        self.now = now
         self.rank = rank
         self.node = node
         self.local_access = local_access
         self.transport = transport
         self._owns_transport = owns_transport
         self.tracker = RequestTracker(transport, Codec(cluster.limits, cluster.secret), sender=rank,
-                                      resend_s=cluster.timeouts.resend_s)
+                                      resend_s=cluster.timeouts.resend_s, now=now)
         warming = kernels.warm_up_meanwhile()  # while registering; not on the training loop's first pull
         self.clock = 0
         self.tables: dict[str, Table] = {}

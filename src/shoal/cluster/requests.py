@@ -97,8 +97,11 @@ class RoundTrip:
 class RequestTracker:
     """Connections to a set of peers (by integer id) and the requests in flight to them."""
 
-    def __init__(self, transport: Transport, codec: Codec, sender: int, resend_s: float | None = RESEND_S) -> None:
+    def __init__(self, transport: Transport, codec: Codec, sender: int, resend_s: float | None = RESEND_S,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.transport = transport
+        #: the clock of resends and reply latencies (tests move it by hand); waits keep real time
+        self.now = now
         self.codec = codec
         self.sender = sender
         #: this tracker's stream of requests, as receivers tell it apart (born with its first request)
@@ -189,7 +192,7 @@ class RequestTracker:
             frames = self._codecs[peer].encode(msg)
             conn.send(frames)  # bounded wait for room; raises if the peer is stuck
             op = msg.op.name
-            now = time.perf_counter()
+            now = self.now()
             size = _size(frames)
             pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background,
                                nbytes=size + reply_bytes, on_error=on_error, on_end=on_end)
@@ -384,7 +387,7 @@ class RequestTracker:
     def _resend_due(self) -> None:
         """Send again the requests whose reply is overdue: a message lost on the way (or a peer that
         restarted) costs a delay, not the request. Checked at most every ``RESEND_CHECK_S``."""
-        now = time.perf_counter()
+        now = self.now()
         if self.resend_s is None or now < self._next_resend_check:
             return
         self._next_resend_check = now + RESEND_CHECK_S
@@ -448,7 +451,7 @@ class RequestTracker:
     def _finish(self, req: int, msg: Message | None) -> None:
         pending = self._pending.pop(req)
         if pending.started:
-            elapsed = time.perf_counter() - pending.started
+            elapsed = self.now() - pending.started
             self.latency.observe(pending.op, elapsed)
             if not pending.resends:  # a reply to a request sent again could answer either copy (Karn)
                 self.round_trips.setdefault(pending.peer, RoundTrip()).observe(elapsed)

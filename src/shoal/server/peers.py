@@ -8,6 +8,7 @@ services hears of a new or changed address through ``on_address``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +19,10 @@ from shoal.wire.codec import Codec
 
 
 class PeerDirectory:
-    def __init__(self, node: int, transport: Transport, codec: Codec, resend_s: float | None) -> None:
+    def __init__(self, node: int, transport: Transport, codec: Codec, resend_s: float | None,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.node = node
-        self.tracker = RequestTracker(transport, codec, sender=server_sender(node), resend_s=resend_s)
+        self.tracker = RequestTracker(transport, codec, sender=server_sender(node), resend_s=resend_s, now=now)
         #: each peer server's address, once it has registered
         self.addresses: dict[int, str] = {}
         self._listeners: list[Callable[[int], None]] = []

@@ -121,7 +121,7 @@ class ParameterServer:
         self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec),
                                  max_hold_s=cluster.timeouts.request_s, seen=self.order.seen, now=now)
         #: the other servers: one tracker and address book for gossip, placement and slice moves
-        self.peers = PeerDirectory(node, transport, self.codec, cluster.timeouts.resend_s)
+        self.peers = PeerDirectory(node, transport, self.codec, cluster.timeouts.resend_s, now)
         self.replication = ReplicationService(node, cluster, self.peers,
                                               lambda peer, msg: self._send(peer, msg, self.codec), now=now)
         self.adaptive = AdaptiveService(node, cluster, self.peers,
@@ -131,7 +131,7 @@ class ParameterServer:
         self.services: dict[str, TableService] = {}
         self._stop = threading.Event()
         self._rendezvous = RequestTracker(transport, self.codec, sender=server_sender(node),
-                                          resend_s=cluster.timeouts.resend_s)
+                                          resend_s=cluster.timeouts.resend_s, now=now)
         self._heartbeat_req: int | None = None
         self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
         self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
