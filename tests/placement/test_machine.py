@@ -11,6 +11,7 @@ in its key's row exactly once, wherever the key went.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from shoal.api.errors import ProtocolError
 from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.held import HELD_S
 from shoal.placement.machine import PlacementMachine
+from shoal.placement.messages import Announce, Handover, Owner, PlacementMessage, State, Sync, array_fields
 from shoal.placement.ownership import LocationCache
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA
 
@@ -65,9 +67,8 @@ class Network:
     def carry_out(self, node: int, effects: Effects) -> None:
         for send in effects.sends:
             assert send.node != node and send.table == "t"
-            # Copies, as the wire makes them: no node shares an array with another.
             self.channels[(node, send.node)].append(
-                Send(send.table, send.node, send.kind, dict(send.body), [a.copy() for a in send.arrays]))
+                Send(send.table, send.node, copied(send.message)))
         for answer in effects.answers:
             push, keys = answer.ticket
             self.unanswered.discard(push)
@@ -94,7 +95,7 @@ class Network:
     def deliver(self, src: int, dst: int) -> None:
         """The next message from ``src`` to ``dst``."""
         send = self.channels[(src, dst)].popleft()
-        self.carry_out(dst, self.machines[dst].receive(send.kind, src, send.body, send.arrays, self.now))
+        self.carry_out(dst, self.machines[dst].receive(src, send.message, self.now))
 
     def deliver_all(self, limit: int = 100_000) -> None:
         for _ in range(limit):
@@ -150,6 +151,12 @@ class Network:
                                                                    for n in range(len(self.tables))]))]
         np.testing.assert_array_equal(known, owners.argmax(axis=0), "each home knows where its keys are")
         return np.stack([t.store.values[:, 0] for t in self.tables])[owners.argmax(axis=0), np.arange(NUM_KEYS)]
+
+
+def copied(message: PlacementMessage) -> PlacementMessage:
+    """As the wire delivers it: no node shares an array with another."""
+    return dataclasses.replace(message, **{name: getattr(message, name).copy() for name, _, _ in
+                                           array_fields(type(message))})
 
 
 @pytest.fixture
@@ -245,7 +252,7 @@ def test_a_handover_older_than_the_move_that_brought_a_key_here_does_not_move_it
     assert net.tables[2].presence[1] == OWNED and net.tables[2].epoch[1] == 2
 
     # The first decision's handover, had it come the long way round, is older than the key's version here.
-    effects = net.machines[2].receive("handover", 0, {"to": 0, "hops": 1}, [key, np.array([1])], net.now)
+    effects = net.machines[2].receive(0, Handover(key, epochs=np.array([1]), to=0, hops=1), net.now)
 
     assert effects.sends == [] and net.tables[2].presence[1] == OWNED
     assert net.tables[2].stats["handovers_stale"] == 1
@@ -259,10 +266,10 @@ def test_reports_of_moves_reaching_the_home_out_of_order_leave_it_knowing_the_ow
     key = np.array([1])
     net.carry_out(0, net.machines[0].localize(key))
     net.deliver_all()
-    wants = {"active": True, "hops": 3}  # an announcement at the end of its hops: not passed on
-    net.carry_out(0, net.machines[0].receive("announce", 2, {**wants, "node": 2}, [key], net.now))
+    # Announcements at the end of their hops: not passed on.
+    net.carry_out(0, net.machines[0].receive(2, Announce(key, active=True, node=2, hops=3), net.now))
     net.deliver(0, 2)  # the rows; node 0's report (owner 2) stays on its way to the home
-    net.carry_out(2, net.machines[2].receive("announce", 0, {**wants, "node": 0}, [key], net.now))
+    net.carry_out(2, net.machines[2].receive(0, Announce(key, active=True, node=0, hops=3), net.now))
     net.deliver(2, 0)  # the rows, back at node 0
     net.deliver(2, 1)  # node 2's report (owner 0) first
     net.deliver(0, 1)  # then node 0's, older
@@ -291,7 +298,7 @@ def test_a_pull_held_for_rows_that_never_come_is_answered_moved_after_the_held_t
 def test_a_message_to_this_node_is_taken_in_within_the_same_event(network_of):
     net = network_of(2, "relocation", 0)
     effects = net.machines[0].localize(np.array([0, 2, 3]))  # 0 and 2 live here already; 3 is homed on node 1
-    assert [(s.node, s.kind, s.arrays[0].tolist()) for s in effects.sends] == [(1, "relocate", [3])]
+    assert [(s.node, s.message.kind, s.message.keys.tolist()) for s in effects.sends] == [(1, "relocate", [3])]
 
 
 def test_the_action_window_follows_the_time_a_clock_takes(network_of):
@@ -305,17 +312,22 @@ def test_the_action_window_follows_the_time_a_clock_takes(network_of):
     assert table.window == 2
 
 
-@pytest.mark.parametrize(("kind", "body", "error"), [
-    ("handover", {"to": 7, "hops": 0}, "bad node 7"),
-    ("handover", {"to": 1, "hops": -1}, "bad count -1"),
-    ("owner", {"owner": True}, "bad node True"),
+KEYS_02, ONES = np.array([0, 2]), np.ones(2, np.int64)
+
+
+@pytest.mark.parametrize(("message", "error"), [
+    (Handover(KEYS_02, ONES, to=7), "bad node 7"),
+    (Handover(KEYS_02, ONES, to=1, hops=-1), "bad count -1"),
+    (Owner(KEYS_02, ONES, ONES, owner=True), "bad node True"),
+    (Sync(KEYS_02, np.zeros((2, 2), np.float32), ONES.astype(np.uint8), origin=0, target=1, hops=1 << 21),
+     "bad count 2097152"),
 ])
-def test_a_placement_message_naming_no_node_of_the_table_is_refused_and_changes_nothing(network_of, kind, body,
+def test_a_placement_message_naming_no_node_of_the_table_is_refused_and_changes_nothing(network_of, message,
                                                                                          error):
     net = network_of(2, "relocation", 0)
     before = net.tables[0].presence.copy()
     with pytest.raises(ProtocolError, match=error):
-        net.machines[0].receive(kind, 1, body, [np.array([0, 2]), *[np.ones(2, np.int64)] * 2], 0.0)
+        net.machines[0].receive(1, message, 0.0)
     np.testing.assert_array_equal(net.tables[0].presence, before)
 
 
@@ -323,6 +335,7 @@ def test_nan_rows_from_a_peer_are_refused_before_anything_changes(network_of):
     net = network_of(2, "relocation", 0)
     rows = np.array([[np.nan, 0.0]], np.float32)
     with pytest.raises(ProtocolError, match="NaN/Inf"):
-        net.machines[0].receive("state", 1, {}, [np.array([1]), rows, *[np.zeros(1, np.int64)] * 4], 0.0)
+        zeros = np.zeros(1, np.int64)
+        net.machines[0].receive(1, State(np.array([1]), rows, zeros, zeros, zeros, zeros), 0.0)
     assert net.tables[0].presence[1] == ABSENT
 

@@ -8,5 +8,6 @@
 - ``intent``: intent signals and the actions they turn into
 - ``adaptive_table``: one node's state of an adaptive table, and the effects decisions produce
 - ``held``: worker requests served from the rows here or held for rows on their way here
+- ``messages``: the typed messages between nodes about an adaptive table's keys, one class per kind
 - ``machine``: ``PlacementMachine``, relocation, replicas and intents as events in, messages out
 """

@@ -19,6 +19,7 @@ from shoal.api.config import TableSpec
 from shoal.api.errors import ConfigError
 from shoal.api.ids import ADAPTIVE_SHARD
 from shoal.placement.intent import NodeIntents, OwnerInterest
+from shoal.placement.messages import PlacementMessage
 from shoal.placement.ownership import Directory, LocationCache
 from shoal.storage.kernels import OWNED
 from shoal.storage.shard import ShardStore
@@ -28,14 +29,11 @@ MAX_NODES = 63  # interest and replica sets are bits of an int64
 
 @dataclass(frozen=True, eq=False)
 class Send:
-    """A placement message about ``table`` to the server of ``node``: ``kind`` with its body fields
-    and arrays (declared in ``wire.schema.PLACEMENT_KINDS``)."""
+    """A placement message about ``table`` to the server of ``node``."""
 
     table: str
     node: int
-    kind: str
-    body: dict[str, Any]
-    arrays: list[np.ndarray]
+    message: PlacementMessage
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,7 +7,7 @@ placement messages to send and held worker requests to answer. No sockets and
 no clock: the server reads the time and the workers' clocks, passes them in,
 and carries the effects out.
 
-Between nodes (all one-way, each kind declared in ``wire.schema.PLACEMENT_KINDS``):
+Between nodes (all one-way, each kind declared in ``placement.messages``):
 
 * ``relocate`` (requester -> home): move keys to the requester; the home
   records the new owner and asks the old one for a ``handover``;
@@ -27,6 +27,7 @@ A message to this node itself is taken in at once, inside the same event.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -37,13 +38,26 @@ from shoal.api.errors import ProtocolError
 from shoal.placement import held
 from shoal.placement.adaptive_table import AdaptiveTable, Answer, Effects, Send
 from shoal.placement.intent import Action, smoothed_window
+from shoal.placement.messages import (
+    Announce,
+    Handover,
+    Owner,
+    PlacementMessage,
+    Relocate,
+    Replicate,
+    State,
+    Sync,
+    Synced,
+    array_fields,
+    body_fields,
+    node_fields,
+)
 from shoal.placement.ownership import MAX_HOPS, home_of
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA, any_nonfinite, take_pending
 from shoal.storage.validate import as_keys, as_rows
 
 log = logging.getLogger(__name__)
 
-CARRIES_ROWS = ("state", "replicate", "sync", "synced")  # kinds with rows in their second array
 ACTION_S = 0.005  # about how long a relocation or replication takes here: sets the action window
 SYNC_HOPS = 16  # a replica's change chasing a key that keeps moving: after this many hops it is logged and lost
 HANDOVER_HOPS = 16  # the same for a handover
@@ -81,22 +95,22 @@ class PlacementMachine:
             table.stats["localize_requested"] += int(keys.size)
             homes = home_of(keys, table.num_nodes)
             for home in np.unique(homes):
-                self._send(int(home), "relocate", {"to": self.node}, [keys[homes == home]])
+                self._send(int(home), Relocate(keys[homes == home], self.node))
         return self._take()
 
     def intend(self, keys: np.ndarray, start: int, end: int) -> None:
         """A local worker will use ``keys`` during clocks ``[start, end)``: acted on when they come near."""
         self.table.intents.add(keys, start, end)
 
-    def receive(self, kind: str, sender: int, body: dict[str, Any], arrays: list[np.ndarray], now: float) -> Effects:
-        """A placement message from the server of node ``sender`` (its kind's fields and arrays were
-        checked against the schema on arrival; node numbers and counts are checked here).
+    def receive(self, sender: int, message: PlacementMessage, now: float) -> Effects:
+        """A placement message from the server of node ``sender`` (its fields and arrays were checked
+        against its kind's declaration on arrival; node numbers, counts and rows are checked here).
 
         Raises:
             ProtocolError: a node that is no node of the table, a count out of range, NaN/Inf rows.
         """
         self._now = now
-        self._receive(kind, sender, body, arrays)
+        self._receive(sender, message)
         return self._take()
 
     def tick(self, now: float, node_clock: int, clock_s: float) -> Effects:
@@ -144,51 +158,62 @@ class PlacementMachine:
         if answer is not None:
             self._effects.answers.append(answer)
 
-    def _send(self, node: int, kind: str, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        self.table.stats[f"placement_{kind}_sent"] += 1
+    def _send(self, node: int, message: PlacementMessage) -> None:
+        self.table.stats[f"placement_{message.kind}_sent"] += 1
         if node == self.node:  # to ourselves: no message
-            self._receive(kind, self.node, body, arrays)
+            self._receive(self.node, message)
         else:
-            self._effects.sends.append(Send(self.table.spec.name, node, kind, body, arrays))
+            self._effects.sends.append(Send(self.table.spec.name, node, message))
 
-    def _receive(self, kind: str, sender: int, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        table = self.table
+    def _receive(self, sender: int, message: PlacementMessage) -> None:
         try:
-            _node(sender, table)
-            keys = as_keys(arrays[0], table.spec)
-            rows = as_rows(arrays[1], keys.shape[0], table.spec, strict_dtype=True) if kind in CARRIES_ROWS else None
-            if rows is not None and any_nonfinite(rows):
-                # Rows are checked where they enter (pushes): a peer sending NaN/Inf is broken. Nothing applied.
-                log.error("server %d: %s message of %r from server %d carries NaN/Inf: dropped",
-                          self.node, kind, table.spec.name, sender)
-                raise ProtocolError(f"placement {kind!r} from server {sender} carries NaN/Inf")
-            self._dispatch(kind, sender, body, arrays, keys, rows)
+            message = self._checked(sender, message)
         except ValueError as exc:
-            raise ProtocolError(f"malformed placement message {kind!r}: {exc}") from None
+            raise ProtocolError(f"malformed placement message {message.kind!r}: {exc}") from None
+        match message:
+            case Relocate():
+                self._relocate_at_home(message.keys, message.to)
+            case Handover():
+                self._handover(message.keys, message.epochs, message.to, message.hops)
+            case Owner():
+                self._learn_owner(message.keys, message.owner, message.epochs, message.steps)
+            case Announce():
+                self._announce(message.keys, message.active, message.node, message.hops)
+            case State():
+                self._receive_state(message.keys, message.rows, message.interest, message.replicas, message.epochs,
+                                    message.steps)
+            case Replicate():
+                self._receive_replica(message.keys, message.rows, sender)
+            case Sync():
+                self._sync_at_owner(message.keys, message.rows, message.drop, message.origin, message.target,
+                                    message.hops)
+            case Synced():
+                self._synced(message.keys, message.rows, message.drop, message.target, message.parts)
 
-    def _dispatch(self, kind: str, sender: int, body: dict[str, Any], arrays: list[np.ndarray], keys: np.ndarray,
-                  rows: np.ndarray | None) -> None:
+    def _checked(self, sender: int, message: PlacementMessage) -> PlacementMessage:
+        """``message`` with its keys, rows and integer arrays as the table uses them, once its node
+        numbers and counts are in range and its rows finite (a peer sending NaN/Inf is broken: nothing
+        of it is applied)."""
         table = self.table
-        if kind == "relocate":
-            self._relocate_at_home(keys, _node(body["to"], table))
-        elif kind == "handover":
-            self._handover(keys, arrays[1].astype(np.int64), _node(body["to"], table), _count(body["hops"]))
-        elif kind == "owner":
-            self._learn_owner(keys, _node(body["owner"], table), arrays[1].astype(np.int64),
-                              arrays[2].astype(np.int64))
-        elif kind == "announce":
-            self._announce(keys, body["active"], _node(body["node"], table), _count(body["hops"]))
-        elif rows is None:
-            raise ValueError(f"unknown kind {kind!r}")
-        elif kind == "state":
-            self._receive_state(keys, rows, *(a.astype(np.int64) for a in arrays[2:6]))
-        elif kind == "replicate":
-            self._receive_replica(keys, rows, sender)
-        elif kind == "sync":
-            self._sync_at_owner(keys, rows, arrays[2], _node(body["origin"], table), _node(body["target"], table),
-                                _count(body["hops"]))
-        else:  # synced
-            self._synced(keys, rows, arrays[2], _node(body["target"], table), _count(body["parts"]))
+        _node(sender, table)
+        nodes = node_fields(type(message))
+        for name, field_type in body_fields(type(message)).items():
+            if name in nodes:
+                _node(getattr(message, name), table)
+            elif field_type is int:
+                _count(getattr(message, name))
+        fixed: dict[str, np.ndarray] = {"keys": as_keys(message.keys, table.spec)}
+        for name, kind, _ in array_fields(type(message))[1:]:
+            value = getattr(message, name)
+            if name == "rows":
+                fixed[name] = as_rows(value, fixed["keys"].shape[0], table.spec, strict_dtype=True)
+                if any_nonfinite(fixed[name]):
+                    log.error("server %d: %s message of %r from server %d carries NaN/Inf: dropped",
+                              self.node, message.kind, table.spec.name, sender)
+                    raise ProtocolError(f"placement {message.kind!r} from server {sender} carries NaN/Inf")
+            elif kind == "i":
+                fixed[name] = value.astype(np.int64, copy=False)
+        return dataclasses.replace(message, **fixed)
 
     # ------------------------------------------------------------ relocation
 
@@ -196,7 +221,7 @@ class PlacementMachine:
         table = self.table
         table.hints.learn(keys[table.directory.is_home(keys)], to)
         for owner, (part, epochs) in table.directory.move(keys, to).items():
-            self._send(owner, "handover", {"to": to, "hops": 0}, [part, epochs])
+            self._send(owner, Handover(part, epochs, to))
 
     def _handover(self, keys: np.ndarray, epochs: np.ndarray, to: int, hops: int) -> None:
         """Give owned keys to ``to`` unless a newer move brought them here; chase the others.
@@ -226,7 +251,7 @@ class PlacementMachine:
                       self.node, rest.size, table.spec.name, to, hops)
         elif rest.size:
             for node, part in _group(where, np.arange(rest.size)):
-                self._send(node, "handover", {"to": to, "hops": hops + 1}, [rest[part], rest_epochs[part]])
+                self._send(node, Handover(rest[part], rest_epochs[part], to, hops + 1))
 
     def _give(self, keys: np.ndarray, to: int) -> None:
         """Hand owned keys, their interest and their version to ``to``; from now on requests for them
@@ -243,7 +268,7 @@ class PlacementMachine:
         table.interest.interest[keys] = 0
         table.interest.replicas[keys] = 0
         table.stats["keys_relocated_away"] += int(keys.size)
-        self._send(to, "state", {}, [keys, values, interest, replicas, table.epoch[keys], table.step[keys]])
+        self._send(to, State(keys, values, interest, replicas, table.epoch[keys], table.step[keys]))
 
     def _receive_state(self, keys: np.ndarray, values: np.ndarray, interest: np.ndarray, replicas: np.ndarray,
                        epochs: np.ndarray, steps: np.ndarray) -> None:
@@ -270,7 +295,7 @@ class PlacementMachine:
         # The homes already know: they started the move, or the old owner told them.
         for holder in _bits(np.bitwise_or.reduce(replicas) if replicas.size else 0):
             mine = keys[(replicas >> holder) & 1 == 1]
-            self._send(holder, "owner", {"owner": self.node}, [mine, table.epoch[mine], table.step[mine]])
+            self._send(holder, Owner(mine, table.epoch[mine], table.step[mine], self.node))
         deferred, table.deferred_handovers = table.deferred_handovers, []
         for k, e, to in deferred:
             self._handover(k, e, to, 0)
@@ -298,7 +323,7 @@ class PlacementMachine:
         homes = home_of(keys, table.num_nodes)
         for home in np.unique(homes):
             part = keys[homes == home]
-            self._send(int(home), "owner", {"owner": to}, [part, table.epoch[part], table.step[part]])
+            self._send(int(home), Owner(part, table.epoch[part], table.step[part], to))
 
     # ------------------------------------------------------------ replication
 
@@ -311,7 +336,7 @@ class PlacementMachine:
             values = table.store.values[keys].copy()
         table.interest.replicas[keys] |= 1 << node
         table.stats["replicas_made"] += int(keys.size)
-        self._send(node, "replicate", {}, [keys, values])
+        self._send(node, Replicate(keys, values))
 
     def _receive_replica(self, keys: np.ndarray, values: np.ndarray, owner: int) -> None:
         table = self.table
@@ -344,8 +369,7 @@ class PlacementMachine:
                 continue
             table.syncs_unanswered[owner] = 1
             table.stats["sync_sent"] += 1
-            self._send(owner, "sync", {"origin": self.node, "target": owner, "hops": 0},
-                       [changed, deltas, table.dropping[changed].astype(np.uint8)])
+            self._send(owner, Sync(changed, deltas, table.dropping[changed].astype(np.uint8), self.node, owner))
 
     def _sync_at_owner(self, keys: np.ndarray, deltas: np.ndarray, drop: np.ndarray, origin: int, target: int,
                        hops: int) -> None:
@@ -371,14 +395,13 @@ class PlacementMachine:
                 if owner == self.node:  # ours, not here yet
                     table.deferred_syncs.append((keys[part], deltas[part], drop[part], origin, target, hops))
                 else:
-                    self._send(owner, "sync", {"origin": origin, "target": target, "hops": hops + 1},
-                               [keys[part], deltas[part], drop[part]])
+                    self._send(owner, Sync(keys[part], deltas[part], drop[part], origin, target, hops + 1))
         keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
         with table.store.hold(None, exclusive=True):
             table.store.values[keys] += deltas  # keys of one sync are distinct
             values = table.store.values[keys].copy()
         table.interest.replicas[keys[drop.astype(bool)]] &= ~(1 << origin)
-        self._send(origin, "synced", {"target": target, "parts": parts}, [keys, values, drop])
+        self._send(origin, Synced(keys, values, drop, target, parts))
 
     def _synced(self, keys: np.ndarray, values: np.ndarray, drop: np.ndarray, target: int, parts: int) -> None:
         table = self.table
@@ -416,7 +439,7 @@ class PlacementMachine:
         if rest.size and hops <= MAX_HOPS:
             for owner, part in _group(table.where(rest) if hops < MAX_HOPS else home_of(rest, table.num_nodes), rest):
                 if owner != self.node:
-                    self._send(owner, "announce", {"active": active, "node": node, "hops": hops + 1}, [part])
+                    self._send(owner, Announce(part, active, node, hops + 1))
 
     def _act_on_intents(self, clock: int, clock_s: float) -> None:
         table = self.table

@@ -24,6 +24,7 @@ from shoal.api.ids import ADAPTIVE_SHARD, server_node
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.machine import PlacementMachine
+from shoal.placement.messages import from_parts, to_parts
 from shoal.placement.ownership import home_of
 from shoal.server.peers import PeerDirectory
 from shoal.server.tables import table_bytes
@@ -130,8 +131,7 @@ class AdaptiveService:
             sender = server_node(msg.sender, self.cluster.num_nodes)
             if sender is None:
                 raise ProtocolError(f"placement message from sender {msg.sender}, which is no server")
-            body = {k: v for k, v in msg.body.items() if k != "kind"}
-            return self._carry_out(machine.receive(msg.body["kind"], sender, body, msg.arrays, self.now()))
+            return self._carry_out(machine.receive(sender, from_parts(msg.body, msg.arrays), self.now()))
         raise ProtocolError(f"adaptive table {msg.table!r} does not serve {msg.op.name}")
 
     def _carry_out(self, effects: Effects, ticket: object = None) -> Message | None:
@@ -152,7 +152,8 @@ class AdaptiveService:
         return answer_now
 
     def _send(self, send: Send) -> None:
-        msg = Message(Op.PLACEMENT, table=send.table, body={"kind": send.kind, **send.body}, arrays=send.arrays)
+        body, arrays = to_parts(send.message)
+        msg = Message(Op.PLACEMENT, table=send.table, body=body, arrays=arrays)
         if send.node not in self.peers.addresses:
             self._outbox[send.node].append(msg)
             self._own_stats["placement_queued_for_unknown_peer"] += 1

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from shoal.api.errors import ProtocolError, ShapeError
+from shoal.placement import messages
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
@@ -78,20 +79,12 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.CONFIRM: OpSchema(body={"rank": _INT, "epoch": _INT}, needs_table=True),
 }
 
-#: what each kind of PLACEMENT message (server to server, adaptive tables) carries; its handler
-#: (``server.adaptive``) reads exactly these fields and arrays
+#: what each kind of PLACEMENT message (server to server, adaptive tables) carries, as its declaration
+#: in ``placement.messages`` says
 PLACEMENT_KINDS: dict[str, OpSchema] = {
-    "relocate": OpSchema(body={"to": _INT}, arrays=(KEYS,)),
-    "handover": OpSchema(body={"to": _INT, "hops": _INT}, arrays=(KEYS, PER_KEY), same_rows=True),  # + epochs
-    "owner": OpSchema(body={"owner": _INT}, arrays=(KEYS, PER_KEY, PER_KEY), same_rows=True),  # + versions
-    "announce": OpSchema(body={"active": _BOOL, "node": _INT, "hops": _INT}, arrays=(KEYS,)),
-    # rows, interest, replicas, versions (epoch, step)
-    "state": OpSchema(arrays=(KEYS, ROWS, PER_KEY, PER_KEY, PER_KEY, PER_KEY), same_rows=True),
-    "replicate": OpSchema(arrays=(KEYS, ROWS), same_rows=True),
-    "sync": OpSchema(body={"origin": _INT, "target": _INT, "hops": _INT}, arrays=(KEYS, ROWS, MARKS),
-                     same_rows=True),
-    "synced": OpSchema(body={"target": _INT, "parts": _INT}, arrays=(KEYS, ROWS, MARKS), same_rows=True),
-}
+    kind: OpSchema(body={name: (t,) for name, t in messages.body_fields(cls).items()},
+                   arrays=tuple(ArrayRule(k, ndim) for _, k, ndim in messages.array_fields(cls)), same_rows=True)
+    for kind, cls in messages.KINDS.items()}
 
 
 @dataclass(frozen=True)

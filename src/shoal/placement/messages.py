@@ -1,0 +1,148 @@
+"""The messages between nodes about an adaptive table's keys: one typed declaration per kind.
+
+Each kind is a frozen dataclass. Its int and bool fields travel in the message
+body; its array fields travel as arrays, in field order, each declared with
+its dtype kind and rank (metadata ``INTS``, ``ROWS``, ``BYTES``). ``wire.schema``
+derives the check of each kind from these declarations, the server encodes and
+decodes them with ``to_parts`` and ``from_parts``, and ``placement.machine``
+takes and returns them. Node fields (``NODE``) name a node of the table; the
+machine checks them, and counts (hops, parts), when a message arrives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+#: field metadata: an array of ints, of float rows, of bytes (dtype kind and rank); an int naming a node
+INTS = {"array": ("i", 1)}
+ROWS = {"array": ("f", 2)}
+BYTES = {"array": ("u", 1)}
+NODE = {"node": True}
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: field equality would compare arrays
+class PlacementMessage:
+    """What every kind has: the keys it is about, its first array."""
+
+    kind: ClassVar[str]
+    keys: np.ndarray = field(metadata=INTS)
+
+
+@dataclass(frozen=True, eq=False)
+class Relocate(PlacementMessage):
+    """Requester -> home: move ``keys`` to node ``to``."""
+
+    kind = "relocate"
+    to: int = field(metadata=NODE)
+
+
+@dataclass(frozen=True, eq=False)
+class Handover(PlacementMessage):
+    """Home -> owner (and on, following hints): give ``keys`` to ``to``, unless a move newer than the
+    home's decision ``epochs`` brought them there."""
+
+    kind = "handover"
+    epochs: np.ndarray = field(metadata=INTS)
+    to: int = field(metadata=NODE)
+    hops: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class State(PlacementMessage):
+    """Old owner -> new owner: the keys' rows, the interest in them, and their version."""
+
+    kind = "state"
+    rows: np.ndarray = field(metadata=ROWS)
+    interest: np.ndarray = field(metadata=INTS)  # per key: a bit per node that announced interest
+    replicas: np.ndarray = field(metadata=INTS)  # per key: a bit per node that holds a replica
+    epochs: np.ndarray = field(metadata=INTS)
+    steps: np.ndarray = field(metadata=INTS)
+
+
+@dataclass(frozen=True, eq=False)
+class Owner(PlacementMessage):
+    """Owner -> home, or new owner -> replica holders: ``keys`` now belong to ``owner``, at this version."""
+
+    kind = "owner"
+    epochs: np.ndarray = field(metadata=INTS)
+    steps: np.ndarray = field(metadata=INTS)
+    owner: int = field(metadata=NODE)
+
+
+@dataclass(frozen=True, eq=False)
+class Announce(PlacementMessage):
+    """Node -> owner: ``node``'s workers will use ``keys`` (``active``) or no longer do."""
+
+    kind = "announce"
+    active: bool
+    node: int = field(metadata=NODE)
+    hops: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Replicate(PlacementMessage):
+    """Owner -> node: a replica of ``keys``."""
+
+    kind = "replicate"
+    rows: np.ndarray = field(metadata=ROWS)
+
+
+@dataclass(frozen=True, eq=False)
+class Sync(PlacementMessage):
+    """Replica -> owner: the replica's change since its last sync; ``drop``: the replica then goes."""
+
+    kind = "sync"
+    rows: np.ndarray = field(metadata=ROWS)
+    drop: np.ndarray = field(metadata=BYTES)
+    origin: int = field(metadata=NODE)
+    target: int = field(metadata=NODE)
+    hops: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Synced(PlacementMessage):
+    """Owner -> replica: the rows after adding its change; ``parts`` counts the parts of the sync passed
+    on to other owners, which answer too."""
+
+    kind = "synced"
+    rows: np.ndarray = field(metadata=ROWS)
+    drop: np.ndarray = field(metadata=BYTES)
+    target: int = field(metadata=NODE)
+    parts: int = 0
+
+
+KINDS: dict[str, type[PlacementMessage]] = {
+    cls.kind: cls for cls in (Relocate, Handover, State, Owner, Announce, Replicate, Sync, Synced)}
+
+
+def body_fields(cls: type[PlacementMessage]) -> dict[str, type]:
+    """The fields of a kind that travel in the body, with their types (int or bool)."""
+    types = {"int": int, "bool": bool}
+    return {f.name: types[str(f.type)] for f in dataclasses.fields(cls) if "array" not in f.metadata}
+
+
+def array_fields(cls: type[PlacementMessage]) -> list[tuple[str, str, int]]:
+    """The array fields of a kind in the order they travel: (name, dtype kind, rank)."""
+    return [(f.name, *f.metadata["array"]) for f in dataclasses.fields(cls) if "array" in f.metadata]
+
+
+def node_fields(cls: type[PlacementMessage]) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("node")]
+
+
+def to_parts(message: PlacementMessage) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The body (its kind included) and arrays ``message`` travels as."""
+    cls = type(message)
+    body: dict[str, Any] = {"kind": cls.kind, **{name: getattr(message, name) for name in body_fields(cls)}}
+    return body, [getattr(message, name) for name, _, _ in array_fields(cls)]
+
+
+def from_parts(body: dict[str, Any], arrays: list[np.ndarray]) -> PlacementMessage:
+    """The message a body and arrays stand for, once the wire checked them against their kind's schema."""
+    cls = KINDS[body["kind"]]
+    names = [name for name, _, _ in array_fields(cls)]
+    return cls(**{name: body[name] for name in body_fields(cls)}, **dict(zip(names, arrays, strict=True)))
