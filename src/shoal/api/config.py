@@ -225,6 +225,12 @@ class Limits:
         _int_at_least("server_memory_bytes", self.server_memory_bytes, 0)
 
     @property
+    def payload_bytes(self) -> int:
+        """The bytes one message's arrays may take: the limit less room for its header (64 KiB, or an
+        eighth of a small limit, which would otherwise leave no room at all)."""
+        return self.max_message_bytes - min(64 * 1024, self.max_message_bytes // 8)
+
+    @property
     def server_budget(self) -> int:
         """``server_memory_bytes``, with 0 read as half of this machine's memory."""
         if self.server_memory_bytes:

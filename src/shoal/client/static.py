@@ -45,7 +45,6 @@ from shoal.storage.shard import ShardStore
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
-_HEADER_ROOM = 64 * 1024
 _REFRESH_AGAIN_S = 0.02  # while the rendezvous lags behind a move a server told of: how often to ask it
 _WATCH_AFTER_S = 0.5  # a call waiting longer than this asks whether the servers it waits for are alive
 _WHOLE = None  # positions standing for "every key of the call, in order"
@@ -62,7 +61,7 @@ class StaticAccess(TableAccess):
         self.counters = table.counters
         self.staleness = table.staleness
         row_bytes = self.spec.dim * self.dtype.itemsize + 8
-        self._chunk = max(1, (self.worker.cluster.limits.max_message_bytes - _HEADER_ROOM) // (2 * row_bytes))
+        self._chunk = max(1, self.worker.cluster.limits.payload_bytes // (2 * row_bytes))
         self.bound = self.spec.consistency.bound
         #: the process cache of remote rows (bounded models only: ASP always asks)
         self.cache = (ProcessCache(self.spec, layout.num_shards, self.worker, self.counters, self.staleness,

@@ -45,7 +45,6 @@ from shoal.wire.schema import is_int64
 
 log = logging.getLogger(__name__)
 
-_HEADER_ROOM = 64 * 1024
 
 
 @dataclass
@@ -123,7 +122,7 @@ class SliceService:
         names = list(store.state_arrays())
         arrays = store.state_arrays()
         per_row = sum(a[:1].nbytes for a in arrays.values()) + len(ranks)
-        chunk = max(1, (self.cluster.limits.max_message_bytes - _HEADER_ROOM) // max(per_row, 1))
+        chunk = max(1, self.cluster.limits.payload_bytes // max(per_row, 1))
         for first in range(0, max(store.num_rows, 1), chunk):
             last_row = min(store.num_rows, first + chunk)
             parts = [arrays[n][first:last_row] for n in names]
