@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import shoal
+from shoal.placement.adaptive_table import Effects, Send
+from shoal.placement.messages import Replicate
 from shoal.server.metrics import server_families
 from shoal.storage.kernels import ABSENT, REPLICA
 from tests.support.clock import ManualClock
@@ -49,6 +51,19 @@ def test_relocated_keys_are_counted_in_the_servers_metrics():
 
         assert relocated(0) == {"here": 10, "away": 0} and relocated(1) == {"here": 0, "away": 10}
 
+def test_what_one_event_sends_one_node_goes_as_one_message():
+    with ThreadCluster(nodes=2) as c:
+        c.worker(0).table("b", 8, 2, techniques="replication", init=shoal.Constant(1.0))
+        rows = np.ones((1, 2), np.float32)
+        sends = [Send("b", 1, Replicate(np.array([key]), rows)) for key in (0, 2, 4)]  # keys homed on node 0
+        before = c.servers[0].adaptive.stats["placement_messages_sent"]
+
+        c.servers[0].adaptive.carry_out(Effects(sends=sends))
+
+        wait_until(lambda: (c.servers[1].adaptive.tables["b"].presence[[0, 2, 4]] == REPLICA).all())
+        assert c.servers[0].adaptive.stats["placement_messages_sent"] - before == 1
+
+
 def test_requests_during_a_move_are_answered_and_lose_nothing():
     with ThreadCluster(nodes=2) as c:
         w0, w1 = c.worker(0), c.worker(1)
@@ -83,6 +98,7 @@ def test_intents_replicate_hot_keys_and_counts_stay_exact(technique):
         counters = c.run_workers(body)
         stats = [s.adaptive.describe()["hot"] for s in c.servers]
         assert sum(s.get("replicas_made", 0) for s in stats) > 0
+
         w = c.worker(0)
         t = w.table("hot", 40, 1, techniques=technique, sync_ms=5)
         wait_until(lambda: sum(s.adaptive.describe()["hot"]["replicas"] for s in c.servers) == 0)

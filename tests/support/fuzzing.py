@@ -318,7 +318,16 @@ PLACEMENT_ARRAYS = {"relocate": ["keys"], "handover": ["keys", "epochs"], "owner
 
 @st.composite
 def placement_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """A PLACEMENT message of a known kind with the arrays of its kind, of one length, mostly."""
+    """A PLACEMENT message of a known kind with the arrays of its kind, of one length, mostly; one in
+    four a batch of a few such messages (``placement.messages.BATCH``)."""
+    if not draw(one_in(4)):
+        return draw(one_placement())
+    parts = draw(st.lists(one_placement(), min_size=1, max_size=3))
+    return {"kind": "batch", "messages": [body for body, _ in parts]}, [a for _, arrays in parts for a in arrays]
+
+
+@st.composite
+def one_placement(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
     n = draw(st.integers(0, 6))
     kind = draw(st.sampled_from(PLACEMENT_KINDS))
     body = {"kind": kind, **{name: draw(FIELDS[name]) for name in OPTIONAL[Op.PLACEMENT]}}

@@ -25,6 +25,7 @@ from shoal import (
     ShapeError,
     ShoalError,
 )
+from shoal.placement.messages import Owner, Relocate, Replicate, from_parts, to_parts
 from shoal.wire import PROTOCOL_VERSION, Codec, Flag, Message, Op
 from shoal.wire.schema import PLACEMENT_KINDS, ROWS, SCHEMAS, ArrayRule
 
@@ -439,6 +440,16 @@ def placement(kind: str, arrays: list[np.ndarray], **body: Any) -> Message:
                  id="state interest of another length"),
     pytest.param(placement("sync", [keys(1), rows(1), keys(1)], origin=0, target=1, hops=0), ProtocolError,
                  "array 2 must be of kind 'u'", id="sync marks not bytes"),
+    pytest.param(placement("batch", [keys(1), keys(2)], messages=[{"kind": "relocate", "to": 1},
+                                                                  {"kind": "handover", "to": 1, "hops": 0}]),
+                 ProtocolError, "'handover' in a batch carries 2 array(s), got 1", id="batch short of arrays"),
+    pytest.param(placement("batch", [keys(1), keys(1), keys(1)], messages=[{"kind": "relocate", "to": 1}] * 2),
+                 ProtocolError, "carries 3 array(s), its messages 2", id="batch with an array left over"),
+    pytest.param(placement("batch", [keys(1)], messages=[{"kind": "batch", "messages": []}]), ProtocolError,
+                 "unknown placement message 'batch'", id="batch in a batch"),
+    pytest.param(placement("batch", [], messages=[]), ProtocolError, "a list of 1 to 64", id="empty batch"),
+    pytest.param(placement("batch", [keys(1)], messages=[{"kind": "relocate", "to": "1"}]), ProtocolError,
+                 "'relocate' in a batch needs body field 'to'", id="batch with a malformed message"),
 ])
 def test_placement_message_not_fitting_its_kind_is_rejected_on_arrival(msg: Message, error: type[ShoalError],
                                                                         says: str) -> None:
@@ -463,6 +474,19 @@ def test_each_placement_kind_round_trips() -> None:
             arrays[2] = np.zeros(2, dtype=np.uint8)
         msg = Codec().decode(on_the_wire(Codec().encode(placement(kind, arrays, **body))))
         assert msg.body["kind"] == kind and len(msg.arrays) == carried[kind]
+
+
+def test_a_batch_of_placement_messages_round_trips_in_order() -> None:
+    sent = [Relocate(keys(0, 2), to=1), Owner(keys(1, 1), keys(1, 1), keys(1, 1), owner=0),
+            Replicate(keys(0, 1), rows(2))]
+    body, arrays = to_parts(sent)
+
+    msg = Codec().decode(on_the_wire(Codec().encode(placement(body["kind"], arrays, **{"messages": body["messages"]}))))
+    got = from_parts(msg.body, msg.arrays)
+
+    assert [type(m) for m in got] == [Relocate, Owner, Replicate] and got[1].owner == 0
+    np.testing.assert_array_equal(got[2].rows, sent[2].rows)
+    assert to_parts(sent[:1])[0] == {"kind": "relocate", "to": 1}  # one message alone goes as itself
 
 
 def test_absurd_dimensions_are_a_protocol_error_not_a_crash() -> None:

@@ -54,6 +54,10 @@ class Effects:
     sends: list[Send] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)
 
+    def extend(self, other: Effects) -> None:
+        self.sends += other.sends
+        self.answers += other.answers
+
 
 @dataclass(eq=False)  # compared by identity: field equality would compare arrays (and raise)
 class Held:

@@ -159,10 +159,10 @@ class PlacementMachine:
             self._effects.answers.append(answer)
 
     def _send(self, node: int, message: PlacementMessage) -> None:
-        self.table.stats[f"placement_{message.kind}_sent"] += 1
         if node == self.node:  # to ourselves: no message
             self._receive(self.node, message)
         else:
+            self.table.stats[f"placement_{message.kind}_sent"] += 1
             self._effects.sends.append(Send(self.table.spec.name, node, message))
 
     def _receive(self, sender: int, message: PlacementMessage) -> None:

@@ -134,15 +134,31 @@ def node_fields(cls: type[PlacementMessage]) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.metadata.get("node")]
 
 
-def to_parts(message: PlacementMessage) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """The body (its kind included) and arrays ``message`` travels as."""
-    cls = type(message)
-    body: dict[str, Any] = {"kind": cls.kind, **{name: getattr(message, name) for name in body_fields(cls)}}
-    return body, [getattr(message, name) for name, _, _ in array_fields(cls)]
+#: several messages to one node in one: body ``{"kind": BATCH, "messages": [each one's body]}``, the
+#: arrays of each in turn
+BATCH = "batch"
+MAX_BATCH = 64  # messages in one batch: one event asks for a few per node
 
 
-def from_parts(body: dict[str, Any], arrays: list[np.ndarray]) -> PlacementMessage:
-    """The message a body and arrays stand for, once the wire checked them against their kind's schema."""
-    cls = KINDS[body["kind"]]
-    names = [name for name, _, _ in array_fields(cls)]
-    return cls(**{name: body[name] for name in body_fields(cls)}, **dict(zip(names, arrays, strict=True)))
+def to_parts(messages: list[PlacementMessage]) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The body (its kind included) and arrays ``messages``, all for one node, travel as: one message
+    alone, several as a batch (in order: what one node sends another arrives in the order sent)."""
+    bodies, arrays = [], []
+    for message in messages:
+        cls = type(message)
+        bodies.append({"kind": cls.kind, **{name: getattr(message, name) for name in body_fields(cls)}})
+        arrays += [getattr(message, name) for name, _, _ in array_fields(cls)]
+    return (bodies[0] if len(bodies) == 1 else {"kind": BATCH, "messages": bodies}), arrays
+
+
+def from_parts(body: dict[str, Any], arrays: list[np.ndarray]) -> list[PlacementMessage]:
+    """The messages a body and arrays stand for, once the wire checked them against their kinds' schemas."""
+    messages = []
+    at = 0
+    for part in body["messages"] if body["kind"] == BATCH else [body]:
+        cls = KINDS[part["kind"]]
+        names = [name for name, _, _ in array_fields(cls)]
+        messages.append(cls(**{name: part[name] for name in body_fields(cls)},
+                            **dict(zip(names, arrays[at:at + len(names)], strict=True))))
+        at += len(names)
+    return messages

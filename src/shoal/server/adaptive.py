@@ -22,9 +22,9 @@ from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import CheckpointError, ProtocolError, TableError
 from shoal.api.ids import ADAPTIVE_SHARD, server_node
 from shoal.consistency.clocks import ClockTable
-from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
+from shoal.placement.adaptive_table import AdaptiveTable, Effects
 from shoal.placement.machine import PlacementMachine
-from shoal.placement.messages import from_parts, to_parts
+from shoal.placement.messages import MAX_BATCH, PlacementMessage, from_parts, to_parts
 from shoal.placement.ownership import home_of
 from shoal.server.peers import PeerDirectory
 from shoal.server.tables import table_bytes
@@ -115,14 +115,14 @@ class AdaptiveService:
         spec = machine.table.spec
         ticket = (peer, msg)
         if msg.op == Op.PULL:
-            return self._carry_out(machine.pull(as_keys(msg.arrays[0], spec), ticket, self.now()), ticket)
+            return self.carry_out(machine.pull(as_keys(msg.arrays[0], spec), ticket, self.now()), ticket)
         if msg.op == Op.PUSH:
             keys = as_keys(msg.arrays[0], spec)
             grads, skipped = zero_nonfinite(as_rows(msg.arrays[1], keys.shape[0], spec, strict_dtype=True), spec)
             machine.table.stats["rows_skipped_nonfinite"] += skipped
-            return self._carry_out(machine.push(keys, grads, ticket, self.now()), ticket)
+            return self.carry_out(machine.push(keys, grads, ticket, self.now()), ticket)
         if msg.op == Op.LOCALIZE:
-            self._carry_out(machine.localize(as_keys(msg.arrays[0], spec)))
+            self.carry_out(machine.localize(as_keys(msg.arrays[0], spec)))
             return msg.reply(Op.OK)
         if msg.op == Op.INTENT:
             machine.intend(as_keys(msg.arrays[0], spec), int(msg.body["start"]), int(msg.body["end"]))
@@ -131,14 +131,23 @@ class AdaptiveService:
             sender = server_node(msg.sender, self.cluster.num_nodes)
             if sender is None:
                 raise ProtocolError(f"placement message from sender {msg.sender}, which is no server")
-            return self._carry_out(machine.receive(sender, from_parts(msg.body, msg.arrays), self.now()))
+            effects = Effects()
+            try:
+                for message in from_parts(msg.body, msg.arrays):
+                    effects.extend(machine.receive(sender, message, self.now()))
+            finally:  # what the messages before a malformed one asked for is carried out all the same
+                self.carry_out(effects)
+            return None
         raise ProtocolError(f"adaptive table {msg.table!r} does not serve {msg.op.name}")
 
-    def _carry_out(self, effects: Effects, ticket: object = None) -> Message | None:
+    def carry_out(self, effects: Effects, ticket: object = None) -> Message | None:
         """Send the placement messages a machine asked for and answer the requests it released; the
         answer to the request being handled (``ticket``) is returned, the others go through ``reply``."""
-        for send in effects.sends:
-            self._send(send)
+        batches: dict[tuple[str, int], list[PlacementMessage]] = {}
+        for send in effects.sends:  # one message per table and node: a batch of what the event sends there
+            batches.setdefault((send.table, send.node), []).append(send.message)
+        for (table, node), batch in batches.items():
+            self._send(table, node, batch)
         answer_now = None
         for answer in effects.answers:
             peer, msg = answer.ticket
@@ -151,14 +160,16 @@ class AdaptiveService:
                 self.reply(peer, reply)
         return answer_now
 
-    def _send(self, send: Send) -> None:
-        body, arrays = to_parts(send.message)
-        msg = Message(Op.PLACEMENT, table=send.table, body=body, arrays=arrays)
-        if send.node not in self.peers.addresses:
-            self._outbox[send.node].append(msg)
-            self._own_stats["placement_queued_for_unknown_peer"] += 1
-        else:
-            self.peers.tracker.notify(send.node, msg, block=True)  # placement messages carry rows: never dropped
+    def _send(self, table: str, node: int, batch: list[PlacementMessage]) -> None:
+        for start in range(0, len(batch), MAX_BATCH):
+            body, arrays = to_parts(batch[start:start + MAX_BATCH])
+            msg = Message(Op.PLACEMENT, table=table, body=body, arrays=arrays)
+            self._own_stats["placement_messages_sent"] += 1
+            if node not in self.peers.addresses:
+                self._outbox[node].append(msg)
+                self._own_stats["placement_queued_for_unknown_peer"] += 1
+            else:
+                self.peers.tracker.notify(node, msg, block=True)  # placement messages carry rows: never dropped
 
     # ----------------------------------------------------------------- timers
 
@@ -175,7 +186,7 @@ class AdaptiveService:
         local = self.clocks.clocks[self.node * per_node:(self.node + 1) * per_node]
         node_clock = int(local.min()) if local.size else 0
         for machine in list(self.machines.values()):
-            self._carry_out(machine.tick(now, node_clock, self._clock_s))
+            self.carry_out(machine.tick(now, node_clock, self._clock_s))
 
     def next_timer(self) -> float | None:
         return min((m.table.next_sync for m in self.machines.values()), default=None)
@@ -189,7 +200,7 @@ class AdaptiveService:
         unsettled, each owned row holds every change, wherever it was made.
         """
         effects, why = self._machine(name).settle(self.now())
-        self._carry_out(effects)
+        self.carry_out(effects)
         return why + self._waiting(), None
 
     def _waiting(self) -> list[str]:

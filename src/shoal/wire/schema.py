@@ -116,11 +116,35 @@ def check_schema(msg: Message) -> None:
     schema = SCHEMAS[msg.op]
     _check(msg, schema, msg.op.name)
     if msg.op == Op.PLACEMENT:
-        kind = msg.body["kind"]
-        sub = PLACEMENT_KINDS.get(kind)
-        if sub is None:
-            raise ProtocolError(f"unknown placement message {kind!r}; the kinds are {sorted(PLACEMENT_KINDS)}")
-        _check(msg, sub, f"placement {kind!r}")
+        if msg.body["kind"] == messages.BATCH:
+            _check_batch(msg)
+        else:
+            _check(msg, _placement_schema(msg.body["kind"]), f"placement {msg.body['kind']!r}")
+
+
+def _placement_schema(kind: Any) -> OpSchema:
+    sub = PLACEMENT_KINDS.get(kind)
+    if sub is None:
+        raise ProtocolError(f"unknown placement message {kind!r}; the kinds are {sorted(PLACEMENT_KINDS)}")
+    return sub
+
+
+def _check_batch(msg: Message) -> None:
+    """Each message of a batch against its kind, with its share of the arrays; none left over."""
+    parts = msg.body.get("messages")
+    if not isinstance(parts, list) or not 1 <= len(parts) <= messages.MAX_BATCH:
+        raise ProtocolError(f"a placement batch needs a list of 1 to {messages.MAX_BATCH} messages")
+    at = 0
+    for part in parts:
+        if not isinstance(part, dict):
+            raise ProtocolError(f"a placement batch holds message bodies, got {type(part).__name__}")
+        sub = _placement_schema(part.get("kind"))
+        count = len(sub.arrays)
+        _check(Message(Op.PLACEMENT, table=msg.table, body=part, arrays=msg.arrays[at:at + count]), sub,
+               f"placement {part['kind']!r} in a batch")
+        at += count
+    if at != len(msg.arrays):
+        raise ProtocolError(f"a placement batch carries {len(msg.arrays)} array(s), its messages {at}")
 
 
 def _check(msg: Message, schema: OpSchema, what: str) -> None:
