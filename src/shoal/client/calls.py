@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +39,7 @@ class StaticCall:
     """
 
     def __init__(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: Rows | None, clock: int,
-                 reread: Callable[[StaticCall], None], watch: Callable[[StaticCall], None]) -> None:
+                 reread: Callable[[StaticCall], None], watch: Callable[[StaticCall], None], started: float) -> None:
         self._reread, self._watch = reread, watch
         self.op, self.keys, self.values, self.result, self.clock = op, keys, values, result, clock
         self.parts: dict[int, Part] = {}
@@ -49,7 +48,7 @@ class StaticCall:
         #: positions whose rows are to be read again where their slice is now
         self.rereads: list[np.ndarray] = []
         self.attempts = 0
-        self.started = time.monotonic()
+        self.started = started  # on the worker's clock
         self.error: ShoalError | None = None
         #: pushes are numbered in the order they start (a fence waits for those before a point)
         self.index = 0

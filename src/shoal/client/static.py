@@ -108,7 +108,8 @@ class StaticAccess(TableAccess):
         return self._future(call)
 
     def _call(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: Rows | None) -> StaticCall:
-        return StaticCall(op, keys, values, result, self.worker.clock, self.reread, self.watch_servers)
+        return StaticCall(op, keys, values, result, self.worker.clock, self.reread, self.watch_servers,
+                          self.worker.now())
 
     def _numbered(self, call: StaticCall) -> StaticCall:
         self.pushes_started += 1
@@ -206,7 +207,7 @@ class StaticAccess(TableAccess):
         """While ``call`` waits: a server that died since it was sent fails its parts now, naming it,
         instead of after the request timeout."""
         view = self.worker.replica_view
-        if not call.parts or time.monotonic() - call.started < _WATCH_AFTER_S:
+        if not call.parts or self.worker.now() - call.started < _WATCH_AFTER_S:
             return
         view.refresh()  # at most once a second
         for req, part in list(call.parts.items()):
@@ -341,7 +342,7 @@ class StaticAccess(TableAccess):
 
     def _gave_up(self, call: StaticCall) -> bool:
         call.attempts += 1
-        if call.error is None and time.monotonic() - call.started > self.worker.cluster.timeouts.request_s:
+        if call.error is None and self.worker.now() - call.started > self.worker.cluster.timeouts.request_s:
             call.error = SliceMovedError(
                 f"keys of {self.spec.name!r} kept moving for {self.worker.cluster.timeouts.request_s:.0f}s: "
                 f"{call.attempts} layout refreshes for one call")
@@ -387,7 +388,7 @@ class StaticAccess(TableAccess):
 
     def refresh_layout(self) -> None:
         """Fetch this table's slice owners from the rendezvous; map the slices now on this node."""
-        self._refreshed_at = time.monotonic()
+        self._refreshed_at = self.worker.now()
         reply = self.worker.fetch_layout(self.spec.name)
         epoch = int(reply["epoch"])
         if epoch < self.layout.epoch:
@@ -399,7 +400,7 @@ class StaticAccess(TableAccess):
         it before the rendezvous records it); False while this worker's layout is too old to take it."""
         if self.layout.epoch >= epoch:
             return True
-        if self.layout.epoch < epoch - 1 and time.monotonic() - self._refreshed_at > _REFRESH_AGAIN_S:
+        if self.layout.epoch < epoch - 1 and self.worker.now() - self._refreshed_at > _REFRESH_AGAIN_S:
             self.refresh_layout()  # moves are one at a time: the rendezvous has every one before this
         if self.layout.epoch >= epoch:
             return True
