@@ -6,9 +6,10 @@ The job is ``shoal run --nodes 2 --workers-per-node 1`` of a script that calls
 ``shoal.init()``, one barrier and ``shutdown()``. Its workers print when each
 phase ended (time since the launcher started), and the costs every process pays
 are timed alone, each in a fresh interpreter: the interpreter itself, ``import
-shoal`` (which leaves the worker and numba out), the worker's import (numba
-with it), numba's first call (``kernels.warm_up``: LLVM and the cached kernels),
-and the launcher's import. Medians over ``--runs``.
+shoal`` (which leaves the worker out), the worker's and the server's imports,
+the launcher's import, what numba and prometheus_client cost where they are
+first used (a job's first table, a process's first scrape), and how long an
+interpreter holding the worker's imports takes to exit. Medians over ``--runs``.
 """
 
 from __future__ import annotations
@@ -44,11 +45,22 @@ mark("shutdown done")
 ALONE = {
     "python -c pass": "pass",
     "import shoal": "import shoal",
-    "import the worker (numba)": "import shoal.client.worker",
-    "numba's first call": "import shoal.client.worker, time; t = time.perf_counter(); "
-                          "from shoal.storage import kernels; kernels.warm_up(); "
-                          "print(time.perf_counter() - t)",
+    "import the worker": "import shoal.client.worker",
+    "import the server": "import shoal.launch.server_main",
     "import the launcher": "import shoal.launch.cli",
+    "prometheus_client, at a process's first scrape": (
+        "import shoal.client.worker, time; t = time.perf_counter(); import shoal.cluster.exposition; "
+        "print(time.perf_counter() - t)"),
+    "numba's import and first call, at a job's first table": (
+        "import shoal.client.worker, time; t = time.perf_counter(); from shoal.storage import kernels; "
+        "kernels.warm_up(); print(time.perf_counter() - t)"),
+}
+
+#: what an interpreter that imported the worker takes to exit, without and with ``gc.freeze``
+EXIT = {
+    "exit after the worker's imports": "import shoal.client.worker, time; print(time.time())",
+    "the same after gc.freeze (shoal.init does it)": (
+        "import shoal.client.worker, gc, time; gc.freeze(); print(time.time())"),
 }
 
 
@@ -57,6 +69,12 @@ def alone(code: str) -> float:
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     return float(out) if out else time.perf_counter() - started
+
+
+def exit_cost(code: str) -> float:
+    """Seconds from the end of ``code`` (it prints ``time.time()`` last) to its interpreter's exit."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    return time.time() - float(out)
 
 
 def job(script: Path) -> tuple[float, dict[str, float]]:
@@ -79,6 +97,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     costs = {name: statistics.median(alone(code) for _ in range(args.runs)) for name, code in ALONE.items()}
+    costs |= {name: statistics.median(exit_cost(code) for _ in range(args.runs)) for name, code in EXIT.items()}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "trivial.py"
         script.write_text(WORKER)
@@ -91,10 +110,11 @@ def main() -> None:
     lines.append(f"| **launcher exited** | **{wall:.2f}** |")
     lines += ["", "| each process pays, alone on the machine (median) | s |", "|---|---:|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in costs.items()]
-    numba = costs["import the worker (numba)"] - costs["import shoal"] + costs["numba's first call"]
-    lines.append(f"\nA worker and a server each pay numba's import and first call, {numba:.2f} s of CPU, before "
-                 f"anything of the job runs: {4 * numba:.1f} s for the four processes of this job, on "
-                 f"{os.cpu_count()} cores.")
+    imports = costs["import the worker"] + costs["import the server"]
+    lines.append(f"\nEach node's worker and server import {imports:.2f} s of Python before the job runs (the "
+                 f"launcher {costs['import the launcher']:.2f} s before it starts them); on {os.cpu_count()} cores "
+                 "the four processes' imports overlap only two at a time. numba and prometheus_client load "
+                 "where they are first needed, not at start.")
     table = "\n".join(lines)
     print("\n" + table)
     write_results("startup", {"runs": args.runs, "wall_s": wall, "phases_s": phases, "alone_s": costs}, table)

@@ -8,6 +8,9 @@ both versions in the same run, alternating round by round. ``REV`` is checked
 out into a temporary git worktree; each contender runs with ``PYTHONPATH``
 pointing at its own ``src``. Measured per contender:
 
+* start-up: ``shoal run --nodes 2 --workers-per-node 1`` of a script that
+  calls ``shoal.init()``, one barrier and ``shutdown()``, launcher start to
+  exit (the median of 3 per round);
 * remote pulls through ``shoal run --nodes 1 --classic`` (every key to the
   server over loopback tcp, authenticated): microseconds per pull of 1 key and
   of 10,000 keys of 64 float32, one request at a time;
@@ -26,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -54,6 +58,23 @@ open(sys.argv[1], "w").write(json.dumps(out))
 """
 
 
+TRIVIAL = r"""
+import shoal
+ps = shoal.init()
+ps.barrier()
+ps.shutdown()
+"""
+
+
+def trivial_job(src: Path, script: Path) -> float:
+    """Seconds ``shoal run`` of the trivial 2-node job takes, launcher start to exit."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node", "1", "--",
+                    sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True,
+                   check=True, timeout=120, cwd=ROOT)
+    return time.perf_counter() - started
+
+
 def shoal_run(src: Path, nodes: int, args: list[str], classic: bool = False) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
@@ -67,11 +88,13 @@ def shoal_run(src: Path, nodes: int, args: list[str], classic: bool = False) -> 
         return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-def measure(src: Path, seconds: float, pulls_script: Path) -> dict[str, float]:
+def measure(src: Path, seconds: float, pulls_script: Path, trivial_script: Path) -> dict[str, float]:
+    startup = statistics.median(trivial_job(src, trivial_script) for _ in range(3))
     pulls = shoal_run(src, 1, [str(pulls_script), "{out}"], classic=True)
     kge = shoal_run(src, 2, [str(ROOT / "examples" / "kge" / "train.py"), "--mode", "auto", "--data", "zipf",
                              "--seconds", str(seconds), "--out", "{out}"])
-    return {"pull_1_us": pulls["1"], "pull_10000_us": pulls["10000"], "kge_auto_triples_per_s": kge["triples_per_s"],
+    return {"startup_s": startup, "pull_1_us": pulls["1"], "pull_10000_us": pulls["10000"],
+            "kge_auto_triples_per_s": kge["triples_per_s"],
             "kge_auto_server_cores": kge["server_cores"]}
 
 
@@ -90,17 +113,20 @@ def main() -> None:
         try:
             pulls_script = Path(tmp) / "pulls.py"
             pulls_script.write_text(PULLS)
+            trivial_script = Path(tmp) / "trivial.py"
+            trivial_script.write_text(TRIVIAL)
             contenders = {"this tree": ROOT / "src", rev: old / "src"}
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
             for round_ in range(args.rounds):
                 for name, src in contenders.items():
-                    runs[name].append(measure(src, args.seconds, pulls_script))
+                    runs[name].append(measure(src, args.seconds, pulls_script, trivial_script))
                     print(f"round {round_ + 1} {name}: {runs[name][-1]}", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], capture_output=True, cwd=ROOT)
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     new, base = medians["this tree"], medians[rev]
-    rows = [("remote pull, 1 key (µs)", "pull_1_us", True), ("remote pull, 10,000 keys (µs)", "pull_10000_us", True),
+    rows = [("trivial 2-node job, start to exit (s)", "startup_s", True),
+            ("remote pull, 1 key (µs)", "pull_1_us", True), ("remote pull, 10,000 keys (µs)", "pull_10000_us", True),
             ("KGE auto, 2 nodes (triples/s)", "kge_auto_triples_per_s", False),
             ("KGE auto, 2 nodes: both servers' cores", "kge_auto_server_cores", True)]
     lines = [f"This tree against {rev}, alternating, {args.rounds} rounds; medians. Ratio > 1: this tree is faster.",

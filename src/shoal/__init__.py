@@ -72,7 +72,7 @@ def init(local_access: bool | None = None) -> Worker:
     (see ``shoal.launch.torchrun``), or by anything that sets the ``SHOAL_*`` variables."""
     from shoal.client.worker import Worker
     from shoal.launch import env, torchrun
-    from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers
+    from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers, keep_startup_objects
 
     if not env.configured() and torchrun.detected():
         role = torchrun.role()
@@ -81,6 +81,7 @@ def init(local_access: bool | None = None) -> Worker:
         role = env.role_from_env(server=False)
     bind_to_launcher(env.launcher_pid())
     keep_large_buffers()
+    keep_startup_objects()
     return Worker(role.cluster, role.rank, role.node, env.transport(),
                   local_access=role.local_access if local_access is None else local_access, owns_transport=True,
                   metrics_port=env.metrics_port(role.node, role.rank), run_dir=env.run_dir(),

@@ -197,3 +197,56 @@ def test_a_run_directory_another_user_could_enter_is_refused(tmp_path):
         patch.setattr(tempfile, "tempdir", None)
         with pytest.raises(ConfigError, match="no one else may enter"):
             private_runs_dir()
+
+
+NO_TABLE_YET = """
+import json, sys
+import numpy as np
+import shoal
+
+def loaded(pid):  # numba's compiled extension modules are mapped once it is imported
+    return "/numba/" in open(f"/proc/{pid}/maps").read()
+
+ps = shoal.init()
+servers = [s["pid"] for s in ps.server_stats()]
+ps.barrier()
+before = {"worker": "numba" in sys.modules, "prometheus": "prometheus_client" in sys.modules,
+          "servers": [loaded(pid) for pid in servers]}
+table = ps.table("t", 100, 4)
+table.push(np.arange(100), np.ones((100, 4), np.float32))
+after = {"worker": "numba" in sys.modules, "servers": [loaded(pid) for pid in servers]}
+ps.barrier()
+if ps.rank == 0:
+    open(sys.argv[1], "w").write(json.dumps({"before": before, "after": after}))
+ps.shutdown()
+"""
+
+
+def test_numba_and_prometheus_load_where_first_needed_not_at_start(tmp_path):
+    """A job's processes start without numba (about 1 s of CPU each) and without prometheus_client:
+    a worker loads numba with its first table, a server while it builds one, the HTTP exposition on
+    the first scrape; a barrier-only job never pays either."""
+    script, out = tmp_path / "job.py", tmp_path / "out.json"
+    script.write_text(NO_TABLE_YET)
+    done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--connect-timeout", "30",
+                           "--", sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = json.loads(out.read_text())
+    assert seen["before"] == {"worker": False, "prometheus": False, "servers": [False, False]}
+    assert seen["after"] == {"worker": True, "servers": [True, True]}
+
+
+def test_the_launcher_notices_a_child_exit_at_once():
+    """It waits on the children's exits, not in polling sleeps that every job's end would wait out."""
+    from shoal.launch.lifecycle import wait_for_an_exit
+
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = time.monotonic()
+        wait_for_an_exit([quick, slow], 30.0)
+        assert time.monotonic() - started < 20.0
+        assert quick.poll() == 0 and slow.poll() is None
+    finally:
+        slow.kill()
+        slow.wait()

@@ -19,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.api.errors import ConfigError
 from shoal.client.worker import Worker
-from shoal.cluster.metrics import Family, FamilyCollector, LatencyHistogram, MetricsEndpoint, metrics_token
+from shoal.cluster.exposition import FamilyCollector
+from shoal.cluster.metrics import Family, LatencyHistogram, metrics_token
+from shoal.cluster.metrics_endpoint import MetricsEndpoint
 from tests.support.cluster import ThreadCluster
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -122,3 +126,28 @@ def test_initialisers_can_leave_trailing_columns_at_zero():
     fill_initial(TableSpec("t", 5, 8, init=Normal(std=1.0)), np.arange(5), full)
     fill_initial(TableSpec("t", 5, 8, init=Normal(std=1.0, columns=3)), np.arange(5), part)
     assert (part[:, 3:] == 0).all() and (part[:, :3] != 0).all()
+
+
+def test_numba_loads_at_the_first_kernel_call_not_at_import():
+    """The launcher, the servers and the workers import the kernels' modules; numba (about 1 s of a
+    process's start with its first call) must wait for a kernel to run, and then kernels that call
+    kernels (the seeded initialisers) must be compiled calls that give the same rows."""
+    script = """
+import sys
+import numpy as np
+import shoal.client.worker, shoal.launch.cli, shoal.launch.server_main
+from shoal.storage import jit, kernels
+from shoal.placement import kernels as routing
+assert "numba" not in sys.modules and not jit.is_loaded()
+out = np.zeros((3, 4))
+kernels.seeded_normal(np.uint64(7), np.arange(3), out, 0.0, 1.0)
+assert "numba" in sys.modules and jit.is_loaded()
+assert type(kernels.seeded_normal).__name__ == "CPUDispatcher"  # the stand-in replaced by its compiled form
+assert type(routing.range_locate).__name__ == "CPUDispatcher"
+print(repr(out.tolist()))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    again = np.zeros((3, 4))
+    kernels.seeded_normal(np.uint64(7), np.arange(3), again, 0.0, 1.0)
+    assert ast.literal_eval(done.stdout.strip()) == again.tolist()

@@ -27,7 +27,8 @@ from shoal.client.table import Table
 from shoal.cluster import membership
 from shoal.cluster.fdshare import fetch_fds, socket_name
 from shoal.cluster.liveness import ProcessExit
-from shoal.cluster.metrics import MetricsEndpoint, metrics_token
+from shoal.cluster.metrics import metrics_token
+from shoal.cluster.metrics_endpoint import MetricsEndpoint
 from shoal.cluster.requests import RequestTracker
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
@@ -77,7 +78,6 @@ class Worker:
         self._owns_transport = owns_transport
         self.tracker = RequestTracker(transport, Codec(cluster.limits, cluster.secret), sender=rank,
                                       resend_s=cluster.timeouts.resend_s, now=now)
-        warming = kernels.warm_up_meanwhile()  # while registering; not on the training loop's first pull
         self.clock = 0
         self.tables: dict[str, Table] = {}
         #: where shutdown writes what this worker logged, for the run report (see ``log``)
@@ -107,7 +107,6 @@ class Worker:
         self._server_exit: ProcessExit | None = None  # tells when the local server's process has ended
         if local_access:
             self._attach_clocks()
-        warming.join()
 
     @property
     def num_workers(self) -> int:
@@ -169,6 +168,7 @@ class Worker:
                                  f"{existing.spec.differences(spec, 'before', 'now')}")
             return existing
         timeout = self.cluster.timeouts.request_s
+        warming = kernels.warm_up_meanwhile()  # while the servers build it; not on the first pull timed
         self.tracker.gather(self.live_servers(),
                             lambda n: Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
                             f"CREATE_TABLE {spec.name!r}", timeout)
@@ -186,6 +186,7 @@ class Worker:
             local = self.local_slices(spec, layout, {}) if self.local_access else {}
         table = Table(self, spec, layout, local)
         self.tables[spec.name] = table
+        warming.join()
         return table
 
     def _attach_clocks(self) -> None:

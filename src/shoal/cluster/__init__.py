@@ -8,6 +8,8 @@
 - ``slices``: ``SliceAuthority``, where each slice of each static table lives, and moves
 - ``liveness``: knowing at once that a process on this machine has ended
 - ``fdshare``: passing shared-memory descriptors to co-located processes
-- ``metrics``: Prometheus families and their HTTP endpoint
+- ``metrics``: Prometheus families built from the counters each loop keeps
+- ``metrics_endpoint``: a process's metrics port, bound at start; HTTP loaded at the first scrape
+- ``exposition``: the families served through ``prometheus_client``
 - ``throttle``: warnings that may come in floods, logged once per interval with their count
 """

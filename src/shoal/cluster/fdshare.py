@@ -52,7 +52,6 @@ class FdShareServer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.bind(name)
         self.sock.listen(64)
-        self.sock.settimeout(0.2)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="shoal-fdshare", daemon=True)
         self._thread.start()
@@ -60,9 +59,7 @@ class FdShareServer:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
+                conn, _ = self.sock.accept()  # blocks until a request, or until close shuts the socket
             except OSError:
                 break
             with conn:
@@ -101,9 +98,15 @@ class FdShareServer:
         socket.send_fds(conn, [_LEN.pack(len(payload)) + payload], fds)
 
     def close(self) -> None:
+        """Wakes the thread's ``accept`` at once (Linux ends it with EINVAL once the socket is shut),
+        rather than after a polling timeout that every exit would wait out."""
         self._stop.set()
-        self.sock.close()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._thread.join(timeout=2)
+        self.sock.close()
 
 
 def fetch_fds(name: str, request: dict[str, Any], timeout: float = 10.0) -> tuple[dict[str, Any], list[int]]:

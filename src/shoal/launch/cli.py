@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import logging
 import os
 import sys
@@ -17,13 +16,24 @@ from shoal.api.config import Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ClusterError, ShoalError
 from shoal.cluster.metrics import metrics_token
 from shoal.launch.env import read_secret
+from shoal.launch.lifecycle import keep_startup_objects
 from shoal.launch.local import LaunchOptions, LocalCluster
 from shoal.launch.status import find_job, watch
 
 
+class _Version(argparse.Action):
+    """``--version``, looked up only when asked: ``importlib.metadata`` costs every launch 0.05 s."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        import importlib.metadata
+
+        print(f"shoal {importlib.metadata.version('shoal')}")
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Shoal parameter server")
-    parser.add_argument("--version", action="version", version=f"shoal {importlib.metadata.version('shoal')}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a training script on a local cluster",
                          description="Start a rendezvous, one server per node and the workers on this machine; "
@@ -120,6 +130,7 @@ def _status(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="shoal: %(levelname)s %(message)s")
+    keep_startup_objects()
     if args.command in ("status", "metrics-token"):
         try:
             return _status(args) if args.command == "status" else _metrics_token(args)

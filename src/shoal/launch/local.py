@@ -30,7 +30,7 @@ from shoal.api.config import ClusterSpec, Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ConfigError
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch.env import child_env
-from shoal.launch.lifecycle import die_with_parent
+from shoal.launch.lifecycle import die_with_parent, wait_for_an_exit
 from shoal.launch.report import LoadSampler, write_report
 from shoal.launch.status import keep_secret, record_run
 from shoal.transport.zmq_transport import ZmqTransport
@@ -296,9 +296,9 @@ class LocalCluster:
                 rendezvous.shutdown_requested = True  # servers see it in their next heartbeat
                 deadline = time.monotonic() + 5.0
                 while time.monotonic() < deadline and any(s.proc.poll() is None for s in servers):
-                    time.sleep(0.05)
+                    wait_for_an_exit((s.proc for s in servers), 0.05)
                 return 0
-            time.sleep(0.05)
+            wait_for_an_exit((c.proc for c in self.children), 0.05)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._interrupted = signum

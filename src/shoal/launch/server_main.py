@@ -13,7 +13,7 @@ from types import FrameType
 from shoal.api.errors import ShoalError
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch import env
-from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers
+from shoal.launch.lifecycle import bind_to_launcher, keep_large_buffers, keep_startup_objects
 from shoal.server.server import ParameterServer
 from shoal.wire.codec import Codec
 
@@ -34,6 +34,7 @@ def main() -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     bind_to_launcher(env.launcher_pid())
     keep_large_buffers()
+    keep_startup_objects()
     rendezvous: Rendezvous | None = None
     try:
         role = env.role_from_env(server=True)

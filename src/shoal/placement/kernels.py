@@ -2,33 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
-
 import numpy as np
 
-F = TypeVar("F", bound=Callable[..., Any])
+from shoal.storage.jit import kernel
 
 
-def _jit(fn: F) -> F:
-    """``fn`` compiled (or loaded from numba's cache) on its first call. The rendezvous imports the
-    layouts but seldom routes a key; numba's import alone costs the launcher about 0.2 s."""
-    compiled: Callable[..., Any] | None = None
-
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        nonlocal compiled
-        if compiled is None:
-            import numba
-
-            compiled = numba.njit(nogil=True, cache=True)(fn)
-        return compiled(*args)
-
-    return cast(F, call)
-
-
-@_jit
+@kernel
 def range_locate(keys: np.ndarray, bounds: np.ndarray, shard: np.ndarray, row: np.ndarray) -> None:
     """Shard and row of each key under contiguous ranges ``bounds[s] <= key < bounds[s + 1]``."""
     num_shards = bounds.shape[0] - 1
@@ -45,7 +24,7 @@ def range_locate(keys: np.ndarray, bounds: np.ndarray, shard: np.ndarray, row: n
         row[i] = k - bounds[lo]
 
 
-@_jit
+@kernel
 def owners_of(shard: np.ndarray, owner_of_shard: np.ndarray, owner: np.ndarray, num_owners: int) -> np.ndarray:
     """Fill ``owner[i] = owner_of_shard[shard[i]]``; returns the count of keys per owner."""
     counts = np.zeros(num_owners, dtype=np.int64)
@@ -56,7 +35,7 @@ def owners_of(shard: np.ndarray, owner_of_shard: np.ndarray, owner: np.ndarray, 
     return counts
 
 
-@_jit
+@kernel
 def lookup_locate(keys: np.ndarray, shard_of: np.ndarray, row_of: np.ndarray, shard: np.ndarray,
                   row: np.ndarray) -> None:
     """Shard and row of each key from per-key tables."""
@@ -66,7 +45,7 @@ def lookup_locate(keys: np.ndarray, shard_of: np.ndarray, row_of: np.ndarray, sh
         row[i] = row_of[k]
 
 
-@_jit
+@kernel
 def rows_in_range(keys: np.ndarray, start: int, stop: int, rows: np.ndarray) -> bool:
     """``rows = keys - start`` if every key lies in ``[start, stop)``; False otherwise."""
     for i in range(keys.shape[0]):
@@ -77,7 +56,7 @@ def rows_in_range(keys: np.ndarray, start: int, stop: int, rows: np.ndarray) -> 
     return True
 
 
-@_jit
+@kernel
 def rows_in_stride(keys: np.ndarray, shard: int, num_shards: int, rows: np.ndarray) -> bool:
     """``rows = keys // S`` if every key has ``key % S == shard``; False otherwise."""
     for i in range(keys.shape[0]):
@@ -88,7 +67,7 @@ def rows_in_stride(keys: np.ndarray, shard: int, num_shards: int, rows: np.ndarr
     return True
 
 
-@_jit
+@kernel
 def rows_in_lookup(keys: np.ndarray, shard: int, shard_of: np.ndarray, row_of: np.ndarray,
                    rows: np.ndarray) -> bool:
     """Rows from per-key tables if every key lies in ``shard``; False otherwise."""

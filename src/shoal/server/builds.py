@@ -6,7 +6,8 @@ hold every other table's requests that long. A ``CREATE_TABLE`` therefore hands
 the work to one background thread and is answered when the table is ready, by
 the loop, which meanwhile serves everything else. Building touches nothing the
 loop reads: a service's ``build`` returns the table, its ``install`` (on the
-loop's thread) starts serving it.
+loop's thread) starts serving it. numba's kernels are loaded there too, before
+the first table is answered: a server that never holds a table never loads them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from shoal.api.config import TableSpec
 from shoal.server.service import TableService
+from shoal.storage import kernels
 from shoal.wire.message import Message
 
 
@@ -41,7 +43,7 @@ class TableBuilds:
               current: dict[str, Any] | None = None) -> None:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"shoal-build-{self.node}")
-        future = self._pool.submit(service.build, spec, current)
+        future = self._pool.submit(_build, service, spec, current)
         self.pending[spec.name] = Build(spec, service, future, [(peer, msg)])
 
     def join(self, name: str, peer: bytes, msg: Message) -> None:
@@ -68,3 +70,8 @@ class TableBuilds:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _build(service: TableService, spec: TableSpec, current: dict[str, Any] | None) -> Any:
+    kernels.warm_up()  # not on the loop, on the table's first request
+    return service.build(spec, current)

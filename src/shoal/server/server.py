@@ -34,7 +34,8 @@ from shoal.api.errors import (
 from shoal.api.ids import RENDEZVOUS, server_sender
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
-from shoal.cluster.metrics import LatencyHistogram, MetricsEndpoint, metrics_token
+from shoal.cluster.metrics import LatencyHistogram, metrics_token
+from shoal.cluster.metrics_endpoint import MetricsEndpoint
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.requests import RequestTracker
 from shoal.cluster.roles import SERVER_OPS, Roles
@@ -53,7 +54,6 @@ from shoal.server.static import StaticService
 from shoal.server.streams import StreamOrder
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, SliceMoving, table_bytes
-from shoal.storage import kernels
 from shoal.storage.segment import Segment
 from shoal.transport.base import Transport, is_loopback
 from shoal.wire.codec import Codec
@@ -100,7 +100,6 @@ class ParameterServer:
             raise ConfigError(f"server {node} would bind {bind!r}, which is not loopback: that needs a shared secret")
         self._unsigned = Codec(cluster.limits)  # only for telling a peer its tag was wrong
         self.roles = Roles(cluster.num_workers, cluster.num_nodes)
-        self._warming = kernels.warm_up_meanwhile()  # while registering; not on the first request timed
         # libzmq drops a peer that sends a frame past this hard cap; messages between
         # the soft limit and the cap get a typed error reply instead.
         hard_cap = cluster.limits.max_message_bytes * 2 + (1 << 20)
@@ -162,7 +161,6 @@ class ParameterServer:
                 metrics=self.metrics.url if self.metrics is not None else None)
             self._rejoin(status)
             log.info("server %d serving at %s", self.node, self.address)
-        self._warming.join()
         wait, timers_at = 0.0, 0.0
         try:
             while not self._stop.is_set():

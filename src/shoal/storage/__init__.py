@@ -6,6 +6,7 @@
 - ``state``: the per-row state each optimiser keeps (what a row weighs, without the kernels)
 - ``initialize``: per-key seeded initial values
 - ``kernels``: compiled gather / scatter / rule loops
+- ``jit``: kernels compiled with numba at their first call, not at import
 - ``validate``: checks on keys and rows that every entry point runs
 - ``checkpoint``: checkpoints on disk, by global key, with optimiser state
 """

@@ -1,4 +1,4 @@
-"""Hot loops over rows, compiled with numba.
+"""Hot loops over rows, compiled with numba (on first use: ``jit``).
 
 numpy's generic paths are far from the memory bound here: ``np.add.at`` is
 about twenty times slower than a compiled scatter-add loop, and a compiled
@@ -11,15 +11,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import numba
 import numpy as np
 
-_jit = numba.njit(nogil=True, cache=True)
+from shoal.storage.jit import kernel
 
 # ---------------------------------------------------------------- row movement
 
 
-@_jit
+@kernel
 def gather_rows(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     """``out[i] = src[rows[i]]``."""
     dim = src.shape[1]
@@ -29,7 +28,7 @@ def gather_rows(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
             out[i, j] = src[r, j]
 
 
-@_jit
+@kernel
 def place_rows(dst: np.ndarray, positions: np.ndarray, src: np.ndarray) -> None:
     """``dst[positions[i]] = src[i]``: put a destination's reply back in caller order."""
     dim = src.shape[1]
@@ -39,7 +38,7 @@ def place_rows(dst: np.ndarray, positions: np.ndarray, src: np.ndarray) -> None:
             dst[p, j] = src[i, j]
 
 
-@_jit
+@kernel
 def gather_place(src: np.ndarray, rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
     """``out[positions[i]] = src[rows[i]]``: a local gather straight into caller order."""
     dim = src.shape[1]
@@ -50,7 +49,7 @@ def gather_place(src: np.ndarray, rows: np.ndarray, positions: np.ndarray, out: 
             out[p, j] = src[r, j]
 
 
-@_jit
+@kernel
 def add_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, alpha: float) -> None:
     """``dst[rows[i]] += alpha * src[i]``; duplicates accumulate."""
     dim = dst.shape[1]
@@ -66,7 +65,7 @@ def add_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, alpha: float) -
 ABSENT, OWNED, REPLICA = 0, 1, 2
 
 
-@_jit
+@kernel
 def read_present(values: np.ndarray, presence: np.ndarray, rows: np.ndarray, positions: np.ndarray,
                  out: np.ndarray, absent: np.ndarray) -> None:
     """``out[positions[i]] = values[rows[i]]`` for present rows; ``absent[i]`` marks the others."""
@@ -82,7 +81,7 @@ def read_present(values: np.ndarray, presence: np.ndarray, rows: np.ndarray, pos
             out[p, j] = values[r, j]
 
 
-@_jit
+@kernel
 def add_present(values: np.ndarray, pending: np.ndarray, presence: np.ndarray, rows: np.ndarray,
                 grads: np.ndarray, scale: float, absent: np.ndarray) -> None:
     """Additive update of present rows; a replica also records the change as pending for its owner."""
@@ -102,7 +101,7 @@ def add_present(values: np.ndarray, pending: np.ndarray, presence: np.ndarray, r
                 pending[r, j] += d
 
 
-@_jit
+@kernel
 def take_pending(pending: np.ndarray, rows: np.ndarray, also: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A replica sync's payload: the rows among ``rows`` with a non-zero pending change (or marked in
     ``also``) and their changes, which are reset to zero. One pass, no row-sized temporaries."""
@@ -136,7 +135,7 @@ def take_pending(pending: np.ndarray, rows: np.ndarray, also: np.ndarray) -> tup
 # ------------------------------------------------------------- key bookkeeping
 
 
-@_jit
+@kernel
 def partition_by_owner(owners: np.ndarray, num_owners: int) -> tuple[np.ndarray, np.ndarray]:
     """Stable counting sort of positions by owner.
 
@@ -157,7 +156,7 @@ def partition_by_owner(owners: np.ndarray, num_owners: int) -> tuple[np.ndarray,
     return order, starts
 
 
-@_jit
+@kernel
 def first_out_of_range(keys: np.ndarray, num_keys: int) -> int:
     """Index of the first key outside ``[0, num_keys)``, or -1."""
     for i in range(keys.shape[0]):
@@ -167,7 +166,7 @@ def first_out_of_range(keys: np.ndarray, num_keys: int) -> int:
     return -1
 
 
-@_jit
+@kernel
 def _exponent_all_ones(bits: np.ndarray, mask: np.uint64) -> bool:
     acc = 0
     for i in range(bits.shape[0]):
@@ -191,7 +190,7 @@ def any_nonfinite(values: np.ndarray) -> bool:
     return bool(_exponent_all_ones(np.ascontiguousarray(values).reshape(-1).view(uint), mask))
 
 
-@_jit
+@kernel
 def nonfinite_rows(values: np.ndarray) -> np.ndarray:
     """Boolean mask of rows that hold a NaN or an Inf."""
     bad = np.zeros(values.shape[0], dtype=np.bool_)
@@ -204,7 +203,7 @@ def nonfinite_rows(values: np.ndarray) -> np.ndarray:
     return bad
 
 
-@_jit
+@kernel
 def is_strictly_increasing(rows: np.ndarray) -> bool:
     for i in range(1, rows.shape[0]):
         if rows[i] <= rows[i - 1]:
@@ -212,7 +211,7 @@ def is_strictly_increasing(rows: np.ndarray) -> bool:
     return True
 
 
-@_jit
+@kernel
 def sum_duplicates(rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct rows (ascending) and the sum of each one's gradients."""
     order = np.argsort(rows, kind="mergesort")
@@ -236,7 +235,7 @@ def sum_duplicates(rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.
 # --------------------------------------------------------------- update rules
 
 
-@_jit
+@kernel
 def adagrad_rows(
     values: np.ndarray, accum: np.ndarray, rows: np.ndarray, grads: np.ndarray, lr: float, eps: float
 ) -> None:
@@ -251,7 +250,7 @@ def adagrad_rows(
             values[r, j] -= lr * g / (np.sqrt(h) + eps)
 
 
-@_jit
+@kernel
 def adam_rows(
     values: np.ndarray,
     first: np.ndarray,
@@ -288,7 +287,7 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-@_jit
+@kernel
 def _splitmix64(x: np.uint64) -> np.uint64:
     z = x + _GOLDEN
     z = (z ^ (z >> np.uint64(30))) * _MIX1
@@ -296,13 +295,13 @@ def _splitmix64(x: np.uint64) -> np.uint64:
     return z ^ (z >> np.uint64(31))
 
 
-@_jit
+@kernel
 def _unit(x: np.uint64) -> float:
     """A uniform double in [0, 1) from 64 random bits."""
     return float(x >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
-@_jit
+@kernel
 def seeded_uniform(seed: np.uint64, keys: np.ndarray, out: np.ndarray, low: float, high: float) -> None:
     """Row ``i`` of ``out`` depends only on ``(seed, keys[i])``."""
     dim = out.shape[1]
@@ -314,7 +313,7 @@ def seeded_uniform(seed: np.uint64, keys: np.ndarray, out: np.ndarray, low: floa
             out[i, j] = low + (high - low) * u
 
 
-@_jit
+@kernel
 def seeded_normal(seed: np.uint64, keys: np.ndarray, out: np.ndarray, mean: float, std: float) -> None:
     """Box-Muller on two counter-derived uniforms per value."""
     dim = out.shape[1]
@@ -331,14 +330,14 @@ def seeded_normal(seed: np.uint64, keys: np.ndarray, out: np.ndarray, mean: floa
 
 
 def warm_up() -> None:
-    """Start numba now: its first call in a process costs about 0.3 s even from the cache (each kernel
-    after that a few ms), which would otherwise land on a job's first pull or push."""
+    """Start numba now: its import and first call in a process cost about 1 s even from the cache (each
+    kernel after that a few ms), which would otherwise land on a job's first pull or push."""
     first_out_of_range(np.zeros(1, dtype=np.int64), 1)
 
 
 def warm_up_meanwhile() -> threading.Thread:
-    """``warm_up`` on a thread of its own, while the caller waits on the network (registering, waiting
-    for its peers); join it before the first pull or push that is timed."""
+    """``warm_up`` on a thread of its own, while the caller waits on the network (a table's servers
+    building it); join it before the first pull or push that is timed."""
     thread = threading.Thread(target=warm_up, name="shoal-numba-warm-up", daemon=True)
     thread.start()
     return thread
