@@ -12,7 +12,9 @@ machine checks them, and counts (hops, parts), when a message arrives.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -119,19 +121,38 @@ KINDS: dict[str, type[PlacementMessage]] = {
     cls.kind: cls for cls in (Relocate, Handover, State, Owner, Announce, Replicate, Sync, Synced)}
 
 
-def body_fields(cls: type[PlacementMessage]) -> dict[str, type]:
-    """The fields of a kind that travel in the body, with their types (int or bool)."""
+@dataclass(frozen=True)
+class _Fields:
+    body: Mapping[str, type]  # travel in the body: name -> int or bool
+    arrays: tuple[tuple[str, str, int], ...]  # travel as arrays, in order: (name, dtype kind, rank)
+    nodes: frozenset[str]  # body fields that name a node
+
+
+def _fields_of(cls: type[PlacementMessage]) -> _Fields:
     types = {"int": int, "bool": bool}
-    return {f.name: types[str(f.type)] for f in dataclasses.fields(cls) if "array" not in f.metadata}
+    fields = dataclasses.fields(cls)
+    return _Fields(MappingProxyType({f.name: types[str(f.type)] for f in fields if "array" not in f.metadata}),
+                   tuple((f.name, *f.metadata["array"]) for f in fields if "array" in f.metadata),
+                   frozenset(f.name for f in fields if f.metadata.get("node")))
 
 
-def array_fields(cls: type[PlacementMessage]) -> list[tuple[str, str, int]]:
+# Asked for with every message a kind sends or receives, so worked out once per kind here
+# (``dataclasses.fields`` builds a new tuple at each call: a tenth of a busy server's loop).
+_FIELDS = {cls: _fields_of(cls) for cls in KINDS.values()}
+
+
+def body_fields(cls: type[PlacementMessage]) -> Mapping[str, type]:
+    """The fields of a kind that travel in the body, with their types (int or bool)."""
+    return _FIELDS[cls].body
+
+
+def array_fields(cls: type[PlacementMessage]) -> tuple[tuple[str, str, int], ...]:
     """The array fields of a kind in the order they travel: (name, dtype kind, rank)."""
-    return [(f.name, *f.metadata["array"]) for f in dataclasses.fields(cls) if "array" in f.metadata]
+    return _FIELDS[cls].arrays
 
 
-def node_fields(cls: type[PlacementMessage]) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("node")]
+def node_fields(cls: type[PlacementMessage]) -> frozenset[str]:
+    return _FIELDS[cls].nodes
 
 
 #: several messages to one node in one: body ``{"kind": BATCH, "messages": [each one's body]}``, the

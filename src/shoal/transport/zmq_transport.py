@@ -42,6 +42,17 @@ def normalise_address(address: str) -> str:
     raise ConfigError(f"ZeroMQ transport speaks tcp:// and ipc://, got {address!r}")
 
 
+def _recv_parts(socket: zmq.Socket[Any]) -> list[zmq.Frame]:
+    """The parts of one message, each as a frame: ``recv_multipart`` asks the socket (an option read
+    and enum conversions) after every part, where the frame itself knows whether more follow."""
+    frame = socket.recv(copy=False)
+    parts = [frame]
+    while frame.more:
+        frame = socket.recv(copy=False)
+        parts.append(frame)
+    return parts
+
+
 class ZmqListener(Listener):
     def __init__(self, ctx: zmq.Context, address: str, max_frame_bytes: int | None) -> None:
         self.socket = ctx.socket(zmq.ROUTER)
@@ -64,11 +75,9 @@ class ZmqListener(Listener):
         if timeout == 0:  # the server's loop drains a burst this way: no poll call, no exception when empty
             if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
                 return None
-            parts = self.socket.recv_multipart(copy=False)
-        else:
-            if not self._poller.poll(_ms(timeout)):
-                return None
-            parts = self.socket.recv_multipart(copy=False)
+        elif not self._poller.poll(_ms(timeout)):
+            return None
+        parts = _recv_parts(self.socket)
         return parts[0].bytes, parts[1:]
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
@@ -116,7 +125,7 @@ class ZmqConnection(Connection):
                 return None
         elif not self._poller.poll(_ms(timeout)):
             return None
-        return self.socket.recv_multipart(copy=False)
+        return _recv_parts(self.socket)
 
     def close(self) -> None:
         self.socket.close()
