@@ -3,7 +3,9 @@
     python benchmarks/bench_mf.py [--epochs 10] [--rounds 2]
 
 Each round runs the baseline and then every cluster configuration, so all
-contenders see the same machine; the reported figure is the median over rounds
+contenders see the same machine (``auto``: adaptive tables, each worker's own
+users declared for the whole run and the items it rates for each epoch, see
+``examples/mf/train.py``); the reported figure is the median over rounds
 of ratings/s in the training loop (evaluation excluded), with the final test
 RMSE beside it.
 """
@@ -28,16 +30,19 @@ from model import Hyper  # noqa: E402
 
 from common import run_example, write_results  # noqa: E402
 
-CONFIGS = {
-    "Shoal 1 node x 1 worker": dict(nodes=1, workers_per_node=1),
-    "Shoal 1 node x 2 workers": dict(nodes=1, workers_per_node=2),
-    "Shoal 2 nodes x 1 worker": dict(nodes=2, workers_per_node=1),
-    "classic PS 2 nodes x 1 worker (no local access)": dict(nodes=2, workers_per_node=1, local_access=False),
+#: name -> (cluster options, arguments of train.py)
+CONFIGS: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "Shoal 1 node x 1 worker": (dict(nodes=1, workers_per_node=1), []),
+    "Shoal 1 node x 2 workers": (dict(nodes=1, workers_per_node=2), []),
+    "Shoal 2 nodes x 1 worker": (dict(nodes=2, workers_per_node=1), []),
+    "Shoal 2 nodes x 1 worker, auto (intents as long as the use)": (dict(nodes=2, workers_per_node=1),
+                                                                     ["--mode", "auto"]),
+    "classic PS 2 nodes x 1 worker (no local access)": (dict(nodes=2, workers_per_node=1, local_access=False), []),
 }
 
 
-def run_cluster(epochs: int, options: dict[str, Any]) -> dict[str, Any]:
-    return run_example(MF / "train.py", ["--epochs", str(epochs), "--quiet"], **options)
+def run_cluster(epochs: int, options: dict[str, Any], args: list[str]) -> dict[str, Any]:
+    return run_example(MF / "train.py", ["--epochs", str(epochs), "--quiet", *args], **options)
 
 
 BASELINE = "single-process baseline (compiled row updates)"
@@ -56,8 +61,8 @@ def main() -> None:
         base = train_baseline(data, Hyper(epochs=args.epochs))
         rates[BASELINE].append(base["ratings_per_s"])  # type: ignore[arg-type]
         rmse[BASELINE] = base["rmse"][-1]  # type: ignore[index]
-        for name, options in CONFIGS.items():
-            result = run_cluster(args.epochs, options)
+        for name, (options, train_args) in CONFIGS.items():
+            result = run_cluster(args.epochs, options, train_args)
             rates[name].append(result["ratings_per_s"])  # type: ignore[arg-type]
             rmse[name] = result["rmse"][-1]  # type: ignore[index]
             print(f"round {r + 1}: {name}: {result['ratings_per_s']:,.0f} ratings/s", flush=True)

@@ -12,6 +12,13 @@ By default every epoch ends with a barrier and rank 0 reports test RMSE. With
 ``--free-running`` workers never wait for each other except through the
 tables' consistency model; rank 0 evaluates at the end of each of its own
 epochs, and the last evaluation follows a final barrier.
+
+``--mode relocation|replication|auto`` makes both tables adaptive, as AdaPM's
+MF application does: each worker trains the ratings of its own users (user
+``u`` belongs to rank ``u % num_workers``), and declares the users and items of
+the batch ``--lookahead`` clocks ahead as intent, so their rows are on its node
+by the time it uses them (its users move there once and stay; a hot item is
+replicated on every node that keeps using it).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from progress import Progress
 
 import shoal
 
+MODES = ("static", "relocation", "replication", "auto")
 MODELS = {"asp": lambda s, lazy: shoal.ASP(), "bsp": lambda s, lazy: shoal.BSP(lazy=lazy),
           "ssp": lambda s, lazy: shoal.SSP(s, lazy=lazy), "essp": lambda s, lazy: shoal.ESSP(s, lazy=lazy)}
 
@@ -44,6 +52,8 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adagrad"),
                    help="server-side update rule (adagrad copes with very popular items)")
     p.add_argument("--mapping", default="range", help="key mapping rule of both tables")
+    p.add_argument("--mode", default="static", choices=MODES, help="where rows live (see above)")
+    p.add_argument("--lookahead", type=int, default=4, help="batches ahead declared as intent (adaptive modes)")
     p.add_argument("--consistency", default="asp", choices=sorted(MODELS))
     p.add_argument("--staleness", type=int, default=1, help="bound s of SSP/ESSP")
     p.add_argument("--lazy-ms", type=float, default=0.0, help="lazy pull buffer timeout (0: off)")
@@ -72,12 +82,18 @@ def main() -> None:
     if args.replicas > 1:
         options.update(replicas=args.replicas, write_quorum=args.write_quorum, gossip_ms=args.gossip_ms,
                        read_quorum=shoal.Dynamic() if args.read_quorum == "dynamic" else int(args.read_quorum))
+    adaptive = args.mode != "static"
+    if adaptive:
+        options["techniques"] = args.mode
     users = ps.table("mf.users", data.num_users, hyper.rank + 1, **options)
     items = ps.table("mf.items", data.num_items, hyper.rank + 1, **options)
     if args.info and ps.rank == 0:
         with open(args.info, "w") as fh:
             json.dump({"server_pids": [s["pid"] for s in ps.server_stats()]}, fh)
-    mine = data.train.take(np.arange(ps.rank, len(data.train), ps.num_workers))
+    if adaptive:  # a worker's own users: their rows move to its node once, and stay
+        mine = data.train.take(np.flatnonzero(data.train.users % ps.num_workers == ps.rank))
+    else:
+        mine = data.train.take(np.arange(ps.rank, len(data.train), ps.num_workers))
     mu = float(data.train.values.mean())
     lead = ps.rank == 0
     straggler = ps.rank == ps.num_workers - 1 and ps.num_workers > 1
@@ -96,12 +112,27 @@ def main() -> None:
     ps.barrier()
     start = time.perf_counter()
     train_seconds = 0.0
-    for epoch in range(hyper.epochs):
+    def batches(epoch: int) -> list[np.ndarray]:
         order = np.random.default_rng((1000 + epoch) * 7919 + ps.rank).permutation(len(mine))
+        return [order[s : s + hyper.batch] for s in range(0, len(mine), hyper.batch)]
+
+    schedule = [b for epoch in range(hyper.epochs) for b in batches(epoch)]
+    if adaptive:
+        # Intents as long as the use: a worker's users for the whole run, every item it rates for
+        # the epoch it rates it in (an item many workers rate is replicated on their nodes; an item
+        # declared batch by batch would be moved or copied anew every few clocks).
+        first = ps.clock
+        users.intent(np.unique(mine.users), first, first + len(schedule))
+        for epoch in range(hyper.epochs):
+            begin = first + epoch * batches_per_epoch
+            items.intent(np.unique(mine.items), begin, begin + batches_per_epoch)
+    step = 0
+    for epoch in range(hyper.epochs):
         epoch_start = time.perf_counter()
         squared_error = 0.0
-        for s in range(0, len(mine), hyper.batch):
-            idx = order[s : s + hyper.batch]
+        for _ in range(batches_per_epoch):
+            idx = schedule[step]
+            step += 1
             u, i = mine.users[idx], mine.items[idx]
             user_rows = users.pull_async(u)
             item_rows = items.pull_async(i)

@@ -32,3 +32,26 @@ def test_mf_reaches_rmse_094_on_one_and_two_nodes_alike(tmp_path):
     assert min(one["rmse"]) <= 0.94, one["rmse"]
     assert min(two["rmse"]) <= 0.94, two["rmse"]
     assert abs(one["rmse"][-1] - two["rmse"][-1]) <= 0.01, (one["rmse"][-1], two["rmse"][-1])
+
+
+def test_mf_with_intents_on_two_nodes_reads_its_rows_locally_and_reaches_rmse_094(tmp_path):
+    """``--mode auto``: each worker's users declared for the run and its items for each epoch; the rows
+    come to (or are copied onto) the worker's node, so nearly every row is read there, not fetched."""
+    out, stats = tmp_path / "mf-auto.json", tmp_path / "stats"
+    stats.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--", sys.executable, str(TRAIN), "--quiet",
+         "--mode", "auto", "--epochs", "10", "--stats-dir", str(stats), "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert min(json.loads(out.read_text())["rmse"]) <= 0.94
+    for rank in (0, 1):
+        seen = json.loads((stats / f"rank{rank}.json").read_text())
+        batches = seen["clock"]
+        counters = [t["counters"] for t in seen["tables"].values()]
+        local = sum(c.get("rows_local", 0) for c in counters)
+        remote = sum(c.get("rows_remote", 0) for c in counters)
+        requests = sum(c.get("requests", 0) for c in counters)
+        assert remote < 0.05 * (local + remote), (rank, local, remote)
+        # Intents a batch long would move or copy items anew every few clocks: a request most batches.
+        assert requests < 0.1 * batches, (rank, requests, batches)
