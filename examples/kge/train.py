@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
     p.add_argument("--dim", type=int, default=Hyper.dim)
     p.add_argument("--lookahead", type=int, default=4, help="batches ahead declared as intent")
+    p.add_argument("--sync-ms", type=float, default=50.0, help="how often replicas send their changes to the owner")
     p.add_argument("--loss-target", type=float, default=None)
     p.add_argument("--seed", type=int, default=0, help="seeds the initial rows and the batches")
     p.add_argument("--out", help="rank 0 writes results as JSON here")
@@ -49,6 +50,8 @@ def main() -> None:
     ps = shoal.init(local_access=args.mode != "classic")
     options = dict(init=shoal.Normal(std=h.init_std, columns=2 * d), optimizer=shoal.optim.Sum(), seed=args.seed,
                    techniques=args.mode if adaptive else "static", mapping="round_robin")
+    if adaptive:
+        options["sync_ms"] = args.sync_ms
     ent = ps.table("kge.entities", graph.num_entities, row_width(h), **options)
     rel = ps.table("kge.relations", graph.num_relations, row_width(h), **options)
     ent.register_sampling(scheme="local" if adaptive else "naive")

@@ -38,7 +38,9 @@ class MetricsEndpoint:
         self._thread.start()
 
     def _serve(self, families: Callable[[], Iterable[Family]], common: Labels | None, token: str | None) -> None:
-        select.select([self._socket], [], [])  # the first scrape, or close
+        waiting = select.poll()  # not select.select: a process may hold descriptors past its 1024 limit
+        waiting.register(self._socket, select.POLLIN)
+        waiting.poll()  # until the first scrape, or close
         if self._closing.is_set():
             return
         from shoal.cluster import exposition

@@ -1,4 +1,5 @@
-"""Tying a process's life to its launcher's, so no child outlives a killed job."""
+"""A job process's life: tied to its launcher's (no child outlives a killed job), its memory habits,
+and the launcher's wait for its children."""
 
 from __future__ import annotations
 
