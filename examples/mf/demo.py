@@ -1,8 +1,9 @@
 """The demo behind `make demo`: MF on MovieLens 100k on a local 2-node cluster, then a report.
 
 Trains the single-process baseline, then the same model through Shoal on
-a local cluster (2 nodes, 1 worker each), and prints RMSE per epoch and
-ratings/s side by side.
+a local cluster (2 nodes, 1 worker each; ``--mode auto``: each worker declares
+the rows it will use, so they are on its node when it does), and prints RMSE
+per epoch and ratings/s side by side.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--workers-per-node", type=int, default=1)
     p.add_argument("--epochs", type=int, default=Hyper.epochs)
+    p.add_argument("--mode", default="auto", help="where rows live: static, relocation, replication or auto "
+                                                 "(default %(default)s; see train.py)")
     p.add_argument("--report", default="shoal-report", help="where the run report goes (default %(default)s)")
     args = p.parse_args()
 
@@ -36,11 +39,12 @@ def main() -> int:
     train_baseline(data, Hyper(epochs=1))  # compile its kernels before timing
     base = train_baseline(data, Hyper(epochs=args.epochs))
 
-    print(f"2/2  Shoal: {args.nodes} node(s) x {args.workers_per_node} worker(s) ...", flush=True)
+    print(f"2/2  Shoal: {args.nodes} node(s) x {args.workers_per_node} worker(s), {args.mode} ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "mf.json"
         status = shoal.launch.local.run(
-            [sys.executable, str(HERE / "train.py"), "--epochs", str(args.epochs), "--out", str(out)],
+            [sys.executable, str(HERE / "train.py"), "--epochs", str(args.epochs), "--mode", args.mode,
+             "--out", str(out)],
             nodes=args.nodes, workers_per_node=args.workers_per_node, report=args.report,
         )
         if status != 0 or not out.exists():
@@ -58,9 +62,10 @@ def main() -> int:
     print(f"{'single-process baseline:':<36}{base['ratings_per_s']:>12,.0f} ratings/s")
     print(f"{'ratio Shoal / baseline:':<36}{ratio:12.2f}x")
     if args.nodes > 1:
-        print("  (a batch of MovieLens 100k is about 0.2 ms of compute, so messages between nodes dominate;\n"
-              "   on one machine, --nodes 1 --workers-per-node 2 shares memory instead: see "
-              "benchmarks/results/mf_movielens.md)")
+        print("  (a batch of MovieLens 100k is about 0.2 ms of compute, so what Shoal spends per batch decides:\n"
+              "   with --mode static rows are fetched from the other node, with auto they are read on the\n"
+              "   worker's own node, and a clock message to each server is the largest cost left; see\n"
+              "   benchmarks/results/mf_movielens.md)")
     print(f"final test RMSE: Shoal {ps['rmse'][-1]:.4f}, baseline {base['rmse'][-1]:.4f}")  # type: ignore[index]
     print(f"run report (plots of RMSE, throughput, per-server load, staleness): {args.report}/report.html")
     return 0
