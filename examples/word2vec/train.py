@@ -4,9 +4,12 @@
 
 Each worker trains on its share of the (centre, context) pairs of each pass.
 Modes as in the KGE example: ``classic``, ``static``, ``relocation``,
-``replication``, ``auto`` (intent for the next batches' words, negatives drawn
-locally from the noise distribution). Rank 0 reports pairs/s and the WordSim-353
-and analogy scores.
+``replication``, ``auto`` (intents, negatives drawn locally from the noise
+distribution). ``--intents epoch`` (the default) declares each pass's words for
+the whole pass, as long as they are used, so a word every worker uses is
+replicated for the pass; ``--intents batch`` declares each batch's words
+``--lookahead`` batches ahead, one clock long, and words come and go. Rank 0
+reports pairs/s and the WordSim-353 and analogy scores.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="auto", choices=MODES)
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--lookahead", type=int, default=2)
+    p.add_argument("--intents", default="epoch", choices=("epoch", "batch"), help="how long an intent lasts")
+    p.add_argument("--lookahead", type=int, default=2, help="batches ahead declared (--intents batch)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial rows, the passes and the negatives")
     p.add_argument("--out")
     args = p.parse_args()
@@ -44,14 +48,22 @@ def main() -> None:
                            seed=args.seed * 1000 + ps.rank)
     done = 0
     pushes: list[shoal.Future[None]] = []
+    passes = [pairs(corpus, h, np.random.default_rng([args.seed, epoch]))[ps.rank::ps.num_workers]
+              for epoch in range(args.epochs)]
+    if adaptive and args.intents == "epoch":
+        clock = ps.clock
+        for mine in passes:
+            steps = -(-mine.shape[0] // h.batch)
+            vin.intent(np.unique(mine[:, 0]), clock, clock + steps)
+            vout.intent(np.unique(mine[:, 1]), clock, clock + steps)
+            clock += steps
     ps.barrier()
     start = time.perf_counter()
-    for epoch in range(args.epochs):
+    for epoch, mine in enumerate(passes):
         lr = h.lr * (1 - epoch / args.epochs)
-        mine = pairs(corpus, h, np.random.default_rng([args.seed, epoch]))[ps.rank::ps.num_workers]
         batches = [mine[s : s + h.batch] for s in range(0, mine.shape[0], h.batch)]
         for i, batch in enumerate(batches):
-            if adaptive and i + args.lookahead < len(batches):
+            if adaptive and args.intents == "batch" and i + args.lookahead < len(batches):
                 ahead, clock = batches[i + args.lookahead], ps.clock + args.lookahead
                 vin.intent(ahead[:, 0], clock, clock + 1)
                 vout.intent(ahead[:, 1], clock, clock + 1)

@@ -41,3 +41,16 @@ def test_word2vec_trains_in_every_mode(tmp_path, mode):
     r = run("word2vec/train.py", 2, "--mode", mode, "--epochs", "2", tmp=tmp_path)
     assert r["pairs_per_s"] > 0 and -1 <= r["wordsim_spearman"] <= 1
     assert r["analogies"] > 100
+
+
+def test_word2vec_words_stay_put_while_intents_last_the_pass(tmp_path):
+    """Intents a pass long (the default): a word both workers use is copied to both nodes for the pass,
+    not moved back and forth every few clocks, and nearly every row is read on the worker's node."""
+    needs("gensim", "the Lee corpus ships in gensim: pip install --no-deps gensim==4.4.0")
+    r = run("word2vec/train.py", 2, "--mode", "auto", "--epochs", "3", tmp=tmp_path)
+    for table in ("w2v.in", "w2v.out"):
+        vocab = sum(server[table]["owned"] for server in r["placement"])
+        moves = sum(server[table].get("keys_relocated_away", 0) for server in r["placement"])
+        assert moves <= vocab, (table, moves, vocab)  # batch-long intents: about 17 moves per word
+        counters = r["counters"][table]
+        assert counters["rows_remote"] < 0.05 * (counters["rows_local"] + counters["rows_remote"]), counters
