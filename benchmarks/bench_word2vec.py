@@ -6,7 +6,10 @@ Every contender trains the same number of passes over gensim's Lee corpus, over
 several seeds: the baseline (numpy rows, compiled step and row kernels), then
 Shoal in classic (no shared memory, no intent), static, relocation-only and
 replication-only modes on 2 nodes and auto on 1 and 2 (intents a pass long),
-and auto on 2 nodes with intents a batch long. It records pairs/s and
+and auto on 2 nodes with intents a batch long; and what a word2vec user would
+pick instead, gensim's ``Word2Vec`` with 1 and 2 threads (same hyperparameters;
+``pip install smart_open`` lets gensim import). Throughput in words/s (corpus
+tokens per second, as gensim reports it) and pairs/s. It records pairs/s and
 the WordSim-353 Spearman correlation and analogy accuracy of the input vectors.
 The corpus is small (57,000 tokens, 4,000 words), so those scores are low for
 every contender and vary by seed: the table gives their mean and range, which is
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +31,10 @@ W2V = HERE.parent / "examples" / "word2vec"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(W2V))
 
+import numpy as np  # noqa: E402
 from baseline import train as train_baseline  # noqa: E402
-from sgns import Hyper  # noqa: E402
+from corpus import Corpus, load_lee  # noqa: E402
+from sgns import Hyper, evaluate, pairs  # noqa: E402
 
 from common import run_example, write_results  # noqa: E402
 
@@ -44,13 +50,31 @@ def run_cluster(mode: str, nodes: int, epochs: int, seed: int, more: list[str]) 
                        nodes=nodes)
 
 
+def train_gensim(corpus: Corpus, h: Hyper, epochs: int, threads: int, seed: int) -> dict[str, Any]:
+    """What a word2vec user would pick instead: gensim's ``Word2Vec`` (skip-gram, the same dimension,
+    window, negatives, subsampling, learning rate, min_count and passes), on the same token stream."""
+    from gensim.models import Word2Vec  # pip install smart_open (gensim's own dependencies)
+
+    text = [corpus.words[t] for t in corpus.tokens]
+    sentences = [text[s : s + 10_000] for s in range(0, len(text), 10_000)]  # gensim's longest sentence
+    model = Word2Vec(vector_size=h.dim, window=h.window, negative=h.negatives, sample=h.subsample, alpha=h.lr,
+                     min_count=1, sg=1, workers=threads, seed=seed)  # min_count: the corpus is filtered already
+    model.build_vocab(sentences)
+    started = time.perf_counter()
+    model.train(sentences, total_examples=len(sentences), epochs=epochs)
+    elapsed = time.perf_counter() - started
+    vectors = np.stack([model.wv[w] for w in corpus.words])
+    return {"words_per_s": corpus.tokens.shape[0] * epochs / elapsed, **evaluate(vectors, corpus)}
+
+
 def summary(name: str, nodes: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     def stats(key: str) -> tuple[float, float, float]:
         values = [float(r[key]) for r in runs]
         return sum(values) / len(values), min(values), max(values)
 
     return {"name": name, "nodes": nodes, "runs": runs, "pairs_per_s": stats("pairs_per_s")[0],
-            "wordsim": stats("wordsim_spearman"), "analogy": stats("analogy_accuracy")}
+            "words_per_s": stats("words_per_s")[0], "wordsim": stats("wordsim_spearman"),
+            "analogy": stats("analogy_accuracy")}
 
 
 def main() -> None:
@@ -59,25 +83,47 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     args = p.parse_args()
 
-    train_baseline(1, Hyper())  # compile and warm up
-    rows = [summary("single-process baseline", 1, [train_baseline(args.epochs, Hyper(), seed=s)
+    corpus, h = load_lee(), Hyper()
+    # Words/s as gensim counts them (tokens of the corpus per pass): a pass makes about this many pairs each.
+    per_word = np.mean([pairs(corpus, h, np.random.default_rng([s, 0])).shape[0] for s in range(3)]) \
+        / corpus.tokens.shape[0]
+
+    def with_words(run: dict[str, Any]) -> dict[str, Any]:
+        return {**run, "words_per_s": run["pairs_per_s"] / per_word}
+
+    train_baseline(1, h)  # compile and warm up
+    rows = [summary("single-process baseline", 1, [with_words(train_baseline(args.epochs, h, seed=s))
                                                    for s in range(args.seeds)])]
     print(f"baseline: {rows[0]['pairs_per_s']:,.0f} pairs/s", flush=True)
+    try:
+        import gensim.models  # noqa: F401
+    except ImportError as exc:  # the corpus needs only gensim's files; its models need smart_open too
+        print(f"gensim's Word2Vec left out ({exc}): pip install smart_open", flush=True)
+    else:
+        for threads in (1, 2):
+            runs = [train_gensim(corpus, h, args.epochs, threads, s) for s in range(args.seeds)]
+            rows.append(summary(f"gensim Word2Vec, {threads} thread(s)", 1,
+                                [{**r, "pairs_per_s": r["words_per_s"] * per_word} for r in runs]))
+            print(f"gensim, {threads} thread(s): {rows[-1]['words_per_s']:,.0f} words/s", flush=True)
     for name, mode, nodes, more in CONTENDERS:
-        rows.append(summary(name, nodes, [run_cluster(mode, nodes, args.epochs, s, more)
+        rows.append(summary(name, nodes, [with_words(run_cluster(mode, nodes, args.epochs, s, more))
                                           for s in range(args.seeds)]))
         print(f"{name} on {nodes} node(s): {rows[-1]['pairs_per_s']:,.0f} pairs/s", flush=True)
 
     base = rows[0]["pairs_per_s"]
     classic = next(r for r in rows if r["name"] == "classic PS")["pairs_per_s"]
+    gensim2 = next((r["words_per_s"] for r in rows if r["name"] == "gensim Word2Vec, 2 thread(s)"), float("nan"))
     lines = [f"Lee corpus (gensim's test data), skip-gram d=100, window 5, 5 negatives, batches of 2,048 pairs, "
-             f"{args.epochs} passes; mean (and range) over {args.seeds} seeds.", "",
-             "| contender | nodes | pairs/s | vs baseline | vs classic PS (2 nodes) | WordSim-353 Spearman "
-             "| analogy accuracy |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"{args.epochs} passes; mean (and range) over {args.seeds} seeds. Words/s: corpus tokens per "
+             f"second, as gensim counts them (a pass makes {per_word:.2f} pairs per token here; gensim's figure "
+             "is its own).", "",
+             "| contender | nodes | words/s | pairs/s | vs baseline | vs gensim, 2 threads | vs classic PS (2 nodes) "
+             "| WordSim-353 Spearman | analogy accuracy |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ws, an = r["wordsim"], r["analogy"]
-        lines.append(f"| {r['name']} | {r['nodes']} | {r['pairs_per_s']:,.0f} | {r['pairs_per_s'] / base:.2f} "
+        lines.append(f"| {r['name']} | {r['nodes']} | {r['words_per_s']:,.0f} | {r['pairs_per_s']:,.0f} "
+                     f"| {r['pairs_per_s'] / base:.2f} | {r['words_per_s'] / gensim2:.2f} "
                      f"| {r['pairs_per_s'] / classic:.2f} | {ws[0]:.3f} ({ws[1]:.3f}-{ws[2]:.3f}) "
                      f"| {an[0]:.4f} ({an[1]:.4f}-{an[2]:.4f}) |")
     table_md = "\n".join(lines)
