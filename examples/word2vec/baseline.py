@@ -11,14 +11,14 @@ import json
 import time
 
 import numpy as np
-from corpus import load_lee
+from corpus import load
 from sgns import Hyper, evaluate, noise_weights, pairs, sgns_step
 
 from shoal.storage.kernels import add_rows, gather_rows
 
 
-def train(epochs: int, h: Hyper, seed: int = 0) -> dict[str, object]:
-    corpus = load_lee()
+def train(epochs: int, h: Hyper, seed: int = 0, corpus_name: str = "lee") -> dict[str, object]:
+    corpus = load(corpus_name)
     rng = np.random.default_rng(seed)
     vin = ((rng.random((corpus.vocab, h.dim)) - 0.5) / h.dim).astype(np.float32)
     vout = np.zeros((corpus.vocab, h.dim), np.float32)
@@ -51,9 +51,10 @@ def train(epochs: int, h: Hyper, seed: int = 0) -> dict[str, object]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--corpus", default="lee", choices=("lee", "planted"))
     p.add_argument("--out")
     args = p.parse_args()
-    result = train(args.epochs, Hyper())
+    result = train(args.epochs, Hyper(), corpus_name=args.corpus)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as fh:

@@ -19,7 +19,7 @@ import json
 import time
 
 import numpy as np
-from corpus import load_lee
+from corpus import load
 from sgns import Hyper, evaluate, noise_weights, pairs, sgns_step
 
 import shoal
@@ -34,10 +34,12 @@ def main() -> None:
     p.add_argument("--intents", default="epoch", choices=("epoch", "batch"), help="how long an intent lasts")
     p.add_argument("--lookahead", type=int, default=2, help="batches ahead declared (--intents batch)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial rows, the passes and the negatives")
+    p.add_argument("--corpus", default="lee", choices=("lee", "planted"),
+                   help="the Lee corpus, or planted word clusters (quality: cluster purity)")
     p.add_argument("--out")
     args = p.parse_args()
     h = Hyper()
-    corpus = load_lee()
+    corpus = load(args.corpus)
     adaptive = args.mode in ("relocation", "replication", "auto")
     ps = shoal.init(local_access=args.mode != "classic")
     common = dict(optimizer=shoal.optim.Sum(), techniques=args.mode if adaptive else "static", mapping="round_robin",

@@ -54,3 +54,17 @@ def test_word2vec_words_stay_put_while_intents_last_the_pass(tmp_path):
         assert moves <= vocab, (table, moves, vocab)  # batch-long intents: about 17 moves per word
         counters = r["counters"][table]
         assert counters["rows_remote"] < 0.05 * (counters["rows_local"] + counters["rows_remote"]), counters
+
+
+def test_word2vec_learns_the_planted_clusters(tmp_path):
+    """The planted corpus makes quality measurable: by chance 2% of a word's nearest vectors share its
+    cluster; ten passes of the single-process baseline and of Shoal on 2 nodes (auto) find most of
+    them, and Shoal about as many as the baseline."""
+    out = tmp_path / "baseline.json"
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "word2vec" / "baseline.py"), "--corpus", "planted",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    baseline = json.loads(out.read_text())["cluster_purity"]
+    shoal_run = run("word2vec/train.py", 2, "--mode", "auto", "--corpus", "planted", tmp=tmp_path)["cluster_purity"]
+    assert baseline > 0.4 and shoal_run > 0.4, (baseline, shoal_run)
+    assert abs(baseline - shoal_run) < 0.1, (baseline, shoal_run)
