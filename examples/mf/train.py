@@ -13,12 +13,11 @@ By default every epoch ends with a barrier and rank 0 reports test RMSE. With
 tables' consistency model; rank 0 evaluates at the end of each of its own
 epochs, and the last evaluation follows a final barrier.
 
-``--mode relocation|replication|auto`` makes both tables adaptive, as AdaPM's
-MF application does: each worker trains the ratings of its own users (user
-``u`` belongs to rank ``u % num_workers``), and declares the users and items of
-the batch ``--lookahead`` clocks ahead as intent, so their rows are on its node
-by the time it uses them (its users move there once and stay; a hot item is
-replicated on every node that keeps using it).
+``--mode relocation|replication|auto`` makes both tables adaptive: each worker
+trains the ratings of its own users (user ``u`` belongs to rank
+``u % num_workers``), and declares intents as long as the use: its users for
+the whole run, the items it rates for each epoch. Its users move to its node
+once and stay; an item every worker rates is replicated on their nodes.
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
                    help="server-side update rule (adagrad copes with very popular items)")
     p.add_argument("--mapping", default="range", help="key mapping rule of both tables")
     p.add_argument("--mode", default="static", choices=MODES, help="where rows live (see above)")
-    p.add_argument("--lookahead", type=int, default=4, help="batches ahead declared as intent (adaptive modes)")
     p.add_argument("--consistency", default="asp", choices=sorted(MODELS))
     p.add_argument("--staleness", type=int, default=1, help="bound s of SSP/ESSP")
     p.add_argument("--lazy-ms", type=float, default=0.0, help="lazy pull buffer timeout (0: off)")
