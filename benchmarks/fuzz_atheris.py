@@ -66,7 +66,7 @@ def seeds() -> list[bytes]:
     keys, rows = np.arange(3, dtype=np.int64), np.ones((3, 4), dtype=np.float32)
     out = []
     for op, schema in SCHEMAS.items():
-        body = {name: fields[types[0]] for name, types in schema.body.items()}
+        body = {name: fields[kind] for name, kind in schema.body.items()}
         arrays = [keys if rule.kind == "i" else rows for rule in schema.arrays] if not schema.variadic else [
             keys, rows]
         for spec in FUZZ_TABLES:

@@ -36,6 +36,24 @@ def test_localize_moves_keys_and_later_access_is_local():
 
 
 
+def test_a_push_nobody_waits_for_follows_moved_keys_and_lands_once():
+    # A push's keys answered "moved" were sent again only while its caller waited for it: a push
+    # started and never waited for (the usual asynchronous loop) lost those keys' updates, and a
+    # barrier after it did not wait for them.
+    with ThreadCluster(nodes=3) as c:
+        w0 = c.worker(0)
+        t0, t1 = w0.table("k", 30, 1, techniques="relocation"), c.worker(1).table("k", 30, 1, techniques="relocation")
+        c.worker(2).table("k", 30, 1, techniques="relocation")
+        keys = np.arange(2, 30, 3)  # home node 2; node 0's worker believes they are there
+        t1.localize(keys)
+        wait_until(lambda: c.servers[1].adaptive.describe()["k"]["owned"] == 20)
+        for _ in range(5):
+            t0.push_async(keys, np.ones((10, 1), np.float32))  # answered "moved" by node 2, never waited for
+        w0.wait_all()
+        np.testing.assert_array_equal(t1.pull(keys), 5.0)  # every push exactly once, read on node 1's rows
+        assert t0.counters["moved_retries"] >= 1
+
+
 def test_relocated_keys_are_counted_in_the_servers_metrics():
     # The counters of keys moved lived with each table, while the metrics read the service's: the
     # family shoal_server_relocated_keys_total stayed at zero however many keys moved.

@@ -10,6 +10,7 @@ import pytest
 
 import shoal
 from shoal.api.config import ClusterSpec, Timeouts
+from shoal.api.errors import ProtocolError
 from shoal.api.ids import RENDEZVOUS
 from shoal.client.worker import Worker
 from shoal.cluster import membership
@@ -135,11 +136,16 @@ def test_barrier_notes_are_typed_and_a_malformed_one_is_not_passed_on():
         assert w0.barrier(BarrierNote(False, "disk full")) == {0: BarrierNote(False, "disk full")}
         t.join(timeout=30)
         assert heard == [{0: BarrierNote(False, "disk full")}]
-        # A note that is not one (the string an older worker sent, say) reaches nobody.
+        # A note of the wrong type (the string an older worker sent, say) fails the declaration of
+        # BARRIER: refused, typed, before the rendezvous counts the rank as arrived.
         generation = 2
         t = threading.Thread(target=lambda: heard.append(w1.barrier()))
         t.start()
+        with pytest.raises(ProtocolError, match="note"):
+            membership.call(w0.tracker, RENDEZVOUS, Message(Op.BARRIER, body={
+                "rank": 0, "generation": generation, "note": "ok:/tmp/x"}), 30, "barrier")
+        # A mapping that is no note reaches nobody.
         reply = membership.call(w0.tracker, RENDEZVOUS, Message(Op.BARRIER, body={
-            "rank": 0, "generation": generation, "note": "ok:/tmp/x"}), 30, "barrier")
+            "rank": 0, "generation": generation, "note": {"ok": "yes"}}), 30, "barrier")
         t.join(timeout=30)
         assert reply.body["notes"] == {} and heard[-1] == {}

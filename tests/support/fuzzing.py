@@ -262,13 +262,9 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
 #: and now and then anything at all in their place
 FIELDS = {name: st.one_of(values, values, values, HOSTILE) for name, values in FIELDS.items()}
 EXTRA_FIELDS = st.lists(st.sampled_from(sorted(FIELDS)), max_size=2)
-#: optional fields an op's handler looks for, offered to that op more often than the rest
-OPTIONAL: dict[Op, list[str]] = {
-    Op.PULL: ["shard", "totals", "stream"], Op.PUSH: ["shard", "seq", "inc", "stream"],
-    Op.PUSH_PULL: ["shard", "seq", "inc", "stream"], Op.CLOCK: ["final", "stream"],
-    Op.PLACEMENT: ["to", "hops", "owner", "active", "node", "origin", "target", "parts"],
-    Op.SLICE_STATE: ["subscribers"],
-}
+#: fields a placement message's kinds carry, offered to it more often than the rest (an op's own
+#: optional fields come from its declaration, ``wire.bodies``)
+PLACEMENT_FIELDS = ["to", "hops", "owner", "active", "node", "origin", "target", "parts"]
 TYPED = {int: NUMBERS, str: st.text(max_size=16), list: st.lists(HOSTILE, max_size=4),
          dict: st.dictionaries(st.text(max_size=6), HOSTILE, max_size=4), bool: st.booleans()}
 _SENDERS = st.sampled_from([-1, 0, 1, 2, SERVERS, SERVERS + 1, SERVERS + 2])
@@ -330,7 +326,7 @@ def placement_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
 def one_placement(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
     n = draw(st.integers(0, 6))
     kind = draw(st.sampled_from(PLACEMENT_KINDS))
-    body = {"kind": kind, **{name: draw(FIELDS[name]) for name in OPTIONAL[Op.PLACEMENT]}}
+    body = {"kind": kind, **{name: draw(FIELDS[name]) for name in PLACEMENT_FIELDS}}
     interest, replicas = _small_ints(n, draw), _small_ints(n, draw)
     if n and draw(one_in(4)):  # bit masks with every bit set, or more nodes than there are
         replicas[draw(INDEX) % n] = draw(st.sampled_from([-1, 1 << 62, 1 << NUM_NODES, -(2**63)]))
@@ -377,13 +373,16 @@ def _op_messages(draw: st.DrawFn, ops: st.SearchStrategy[Op], tables: st.SearchS
     op = draw(ops)
     schema = SCHEMAS[op]
     body: dict[str, Any] = {name: draw(FIELDS[name]) for name in draw(EXTRA_FIELDS)}
-    for name in OPTIONAL.get(op, []):
+    for name, kind in schema.optional.items():
+        if draw(st.booleans()):
+            body[name] = draw(FIELDS.get(name, TYPED[kind]))
+    for name in PLACEMENT_FIELDS if op == Op.PLACEMENT else []:
         if draw(st.booleans()):
             body[name] = draw(FIELDS[name])
-    for name, types in schema.body.items():
-        value = draw(FIELDS.get(name, TYPED[types[0]]))
-        if not isinstance(value, types) and not draw(one_in(8)):  # most reach the handler
-            value = draw(TYPED[types[0]])
+    for name, kind in schema.body.items():
+        value = draw(FIELDS.get(name, TYPED[kind]))
+        if not isinstance(value, kind) and not draw(one_in(8)):  # most reach the handler
+            value = draw(TYPED[kind])
         body[name] = value
     if op in SHAPED and not draw(one_in(4)):
         shaped, arrays = draw(SHAPED[op])

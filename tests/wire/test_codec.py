@@ -27,7 +27,7 @@ from shoal import (
 )
 from shoal.placement.messages import Owner, Relocate, Replicate, from_parts, to_parts
 from shoal.wire import PROTOCOL_VERSION, Codec, Flag, Message, Op
-from shoal.wire.schema import PLACEMENT_KINDS, ROWS, SCHEMAS, ArrayRule
+from shoal.wire.schema import PLACEMENT_KINDS, ROWS, SCHEMAS, ArrayRule, Moved
 
 SECRET = b"s" * 32
 OTHER_SECRET = b"o" * 32
@@ -183,13 +183,17 @@ def messages(draw: st.DrawFn) -> Message:
     op = draw(st.sampled_from(list(Op)))
     schema = SCHEMAS[op]
     body = draw(st.dictionaries(st.text(max_size=6), PLAIN, max_size=3))
-    for name, types in schema.body.items():
-        body[name] = draw(BODY_FIELD[types[0]])
+    for name, kind in schema.optional.items():
+        body.pop(name, None)
+        if draw(st.booleans()):
+            body[name] = draw(BODY_FIELD[kind])
+    for name, kind in schema.body.items():
+        body[name] = draw(BODY_FIELD[kind])
     if op == Op.PLACEMENT:
         body["kind"] = draw(st.sampled_from(sorted(PLACEMENT_KINDS)))
         schema = PLACEMENT_KINDS[body["kind"]]
-        for name, types in schema.body.items():
-            body[name] = draw(BODY_FIELD[types[0]])
+        for name, kind in schema.body.items():
+            body[name] = draw(BODY_FIELD[kind])
     shared_rows = draw(st.integers(0, 6))
     arrays = [draw(array_for(rule, shared_rows if schema.same_rows else draw(st.integers(0, 6))))
               for rule in schema.arrays]
@@ -496,3 +500,15 @@ def test_absurd_dimensions_are_a_protocol_error_not_a_crash() -> None:
     with pytest.raises(ProtocolError) as info:
         Codec().decode(frames)
     assert info.value.req == 3
+
+
+def test_a_moved_answer_round_trips_and_a_malformed_one_is_refused() -> None:
+    moved = Moved(np.array([0, 3]), np.array([1, -1]))
+    reply = Codec().decode(Codec().encode(Message(Op.OK, req=1, body=moved.to_body())))
+    got = Moved.in_reply(reply, 4)
+    assert got is not None and got.positions.tolist() == [0, 3] and got.owners.tolist() == [1, -1]
+    assert Moved.in_reply(Message(Op.OK), 4) is None
+    for body in ({"moved": [4], "owners": [0]}, {"moved": [0, 1], "owners": [0]}, {"moved": [0]},
+                 {"moved": [True], "owners": [0]}, {"moved": "0", "owners": [0]}, {"moved": [-1], "owners": [0]}):
+        with pytest.raises(ProtocolError):
+            Moved.in_reply(Message(Op.OK, body=body), 4)

@@ -9,7 +9,8 @@ once by its kind -> local rows in shared memory, or requests to servers.
 - ``context``: ``WorkerContext`` and ``TableView``, what the parts below see of a worker and a table
 - ``access``: ``TableAccess``, what differs between kinds of table
 - ``static``: ``StaticAccess``, slices at one server each until moved, this node's in shared memory
-- ``calls``: one call of a static table: its parts in flight, and those to send again after a move
+- ``routed``: ``RoutedAccess``, the one way static and adaptive tables follow keys answered "moved"
+- ``calls``: one call of a table whose keys can move: its parts in flight, and those to send again
 - ``fences``: confirming a slice move to the server that fenced it
 - ``process_cache``: remote rows of a static table, holding this worker's own pushes
 - ``streams``: this worker's requests to each server, numbered so they are handled in order

@@ -1,4 +1,5 @@
-"""One call of a static table: its requests in flight, and the parts to send again after a move."""
+"""One pull, push or push_pull of a table whose keys can move (static slices, adaptive keys): its
+requests in flight, and the parts to send again where their keys are now."""
 
 from __future__ import annotations
 
@@ -29,23 +30,23 @@ class Part:
         self.req = 0
 
 
-class StaticCall:
+class Call:
     """One pull, push or push_pull: its parts in flight, and the parts to send again after a move.
 
-    A part refused because its slice moved goes where the slice is now: its push at once, in the
-    background (``StaticAccess.after_receive``), its read when the caller waits (``step``: ``reread``),
-    because a read may have to wait for its bound and the background must never wait. While it waits
-    it also asks (``watch``) whether the servers it waits for are still alive.
+    Keys answered "moved" go where they are now (``client.routed``): their push at once, in the
+    background (``RoutedAccess.after_receive``), their read when the caller waits (``step``:
+    ``reread``), because a read may have to wait for its bound and the background must never wait.
+    While it waits it also asks (``watch``) whether the servers it waits for are still alive.
     """
 
     def __init__(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: Rows | None, clock: int,
-                 reread: Callable[[StaticCall], None], watch: Callable[[StaticCall], None], started: float) -> None:
+                 reread: Callable[[Call], None], watch: Callable[[Call], None], started: float) -> None:
         self._reread, self._watch = reread, watch
         self.op, self.keys, self.values, self.result, self.clock = op, keys, values, result, clock
         self.parts: dict[int, Part] = {}
-        #: positions refused because their slice moved, with the op they were sent with
+        #: positions answered "moved", with the op they were sent with
         self.moved: list[tuple[np.ndarray, Op]] = []
-        #: positions whose rows are to be read again where their slice is now
+        #: positions whose rows are to be read again where their keys are now
         self.rereads: list[np.ndarray] = []
         self.attempts = 0
         self.started = started  # on the worker's clock
@@ -72,7 +73,7 @@ class StaticCall:
         return self.keys[part_positions], self.values[part_positions]
 
     def unsent_writes(self) -> list[np.ndarray]:
-        """Positions of pushes refused by a moved slice, not sent again yet."""
+        """Positions of pushes answered "moved", not sent again yet."""
         return [positions for positions, op in self.moved if op in WRITES]
 
     def positions(self, part_positions: Positions) -> np.ndarray:
@@ -110,8 +111,13 @@ class Rows:
         else:
             self.array()[...] = rows
 
-    def place(self, pos: np.ndarray, msg: Message) -> None:
-        kernels.place_rows(self.array(), pos, self._checked(msg, pos.shape[0]))
+    def place(self, pos: np.ndarray, msg: Message, keep: np.ndarray | None = None) -> None:
+        """The reply's rows at ``pos`` of the result (only those where ``keep`` is true, if given)."""
+        rows = self._checked(msg, pos.shape[0])
+        if keep is None:
+            kernels.place_rows(self.array(), pos, rows)
+        else:
+            kernels.place_rows(self.array(), pos[keep], rows[keep])
 
     def _checked(self, msg: Message, n: int) -> np.ndarray:
         rows = msg.arrays[0] if msg.op == Op.VALUES and msg.arrays else None

@@ -36,8 +36,7 @@ from shoal.api.errors import CheckpointError, ShoalError
 from shoal.client.context import WorkerContext
 from shoal.cluster import membership
 from shoal.storage import checkpoint
-from shoal.wire.message import Message
-from shoal.wire.ops import Op
+from shoal.wire import bodies
 from shoal.wire.schema import BarrierNote
 
 log = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ def _settle(worker: WorkerContext, names: list[str], servers: list[int]) -> None
     timeout_s = worker.cluster.timeouts.request_s
     deadline = time.monotonic() + timeout_s
     while True:
-        replies = _ask_servers(worker, Op.SETTLE, {"tables": settling}, servers)
+        replies = _ask_servers(worker, bodies.Settle(settling), servers)
         why = {f"{name}: {w}" for body in replies for name, ws in body["unsettled"].items() for w in ws}
         versions: dict[tuple[str, int], set[Any]] = defaultdict(set)
         for body in replies:
@@ -145,7 +144,7 @@ def _write(worker: WorkerContext, root: Path, names: list[str], keep: int) -> Pa
         try:
             servers = _servers(worker, names)
             _settle(worker, names, servers)
-            replies = _ask_servers(worker, Op.CHECKPOINT, {"staging": str(staging), "tables": names}, servers)
+            replies = _ask_servers(worker, bodies.Checkpoint(str(staging), names), servers)
             tables = {name: {"spec": worker.tables[name].spec.to_dict(),
                              "parts": _parts(worker, name, replies, staging)} for name in names}
         except CheckpointError as exc:
@@ -200,7 +199,7 @@ def _load(worker: WorkerContext, path: Path, manifest: dict[str, Any]) -> None:
     restored: their live replicas take the rows)."""
     servers = _servers(worker, [name for name in manifest["tables"] if name in worker.tables])
     for commit in (False, True):
-        replies = _ask_servers(worker, Op.RESTORE, {"path": str(path), "commit": commit}, servers)
+        replies = _ask_servers(worker, bodies.Restore(str(path), commit), servers)
         for name in manifest["tables"]:
             if name not in worker.tables:
                 continue
@@ -212,7 +211,7 @@ def _load(worker: WorkerContext, path: Path, manifest: dict[str, Any]) -> None:
                 raise CheckpointError(f"servers {done} {rows} rows of {name!r} in {str(path)!r}, expected {expected}")
 
 
-def _ask_servers(worker: WorkerContext, op: Op, body: dict[str, Any], servers: list[int]) -> list[dict[str, Any]]:
-    replies = worker.tracker.gather(servers, lambda n: Message(op, body=body), op.name,
+def _ask_servers(worker: WorkerContext, body: bodies.Body, servers: list[int]) -> list[dict[str, Any]]:
+    replies = worker.tracker.gather(servers, lambda n: body.to_message(), body.op.name,
                                     worker.cluster.timeouts.request_s)
     return list(replies.values())

@@ -15,8 +15,8 @@ from typing import Protocol
 
 from shoal.api.errors import ShoalError
 from shoal.client.context import WorkerContext
+from shoal.wire import bodies
 from shoal.wire.message import Message
-from shoal.wire.ops import Op
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,9 @@ class Fences:
 
     def on_fence(self, server: int, msg: Message) -> None:
         known = self.waiting.get(server)
-        if known is None or int(msg.body["epoch"]) > known.epoch:
-            self.waiting[server] = Fence(int(msg.body["epoch"]), int(msg.body["shard"]))
+        fence = bodies.Fence.of(msg)
+        if known is None or fence.epoch > known.epoch:
+            self.waiting[server] = Fence(fence.epoch, fence.shard)
 
     def answer(self) -> None:
         """Confirm every fence whose pushes have landed (the layout is learnt first, once)."""
@@ -72,6 +73,6 @@ class Fences:
             if access.pushes_open(fence.upto) or not worker.server_alive(server):
                 continue
             del self.waiting[server]
-            worker.send_ordered(server, Message(Op.CONFIRM, table=access.name, clock=worker.clock,
-                                                body={"rank": worker.rank, "epoch": fence.epoch}),
+            worker.send_ordered(server, bodies.Confirm(worker.rank, fence.epoch).to_message(table=access.name,
+                                                                                            clock=worker.clock),
                                 f"CONFIRM {access.name!r} at epoch {fence.epoch} to server {server}", background=True)

@@ -24,6 +24,7 @@ from shoal.client.context import WorkerContext
 from shoal.consistency.cache import RowCache
 from shoal.consistency.staleness import StalenessHistogram
 from shoal.storage.rules import rule_for
+from shoal.wire import bodies
 from shoal.wire.message import Message
 
 _EAGER_WAIT_S = 5.0
@@ -159,14 +160,15 @@ class ProcessCache:
         self.keep(msg.sender, msg, keys.astype(np.int64, copy=False), rows, pushed=True)
         self.counters["eager_messages"] += 1
         self.counters["eager_rows"] += keys.shape[0]
-        bump = ([int(s) for s in msg.body["shards"]], msg.clock)
-        seq = msg.body.get("seq")
-        if not isinstance(seq, int):
+        body = bodies.Rows.of(msg)
+        bump = ([int(s) for s in body.shards], msg.clock)
+        seq = body.seq
+        if seq is None:
             self.rows.bump(*bump)
             return
         # "Rows not resent did not change" holds only after every earlier message of the stream
         # arrived: apply bumps in order, and forget the cache if one never comes (it was lost).
-        stream = (msg.sender, str(msg.body.get("series")))
+        stream = (msg.sender, str(body.series))
         expected = self._eager_next.get(stream, 1)
         pending = self._eager_pending.setdefault(stream, {})
         if seq >= expected:

@@ -35,6 +35,7 @@ from shoal.replication.delays import DelaySamples
 from shoal.replication.pbs import ShardModel, choose_read_quorum
 from shoal.storage import kernels
 from shoal.storage.initialize import fill_initial
+from shoal.wire.bodies import Body, Pull, Push, ReplicaStats
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
@@ -91,15 +92,15 @@ class ReplicatedAccess(TableAccess):
         short of acknowledgements fail over to other replicas)."""
         self.view.refresh()
         parts = [(shard_id, keys[pos], values[pos]) for shard_id, pos in self._by_shard(keys)]
-        bodies = {shard_id: self._push_body(shard_id) for shard_id, _, _ in parts}
+        numbered = {shard_id: self._numbered_push(shard_id) for shard_id, _, _ in parts}
         batch = []
         for shard_id, k, v in parts:
             for node in self._write_targets(self.shards[shard_id], set()):
-                batch.append(((shard_id, node), node, self._message(Op.PUSH, bodies[shard_id], [k, v])))
+                batch.append(((shard_id, node), node, self._message(numbered[shard_id], [k, v])))
         sent = self._send_all(batch)
-        return Future.running(lambda: self._finish_push(parts, bodies, self._gather(sent)), self._answered(sent))
+        return Future.running(lambda: self._finish_push(parts, numbered, self._gather(sent)), self._answered(sent))
 
-    def _finish_push(self, parts: list[tuple[int, np.ndarray, np.ndarray]], bodies: dict[int, dict[str, Any]],
+    def _finish_push(self, parts: list[tuple[int, np.ndarray, np.ndarray]], numbered: dict[int, Push],
                      replies: dict[Any, Message]) -> None:
         for shard_id, k, v in parts:
             acked = {node for (s, node) in replies if s == shard_id}
@@ -108,12 +109,12 @@ class ReplicatedAccess(TableAccess):
                 if s == shard_id:
                     self._note_ack(self.shards[shard_id], reply)
             if len(acked) < self.spec.write_quorum:
-                self._complete_push(shard_id, k, v, bodies[shard_id], acked)
+                self._complete_push(shard_id, k, v, numbered[shard_id], acked)
 
-    def _push_body(self, shard_id: int) -> dict[str, Any]:
+    def _numbered_push(self, shard_id: int) -> Push:
         """The push's number: the same on every replica it goes to, and when it is sent again."""
         shard = self.shards[shard_id]
-        body: dict[str, Any] = {"shard": shard_id, "seq": shard.next_seq, "inc": self.worker.streams.incarnation}
+        body = Push(shard=shard_id, seq=shard.next_seq, inc=self.worker.streams.incarnation)
         shard.next_seq += 1
         return body
 
@@ -134,7 +135,7 @@ class ReplicatedAccess(TableAccess):
         if self.record:
             self.acks.append((origin, seq, float(reply.body["at"])))
 
-    def _complete_push(self, shard_id: int, keys: np.ndarray, values: np.ndarray, body: dict[str, Any],
+    def _complete_push(self, shard_id: int, keys: np.ndarray, values: np.ndarray, body: Push,
                        acked: set[int]) -> None:
         """Keep sending to other live replicas until ``write_quorum`` of them acknowledged."""
         shard = self.shards[shard_id]
@@ -160,7 +161,7 @@ class ReplicatedAccess(TableAccess):
                 tried = set(acked)
                 continue
             tried.update(targets)
-            batch = [(node, node, self._message(Op.PUSH, body, [keys, values])) for node in targets]
+            batch = [(node, node, self._message(body, [keys, values])) for node in targets]
             for node, reply in self._ask_all(batch).items():
                 acked.add(node)
                 shard.holders.add(node)
@@ -180,9 +181,9 @@ class ReplicatedAccess(TableAccess):
         batch = []
         for shard_id, pos in parts:
             chosen = plan[shard_id] = self._read_targets(shard_id)
-            body = {"shard": shard_id, "totals": len(chosen) > 1}
+            body = Pull(shard=shard_id, totals=len(chosen) > 1)
             for node in chosen:
-                batch.append(((shard_id, node), node, self._message(Op.PULL, body, [keys[pos]])))
+                batch.append(((shard_id, node), node, self._message(body, [keys[pos]])))
         sent = self._send_all(batch)
 
         def finish() -> np.ndarray:
@@ -252,12 +253,12 @@ class ReplicatedAccess(TableAccess):
             self.reads.append((len(chosen), issued, time.monotonic() - start, version))
         return value.astype(self.spec.dtype)
 
-    def _message(self, op: Op, body: dict[str, Any], arrays: list[np.ndarray]) -> Message:
-        return Message(op, table=self.spec.name, clock=self.worker.clock, body=body, arrays=arrays)
+    def _message(self, body: Body, arrays: list[np.ndarray]) -> Message:
+        return body.to_message(table=self.spec.name, clock=self.worker.clock, arrays=arrays)
 
     def _read(self, shard_id: int, nodes: list[int], keys: np.ndarray, totals: bool) -> dict[int, Message]:
-        body = {"shard": shard_id, "totals": totals}
-        return self._ask_all([(node, node, self._message(Op.PULL, body, [keys])) for node in nodes])
+        body = Pull(shard=shard_id, totals=totals)
+        return self._ask_all([(node, node, self._message(body, [keys])) for node in nodes])
 
     def _merge(self, keys: np.ndarray, replies: dict[int, Message]) -> tuple[np.ndarray, dict[int, int]]:
         if len(replies) == 1:
@@ -318,7 +319,7 @@ class ReplicatedAccess(TableAccess):
 
     def model(self, shard_id: int, live: list[int]) -> ShardModel:
         """Fit the probabilistic model of one shard from its replicas' measurements and ours."""
-        batch = [(node, node, Message(Op.REPLICA_STATS, table=self.spec.name, body={"shard": shard_id}))
+        batch = [(node, node, ReplicaStats(shard_id).to_message(table=self.spec.name))
                  for node in live]
         model = ShardModel(replicas=list(live))
         for node, reply in self._ask_all(batch).items():

@@ -11,9 +11,11 @@ in the caller's key order.
 Under a bounded model a process cache keeps remote rows with the clock they are
 current at, and this worker's own pushes are applied to it, so a read from the
 cache holds every earlier push of this worker (read-my-writes, as SSP promises).
-A part refused because its slice moved is sent again where the slice is now,
-as soon as the refusal arrives: a push in flight during a move lands before
-the worker confirms the move to the new owner (``client.fences``).
+A part answered "moved" (its slice is elsewhere now) is sent again where the
+slice is, by a layout fetched from the rendezvous (``client.routed``, the
+protocol adaptive tables follow too): a push as soon as the answer arrives, so a
+push in flight during a move lands before the worker confirms the move to the
+new owner (``client.fences``).
 """
 
 from __future__ import annotations
@@ -25,18 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import (
-    ClosedError,
-    ClusterError,
-    RequestTimeoutError,
-    ShoalError,
-    SliceMovedError,
-)
-from shoal.client.access import TableAccess
-from shoal.client.calls import READS, WRITES, Part, Positions, Rows, StaticCall
+from shoal.api.errors import ClosedError, ClusterError, RequestTimeoutError, ShoalError, SliceMovedError
+from shoal.client.calls import READS, WRITES, Call, Part, Positions
 from shoal.client.context import TableView
 from shoal.client.fences import Fences
 from shoal.client.process_cache import PendingWrite, ProcessCache
+from shoal.client.routed import RoutedAccess
 from shoal.cluster.requests import Future
 from shoal.consistency.cache import RowCache
 from shoal.placement.layout import TableLayout
@@ -46,19 +42,15 @@ from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
 _REFRESH_AGAIN_S = 0.02  # while the rendezvous lags behind a move a server told of: how often to ask it
-_WATCH_AFTER_S = 0.5  # a call waiting longer than this asks whether the servers it waits for are alive
 _WHOLE = None  # positions standing for "every key of the call, in order"
 
-class StaticAccess(TableAccess):
+
+class StaticAccess(RoutedAccess):
     """Pull, push and push_pull for one static table."""
 
     def __init__(self, table: TableView, layout: TableLayout, local: dict[int, ShardStore]) -> None:
-        super().__init__(table.name, layout, local)
+        super().__init__(table, layout, local)
         self.table = table
-        self.spec = table.spec
-        self.worker = table.worker
-        self.dtype = np.dtype(self.spec.dtype)
-        self.counters = table.counters
         self.staleness = table.staleness
         row_bytes = self.spec.dim * self.dtype.itemsize + 8
         self._chunk = max(1, self.worker.cluster.limits.payload_bytes // (2 * row_bytes))
@@ -67,9 +59,7 @@ class StaticAccess(TableAccess):
         self.cache = (ProcessCache(self.spec, layout.num_shards, self.worker, self.counters, self.staleness,
                                    self._pending_writes) if self.bound is not None else None)
         #: push parts not acknowledged yet, by request: the cache adds them to rows that predate them
-        self._unacked: dict[int, tuple[StaticCall, Part]] = {}
-        #: pushes with parts refused by a moved slice, waiting to be sent again
-        self._moved_calls: list[StaticCall] = []
+        self._unacked: dict[int, tuple[Call, Part]] = {}
         #: calls being routed right now (a wait inside may refresh the layout) and stores they may
         #: still use, closed once none is
         self._routing = 0
@@ -87,7 +77,7 @@ class StaticAccess(TableAccess):
 
     def pull(self, keys: np.ndarray, out: np.ndarray | None) -> Future[np.ndarray]:
         self._settle_moved_pushes()
-        call = self._call(Op.PULL, keys, None, Rows(keys.shape[0], self.spec.dim, self.dtype, out))
+        call = self._call(Op.PULL, keys, None, self._rows(keys.shape[0], out))
         self._run(call, _WHOLE)
         return self._future(call)
 
@@ -102,28 +92,21 @@ class StaticAccess(TableAccess):
         self._settle_moved_pushes()
         if self.cache is not None:
             self.cache.own_change(keys, values)
-        call = self._numbered(self._call(Op.PUSH_PULL, keys, values,
-                                         Rows(keys.shape[0], self.spec.dim, self.dtype, out)))
+        call = self._numbered(self._call(Op.PUSH_PULL, keys, values, self._rows(keys.shape[0], out)))
         self._run(call, _WHOLE)
         return self._future(call)
 
-    def _call(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: Rows | None) -> StaticCall:
-        return StaticCall(op, keys, values, result, self.worker.clock, self.reread, self.watch_servers,
-                          self.worker.now())
-
-    def _numbered(self, call: StaticCall) -> StaticCall:
+    def _numbered(self, call: Call) -> Call:
         self.pushes_started += 1
         call.index = self.pushes_started
         return call
 
-    def _future(self, call: StaticCall) -> Future[Any]:
-        if call.finished():
-            return Future.completed(call.outcome)
-        return Future(self.worker.tracker, call, call.outcome, self.worker.cluster.timeouts.request_s)
-
     # ------------------------------------------------------------- routing
 
-    def _run(self, call: StaticCall, pos: Positions, op: Op | None = None) -> None:
+    def _resend(self, call: Call, positions: np.ndarray, op: Op) -> None:
+        self._run(call, positions, op)
+
+    def _run(self, call: Call, pos: Positions, op: Op | None = None) -> None:
         """Serve local rows now and send the rest, for the keys of ``call`` at ``pos`` (all: None).
 
         A wait inside (a local read's bound, an eager push awaited) may refresh the layout: the call
@@ -140,7 +123,7 @@ class StaticAccess(TableAccess):
                     store.close()
                 self._unmapped.clear()
 
-    def _route(self, call: StaticCall, pos: Positions, layout: TableLayout, local: dict[int, ShardStore],
+    def _route(self, call: Call, pos: Positions, layout: TableLayout, local: dict[int, ShardStore],
                op: Op) -> None:
         keys = call.keys if pos is None else call.keys[pos]
         n = keys.shape[0]
@@ -187,7 +170,7 @@ class StaticAccess(TableAccess):
                     if self.worker.tracker.closed or self.worker.server_alive(node):
                         raise
                     # The server left (drained) and this layout predates it: its slices are elsewhere.
-                    self._refused(call, call.positions(chunk), op)
+                    self.refused(call, call.positions(chunk), op)
 
     def _check_alive(self, nodes: list[int], layout: TableLayout, shard: np.ndarray) -> None:
         """A call that needs a dead server's rows fails at once, before any part of it is sent. Only a
@@ -203,20 +186,6 @@ class StaticAccess(TableAccess):
                                "were held there and are gone (--on-server-failure continue keeps only "
                                "replicated tables whole); nothing of the call was sent")
 
-    def watch_servers(self, call: StaticCall) -> None:
-        """While ``call`` waits: a server that died since it was sent fails its parts now, naming it,
-        instead of after the request timeout."""
-        view = self.worker.replica_view
-        if not call.parts or self.worker.now() - call.started < _WATCH_AFTER_S:
-            return
-        view.refresh()  # at most once a second
-        for req, part in list(call.parts.items()):
-            if part.node in view.exited:
-                self.worker.tracker.forget(req)
-                call.error = call.error or ClusterError(
-                    f"server {part.node} died while a {part.op.name} of {self.spec.name!r} waited for it: the "
-                    "rows it held are gone")
-
     def _chunks(self, pos: Positions, count: int, total: int) -> Iterator[Positions]:
         if count <= self._chunk:
             yield pos
@@ -225,7 +194,7 @@ class StaticAccess(TableAccess):
         for start in range(0, count, self._chunk):
             yield every[start : start + self._chunk]
 
-    def _send(self, call: StaticCall, node: int, pos: Positions, epoch: int, op: Op) -> None:
+    def _send(self, call: Call, node: int, pos: Positions, epoch: int, op: Op) -> None:
         whole = pos is None  # one destination, one message: no gather, no scatter
         arrays = [call.keys if whole else call.keys[pos]]
         writes, reads = op in WRITES, op in READS
@@ -249,42 +218,30 @@ class StaticAccess(TableAccess):
             self._unacked[req] = (call, part)
         self.counters["requests"] += 1
 
-    def _on_reply(self, call: StaticCall, part: Part, keys: np.ndarray, msg: Message) -> None:
+    def _on_reply(self, call: Call, part: Part, keys: np.ndarray, msg: Message) -> None:
         self.worker.streams.answered(part.node, part.seq)
-        if part.op not in READS:
+        # A server without the part's slice answers all of it "moved" (sent again by ``client.routed``)
+        if not self._take_answer(call, part.positions, keys, part.op, msg) or part.op not in READS:
             return
-        assert call.result is not None
-        if part.positions is None:
-            call.result.take_whole(msg)
-        else:
-            call.result.place(part.positions, msg)
         self.staleness.record(call.clock - msg.clock, keys.shape[0])
         self.counters["rows_pulled"] += keys.shape[0]
         if self.cache is not None:
             self.cache.keep(part.node, msg, keys, msg.arrays[0])
 
-    def _on_error(self, call: StaticCall, part: Part, error: ShoalError) -> None:
+    def _on_error(self, call: Call, part: Part, error: ShoalError) -> None:
         self.worker.streams.answered(part.node, part.seq)
-        if isinstance(error, SliceMovedError):  # nothing of the part was applied: it goes where the slice is
-            self._refused(call, call.positions(part.positions), part.op)
-        elif call.error is None:
+        if call.error is None:
             call.error = error
 
-    def _on_end(self, call: StaticCall, part: Part) -> None:
+    def _on_end(self, call: Call, part: Part) -> None:
         self.worker.streams.ended(part.node, part.seq)
         call.parts.pop(part.req, None)
         self._unacked.pop(part.req, None)
 
-    def _refused(self, call: StaticCall, positions: np.ndarray, op: Op) -> None:
-        call.moved.append((positions, op))
-        if call not in self._moved_calls:
-            self._moved_calls.append(call)
-
     def after_receive(self) -> None:
-        """Send parts refused by moved slices where the slices are now, and answer fences once the
-        pushes they wait for have landed."""
-        if self._moved_calls:
-            self._resend_moved()
+        """Send parts answered "moved" where their slices are now, and answer fences once the pushes
+        they wait for have landed."""
+        super().after_receive()
         if self.fences.waiting:
             self.fences.answer()
 
@@ -297,56 +254,11 @@ class StaticAccess(TableAccess):
             return False
         return True
 
-    def _resend_moved(self) -> None:
-        """Send the pushes refused by moved slices where their slices are now (after a layout refresh);
-        reads refused are left to their waiters (``reread``). Never waits for a bound."""
-        calls = list(self._moved_calls)
-        if not calls:
-            return
-        try:
-            self.refresh_layout()  # replies meanwhile still find the refused pushes in _moved_calls
-        except ShoalError as exc:
-            for call in calls:
-                call.moved.clear()
-                call.error = call.error or exc
-            self._moved_calls = [c for c in self._moved_calls if c not in calls]
-            return
-        self._moved_calls = [c for c in self._moved_calls if c not in calls]
-        for call in calls:
-            moved, call.moved = call.moved, []
-            if self._gave_up(call):
-                continue
-            self.counters["moved_retries"] += 1
-            for positions, op in moved:
-                if op in READS:
-                    call.rereads.append(positions)  # after its push, if it has one: the stream keeps the order
-                if op in WRITES:
-                    try:
-                        self._run(call, positions, Op.PUSH)
-                    except ShoalError as exc:
-                        call.error = call.error or exc
+    def _find_moved(self) -> None:
+        self.refresh_layout()
 
-    def reread(self, call: StaticCall) -> None:
-        """The waiter of ``call`` reads again the rows refused by moved slices, where they are now."""
-        positions = np.concatenate(call.rereads)
-        call.rereads.clear()
-        if self._gave_up(call):
-            return
-        if call.attempts > 2:
-            time.sleep(min(0.005 * 2 ** call.attempts, 0.1))  # a slice moving again and again: let it settle
-        try:
-            self._settle_moved_pushes()
-            self._run(call, positions, Op.PULL)
-        except ShoalError as exc:
-            call.error = call.error or exc
-
-    def _gave_up(self, call: StaticCall) -> bool:
-        call.attempts += 1
-        if call.error is None and self.worker.now() - call.started > self.worker.cluster.timeouts.request_s:
-            call.error = SliceMovedError(
-                f"keys of {self.spec.name!r} kept moving for {self.worker.cluster.timeouts.request_s:.0f}s: "
-                f"{call.attempts} layout refreshes for one call")
-        return call.error is not None
+    def _before_reread(self) -> None:
+        self._settle_moved_pushes()
 
     def oldest_open_push(self) -> int | None:
         """The clock of this table's oldest push not acknowledged yet (None: all are)."""
@@ -431,7 +343,7 @@ class StaticAccess(TableAccess):
 
     # ---------------------------------------------------------- local rows
 
-    def _local(self, call: StaticCall, local: dict[int, ShardStore], shard: np.ndarray | None, rows: np.ndarray,
+    def _local(self, call: Call, local: dict[int, ShardStore], shard: np.ndarray | None, rows: np.ndarray,
                pos: Positions, op: Op) -> None:
         """Serve rows of this node's slices in shared memory, in the caller's process."""
         writes, reads = op in WRITES, op in READS
@@ -448,7 +360,7 @@ class StaticAccess(TableAccess):
                 try:
                     store.update(r, call.values if p is None else call.values[p])
                 except SliceMovedError:  # nothing of this part was applied: it goes to the new owner
-                    self._refused(call, call.positions(p), op)
+                    self.refused(call, call.positions(p), op)
                     continue
                 if self.cache is not None:
                     self.cache.wrote_locally(*call.written(p))
@@ -460,7 +372,7 @@ class StaticAccess(TableAccess):
                     else:
                         store.read_into(r, p, call.result.array())
                 except SliceMovedError:  # its rows are read where the slice is now
-                    self._refused(call, call.positions(p), Op.PULL)
+                    self.refused(call, call.positions(p), Op.PULL)
         self.worker.check_local_server(f"a {op.name} of {rows.shape[0]} row(s) of {self.spec.name!r}")
 
     def _local_bound(self) -> int:

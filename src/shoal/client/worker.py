@@ -35,6 +35,7 @@ from shoal.storage import kernels
 from shoal.storage.segment import Segment
 from shoal.storage.shard import ShardStore
 from shoal.transport.base import Transport
+from shoal.wire import bodies
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
@@ -169,14 +170,14 @@ class Worker:
             return existing
         timeout = self.cluster.timeouts.request_s
         warming = kernels.warm_up_meanwhile()  # while the servers build it; not on the first pull timed
+        create = bodies.CreateTable(spec.to_dict())
         self.tracker.gather(self.live_servers(),
-                            lambda n: Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
+                            lambda n: create.to_message(table=spec.name),
                             f"CREATE_TABLE {spec.name!r}", timeout)
         # The rendezvous keeps every table's spec, so that a restarted server can recreate it; it
         # answers with the current layout (slices may have moved since the table was made).
-        current = membership.call(self.tracker, RENDEZVOUS,
-                                  Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}),
-                                  timeout, f"CREATE_TABLE {spec.name!r} at the rendezvous").body
+        current = membership.call(self.tracker, RENDEZVOUS, create.to_message(table=spec.name), timeout,
+                                  f"CREATE_TABLE {spec.name!r} at the rendezvous").body
         self.follow_servers(current.get("servers") or [])
         layout = TableLayout.initial(spec, self.num_nodes)
         if spec.replicated or spec.adaptive:
@@ -354,7 +355,7 @@ class Worker:
             if older is not None:
                 self.tracker.forget(older)
             self._clock_requests[n] = self.send_ordered(
-                n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank}), f"CLOCK {self.clock} to server {n}",
+                n, bodies.Clock(self.rank).to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}",
                 background=True)
         self.tracker.pump(0)
         return self.clock
@@ -443,12 +444,12 @@ class Worker:
     def move_slice(self, table: str | Table, shard: int, to: int, timeout: float | None = None) -> None:
         """Move slice ``shard`` of a static table to server ``to`` while training goes on; returns once moved."""
         name = table if isinstance(table, str) else table.name
-        self._admin(Message(Op.MOVE_SLICE, table=name, body={"shard": int(shard), "to": int(to)}),
+        self._admin(bodies.MoveSlice(int(shard), int(to)).to_message(table=name),
                     f"moving slice {shard} of {name!r} to server {to}", timeout)
 
     def remove_server(self, node: int, timeout: float | None = None) -> None:
         """Hand every slice of server ``node`` to the others, then let it leave (scale in)."""
-        self._admin(Message(Op.DRAIN, body={"node": int(node)}), f"draining server {node}", timeout)
+        self._admin(bodies.Drain(int(node)).to_message(), f"draining server {node}", timeout)
 
     def cluster_status(self) -> dict[str, Any]:
         """The rendezvous's view: servers (None once departed), workers, layouts, barriers."""
@@ -476,7 +477,7 @@ class Worker:
             self.wait_all()
             # A worker that left must not hold back anyone's reads: this last clock is a request,
             # sent again until acknowledged (the earlier ones ride on every later message).
-            final = {self.send_ordered(n, Message(Op.CLOCK, clock=self.clock, body={"rank": self.rank, "final": True}),
+            final = {self.send_ordered(n, bodies.Clock(self.rank, final=True).to_message(clock=self.clock),
                                        f"final CLOCK to server {n}") for n in self.live_servers()}
             try:  # a server that is gone must not keep this worker from leaving
                 self.tracker.wait(final, min(_FINAL_CLOCK_S, self.cluster.timeouts.connect_s))

@@ -12,6 +12,7 @@ from typing import Any
 from shoal.api.errors import ClusterError, RequestTimeoutError
 from shoal.api.ids import RENDEZVOUS
 from shoal.cluster.requests import RequestTracker
+from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import BarrierNote
@@ -42,10 +43,8 @@ def register(
     tracker: RequestTracker, role: str, node: int, rank: int, address: str, timeout: float,
     metrics: str | None = None,
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {"role": role, "node": node, "rank": rank, "address": address, "pid": os.getpid()}
-    if metrics:
-        body["metrics"] = metrics
-    return _rendezvous_call(tracker, Message(Op.REGISTER, body=body), timeout)
+    body = bodies.Register(role, node, rank, address, os.getpid(), metrics or None)
+    return _rendezvous_call(tracker, body.to_message(), timeout)
 
 
 def status(tracker: RequestTracker, timeout: float) -> dict[str, Any]:
@@ -76,11 +75,9 @@ def wait_for_servers(tracker: RequestTracker, num_nodes: int, timeout: float) ->
 def barrier(tracker: RequestTracker, rank: int, generation: int, timeout: float,
             note: BarrierNote | None = None) -> dict[int, BarrierNote]:
     """Block until every worker reaches barrier ``generation``; returns each rank's ``note``, if it gave one."""
-    body: dict[str, object] = {"rank": rank, "generation": generation}
-    if note is not None:
-        body["note"] = note.to_body()
+    body = bodies.Barrier(rank, generation, None if note is None else note.to_body())
     try:
-        reply = call(tracker, RENDEZVOUS, Message(Op.BARRIER, body=body), timeout, f"barrier {generation}")
+        reply = call(tracker, RENDEZVOUS, body.to_message(), timeout, f"barrier {generation}")
         notes = reply.body.get("notes") if isinstance(reply.body, dict) else None
         return {int(r): n for r, value in (notes or {}).items() if (n := BarrierNote.from_body(value)) is not None}
     except RequestTimeoutError as exc:
@@ -96,4 +93,4 @@ def barrier(tracker: RequestTracker, rank: int, generation: int, timeout: float,
 
 
 def leave(tracker: RequestTracker, rank: int, timeout: float) -> None:
-    call(tracker, RENDEZVOUS, Message(Op.LEAVE, body={"rank": rank, "role": "worker"}), timeout)
+    call(tracker, RENDEZVOUS, bodies.Leave(rank, "worker").to_message(), timeout)

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.api.config import RebalancePolicy, TableSpec
-from shoal.api.errors import ClusterError, ReplayError, ShoalError
+from shoal.api.errors import ClusterError, ProtocolError, ReplayError, ShoalError
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.roles import RENDEZVOUS_OPS, Roles
 from shoal.cluster.slices import SliceAuthority
 from shoal.cluster.throttle import ThrottledWarnings
 from shoal.transport.base import Transport, is_loopback
+from shoal.wire import bodies
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Flag, Op
@@ -85,7 +86,7 @@ class Rendezvous:
         #: which workers created each table, and the tables already warned of as created by only some
         self._creators: dict[str, set[int]] = {}
         self._warned_tables: set[str] = set()
-        self._barriers: dict[int, list[tuple[bytes, Message]]] = {}
+        self._barriers: dict[int, list[tuple[bytes, Message, bodies.Barrier]]] = {}
         #: layouts of static tables, slice moves, joins, drains and the rebalancer
         self.slices = SliceAuthority(num_nodes, rebalance or RebalancePolicy(enabled=False), now)
         #: servers' heartbeats held as long polls: node -> (peer, request, answer-by time)
@@ -190,7 +191,7 @@ class Rendezvous:
             "exited": sorted(self.exited),
             "incarnations": [self.incarnations.get(n, 0) for n in range(self.num_nodes)],
             "tables": list(self.tables.values()),
-            "barriers": {str(g): sorted(int(m.body["rank"]) for _, m in w) for g, w in self._barriers.items()},
+            "barriers": {str(g): sorted(b.rank for _, _, b in w) for g, w in self._barriers.items()},
         }
 
     # -------------------------------------------------------------- handling
@@ -208,7 +209,7 @@ class Rendezvous:
             self._warnings.warn("bad message", "rendezvous: dropping bad message: %s", exc)
             req = getattr(exc, "req", None)
             if isinstance(req, int):
-                err = Message(Op.ERROR, req=req, body={"code": exc.code, "message": str(exc)})
+                err = bodies.Error.about(exc).to_message(req=req)
                 self.listener.send(peer, Codec(self.codec.limits).encode(err))
             return
         try:
@@ -217,7 +218,7 @@ class Rendezvous:
             self.roles.check(msg, RENDEZVOUS_OPS)
             self._dispatch(peer, msg)
         except ShoalError as exc:  # a request that cannot be met gets a typed error, not silence
-            self._reply(peer, msg.reply(Op.ERROR, {"code": exc.code, "message": f"rendezvous: {exc}"}))
+            self._reply(peer, bodies.Error.about(exc, "rendezvous").reply_to(msg))
 
     def _repeated(self, peer: bytes, msg: Message) -> bool:
         """Whether ``msg`` repeats one already here (answered again if its reply was kept); raises
@@ -239,13 +240,13 @@ class Rendezvous:
             incarnation = self._register(msg)
             self._reply(peer, msg.reply(Op.OK, {**self.status(), "incarnation": incarnation}))
         elif msg.op == Op.CLUSTER_STATUS:
-            node = msg.body.get("node")
-            if msg.body.get("role") == "server" and isinstance(node, int):
+            report = bodies.ClusterStatus.of(msg)
+            node = report.node
+            if report.role == "server" and node is not None:
                 self.last_seen[node] = self.now()
-                load = msg.body.get("load")
-                if isinstance(load, dict):
-                    self.slices.on_load(node, load)
-                if msg.body.get("poll") and not self.slices.commands(node) and not self.finished:
+                if report.load is not None:
+                    self.slices.on_load(node, report.load)
+                if report.poll and not self.slices.commands(node) and not self.finished:
                     # Long poll: answer when there is a move for this server, or in a moment anyway.
                     self._polls[node] = (peer, msg, time.monotonic() + _POLL_S)
                     return
@@ -253,9 +254,10 @@ class Rendezvous:
                 return
             self._reply(peer, msg.reply(Op.OK, self.status()))
         elif msg.op == Op.CREATE_TABLE:
+            spec = bodies.CreateTable.of(msg).spec
             if msg.table not in self.tables:
-                self.slices.add_table(TableSpec.from_dict(msg.body["spec"]))
-            self.tables.setdefault(msg.table, msg.body["spec"])
+                self.slices.add_table(TableSpec.from_dict(spec))
+            self.tables.setdefault(msg.table, spec)
             self._creators.setdefault(msg.table, set()).add(msg.sender)  # a worker (roles.py)
             if not msg.flags & Flag.NO_REPLY:  # the reply carries where the slices are now
                 body = self.slices.describe(msg.table) if msg.table in self.slices.layouts else {}
@@ -266,21 +268,22 @@ class Rendezvous:
             body["servers"] = self.status()["servers"]
             self._reply(peer, msg.reply(Op.OK, body))
         elif msg.op == Op.MOVE_SLICE:
-            self.slices.request_move(msg.table, int(msg.body["shard"]), int(msg.body["to"]),
-                                     self._answer_when_done(peer, msg))
+            move = bodies.MoveSlice.of(msg)
+            self.slices.request_move(msg.table, move.shard, move.to, self._answer_when_done(peer, msg))
         elif msg.op == Op.MOVE_DONE:
-            self.slices.move_done(msg.table, int(msg.body["shard"]), int(msg.body["to"]), int(msg.body["epoch"]),
-                                  bool(msg.body["ok"]))
+            done = bodies.MoveDone.of(msg)
+            self.slices.move_done(msg.table, done.shard, done.to, done.epoch, done.ok)
             self._reply(peer, msg.reply(Op.OK))
         elif msg.op == Op.DRAIN:
-            self.slices.drain(int(msg.body["node"]), self._answer_when_done(peer, msg))
+            self.slices.drain(bodies.Drain.of(msg).node, self._answer_when_done(peer, msg))
         elif msg.op == Op.BARRIER:
             self._barrier(peer, msg)
         elif msg.op == Op.LEAVE:
             if not msg.flags & Flag.NO_REPLY:
                 self._reply(peer, msg.reply(Op.OK))
-            if msg.body["role"] == "worker":
-                self.left.add(int(msg.body["rank"]))
+            leaving = bodies.Leave.of(msg)
+            if leaving.role == "worker":
+                self.left.add(leaving.rank)
                 self._replay.retire(msg.sender)
                 for gen in list(self._barriers):
                     self._fail_if_unreachable(gen)
@@ -292,8 +295,8 @@ class Rendezvous:
         elif msg.op == Op.PING:
             self._reply(peer, msg.reply(Op.OK))
         else:
-            self._reply(peer, msg.reply(Op.ERROR, {"code": "ProtocolError",
-                                                    "message": f"rendezvous does not serve {msg.op.name}"}))
+            error = ProtocolError(f"rendezvous does not serve {msg.op.name}")
+            self._reply(peer, bodies.Error.about(error).reply_to(msg))
 
     def _answer_server(self, node: int, peer: bytes, msg: Message) -> None:
         self._polls.pop(node, None)
@@ -317,16 +320,14 @@ class Rendezvous:
             if error is None:
                 self._reply(peer, msg.reply(Op.OK))
             else:
-                self._reply(peer, msg.reply(Op.ERROR, {"code": error.code, "message": str(error)}))
+                self._reply(peer, bodies.Error.about(error).reply_to(msg))
         return done
 
     def _register(self, msg: Message) -> int:
         """Add a member; returns how many times its node (a server) or rank (a worker) has registered,
         its incarnation: a restarted process must not be mistaken for its earlier self."""
-        b = msg.body
-        metrics = b.get("metrics")
-        member = Member(b["role"], b["node"], b["rank"], b["address"], b["pid"],
-                        metrics if isinstance(metrics, str) else None)
+        b = bodies.Register.of(msg)
+        member = Member(b.role, b.node, b.rank, b.address, b.pid, b.metrics)
         if member.role == "server" and member.node >= self.num_nodes:
             if member.node != self.num_nodes:
                 raise ClusterError(f"a joining server takes node {self.num_nodes}, the next free one, "
@@ -345,24 +346,24 @@ class Rendezvous:
             return self.incarnations[member.node]
         if member.rank in self.workers:  # a restarted worker: drop what its old self left waiting
             for waiting in self._barriers.values():
-                waiting[:] = [(p, m) for p, m in waiting if int(m.body["rank"]) != member.rank]
+                waiting[:] = [(p, m, b) for p, m, b in waiting if b.rank != member.rank]
         self.workers[member.rank] = member
         self.left.discard(member.rank)
         self.worker_incarnations[member.rank] = self.worker_incarnations.get(member.rank, 0) + 1
         return self.worker_incarnations[member.rank]
 
     def _barrier(self, peer: bytes, msg: Message) -> None:
-        gen = int(msg.body["generation"])
+        barrier = bodies.Barrier.of(msg)
+        gen = barrier.generation
         waiting = self._barriers.setdefault(gen, [])
-        waiting.append((peer, msg))
-        arrived = {int(m.body["rank"]) for _, m in waiting}
+        waiting.append((peer, msg, barrier))
+        arrived = {b.rank for _, _, b in waiting}
         if self._fail_if_unreachable(gen):
             return
         if len(arrived) >= self.num_workers:
             # What ranks said on arrival (an outcome rank 0 decided, say) goes back to everyone.
-            notes = {str(m.body["rank"]): m.body["note"] for _, m in waiting
-                     if BarrierNote.from_body(m.body.get("note")) is not None}
-            for p, m in self._barriers.pop(gen):
+            notes = {str(b.rank): b.note for _, _, b in waiting if BarrierNote.from_body(b.note) is not None}
+            for p, m, _ in self._barriers.pop(gen):
                 self._reply(p, m.reply(Op.OK, {"notes": notes}))
             self._warn_of_unshared_tables()
 
@@ -385,12 +386,12 @@ class Rendezvous:
         """A barrier that a finished worker has not reached can never complete: fail every rank waiting
         in it now, naming the finished ranks, instead of after the barrier timeout."""
         waiting = self._barriers.get(gen, [])
-        arrived = {int(m.body["rank"]) for _, m in waiting}
+        arrived = {b.rank for _, _, b in waiting}
         gone = sorted(self.left - arrived)
         if not gone:
             return False
         error = ClusterError(f"barrier {gen} cannot complete: rank(s) {gone} finished (called shutdown) "
                              f"without reaching it; arrived rank(s) {sorted(arrived)}")
-        for p, m in self._barriers.pop(gen):
-            self._reply(p, m.reply(Op.ERROR, {"code": error.code, "message": f"rendezvous: {error}"}))
+        for p, m, _ in self._barriers.pop(gen):
+            self._reply(p, bodies.Error.about(error, "rendezvous").reply_to(m))
         return True

@@ -31,6 +31,7 @@ from shoal.cluster.metrics import LatencyHistogram
 from shoal.cluster.replay import new_incarnation
 from shoal.cluster.throttle import ThrottledWarnings
 from shoal.transport.base import Connection, Transport, is_loopback
+from shoal.wire import bodies
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Flag, Op
@@ -299,7 +300,10 @@ class RequestTracker:
         Raises the first error of a request nobody waited for (an async push
         that failed), so it does not vanish.
         """
-        self.wait({r for r, p in self._pending.items() if not p.background}, timeout)
+        deadline = time.monotonic() + timeout  # waits keep real time, as ``wait_until`` does
+        # Answers may send parts again (keys that moved): those are waited for too.
+        while pending := {r for r, p in self._pending.items() if not p.background}:
+            self.wait(pending, max(deadline - time.monotonic(), 0.0))
         if self._errors:
             errors, self._errors = self._errors, {}
             first = errors[min(errors)]
@@ -441,9 +445,8 @@ class RequestTracker:
             return
         pending = self._pending[msg.req]
         if msg.op == Op.ERROR:
-            pending.error = error_from_code(
-                str(msg.body.get("code")), f"peer {peer}: {msg.body.get('message')}"
-            )
+            error = bodies.Error.of(msg)
+            pending.error = error_from_code(error.code, f"peer {peer}: {error.message}")
             self._finish(msg.req, None)
             return
         self._finish(msg.req, msg)

@@ -32,8 +32,10 @@ from shoal.storage import checkpoint
 from shoal.storage.checkpoint import place_saved
 from shoal.storage.kernels import OWNED, REPLICA
 from shoal.storage.validate import as_keys, as_rows, zero_nonfinite
+from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
+from shoal.wire.schema import Moved
 
 
 class AdaptiveService:
@@ -125,7 +127,8 @@ class AdaptiveService:
             self.carry_out(machine.localize(as_keys(msg.arrays[0], spec)))
             return msg.reply(Op.OK)
         if msg.op == Op.INTENT:
-            machine.intend(as_keys(msg.arrays[0], spec), int(msg.body["start"]), int(msg.body["end"]))
+            intent = bodies.Intent.of(msg)
+            machine.intend(as_keys(msg.arrays[0], spec), intent.start, intent.end)
             return msg.reply(Op.OK)
         if msg.op == Op.PLACEMENT:
             sender = server_node(msg.sender, self.cluster.num_nodes)
@@ -151,7 +154,7 @@ class AdaptiveService:
         answer_now = None
         for answer in effects.answers:
             peer, msg = answer.ticket
-            body = {"moved": answer.moved.tolist(), "owners": answer.owners.tolist()} if answer.moved.size else {}
+            body = Moved(answer.moved, answer.owners).to_body() if answer.moved.size else {}
             reply = msg.reply(Op.OK, body) if answer.values is None else \
                 msg.reply(Op.VALUES, body, arrays=[answer.values])
             if answer.ticket is ticket:

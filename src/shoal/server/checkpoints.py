@@ -24,6 +24,7 @@ from typing import Any
 from shoal.api.errors import CheckpointError, TableError
 from shoal.server.service import TableService
 from shoal.storage import checkpoint
+from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
@@ -47,7 +48,7 @@ class CheckpointService:
         reply with what is still unsettled and the replicated tables' version vectors per shard."""
         unsettled: dict[str, list[str]] = {}
         versions: dict[str, list[list[Any]]] = {}
-        for name in map(str, msg.body["tables"]):
+        for name in map(str, bodies.Settle.of(msg).tables):
             unsettled[name], version = self._service(name).settle(name)
             if version is not None:
                 versions[name] = version
@@ -55,9 +56,10 @@ class CheckpointService:
 
     def write(self, msg: Message) -> Message:
         """Write the rows this server holds of the named tables; reply with the parts' entries."""
-        staging = checkpoint.check_staging(str(msg.body["staging"]))
+        asked = bodies.Checkpoint.of(msg)
+        staging = checkpoint.check_staging(asked.staging)
         parts: dict[str, list[dict[str, Any]]] = {}
-        for index, name in enumerate(map(str, msg.body["tables"])):
+        for index, name in enumerate(map(str, asked.tables)):
             if name in self.lost:
                 raise CheckpointError(self.lost[name])
             parts[name] = self._service(name).write(name, staging, index)
@@ -71,8 +73,8 @@ class CheckpointService:
         the coordinator sends ``commit`` true only once every server has checked, so a damaged
         checkpoint loads nothing anywhere.
         """
-        path = Path(str(msg.body["path"]))
-        write = bool(msg.body["commit"])
+        asked = bodies.Restore.of(msg)
+        path, write = Path(asked.path), asked.commit
         manifest = checkpoint.read_manifest(path)
         loaded: dict[str, int] = {}
         for name, entry in manifest["tables"].items():

@@ -30,9 +30,9 @@ from shoal.server.peers import PeerDirectory
 from shoal.server.tables import table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
+from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
-from shoal.wire.schema import is_int64
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,10 @@ class ReplicatedTable:
             raise KeyRangeError(f"server {self.node} holds no replica of shard {shard} of table {self.spec.name!r}")
         return replica
 
-    def rows_of(self, msg: Message) -> tuple[ShardReplica, np.ndarray, np.ndarray]:
-        """The replica a message names (``body.shard``), its keys, and their rows; keys must lie in that shard."""
-        shard = msg.body.get("shard")
-        if isinstance(shard, bool) or not isinstance(shard, int):
+    def rows_of(self, msg: Message, shard: int | None) -> tuple[ShardReplica, np.ndarray, np.ndarray]:
+        """The replica a message names (its body's ``shard``), its keys, and their rows; keys must lie in
+        that shard."""
+        if shard is None:
             raise ProtocolError(f"{msg.op.name} on replicated table {self.spec.name!r} must name its shard")
         replica = self.replica(shard)
         keys = as_keys(msg.arrays[0], self.spec)
@@ -155,10 +155,11 @@ class ReplicationService:
     def handle(self, peer: bytes, msg: Message) -> Message | None:
         table = self._table(msg.table)
         if msg.op == Op.PUSH:
-            return self._push(table, peer, msg)
+            return self._push(table, peer, msg, bodies.Push.of(msg))
         if msg.op == Op.PULL:
-            replica, _, rows = table.rows_of(msg)
-            if msg.body.get("totals"):
+            pull = bodies.Pull.of(msg)
+            replica, _, rows = table.rows_of(msg, pull.shard)
+            if pull.totals:
                 origins, seqs, totals = replica.totals(rows)
                 return msg.reply(Op.TOTALS, arrays=[origins, seqs, totals])
             version = [[o, s] for o, s in sorted(replica.version().items())]
@@ -167,19 +168,18 @@ class ReplicationService:
             self._gossip_in(table, msg)
             return None
         if msg.op == Op.REPLICA_STATS:
-            replica = table.replica(int(msg.body["shard"]))
+            replica = table.replica(bodies.ReplicaStats.of(msg).shard)
             delays = [[n, s.values()[-512:]] for n, s in sorted(replica.delays.items())]
             return msg.reply(Op.OK, {"shard": replica.shard, "node": self.node, "delays": delays,
                                      "rate": replica.accept_rate(), "vv": sorted(replica.version().items())})
         raise ProtocolError(f"replicated table {msg.table!r} does not serve {msg.op.name}")
 
-    def _push(self, table: ReplicatedTable, peer: bytes, msg: Message) -> Message | None:
-        replica, keys, rows = table.rows_of(msg)
+    def _push(self, table: ReplicatedTable, peer: bytes, msg: Message, body: bodies.Push) -> Message | None:
+        replica, keys, rows = table.rows_of(msg, body.shard)
         grads = as_rows(msg.arrays[1], keys.shape[0], table.spec, strict_dtype=True)
         rows, grads, _ = drop_nonfinite(rows, grads, table.spec)
-        seq, incarnation = msg.body.get("seq"), msg.body.get("inc")
-        if not (isinstance(seq, int) and isinstance(incarnation, int) and is_int64(seq) and is_int64(incarnation)
-                and seq >= 1 and 1 <= incarnation < MAX_INCARNATIONS):
+        seq, incarnation = body.seq, body.inc
+        if seq is None or incarnation is None or not (seq >= 1 and 1 <= incarnation < MAX_INCARNATIONS):
             raise ProtocolError("a push to a replicated table carries its number and its worker's incarnation "
                                 f"(body.seq >= 1, body.inc in [1, 2**20)), got {seq!r} and {incarnation!r}")
         if not 0 <= msg.sender < min(self.cluster.num_workers, MAX_RANKS):  # each origin costs a shard of state
@@ -273,7 +273,7 @@ class ReplicationService:
         sender = server_node(msg.sender, self.cluster.num_nodes)
         if sender is None:
             raise ProtocolError(f"gossip from sender {msg.sender}, which is no server")
-        replica = table.replica(int(msg.body["shard"]))
+        replica = table.replica(bodies.Gossip.of(msg).shard)
         try:
             payload = GossipPayload.from_wire(msg.body, msg.arrays, replica.num_rows, table.spec.dim)
         except ValueError as exc:

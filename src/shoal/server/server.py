@@ -56,6 +56,7 @@ from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, SliceMoving, table_bytes
 from shoal.storage.segment import Segment
 from shoal.transport.base import Transport, is_loopback
+from shoal.wire import bodies
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Flag, Op
@@ -263,11 +264,9 @@ class ParameterServer:
         if self._heartbeat_req is None and now >= self._next_heartbeat:
             # Sooner while replicas wait for a peer's address (its heartbeat tells us when it registered).
             self._next_heartbeat = now + (_PEER_WAIT_S if self.replication.missing_peers() else _HEARTBEAT_S)
-            body = {"role": "server", "node": self.node, "load": self.slicing.take_load(), "queue": self._backlog,
-                    "poll": True}
+            body = bodies.ClusterStatus("server", self.node, self.slicing.take_load(), self._backlog, poll=True)
             self.queue_length, self._backlog = self._backlog, 0
-            self._heartbeat_req = tracker.request(
-                RENDEZVOUS, Message(Op.CLUSTER_STATUS, body=body), self._on_status, "heartbeat")
+            self._heartbeat_req = tracker.request(RENDEZVOUS, body.to_message(), self._on_status, "heartbeat")
         elif self._heartbeat_req is not None and now - self._last_heartbeat > self.cluster.timeouts.connect_s:
             log.error("server %d: rendezvous silent for %.0fs; shutting down", self.node, now - self._last_heartbeat)
             self.stop()
@@ -313,8 +312,7 @@ class ParameterServer:
         except ShoalError as exc:  # a replay, a sender out of its role, a stream out of order
             self.stats[f"error_{exc.code}"] += 1
             if not msg.flags & Flag.NO_REPLY:
-                self._send(peer, msg.reply(Op.ERROR, {"code": exc.code, "message": f"server {self.node}: {exc}"}),
-                           self.codec)
+                self._send(peer, bodies.Error.about(exc, f"server {self.node}").reply_to(msg), self.codec)
             return
         if in_turn:
             self._serve_in_turn(peer, msg)
@@ -372,12 +370,12 @@ class ParameterServer:
             return False
         except ShoalError as exc:
             self.stats[f"error_{exc.code}"] += 1
-            reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
+            reply = bodies.Error.about(exc).reply_to(msg)
         except Exception as exc:  # a bug: report it, keep serving
             log.exception("server %d: failure serving %s", self.node, msg.op.name)
             self.stats["error_ServerError"] += 1
             err = ServerError(f"server {self.node} failed serving {msg.op.name}: {exc!r}")
-            reply = msg.reply(Op.ERROR, {"code": err.code, "message": str(err)})
+            reply = bodies.Error.about(err).reply_to(msg)
         if reply is not None and not msg.flags & Flag.NO_REPLY:
             self._send(peer, reply, self.codec)
         self.latency.observe(msg.op.name, time.perf_counter() - started)
@@ -391,14 +389,13 @@ class ParameterServer:
                                         f"{msg.sender} waited {self.cluster.timeouts.request_s:.0f}s for its "
                                         "earlier requests, which never came")
             self.stats["out_of_order_expired"] += 1
-            self._send(peer, msg.reply(Op.ERROR, {"code": error.code, "message": str(error)}), self.codec)
+            self._send(peer, bodies.Error.about(error).reply_to(msg), self.codec)
 
     def _reply_error(self, peer: bytes, exc: ShoalError, codec: Codec) -> None:
         if getattr(exc, "flags", 0) & Flag.NO_REPLY:
             return
         req = getattr(exc, "req", None)
-        reply = Message(Op.ERROR, req=req if isinstance(req, int) else 0,
-                        body={"code": exc.code, "message": f"server {self.node}: {exc}"})
+        reply = bodies.Error.about(exc, f"server {self.node}").to_message(req=req if isinstance(req, int) else 0)
         self._send(peer, reply, codec)
 
     def _send(self, peer: bytes, reply: Message, codec: Codec) -> None:
@@ -407,8 +404,8 @@ class ParameterServer:
             frames = codec.encode(reply)
         except ShoalError as exc:  # e.g. a pull whose reply would exceed the size limit
             self.stats[f"error_{exc.code}"] += 1
-            error = Message(Op.ERROR, req=reply.req, sender=self.node,
-                            body={"code": exc.code, "message": f"server {self.node}: reply refused: {exc}"})
+            error = bodies.Error.about(exc, f"server {self.node}: reply refused").to_message(req=reply.req,
+                                                                                             sender=self.node)
             frames = codec.encode(error)
         size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self.stats["bytes_out"] += size
@@ -426,7 +423,7 @@ class ParameterServer:
         if op == Op.CLOCK:
             return msg.reply(Op.OK)
         if op == Op.CONFIRM:
-            self.sync.confirm(msg.sender, msg.table, int(msg.body["epoch"]))
+            self.sync.confirm(msg.sender, msg.table, bodies.Confirm.of(msg).epoch)
             return msg.reply(Op.OK)
         if op == Op.CREATE_TABLE:
             return self._create_table(peer, msg)
@@ -455,7 +452,7 @@ class ParameterServer:
 
     def _create_table(self, peer: bytes, msg: Message) -> Message | None:
         """Answered at once for a table held here; else once it is built, off the request loop."""
-        spec = TableSpec.from_dict(msg.body["spec"])
+        spec = TableSpec.from_dict(bodies.CreateTable.of(msg).spec)
         if spec.name != msg.table:
             raise ProtocolError(f"CREATE_TABLE for {msg.table!r} carries a spec named {spec.name!r}")
         existing = self.services.get(spec.name)
@@ -489,12 +486,11 @@ class ParameterServer:
             try:
                 build.service.install(spec, build.future.result())
             except ShoalError as exc:
-                replies = [m.reply(Op.ERROR, {"code": exc.code, "message": f"server {self.node}: {exc}"})
-                           for _, m in build.waiting]
+                replies = [bodies.Error.about(exc, f"server {self.node}").reply_to(m) for _, m in build.waiting]
             except Exception as exc:  # a bug: report it, keep serving
                 log.exception("server %d: failure building table %r", self.node, spec.name)
                 err = ServerError(f"server {self.node} failed building table {spec.name!r}: {exc!r}")
-                replies = [m.reply(Op.ERROR, {"code": err.code, "message": str(err)}) for _, m in build.waiting]
+                replies = [bodies.Error.about(err).reply_to(m) for _, m in build.waiting]
             else:
                 self.services[spec.name] = build.service
                 log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)

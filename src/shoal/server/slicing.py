@@ -39,6 +39,7 @@ from shoal.server.peers import PeerDirectory
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable
 from shoal.storage.shard import ShardStore
+from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import is_int64
@@ -127,9 +128,8 @@ class SliceService:
             last_row = min(store.num_rows, first + chunk)
             parts = [arrays[n][first:last_row] for n in names]
             parts += [subscribers[r][first:last_row].view(np.uint8) for r in ranks]
-            msg = Message(Op.SLICE_STATE, table=name, body={
-                "shard": shard, "epoch": epoch, "first_row": first, "num_rows": store.num_rows, "names": names,
-                "subscribers": ranks, "last": last_row >= store.num_rows}, arrays=parts)
+            msg = bodies.SliceState(shard, epoch, first, store.num_rows, names, last_row >= store.num_rows,
+                                    ranks).to_message(table=name, arrays=parts)
             move.reqs.add(self.peers.tracker.request(to, msg, _ignore, f"SLICE_STATE {name!r}/{shard} to server {to}"))
 
     def tick(self) -> None:
@@ -160,8 +160,7 @@ class SliceService:
                 self._report(move)
 
     def _report(self, move: _Outgoing) -> None:
-        msg = Message(Op.MOVE_DONE, table=move.table, body={
-            "shard": move.shard, "to": move.to, "epoch": move.epoch, "ok": move.handed})
+        msg = bodies.MoveDone(move.shard, move.to, move.epoch, move.handed).to_message(table=move.table)
         move.report = self.rendezvous.request(RENDEZVOUS, msg, lambda reply: self._finish(move),
                                               f"MOVE_DONE {move.table!r}/{move.shard}")
 
@@ -189,12 +188,13 @@ class SliceService:
 
     def receive(self, msg: Message) -> Message:
         """One chunk of a slice moving here; the last one makes this server its owner."""
+        state = bodies.SliceState.of(msg)
         table = self.tables.get(msg.table)
         if table is None:
-            raise TableError(f"server {self.node} has no table {msg.table!r} to take slice {msg.body['shard']} of")
-        shard = int(msg.body["shard"])
-        names = [str(n) for n in msg.body["names"]]
-        ranks = _ints(msg.body.get("subscribers", []), "subscribers")
+            raise TableError(f"server {self.node} has no table {msg.table!r} to take slice {state.shard} of")
+        shard = state.shard
+        names = [str(n) for n in state.names]
+        ranks = _ints(state.subscribers or [], "subscribers")
         if len(msg.arrays) != len(names) + len(ranks):
             raise ProtocolError(f"SLICE_STATE names {len(names)} arrays and {len(ranks)} subscribers, "
                                 f"carries {len(msg.arrays)}")
@@ -204,11 +204,11 @@ class SliceService:
             if not 0 <= shard < table.layout.num_shards:
                 raise ProtocolError(f"table {msg.table!r} has no slice {shard}")
             rows = table.layout.mapping.shard_size(shard)
-            if int(msg.body["num_rows"]) != rows:
-                raise ProtocolError(f"slice {shard} of {msg.table!r} has {rows} rows, not {msg.body['num_rows']}")
+            if state.num_rows != rows:
+                raise ProtocolError(f"slice {shard} of {msg.table!r} has {rows} rows, not {state.num_rows}")
             store = ShardStore.receive(table.spec, shard, rows, self.cluster.cluster_id)
             incoming = self.incoming[key] = _Incoming(store, {r: np.zeros(rows, dtype=np.bool_) for r in ranks})
-        first = int(msg.body["first_row"])
+        first = state.first_row
         for rank, mask in zip(ranks, msg.arrays[len(names):], strict=True):
             if rank not in incoming.subscribers or mask.ndim != 1 \
                     or not 0 <= first <= first + mask.shape[0] <= incoming.store.num_rows:
@@ -219,12 +219,12 @@ class SliceService:
         incoming.store.load_rows(first, dict(zip(names, msg.arrays[: len(names)], strict=True)))
         for rank, mask in zip(ranks, msg.arrays[len(names):], strict=True):
             incoming.subscribers[rank][first : first + mask.shape[0]] = mask.astype(np.bool_)
-        if msg.body["last"]:
+        if state.last:
             del self.incoming[key]
-            table.adopt_slice(incoming.store, int(msg.body["epoch"]), incoming.subscribers)
+            table.adopt_slice(incoming.store, state.epoch, incoming.subscribers)
             # Pushes for the slice may still be on their way elsewhere, to come here once refused:
             # until each worker confirms, count it only up to its settled clock.
-            self.sync.fence(msg.table, int(msg.body["epoch"]), shard)
+            self.sync.fence(msg.table, state.epoch, shard)
             self.sync.adopted(msg.table)
             self.stats["slices_received"] += 1
             log.info("server %d: now serving slice %d of %r", self.node, shard, msg.table)

@@ -3,8 +3,9 @@
 Pulls go through the synchroniser (``server.sync``), which holds them until the
 table's consistency bound is met; pushes apply the update rule to the slices'
 shared memory. A request for a slice that is not here (it moved, or never was)
-is refused with ``SliceMovedError``; one for a slice on its way out waits for
-the move to end (``SliceMoving``, held by ``server.slicing``).
+is answered "moved" with nothing applied (``wire.schema.Moved``, as an adaptive
+table answers for keys that left); one for a slice on its way out waits for the
+move to end (``SliceMoving``, held by ``server.slicing``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from shoal.api.errors import CheckpointError, ProtocolError, SliceMovedError, Ta
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
 from shoal.server.sync import Synchroniser
-from shoal.server.tables import ServedTable, table_bytes
+from shoal.server.tables import ServedTable, moved_answer, table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.validate import as_keys, as_rows
 from shoal.wire.message import Message
@@ -83,7 +84,7 @@ class StaticService:
                 # The worker sends the push again by a fresh layout, and the part for slices still
                 # here comes back here: until then its later clock ticks must not count here.
                 self.sync.refuse_reads(msg.sender, msg.table, table.layout.epoch)
-            raise
+            return moved_answer(msg)
         raise ProtocolError(f"static table {msg.table!r} does not serve {msg.op.name}")
 
     def _push(self, table: ServedTable, msg: Message) -> int:

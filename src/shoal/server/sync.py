@@ -19,8 +19,9 @@ import numpy as np
 from shoal.api.errors import RequestTimeoutError, ShoalError, SliceMovedError
 from shoal.consistency.clocks import FINISHED, ClockTable
 from shoal.server.streams import position_of, settled_of
-from shoal.server.tables import ServedTable, SliceMoving
+from shoal.server.tables import ServedTable, SliceMoving, moved_answer
 from shoal.storage.validate import as_keys
+from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
@@ -67,7 +68,7 @@ class Synchroniser:
         """Learn the sender's clock from any worker message; act if the slowest clock moved."""
         if msg.op not in _WORKER_OPS or not 0 <= msg.sender < self.clocks.num_workers:
             return
-        if msg.op == Op.CLOCK and msg.body.get("final"):
+        if msg.op == Op.CLOCK and bodies.Clock.of(msg).final:
             self.peers.pop(msg.sender, None)  # it has left: nothing more to push to it
             self.fences.pop(msg.sender, None)  # it waited for all its pushes before leaving
             self.refusing = {(w, t) for w, t in self.refusing if w != msg.sender}
@@ -145,7 +146,7 @@ class Synchroniser:
             return
         self._fence_told[worker] = self.now()
         for table, (epoch, shard) in self.fences.get(worker, {}).items():
-            self.send(peer, Message(Op.FENCE, table=table, body={"epoch": epoch, "shard": shard}))
+            self.send(peer, bodies.Fence(epoch, shard).to_message(table=table))
 
     def pull(self, table: ServedTable, peer: bytes, msg: Message) -> Message | None:
         """Answer now, or hold the pull (None) until the table's bound allows it.
@@ -182,7 +183,7 @@ class Synchroniser:
                 error = RequestTimeoutError(f"pull of {table.spec.name!r} at clock {pull.clock} held "
                                             f"{self.max_hold_s:.0f}s waiting for worker(s) {behind}")
                 self.stats["held_pulls_expired"] += 1
-                self.send(peer, msg.reply(Op.ERROR, {"code": error.code, "message": str(error)}))
+                self.send(peer, bodies.Error.about(error).reply_to(msg))
 
     def next_deadline(self) -> float | None:
         deadlines = [d for t in self.tables.values() if (d := t.controller.next_deadline()) is not None]
@@ -224,8 +225,10 @@ class Synchroniser:
                 if self.hold_for_move is not None:
                     self.hold_for_move(peer, msg)
                 continue
+            except SliceMovedError:
+                reply = moved_answer(msg)
             except ShoalError as exc:  # this pull fails alone; the others are still answered
-                reply = msg.reply(Op.ERROR, {"code": exc.code, "message": str(exc)})
+                reply = bodies.Error.about(exc).reply_to(msg)
             self.send(peer, reply)
 
     def _push_eagerly(self, table: ServedTable) -> None:
@@ -238,7 +241,7 @@ class Synchroniser:
             self.stats["eager_rows"] += int(update.keys.shape[0])
             # Numbered per worker and table: a worker applies "the rest did not change" only in order.
             self._rows_seq[(update.worker, table.spec.name)] += 1
-            body = {"shards": shards, "seq": self._rows_seq[(update.worker, table.spec.name)], "series": self._stream,
-                    "seen": self.seen(update.worker)}
-            self.send(peer, Message(Op.ROWS, table=table.spec.name, epoch=table.layout.epoch, clock=self.clocks.slowest,
-                                    body=body, arrays=[update.keys, update.values]))
+            body = bodies.Rows(shards, self._rows_seq[(update.worker, table.spec.name)], self._stream,
+                               self.seen(update.worker))
+            self.send(peer, body.to_message(table=table.spec.name, epoch=table.layout.epoch, clock=self.clocks.slowest,
+                                            arrays=[update.keys, update.values]))

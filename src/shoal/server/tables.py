@@ -17,6 +17,9 @@ from shoal.placement.layout import TableLayout, row_bytes
 from shoal.storage import kernels
 from shoal.storage.shard import ShardStore
 from shoal.storage.validate import drop_nonfinite
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
+from shoal.wire.schema import Moved
 
 #: a request's keys by the slice holding them: ``(store, positions or None for all in order, rows)``
 Parts = list[tuple[ShardStore, np.ndarray | None, np.ndarray]]
@@ -25,6 +28,12 @@ Parts = list[tuple[ShardStore, np.ndarray | None, np.ndarray]]
 def table_bytes(spec: TableSpec) -> int:
     """Bytes a whole table needs: values plus the update rule's per-row state."""
     return spec.num_keys * row_bytes(spec)
+
+
+def moved_answer(request: Message) -> Message:
+    """The answer to a pull or push refused because a slice it needs is not here: every key "moved",
+    nothing applied; the worker asks the rendezvous where the slices are and sends it again."""
+    return request.reply(Op.OK, Moved.every(request.arrays[0].shape[0]).to_body())
 
 
 class SliceMoving(Exception):

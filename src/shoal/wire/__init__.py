@@ -2,7 +2,9 @@
 
 - ``ops``: op codes, flags, protocol version
 - ``message``: ``Message``
-- ``schema``: per-op checks, the kinds of placement message, barrier notes
+- ``bodies``: what each op's body carries, one declaration per op
+- ``schema``: per-op checks derived from the declarations, the kinds of placement message, barrier
+  notes, "moved" answers
 - ``codec``: ``Codec`` (msgpack header + raw frames + keyed BLAKE3 tag, size limit)
 """
 

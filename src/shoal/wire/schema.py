@@ -1,8 +1,10 @@
 """What each op (and each kind of placement message) must carry. Checked on every decoded message,
-before any handler runs; and the typed notes ranks pass at a barrier."""
+before any handler runs; and the typed bodies that ride on several ops: the notes ranks pass at a
+barrier, and a server's "moved" answer for keys it does not hold."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +12,7 @@ import numpy as np
 
 from shoal.api.errors import ProtocolError, ShapeError
 from shoal.placement import messages
+from shoal.wire.bodies import BODIES, fields_of
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
@@ -24,7 +27,9 @@ class ArrayRule:
 
 @dataclass(frozen=True)
 class OpSchema:
-    body: dict[str, tuple[type, ...]] = field(default_factory=dict)
+    #: body fields that must be there, and those that may (None counts as absent), with their types
+    body: Mapping[str, type] = field(default_factory=dict)
+    optional: Mapping[str, type] = field(default_factory=dict)
     arrays: tuple[ArrayRule, ...] = ()
     #: all arrays describe the same rows, so their first dimensions must agree
     same_rows: bool = False
@@ -37,52 +42,56 @@ KEYS = ArrayRule("i", 1)
 ROWS = ArrayRule("f", 2)
 PER_KEY = ArrayRule("i", 1)  # an integer per key (interest bits, replica bits)
 MARKS = ArrayRule("u", 1)  # a byte per key (0 or 1)
-_INT = (int,)
-_STR = (str,)
-_BOOL = (bool,)
+
+
+def _schema(op: Op, arrays: tuple[ArrayRule, ...] = (), same_rows: bool = False, needs_table: bool = False,
+            variadic: bool = False) -> OpSchema:
+    """``op``'s check: its body as ``wire.bodies`` declares it, its arrays as given here."""
+    declared = BODIES.get(op)
+    fields = fields_of(declared) if declared is not None else None
+    return OpSchema(body=fields.required if fields else {}, optional=fields.optional if fields else {},
+                    arrays=arrays, same_rows=same_rows, needs_table=needs_table, variadic=variadic)
+
 
 SCHEMAS: dict[Op, OpSchema] = {
-    Op.OK: OpSchema(),
-    Op.VALUES: OpSchema(arrays=(ROWS,)),
-    Op.ERROR: OpSchema(body={"code": _STR, "message": _STR}),
-    Op.REGISTER: OpSchema(body={"role": _STR, "node": _INT, "rank": _INT, "address": _STR, "pid": _INT}),
-    Op.CLUSTER_STATUS: OpSchema(),
-    Op.BARRIER: OpSchema(body={"rank": _INT, "generation": _INT}),
-    Op.LEAVE: OpSchema(body={"rank": _INT, "role": _STR}),
-    Op.PING: OpSchema(),
-    Op.SHUTDOWN: OpSchema(),
-    Op.CREATE_TABLE: OpSchema(body={"spec": (dict,)}, needs_table=True),
-    Op.PULL: OpSchema(arrays=(KEYS,), needs_table=True),
-    Op.PUSH: OpSchema(arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
-    Op.PUSH_PULL: OpSchema(arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
-    Op.CLOCK: OpSchema(body={"rank": _INT}),
-    Op.STATS: OpSchema(),
-    Op.ROWS: OpSchema(body={"shards": (list,)}, arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
-    Op.GOSSIP: OpSchema(body={"shard": _INT, "vv": (list,), "stage": _INT, "deltas": (list,), "states": (list,)},
-                        needs_table=True, variadic=True),
-    Op.TOTALS: OpSchema(arrays=(ArrayRule("i", 1), ArrayRule("i", 1), ArrayRule("f", 3))),
-    Op.REPLICA_STATS: OpSchema(body={"shard": _INT}, needs_table=True),
-    Op.LOCALIZE: OpSchema(arrays=(KEYS,), needs_table=True),
-    Op.INTENT: OpSchema(body={"start": _INT, "end": _INT}, arrays=(KEYS,), needs_table=True),
-    Op.PLACEMENT: OpSchema(body={"kind": _STR}, needs_table=True, variadic=True),
-    Op.LAYOUT: OpSchema(needs_table=True),
-    Op.MOVE_SLICE: OpSchema(body={"shard": _INT, "to": _INT}, needs_table=True),
-    Op.SLICE_STATE: OpSchema(body={"shard": _INT, "epoch": _INT, "first_row": _INT, "num_rows": _INT,
-                                   "names": (list,), "last": (bool,)},
-                             needs_table=True, variadic=True),
-    Op.MOVE_DONE: OpSchema(body={"shard": _INT, "to": _INT, "epoch": _INT, "ok": (bool,)}, needs_table=True),
-    Op.DRAIN: OpSchema(body={"node": _INT}),
-    Op.CHECKPOINT: OpSchema(body={"staging": _STR, "tables": (list,)}),
-    Op.RESTORE: OpSchema(body={"path": _STR, "commit": (bool,)}),
-    Op.SETTLE: OpSchema(body={"tables": (list,)}),
-    Op.FENCE: OpSchema(body={"epoch": _INT, "shard": _INT}, needs_table=True),
-    Op.CONFIRM: OpSchema(body={"rank": _INT, "epoch": _INT}, needs_table=True),
+    Op.OK: _schema(Op.OK),
+    Op.VALUES: _schema(Op.VALUES, arrays=(ROWS,)),
+    Op.ERROR: _schema(Op.ERROR),
+    Op.REGISTER: _schema(Op.REGISTER),
+    Op.CLUSTER_STATUS: _schema(Op.CLUSTER_STATUS),
+    Op.BARRIER: _schema(Op.BARRIER),
+    Op.LEAVE: _schema(Op.LEAVE),
+    Op.PING: _schema(Op.PING),
+    Op.SHUTDOWN: _schema(Op.SHUTDOWN),
+    Op.CREATE_TABLE: _schema(Op.CREATE_TABLE, needs_table=True),
+    Op.PULL: _schema(Op.PULL, arrays=(KEYS,), needs_table=True),
+    Op.PUSH: _schema(Op.PUSH, arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
+    Op.PUSH_PULL: _schema(Op.PUSH_PULL, arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
+    Op.CLOCK: _schema(Op.CLOCK),
+    Op.STATS: _schema(Op.STATS),
+    Op.ROWS: _schema(Op.ROWS, arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
+    Op.GOSSIP: _schema(Op.GOSSIP, needs_table=True, variadic=True),
+    Op.TOTALS: _schema(Op.TOTALS, arrays=(ArrayRule("i", 1), ArrayRule("i", 1), ArrayRule("f", 3))),
+    Op.REPLICA_STATS: _schema(Op.REPLICA_STATS, needs_table=True),
+    Op.LOCALIZE: _schema(Op.LOCALIZE, arrays=(KEYS,), needs_table=True),
+    Op.INTENT: _schema(Op.INTENT, arrays=(KEYS,), needs_table=True),
+    Op.PLACEMENT: _schema(Op.PLACEMENT, needs_table=True, variadic=True),
+    Op.LAYOUT: _schema(Op.LAYOUT, needs_table=True),
+    Op.MOVE_SLICE: _schema(Op.MOVE_SLICE, needs_table=True),
+    Op.SLICE_STATE: _schema(Op.SLICE_STATE, needs_table=True, variadic=True),
+    Op.MOVE_DONE: _schema(Op.MOVE_DONE, needs_table=True),
+    Op.DRAIN: _schema(Op.DRAIN),
+    Op.CHECKPOINT: _schema(Op.CHECKPOINT),
+    Op.RESTORE: _schema(Op.RESTORE),
+    Op.SETTLE: _schema(Op.SETTLE),
+    Op.FENCE: _schema(Op.FENCE, needs_table=True),
+    Op.CONFIRM: _schema(Op.CONFIRM, needs_table=True),
 }
 
 #: what each kind of PLACEMENT message (server to server, adaptive tables) carries, as its declaration
 #: in ``placement.messages`` says
 PLACEMENT_KINDS: dict[str, OpSchema] = {
-    kind: OpSchema(body={name: (t,) for name, t in messages.body_fields(cls).items()},
+    kind: OpSchema(body=messages.body_fields(cls),
                    arrays=tuple(ArrayRule(k, ndim) for _, k, ndim in messages.array_fields(cls)), same_rows=True)
     for kind, cls in messages.KINDS.items()}
 
@@ -104,6 +113,39 @@ class BarrierNote:
         if isinstance(value, dict) and type(value.get("ok")) is bool and type(value.get("detail")) is str:
             return cls(value["ok"], value["detail"])
         return None
+
+
+@dataclass(frozen=True)
+class Moved:
+    """Keys of a pull or push that the server asked does not hold (they moved, or the asker's map
+    of where keys live is old), carried in the body of its ``OK`` or ``VALUES`` answer: their
+    positions in the request, and where that server believes each is now (-1: it does not know;
+    a static table's worker then asks the rendezvous). Nothing was applied or read at those
+    positions (a ``VALUES`` row there is filler); every other position was served.
+    """
+
+    positions: np.ndarray
+    owners: np.ndarray
+
+    @classmethod
+    def every(cls, count: int) -> Moved:
+        """Nothing of a request of ``count`` keys was served here, and where they went is not known."""
+        return cls(np.arange(count, dtype=np.int64), np.full(count, -1, dtype=np.int64))
+
+    def to_body(self) -> dict[str, Any]:
+        return {"moved": self.positions.tolist(), "owners": self.owners.tolist()}
+
+    @classmethod
+    def in_reply(cls, reply: Message, count: int) -> Moved | None:
+        """What ``reply`` to a request of ``count`` keys says moved; None if every key was served."""
+        positions, owners = reply.body.get("moved"), reply.body.get("owners")
+        if positions is None and owners is None:
+            return None
+        if not (isinstance(positions, list) and isinstance(owners, list) and len(positions) == len(owners)
+                and all(is_int64(p) and 0 <= p < count for p in positions) and all(is_int64(o) for o in owners)):
+            raise ProtocolError(f"a 'moved' answer needs equally long lists of positions below {count} "
+                                f"and owners, got {positions!r} and {owners!r}")
+        return cls(np.asarray(positions, dtype=np.int64), np.asarray(owners, dtype=np.int64))
 
 
 def is_int64(value: object) -> bool:
@@ -148,13 +190,12 @@ def _check_batch(msg: Message) -> None:
 
 
 def _check(msg: Message, schema: OpSchema, what: str) -> None:
-    for name, types in schema.body.items():
+    for name, kind in schema.body.items():
+        _check_field(msg.body.get(name), name, kind, what)
+    for name, kind in schema.optional.items():
         value = msg.body.get(name)
-        if not isinstance(value, types) or (types == _INT and not is_int64(value)):
-            raise ProtocolError(
-                f"{what} needs body field {name!r} of type "
-                f"{'/'.join(t.__name__ for t in types)}, got {value!r}"
-            )
+        if value is not None:
+            _check_field(value, name, kind, what)
     if schema.needs_table and not msg.table:
         raise ProtocolError(f"{what} needs a table name")
     if schema.variadic:
@@ -170,6 +211,11 @@ def _check(msg: Message, schema: OpSchema, what: str) -> None:
         raise ShapeError(
             f"{what}: arrays disagree on the number of rows: {[a.shape for a in msg.arrays]}"
         )
+
+
+def _check_field(value: Any, name: str, kind: type, what: str) -> None:
+    if not isinstance(value, kind) or (kind is int and not is_int64(value)):
+        raise ProtocolError(f"{what} needs body field {name!r} of type {kind.__name__}, got {value!r}")
 
 
 def int64_keys(arr: np.ndarray) -> np.ndarray:
