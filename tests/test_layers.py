@@ -133,3 +133,22 @@ def test_the_readme_tree_shows_every_layer():
     tree = readme[readme.index("## How it works"):].split("```")[1]
     shown = set(re.findall(r"^  (\w+)/", tree, re.M))
     assert shown == set(LAYERS), (sorted(set(LAYERS) - shown), sorted(shown - set(LAYERS)))
+
+
+#: the one place on each side that looks at a table's kind: it picks the access (worker) or service (server)
+KIND_PICKERS = {Path("client/table.py"), Path("server/server.py")}
+
+
+def test_only_the_pickers_branch_on_the_kind_of_table():
+    found = []
+    for side in ("client", "server"):
+        for path in (PACKAGE / side).rglob("*.py"):
+            rel = path.relative_to(PACKAGE)
+            for node in ast.walk(ast.parse(path.read_text())):
+                # ``spec.replicated``, ``x.spec.adaptive``: reading the kind off a table's spec
+                if isinstance(node, ast.Attribute) and node.attr in ("replicated", "adaptive") and (
+                        (isinstance(node.value, ast.Name) and node.value.id == "spec")
+                        or (isinstance(node.value, ast.Attribute) and node.value.attr == "spec")):
+                    found.append(f"{rel}:{node.lineno}")
+    assert all(Path(f.split(":")[0]) in KIND_PICKERS for f in found), found
+    assert found  # the pickers do read it: the check sees what it looks for

@@ -11,6 +11,9 @@ them for every table alike.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 
 from shoal.api.errors import TableError
@@ -64,6 +67,27 @@ class TableAccess:
     def oldest_open_push(self) -> int | None:
         """The clock of the oldest push not yet acknowledged, if the bound depends on it."""
         return None
+
+    # --------------------------------------------------------- checkpoints
+
+    @property
+    def survives_a_server(self) -> bool:
+        """Whether every row outlives the death of one server (live replicas hold them)."""
+        return False
+
+    @property
+    def settles(self) -> bool:
+        """Whether servers must settle changes still on their way between nodes before a checkpoint."""
+        return False
+
+    def copies(self, num_nodes: int) -> int:
+        """How many rows the servers hold per key, all together (a restore loads every one)."""
+        return 1
+
+    def check_checkpoint(self, parts: list[dict[str, Any]], staging: Path) -> None:
+        """Raise ``CheckpointError`` unless the servers' ``parts`` (written under ``staging``) hold
+        each row of the table once."""
+        raise NotImplementedError
 
     # --------------------------------------------------------------- hooks
 

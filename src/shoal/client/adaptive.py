@@ -12,16 +12,19 @@ Intents are buffered and sent to the node's server at each clock tick.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import ShoalError
+from shoal.api.errors import CheckpointError, ShoalError
 from shoal.client.calls import READS, WRITES, Call, Part
 from shoal.client.context import TableView
 from shoal.client.routed import RoutedAccess
 from shoal.cluster.requests import Future
 from shoal.placement.layout import TableLayout
 from shoal.placement.ownership import LocationCache
+from shoal.storage import checkpoint
 from shoal.storage.rules import rule_for
 from shoal.storage.shard import ShardStore
 from shoal.wire import bodies
@@ -107,6 +110,21 @@ class AdaptiveAccess(RoutedAccess):
                                                                                             arrays=[keys]))
         self.counters["intents_sent"] += len(self._intents)
         self._intents.clear()
+
+    # --------------------------------------------------------- checkpoints
+
+    @property
+    def settles(self) -> bool:
+        return True  # replicas' changes on their way to the keys' owners
+
+    def check_checkpoint(self, parts: list[dict[str, Any]], staging: Path) -> None:
+        """Each key written once, by its owner (none moved meanwhile)."""
+        num_keys = self.spec.num_keys
+        keys = np.concatenate([checkpoint.part_keys(staging, p) for p in parts]) if parts else np.empty(0, np.int64)
+        counts = np.bincount(keys, minlength=num_keys) if keys.size else np.zeros(num_keys, np.int64)
+        if counts.shape[0] != num_keys or (counts != 1).any():
+            raise CheckpointError(f"keys of {self.name!r}: {int((counts == 0).sum())} written by no server, "
+                                  f"{int((counts > 1).sum())} by several (a key moved during the checkpoint)")
 
     # -------------------------------------------------------------- routing
 

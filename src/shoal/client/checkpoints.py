@@ -30,8 +30,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from shoal.api.errors import CheckpointError, ShoalError
 from shoal.client.context import WorkerContext
 from shoal.cluster import membership
@@ -102,7 +100,7 @@ def _servers(worker: WorkerContext, names: list[str]) -> list[int]:
         alive = None
     servers = worker.live_servers()
     live = [n for n in servers if alive is None or (n < len(alive) and alive[n])]
-    lost = [name for name in names if not worker.tables[name].spec.replicated]
+    lost = [name for name in names if not worker.tables[name].access.survives_a_server]
     if len(live) < len(servers) and lost:
         raise CheckpointError(f"server(s) {sorted(set(servers) - set(live))} are dead (no heartbeat): "
                               f"{lost} lost the rows held there")
@@ -112,7 +110,7 @@ def _servers(worker: WorkerContext, names: list[str]) -> list[int]:
 def _settle(worker: WorkerContext, names: list[str], servers: list[int]) -> None:
     """Until every server says its adaptive tables' rows are final (every replica change at its owner)
     and the replicas of every replicated shard hold the same updates."""
-    settling = [name for name in names if worker.tables[name].spec.adaptive or worker.tables[name].spec.replicated]
+    settling = [name for name in names if worker.tables[name].access.settles]
     if not settling:
         return
     timeout_s = worker.cluster.timeouts.request_s
@@ -164,32 +162,9 @@ def _write(worker: WorkerContext, root: Path, names: list[str], keep: int) -> Pa
 
 
 def _parts(worker: WorkerContext, name: str, replies: list[dict[str, Any]], staging: Path) -> list[dict[str, Any]]:
-    """The parts of table ``name``; each slice (each key of an adaptive table) must have been written
-    exactly once (none moved meanwhile)."""
+    """The parts of table ``name``, checked by its access to hold each row once."""
     parts = [p for body in replies for p in body["parts"].get(name, [])]
-    spec = worker.tables[name].spec
-    if spec.replicated:
-        versions: dict[int, set[Any]] = defaultdict(set)
-        for p in parts:
-            versions[int(p["shard"])].add(_frozen(p["version"]))
-        missing = [s for s in range(worker.tables[name].layout.num_shards) if s not in versions]
-        differ = sorted(s for s, seen in versions.items() if len(seen) > 1)
-        if missing or differ:
-            raise CheckpointError(f"replicated {name!r}: shards {missing} written by no replica, the replicas of "
-                                  f"shards {differ} differ (an update arrived during the checkpoint)")
-        return parts
-    if spec.adaptive:
-        keys = np.concatenate([checkpoint.part_keys(staging, p) for p in parts]) if parts else np.empty(0, np.int64)
-        counts = np.bincount(keys, minlength=spec.num_keys) if keys.size else np.zeros(spec.num_keys, np.int64)
-        if counts.shape[0] != spec.num_keys or (counts != 1).any():
-            raise CheckpointError(f"keys of {name!r}: {int((counts == 0).sum())} written by no server, "
-                                  f"{int((counts > 1).sum())} by several (a key moved during the checkpoint)")
-        return parts
-    written = sorted(int(p["shard"]) for p in parts)
-    expected = list(range(worker.tables[name].layout.num_shards))
-    if written != expected:
-        raise CheckpointError(f"slices of {name!r} written {written}, expected each of {expected} once "
-                              f"(a slice moved during the checkpoint)")
+    worker.tables[name].access.check_checkpoint(parts, staging)
     return parts
 
 
@@ -205,7 +180,7 @@ def _load(worker: WorkerContext, path: Path, manifest: dict[str, Any]) -> None:
                 continue
             spec = worker.tables[name].spec
             rows = sum(int(body["rows"].get(name, 0)) for body in replies)
-            expected = spec.num_keys * (min(spec.replicas, worker.num_nodes) if spec.replicated else 1)
+            expected = spec.num_keys * worker.tables[name].access.copies(worker.num_nodes)
             if rows != expected:
                 done = "loaded" if commit else "found"
                 raise CheckpointError(f"servers {done} {rows} rows of {name!r} in {str(path)!r}, expected {expected}")

@@ -18,11 +18,12 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import ClusterError, RequestTimeoutError, WriteQuorumError
+from shoal.api.errors import CheckpointError, ClusterError, RequestTimeoutError, WriteQuorumError
 from shoal.api.replication import Dynamic
 from shoal.client.access import TableAccess
 from shoal.client.calls import Rows
@@ -300,6 +301,30 @@ class ReplicatedAccess(TableAccess):
             for o, s in vv.items():
                 version[o] = max(version.get(o, 0), s)
         return out, version
+
+    # --------------------------------------------------------- checkpoints
+
+    @property
+    def survives_a_server(self) -> bool:
+        return True  # the live replicas of each shard hold its rows
+
+    @property
+    def settles(self) -> bool:
+        return True  # gossip under way: replicas must hold the same updates
+
+    def copies(self, num_nodes: int) -> int:
+        return min(self.spec.replicas, num_nodes)
+
+    def check_checkpoint(self, parts: list[dict[str, Any]], staging: Path) -> None:
+        """Every shard written by at least one replica, and its replicas at one version."""
+        versions: dict[int, set[tuple[tuple[int, int], ...]]] = defaultdict(set)
+        for p in parts:
+            versions[int(p["shard"])].add(tuple((int(o), int(s)) for o, s in p["version"]))
+        missing = [s for s in range(self.layout.num_shards) if s not in versions]
+        differ = sorted(s for s, seen in versions.items() if len(seen) > 1)
+        if missing or differ:
+            raise CheckpointError(f"replicated {self.name!r}: shards {missing} written by no replica, the replicas "
+                                  f"of shards {differ} differ (an update arrived during the checkpoint)")
 
     # ------------------------------------------------------- dynamic quorums
 

@@ -23,11 +23,19 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import ClosedError, ClusterError, RequestTimeoutError, ShoalError, SliceMovedError
+from shoal.api.errors import (
+    CheckpointError,
+    ClosedError,
+    ClusterError,
+    RequestTimeoutError,
+    ShoalError,
+    SliceMovedError,
+)
 from shoal.client.calls import READS, WRITES, Call, Part, Positions
 from shoal.client.context import TableView
 from shoal.client.fences import Fences
@@ -283,6 +291,16 @@ class StaticAccess(RoutedAccess):
 
         self.worker.tracker.wait_until(lambda: not self.routed_before(self.layout.epoch), awaited,
                                        self.worker.cluster.timeouts.request_s)
+
+    # --------------------------------------------------------- checkpoints
+
+    def check_checkpoint(self, parts: list[dict[str, Any]], staging: Path) -> None:
+        """Each slice written once (none moved meanwhile)."""
+        written = sorted(int(p["shard"]) for p in parts)
+        expected = list(range(self.layout.num_shards))
+        if written != expected:
+            raise CheckpointError(f"slices of {self.name!r} written {written}, expected each of {expected} once "
+                                  f"(a slice moved during the checkpoint)")
 
     # ------------------------------------------------------------- layout
 

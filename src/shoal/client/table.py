@@ -9,6 +9,7 @@ and replicate). This class checks the caller's input and hands it on.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,8 @@ from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
 class Table:
     """Rows ``0..num_keys-1`` of ``dim`` values, wherever they live."""
 
-    def __init__(self, worker: WorkerContext, spec: TableSpec, layout: TableLayout,
-                 local: dict[int, ShardStore]) -> None:
+    def __init__(self, worker: WorkerContext, spec: TableSpec, current: Mapping[str, Any]) -> None:
+        """``current``: the rendezvous's answer to the table's creation (where its slices are now)."""
         self.worker = worker
         self.spec = spec
         self.dtype = np.dtype(spec.dtype)
@@ -41,16 +42,20 @@ class Table:
         #: how stale each read row was: reader's clock minus the clock its row is current at
         self.staleness = StalenessHistogram()
         self.counters: Counter[str] = Counter()
-        self.access = self._access_for(layout, local)
+        self.access = self._access_for(current)
         self._sampler: Sampler | None = None
 
-    def _access_for(self, layout: TableLayout, local: dict[int, ShardStore]) -> TableAccess:
+    def _access_for(self, current: Mapping[str, Any]) -> TableAccess:
         """The one place that looks at the table's kind."""
-        if self.spec.replicated:
+        worker, spec = self.worker, self.spec
+        layout = TableLayout.initial(spec, worker.num_nodes)
+        if spec.replicated:
             return ReplicatedAccess(self, layout)
-        if self.spec.adaptive:
+        if spec.adaptive:  # one store: this node's rows, present or not
+            local = worker.attach(spec) if worker.local_access else {}
             return AdaptiveAccess(self, layout, next(iter(local.values()), None))
-        return StaticAccess(self, layout, local)
+        layout = layout.at(current["owners"], int(current["epoch"]))  # slices may have moved since it was made
+        return StaticAccess(self, layout, worker.local_slices(spec, layout, {}) if worker.local_access else {})
 
     @property
     def name(self) -> str:

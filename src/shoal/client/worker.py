@@ -179,13 +179,7 @@ class Worker:
         current = membership.call(self.tracker, RENDEZVOUS, create.to_message(table=spec.name), timeout,
                                   f"CREATE_TABLE {spec.name!r} at the rendezvous").body
         self.follow_servers(current.get("servers") or [])
-        layout = TableLayout.initial(spec, self.num_nodes)
-        if spec.replicated or spec.adaptive:
-            local = self._attach(spec) if self.local_access and not spec.replicated else {}
-        else:
-            layout = layout.at(current["owners"], int(current["epoch"]))
-            local = self.local_slices(spec, layout, {}) if self.local_access else {}
-        table = Table(self, spec, layout, local)
+        table = Table(self, spec, current)
         self.tables[spec.name] = table
         warming.join()
         return table
@@ -261,7 +255,7 @@ class Worker:
         missing = sorted(mine - set(keep))
         if missing:
             try:
-                keep.update(self._attach(spec, missing))
+                keep.update(self.attach(spec, missing))
             except ShoalError as exc:
                 log.info("worker %d: slices %s of %r not mappable yet (%s); using the server", self.rank, missing,
                          spec.name, exc)
@@ -316,7 +310,7 @@ class Worker:
         """False for a server that has left the cluster (or that this worker has not heard of)."""
         return 0 <= node < len(self.servers) and self.servers[node] is not None
 
-    def _attach(self, spec: TableSpec, shards: list[int] | None = None) -> dict[int, ShardStore]:
+    def attach(self, spec: TableSpec, shards: list[int] | None = None) -> dict[int, ShardStore]:
         """Map this node's shards of ``spec`` (or just ``shards``) from the local server's shared memory."""
         request: dict[str, Any] = {"table": spec.name}
         if shards is not None:
@@ -463,8 +457,7 @@ class Worker:
                         self.cluster.timeouts.request_s if timeout is None else timeout, what)
         self.cluster_status()
         for t in self.tables.values():
-            if not (t.spec.replicated or t.spec.adaptive):
-                t.refresh_layout()
+            t.refresh_layout()
 
     # -------------------------------------------------------------- shutdown
 
