@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import shoal
-from shoal.api.config import Limits, TableSpec
+from shoal.api.config import Limits, TableSpec, Timeouts
 from shoal.storage.initialize import fill_initial
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
@@ -251,3 +251,12 @@ def test_a_future_is_done_only_once_its_requests_are_answered(kind):
         assert not pulled.done()
         np.testing.assert_array_equal(pulled.wait(), np.ones((10, 2), np.float32))
         assert pulled.done()
+
+
+def test_creating_a_table_waits_for_its_build_past_a_short_request_timeout():
+    # Servers allocate, fill and compile for a new table while the worker waits: setting up, which on
+    # a busy machine outlasts a request timeout chosen to notice a stalled peer (a 3 s one failed the
+    # faults run's table creation while other jobs ran). Filling 4 M rows takes far longer than 10 ms.
+    with ThreadCluster(nodes=1, timeouts=Timeouts(connect_s=30.0, request_s=0.01, barrier_s=30.0)) as c:
+        t = c.worker(0).table("big", 4_000_000, 8, init=shoal.Normal(std=0.1))
+        assert t.pull(np.array([3_999_999])).shape == (1, 8)  # a local read: no request to time out

@@ -168,7 +168,9 @@ class Worker:
                 raise TableError(f"table {spec.name!r} was already created by this worker with a different spec: "
                                  f"{existing.spec.differences(spec, 'before', 'now')}")
             return existing
-        timeout = self.cluster.timeouts.request_s
+        # Setting up, not serving: servers allocate, fill and compile for the table meanwhile, which
+        # on a busy machine can outlast a request timeout chosen to notice a stalled peer.
+        timeout = max(self.cluster.timeouts.request_s, self.cluster.timeouts.connect_s)
         warming = kernels.warm_up_meanwhile()  # while the servers build it; not on the first pull timed
         create = bodies.CreateTable(spec.to_dict())
         self.tracker.gather(self.live_servers(),
