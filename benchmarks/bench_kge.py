@@ -3,14 +3,15 @@
     python benchmarks/bench_kge.py [--seconds 20]
 
 On the synthetic Zipf(1.1) graph (200,000 entities, 200 relations, 1,000,000
-triples, ComplEx dimension 100, 6 negatives) every contender trains for the
-same wall-clock budget: the single-process baseline, then Shoal in classic
+triples, ComplEx dimension 100, 6 corrupted tails and 6 corrupted heads per
+triple) every contender trains for the same wall-clock budget: the
+single-process baseline, then Shoal in classic
 (no shared memory, no intent), static, relocation-only, replication-only and
 auto modes, on 1 and 2 nodes. It records triples/s and the time to reach a
 fixed training loss, and the cores its workers and servers kept busy (on a
 small machine, what bounds the speed-up). On Kinships it compares the filtered
 MRR of auto on 2 nodes with the baseline's after the same number of epochs
-(1200), over three seeds each (runs of one seed differ by about 0.01). Writes
+(100), over three seeds each (runs of one seed differ by about 0.01). Writes
 ``results/kge.{json,md,png}``.
 """
 
@@ -34,7 +35,7 @@ from graphs import load  # noqa: E402
 
 from common import RESULTS, run_example, shmem_huge_pages, write_results  # noqa: E402
 
-LOSS_TARGET = 0.30
+LOSS_TARGET = 0.40  # mean logistic loss per score (6 + 6 corruptions per triple)
 CONTENDERS = [("classic PS", "classic", 2), ("static", "static", 1), ("static", "static", 2),
               ("relocation only", "relocation", 2), ("replication only", "replication", 2),
               ("auto", "auto", 1), ("auto", "auto", 2)]
@@ -55,9 +56,10 @@ def time_to(losses: list[list[float]], target: float) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=20.0)
-    # Long enough that both are close to converged: at 300 epochs the baseline's MRR is still
-    # rising (0.72; 0.74 at 600, 0.75 at 1200) and the gap measures speed of convergence, not quality.
-    p.add_argument("--kinships-epochs", type=float, default=1200)
+    # Long enough that both are close to converged (the baseline's validation MRR: 0.78 after 20
+    # epochs, 0.81 after 80), so the gap measures quality, not speed of convergence; time to quality
+    # is bench_kge_quality's.
+    p.add_argument("--kinships-epochs", type=float, default=100)
     p.add_argument("--kinships-seeds", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="extra alternating rounds of the baseline and auto (2 nodes)")
     p.add_argument("--results-name", default="kge", help="write results/<name>.{json,md,png}")
@@ -114,7 +116,7 @@ def report(data: dict[str, Any]) -> str:
     base_runs = [rows[0]["triples_per_s"]] + [r["baseline"] for r in rounds]
     base_rate = float(np.median(base_runs))
     classic2 = next(r for r in rows if r["name"] == "classic PS")["triples_per_s"]
-    lines = [f"Synthetic Zipf(1.1) graph, ComplEx d=100, 6 negatives, {data['seconds']:.0f} s per contender; "
+    lines = [f"Synthetic Zipf(1.1) graph, ComplEx d=100, 6 + 6 negatives, {data['seconds']:.0f} s per contender; "
              f"time to a training loss of {data['loss_target']} (mean of the last 5 readings). Huge pages for "
              f"shared memory: {data.get('shmem_huge_pages', shmem_huge_pages())} (the baseline's private arrays "
              f"have them). \"vs baseline\" divides by {base_rate:,.0f} triples/s, the median of the baseline's "

@@ -6,8 +6,8 @@ On loopback (bench_kge.py) a classic parameter server moves rows at GB/s, so it
 is barely slower than one process. Here two network namespaces on a bridge,
 each capped at 1 Gbit/s with ``tc tbf``, hold a server and a worker each
 (authentication on, as any non-loopback cluster), and the synthetic Zipf(1.1)
-graph (ComplEx d=100, 6 negatives) trains for the same wall-clock budget in
-classic, static and auto modes, beside the single-process baseline. The two
+graph (ComplEx d=100, 6 corrupted tails and 6 corrupted heads per triple) trains
+for the same wall-clock budget in classic, static and auto modes, beside the single-process baseline. The two
 "hosts" still share this machine's two cores. Writes ``results/kge_hosts.{json,md}``.
 """
 
@@ -64,7 +64,7 @@ def main() -> None:
                      "worker_cores": r["worker_cores"], "server_cores": r["server_cores"]})
         print(f"{mode} on 2 emulated hosts: {r['triples_per_s']:,.0f} triples/s", flush=True)
     classic = rows[0]["triples_per_s"]
-    lines = [f"Synthetic Zipf(1.1) graph, ComplEx d=100, 6 negatives, {args.seconds:.0f} s per contender; "
+    lines = [f"Synthetic Zipf(1.1) graph, ComplEx d=100, 6 + 6 negatives, {args.seconds:.0f} s per contender; "
              f"2 emulated hosts (network namespaces, {args.rate} tbf each, every message tagged) sharing 2 cores. "
              f"Huge pages for shared memory: {shmem_huge_pages()}.", "",
              "| contender | triples/s | vs baseline | vs classic PS | cores busy: workers | servers |",

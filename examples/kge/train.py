@@ -10,8 +10,10 @@ Modes:
   ahead and declares the entities and relations of each future batch as intent; the
   servers relocate or replicate rows in time; negatives are sampled locally.
 
-Every worker draws its own batches; rank 0 reports triples/s, the loss over time and,
-for Kinships and UMLS, filtered MRR and Hits@10 on the test set.
+Each triple is scored against 6 corrupted tails and 6 corrupted heads, as filtered MRR ranks
+both sides (``complex_model``). Every worker draws its own batches; rank 0 reports triples/s,
+the loss over time and, for Kinships and UMLS, filtered MRR and Hits@10 on the test set
+(``--eval-every E``: also the validation MRR every E epochs, against seconds of training).
 """
 
 from __future__ import annotations
@@ -36,15 +38,19 @@ def main() -> None:
     p.add_argument("--epochs", type=float, default=None, help="stop after this many passes over the data")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
     p.add_argument("--dim", type=int, default=Hyper.dim)
+    p.add_argument("--batch", type=int, default=Hyper.batch, help="triples per worker per step")
     p.add_argument("--lookahead", type=int, default=4, help="batches ahead declared as intent")
     p.add_argument("--sync-ms", type=float, default=50.0, help="how often replicas send their changes to the owner")
     p.add_argument("--loss-target", type=float, default=None)
+    p.add_argument("--eval-every", type=float, default=None,
+                   help="epochs between validation MRRs (rank 0 evaluates while the others wait; not timed)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial rows and the batches")
     p.add_argument("--out", help="rank 0 writes results as JSON here")
     args = p.parse_args()
+    began = time.perf_counter()  # the job's phases: set-up (join, tables, data), training, the final report
 
     graph = load(args.data)
-    h = Hyper(dim=args.dim, batch=min(Hyper.batch, graph.train.shape[0]))
+    h = Hyper(dim=args.dim, batch=min(args.batch, graph.train.shape[0]))
     d = h.dim
     adaptive = args.mode in ("relocation", "replication", "auto")
     ps = shoal.init(local_access=args.mode != "classic")
@@ -73,10 +79,19 @@ def main() -> None:
     pushes: list[shoal.Future[None]] = []
     time_to_target = None
     ps.barrier()
+    eval_steps = max(1, round(args.eval_every * n / (h.batch * ps.num_workers))) if args.eval_every else 0
+    known = {tuple(t) for t in np.concatenate([graph.train, graph.valid, graph.test]).tolist()} if eval_steps else set()
+    curve: list[tuple[float, float, float]] = []  # (epoch, training seconds, validation filtered MRR)
     start = time.perf_counter()
+    setup_s = start - began
     cpu_start = time.process_time()
     step = 0
-    while step < budget and (args.seconds is None or time.perf_counter() - start < args.seconds):
+
+    def trained() -> float:
+        """Seconds of training so far: evaluations are left out."""
+        return time.perf_counter() - start
+
+    while step < budget and (args.seconds is None or trained() < args.seconds):
         idx = schedule.pop(0)
         if step + args.lookahead + 1 <= budget:  # the batch `lookahead` steps ahead, declared now
             ahead = rng.integers(0, n, h.batch)
@@ -89,7 +104,7 @@ def main() -> None:
         heads, rels, tails = graph.train[idx].T
         # As the baseline does: one gather of the batch's distinct entities (heads, tails and the
         # negatives, drawn among rows present here unless in classic mode) and one of its relations.
-        negatives = ent.sample_keys(h.batch * h.negatives)
+        negatives = ent.sample_keys(2 * h.batch * h.negatives)  # tails' corruptions, then heads'
         keys_e, inv = np.unique(np.concatenate([heads, tails, negatives]), return_inverse=True)
         keys_r, inv_r = np.unique(rels, return_inverse=True)
         e_rows, r_rows = ent.pull_async(keys_e), rel.pull_async(keys_r)
@@ -97,7 +112,8 @@ def main() -> None:
         b = h.batch
         g_e = np.zeros((keys_e.shape[0], 2 * d), np.float32)
         g_r = np.zeros((keys_r.shape[0], 2 * d), np.float32)
-        loss = complex_step(e, r, inv[:b], inv_r, inv[b:2 * b], inv[2 * b:].reshape(b, h.negatives),
+        corrupt = inv[2 * b:].reshape(2, b, h.negatives)
+        loss = complex_step(e, r, inv[:b], inv_r, inv[b:2 * b], corrupt[0], corrupt[1],
                             np.arange(keys_e.shape[0]), np.arange(keys_r.shape[0]), d, h.reg, g_e, g_r)
         delta_e = np.empty_like(e)
         adagrad_delta(e, g_e, h.lr, d, delta_e)
@@ -109,19 +125,33 @@ def main() -> None:
         ps.advance_clock()
         step += 1
         if step % 20 == 0:
-            losses.append((time.perf_counter() - start, loss))
+            losses.append((trained(), loss))
             recent = np.mean([x for _, x in losses[-5:]])
             if args.loss_target is not None and time_to_target is None and recent <= args.loss_target:
-                time_to_target = time.perf_counter() - start
+                time_to_target = trained()
+        if eval_steps and step % eval_steps == 0:
+            paused = time.perf_counter()
+            for f in pushes:
+                f.wait()
+            ps.barrier()  # every worker's updates are in
+            if ps.rank == 0:
+                rows_e, rows_r = ent.pull(np.arange(graph.num_entities)), rel.pull(np.arange(graph.num_relations))
+                valid_mrr, _ = mrr_hits(filtered_ranks(rows_e, rows_r, graph.valid, known, d))
+                curve.append((step * h.batch * ps.num_workers / n, trained() - (time.perf_counter() - paused),
+                              valid_mrr))
+                print(f"epoch {curve[-1][0]:6.1f}  {curve[-1][1]:6.2f} s  validation filtered MRR {valid_mrr:.4f}",
+                      flush=True)
+            ps.barrier()
+            start += time.perf_counter() - paused
     for f in pushes:
         f.wait()
-    elapsed = time.perf_counter() - start
+    elapsed = trained()
     cpu.push(np.array([ps.rank]), np.array([[time.process_time() - cpu_start]], np.float32))
     ps.barrier()
     total_triples = step * h.batch * ps.num_workers  # every worker runs the same number of steps or time
     result = {"mode": args.mode, "data": args.data, "nodes": ps.num_nodes, "workers": ps.num_workers,
               "steps": step, "seconds": elapsed, "triples_per_s": total_triples / elapsed, "losses": losses,
-              "time_to_target": time_to_target, "counters": dict(ent.counters)}
+              "time_to_target": time_to_target, "curve": curve, "counters": dict(ent.counters)}
     if ps.rank == 0:
         if args.data != "zipf":
             all_e = ent.pull(np.arange(graph.num_entities))
@@ -136,6 +166,8 @@ def main() -> None:
                                      for a, b in zip(result["servers"], servers_before, strict=True)) / elapsed
         print(f"{args.mode} on {ps.num_nodes} node(s): {result['triples_per_s']:,.0f} triples/s, "
               f"final loss {losses[-1][1] if losses else float('nan'):.4f}")
+        result["setup_s"] = setup_s
+        result["report_s"] = time.perf_counter() - began - setup_s - elapsed  # evaluations during training too
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(result, fh)
