@@ -509,6 +509,7 @@ def test_a_moved_answer_round_trips_and_a_malformed_one_is_refused() -> None:
     assert got is not None and got.positions.tolist() == [0, 3] and got.owners.tolist() == [1, -1]
     assert Moved.in_reply(Message(Op.OK), 4) is None
     for body in ({"moved": [4], "owners": [0]}, {"moved": [0, 1], "owners": [0]}, {"moved": [0]},
-                 {"moved": [True], "owners": [0]}, {"moved": "0", "owners": [0]}, {"moved": [-1], "owners": [0]}):
+                 {"moved": [True], "owners": [0]}, {"moved": "0", "owners": [0]}, {"moved": [-1], "owners": [0]},
+                 {"moved": [1, 1], "owners": [0, 0]}):
         with pytest.raises(ProtocolError):
             Moved.in_reply(Message(Op.OK, body=body), 4)

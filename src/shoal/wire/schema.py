@@ -142,8 +142,9 @@ class Moved:
         if positions is None and owners is None:
             return None
         if not (isinstance(positions, list) and isinstance(owners, list) and len(positions) == len(owners)
-                and all(is_int64(p) and 0 <= p < count for p in positions) and all(is_int64(o) for o in owners)):
-            raise ProtocolError(f"a 'moved' answer needs equally long lists of positions below {count} "
+                and all(is_int64(p) and 0 <= p < count for p in positions) and len(set(positions)) == len(positions)
+                and all(is_int64(o) for o in owners)):
+            raise ProtocolError(f"a 'moved' answer needs equally long lists of distinct positions below {count} "
                                 f"and owners, got {positions!r} and {owners!r}")
         return cls(np.asarray(positions, dtype=np.int64), np.asarray(owners, dtype=np.int64))
 
