@@ -3,14 +3,15 @@
 ``wire.schema`` derives from these declarations the check every decoded message
 passes before any handler runs: a field without a default must be there, one
 that defaults to None may be left out, and each has its declared type. A sender
-builds a message from its body's declaration (``Clock(rank=3).to_message(clock=c)``), a
-handler reads it typed once the check has passed (``Clock.of(msg)``). Several
-table kinds share an op (a pull of a static table names its place in the
-worker's stream, one of a replicated table its shard), so an op's declaration
-holds what any kind sends with it. ``stream`` is a worker's ordered request's
-place in its stream to a server (``client.streams`` stamps it, ``server.streams``
-reads it). The kinds of placement message between nodes
-(``Op.PLACEMENT``) are declared the same way in ``placement.messages``.
+builds a message from its body (``Clock(rank=3).to_message(clock=c)``), a handler
+reads it typed once the check has passed (``Clock.of(msg)``). Several table kinds
+share an op (a pull of a static table names its place in the worker's stream,
+one of a replicated table its shard), so an op's declaration holds what any kind
+sends with it. ``stream`` is an ordered request's place in its worker's stream
+to a server (``client.streams`` stamps it, ``server.streams`` reads it). The
+kinds of placement message between nodes (``Op.PLACEMENT``) are declared the
+same way in ``placement.messages``; replies' bodies (statistics, layouts, the
+cluster's status) are not declared.
 """
 
 from __future__ import annotations
