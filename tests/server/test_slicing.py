@@ -20,6 +20,7 @@ from shoal.placement.layout import TableLayout
 from shoal.server.server import ParameterServer
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable
+from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
@@ -251,3 +252,31 @@ def _move_back_and_forth(cluster: ThreadCluster, table: str, slices: int, done: 
             shard += 1
     finally:
         tracker.close()
+
+
+@pytest.mark.parametrize("pushes", ["waited", "in the background"])
+def test_a_push_sent_to_a_server_after_it_left_lands_once_where_its_slice_went(pushes):
+    """A worker that has not heard that server 1 was drained pushes to it after it stopped reading:
+    the server's goodbye names the last request of each worker it handled, so this one is known
+    unserved and goes where its slice is now, once (not waited for until the request timeout)."""
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=6.0, barrier_s=20.0)
+    with ThreadCluster(nodes=2, transport=ZmqTransport(), timeouts=timeouts) as c:
+        stale, drainer = c.worker(0, local_access=False), c.worker(1)
+        t_stale, _ = _table(stale), _table(drainer)
+        keys = np.arange(KEYS)
+        t_stale.push(keys, np.ones((KEYS, 4), np.float32))  # it has talked to server 1 before
+        drainer.remove_server(1)
+        c.threads[1].join(timeout=20)
+        assert not c.threads[1].is_alive(), "the drained server did not leave"
+        assert t_stale.layout.owners.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]  # it has not heard
+        started = time.monotonic()
+        if pushes == "waited":
+            t_stale.push(keys, np.ones((KEYS, 4), np.float32))
+        else:
+            for _ in range(3):
+                t_stale.push_async(keys, np.ones((KEYS, 4), np.float32))
+            stale.wait_all()
+        assert time.monotonic() - started < timeouts.request_s
+        expected = 2 if pushes == "waited" else 4
+        np.testing.assert_array_equal(t_stale.pull(keys), np.full((KEYS, 4), expected, np.float32))
+        assert t_stale.layout.owners.tolist() == [0] * 8

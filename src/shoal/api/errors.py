@@ -124,6 +124,13 @@ class WriteQuorumError(ClusterError):
         self._retry()
 
 
+class NotServedError(ClusterError):
+    """The server a request went to stopped reading before it came (it left the cluster): nothing
+    of it was done there."""
+
+    code = "NotServed"
+
+
 class ServerError(ShoalError):
     """The server failed while handling a request (a bug, not bad input)."""
 
@@ -170,6 +177,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         BudgetError,
         RequestTimeoutError,
         ClusterError,
+        NotServedError,
         ServerError,
         ClosedError,
         SliceMovedError,

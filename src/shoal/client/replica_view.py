@@ -11,6 +11,7 @@ from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
 
 DOWN_FOR_S = 3.0  # how long a replica that failed to answer is left alone
+WATCH_AFTER_S = 0.5  # a wait longer than this asks whether the servers it waits for are still there
 _STATUS_EVERY_S = 1.0
 
 
@@ -39,6 +40,8 @@ class ReplicaView:
         self.worker = worker
         self.alive = [True] * worker.num_nodes
         self.exited: set[int] = set()
+        #: servers that left and stopped reading, with the last request of each worker they handled
+        self.gone: dict[int, list[list[int]]] = {}
         self.down_until: dict[int, float] = {}
         self.checked_at = -1e9
 
@@ -53,6 +56,7 @@ class ReplicaView:
             return  # the rendezvous is slow or gone: keep what we know
         self.alive = [bool(a) for a in status.get("alive", self.alive)]
         self.exited = {int(n) for n in status.get("exited", ())}
+        self.gone = {int(n): handled for n, handled in (status.get("gone") or {}).items()}
         addresses: list[str | None] = list(status.get("servers") or [])
         known = self.worker.servers
         for n, address in enumerate(addresses):
@@ -60,6 +64,14 @@ class ReplicaView:
                 self.down_until.pop(n, None)
         if addresses:
             self.worker.follow_servers(addresses)
+
+    def handled_by(self, node: int, rank: int, incarnation: int) -> int | None:
+        """The last request of worker ``rank`` (this ``incarnation`` of it) that server ``node``
+        handled before it left; None while it has not said goodbye."""
+        handled = self.gone.get(node)
+        if handled is None:
+            return None
+        return next((seq for r, inc, seq in handled if r == rank and inc == incarnation), 0)
 
     def live(self, nodes: list[int]) -> list[int]:
         now = self.worker.now()

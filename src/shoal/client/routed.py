@@ -24,14 +24,13 @@ from shoal.api.errors import ClusterError, ShoalError, SliceMovedError
 from shoal.client.access import TableAccess
 from shoal.client.calls import READS, WRITES, Call, Positions, Rows
 from shoal.client.context import TableView
+from shoal.client.replica_view import WATCH_AFTER_S
 from shoal.cluster.requests import Future
 from shoal.placement.layout import TableLayout
 from shoal.storage.shard import ShardStore
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import Moved
-
-_WATCH_AFTER_S = 0.5  # a call waiting longer than this asks whether the servers it waits for are alive
 
 
 class RoutedAccess(TableAccess):
@@ -156,11 +155,12 @@ class RoutedAccess(TableAccess):
 
     def watch_servers(self, call: Call) -> None:
         """While ``call`` waits: a server that died since it was sent fails its parts now, naming it,
-        instead of after the request timeout."""
+        instead of after the request timeout; one that left sends what it never read elsewhere."""
         view = self.worker.replica_view
-        if not call.parts or self.worker.now() - call.started < _WATCH_AFTER_S:
+        if not call.parts or self.worker.now() - call.started < WATCH_AFTER_S:
             return
         view.refresh()  # at most once a second
+        self.worker.follow_departures()
         for req, part in list(call.parts.items()):
             if part.node in view.exited:
                 self.worker.tracker.forget(req)

@@ -30,8 +30,8 @@ import numpy as np
 
 from shoal.api.errors import (
     CheckpointError,
-    ClosedError,
     ClusterError,
+    NotServedError,
     RequestTimeoutError,
     ShoalError,
     SliceMovedError,
@@ -169,16 +169,13 @@ class StaticAccess(RoutedAccess):
                                       at, call.keys.shape[0], call.result.array())
                 if at is not None and at.shape[0] == 0:
                     continue
+            if not self.worker.server_alive(node):  # it left (drained) and this layout predates that
+                self.refused(call, call.positions(at), op)
+                continue
             count = n if at is None else at.shape[0]
             chunks = (at,) if count <= self._chunk else self._chunks(at, count, call.keys.shape[0])
             for chunk in chunks:
-                try:
-                    self._send(call, node, chunk, layout.epoch, op)
-                except ClosedError:
-                    if self.worker.tracker.closed or self.worker.server_alive(node):
-                        raise
-                    # The server left (drained) and this layout predates it: its slices are elsewhere.
-                    self.refused(call, call.positions(chunk), op)
+                self._send(call, node, chunk, layout.epoch, op)
 
     def _check_alive(self, nodes: list[int], layout: TableLayout, shard: np.ndarray) -> None:
         """A call that needs a dead server's rows fails at once, before any part of it is sent. Only a
@@ -237,6 +234,9 @@ class StaticAccess(RoutedAccess):
             self.cache.keep(part.node, msg, keys, msg.arrays[0])
 
     def _on_error(self, call: Call, part: Part, error: ShoalError) -> None:
+        if isinstance(error, NotServedError):  # its server left before reading it: as if answered "moved"
+            self.refused(call, call.positions(part.positions), part.op)
+            return
         self.worker.streams.answered(part.node, part.seq)
         if call.error is None:
             call.error = error

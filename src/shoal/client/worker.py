@@ -21,6 +21,7 @@ from shoal.api.optim import Optimizer, Sum
 from shoal.client import checkpoints
 from shoal.client.dense import DEFAULT_SLICE, DenseTable, rows_for
 from shoal.client.metrics import worker_families
+from shoal.client.replica_view import WATCH_AFTER_S
 from shoal.client.replicated import ReplicaView
 from shoal.client.streams import Streams
 from shoal.client.table import Table
@@ -98,6 +99,8 @@ class Worker:
         #: this worker's numbered requests to each server, handled there in order (static tables, clocks)
         self.streams = Streams(int(registered.get("incarnation", 1)))
         self.servers: list[str | None] = []  # by node; None once a server has left
+        #: servers that left while requests to them were in flight: connected until those are over
+        self._departing: set[int] = set()
         self.follow_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
         self.tracker.on_unsolicited = self._on_server_message
         self.tracker.after_receive = self._after_receive
@@ -284,12 +287,31 @@ class Worker:
             if known is not None and address is not None:
                 self.follow_restarted(n, address)
                 continue
-            if known is not None:
+            if known is not None and self.tracker.awaits(n):
+                self._departing.add(n)  # answers to what it read are on their way (``follow_departures``)
+            elif known is not None:
                 self.tracker.disconnect(n)
             self.streams.reset(n)
             if address is not None:
+                if n in self._departing:  # back at once: what was in flight to its earlier process is not
+                    self._departing.discard(n)
+                    self.tracker.fail_peer(n, ClusterError(f"server {n} left and joined again while requests "
+                                                           "to it were in flight"))
+                    self.tracker.disconnect(n)
                 self.tracker.connect(n, address)
         self.servers = list(addresses)
+
+    def follow_departures(self) -> None:
+        """Requests in flight to servers that left: those a server never read (its goodbye says which,
+        ``server.streams``) are sent where their keys are now; once nothing is in flight to it, its
+        connection closes."""
+        for node in sorted(self._departing):
+            handled = self.replica_view.handled_by(node, self.rank, self.streams.incarnation)
+            if handled is not None:
+                self.tracker.end_unserved(node, handled)
+            if not self.tracker.awaits(node):
+                self.tracker.disconnect(node)
+                self._departing.discard(node)
 
     def follow_restarted(self, node: int, address: str) -> None:
         """Server ``node`` was started again at ``address``: what was in flight to its previous process
@@ -411,7 +433,14 @@ class Worker:
 
     def wait_all(self) -> None:
         """Wait for every request still in flight (async pushes included)."""
-        self.tracker.wait_all(self.cluster.timeouts.request_s)
+        started = self.now()
+
+        def watch() -> None:  # as a call's own wait does (``client.routed``): a server may have left
+            if self._departing or self.now() - started >= WATCH_AFTER_S:
+                self.replica_view.refresh()
+                self.follow_departures()
+
+        self.tracker.wait_all(self.cluster.timeouts.request_s, watch)
 
     def barrier(self, note: BarrierNote | None = None) -> dict[int, BarrierNote]:
         """Wait until every worker reaches this barrier; own pushes are applied first.

@@ -93,4 +93,4 @@ def barrier(tracker: RequestTracker, rank: int, generation: int, timeout: float,
 
 
 def leave(tracker: RequestTracker, rank: int, timeout: float) -> None:
-    call(tracker, RENDEZVOUS, bodies.Leave(rank, "worker").to_message(), timeout)
+    call(tracker, RENDEZVOUS, bodies.Leave("worker", rank=rank).to_message(), timeout)

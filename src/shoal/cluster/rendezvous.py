@@ -26,7 +26,7 @@ from shoal.wire import bodies
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Flag, Op
-from shoal.wire.schema import BarrierNote
+from shoal.wire.schema import BarrierNote, is_int64
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class Rendezvous:
         self.last_seen: dict[int, float] = {}
         #: servers whose process is known to have ended (the local launcher watches them): dead at once
         self.exited: set[int] = set()
+        #: departed servers that stopped reading, with the last request of each worker they handled
+        self.gone: dict[int, list[list[int]]] = {}
         self.incarnations: dict[int, int] = {}
         self.worker_incarnations: dict[int, int] = {}
         #: table specs as created by workers, so a restarted server can recreate its tables
@@ -189,6 +191,7 @@ class Rendezvous:
             "finished": self.finished,
             "alive": self.alive(),
             "exited": sorted(self.exited),
+            "gone": {str(n): handled for n, handled in self.gone.items()},
             "incarnations": [self.incarnations.get(n, 0) for n in range(self.num_nodes)],
             "tables": list(self.tables.values()),
             "barriers": {str(g): sorted(b.rank for _, _, b in w) for g, w in self._barriers.items()},
@@ -279,10 +282,13 @@ class Rendezvous:
         elif msg.op == Op.BARRIER:
             self._barrier(peer, msg)
         elif msg.op == Op.LEAVE:
+            leaving = bodies.Leave.of(msg)
+            handled = _handled(leaving.handled)
             if not msg.flags & Flag.NO_REPLY:
                 self._reply(peer, msg.reply(Op.OK))
-            leaving = bodies.Leave.of(msg)
-            if leaving.role == "worker":
+            if leaving.role == "server" and leaving.node is not None:
+                self.gone[leaving.node] = handled
+            elif leaving.role == "worker" and leaving.rank is not None:
                 self.left.add(leaving.rank)
                 self._replay.retire(msg.sender)
                 for gen in list(self._barriers):
@@ -343,6 +349,7 @@ class Rendezvous:
             self.incarnations[member.node] = self.incarnations.get(member.node, 0) + 1
             self.last_seen[member.node] = self.now()
             self.exited.discard(member.node)
+            self.gone.pop(member.node, None)
             return self.incarnations[member.node]
         if member.rank in self.workers:  # a restarted worker: drop what its old self left waiting
             for waiting in self._barriers.values():
@@ -395,3 +402,11 @@ class Rendezvous:
         for p, m, _ in self._barriers.pop(gen):
             self._reply(p, bodies.Error.about(error, "rendezvous").reply_to(m))
         return True
+
+
+def _handled(entries: list[list[int]] | None) -> list[list[int]]:
+    """A leaving server's ``[rank, incarnation, seq]`` per worker stream, checked."""
+    entries = entries or []
+    if not all(isinstance(e, list) and len(e) == 3 and all(is_int64(v) and v >= 0 for v in e) for e in entries):
+        raise ProtocolError(f"a server's goodbye names [rank, incarnation, seq] per worker, got {entries!r}")
+    return entries

@@ -8,6 +8,7 @@ local touches no socket at all.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -22,6 +23,7 @@ import numpy as np
 from shoal.api.errors import (
     AuthError,
     ClosedError,
+    NotServedError,
     ProtocolError,
     RequestTimeoutError,
     ShoalError,
@@ -70,6 +72,8 @@ class _Pending:
     on_error: Callable[[ShoalError], None] | None = None
     #: runs once the request is over, however it ended: answered, failed, given up or forgotten
     on_end: Callable[[], None] | None = None
+    #: its place in the sender's stream to the peer (``client.streams``), if it has one
+    seq: int | None = None
 
 
 @dataclass
@@ -196,7 +200,8 @@ class RequestTracker:
             now = self.now()
             size = _size(frames)
             pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background,
-                               nbytes=size + reply_bytes, on_error=on_error, on_end=on_end)
+                               nbytes=size + reply_bytes, on_error=on_error, on_end=on_end,
+                               seq=stream[1] if (stream := msg.body.get("stream")) else None)
             if self.resend_s is not None:
                 pending.frames, pending.resend_at = frames, now + self._resend_after(pending)
             self._pending[req] = pending
@@ -294,8 +299,9 @@ class RequestTracker:
             frames = conn.recv(0)
         return handled
 
-    def wait_all(self, timeout: float) -> None:
-        """Pump until nothing is in flight (used before barriers and shutdown).
+    def wait_all(self, timeout: float, step: Callable[[], None] | None = None) -> None:
+        """Pump until nothing is in flight (used before barriers and shutdown); ``step`` as in
+        ``wait_until``.
 
         Raises the first error of a request nobody waited for (an async push
         that failed), so it does not vanish.
@@ -303,7 +309,8 @@ class RequestTracker:
         deadline = time.monotonic() + timeout  # waits keep real time, as ``wait_until`` does
         # Answers may send parts again (keys that moved): those are waited for too.
         while pending := {r for r, p in self._pending.items() if not p.background}:
-            self.wait(pending, max(deadline - time.monotonic(), 0.0))
+            self.wait_until(functools.partial(self.done, pending), functools.partial(set, pending),
+                            max(deadline - time.monotonic(), 0.0), step)
         if self._errors:
             errors, self._errors = self._errors, {}
             first = errors[min(errors)]
@@ -345,6 +352,25 @@ class RequestTracker:
             self._errors.pop(req, None)
             if pending is not None and pending.on_end is not None:
                 pending.on_end()
+
+    def awaits(self, peer: int) -> bool:
+        """Whether a request to ``peer`` is in flight."""
+        return any(p.peer == peer for p in self._pending.values())
+
+    def end_unserved(self, peer: int, handled: int) -> None:
+        """``peer`` stopped reading after handling our stream's requests up to ``handled``: the later
+        ones in flight to it end with ``NotServedError`` (their ``on_error`` sends them elsewhere;
+        one without, a clock tick say, is over: what it told the peer no longer matters). Those up
+        to ``handled`` were answered before it stopped: their answers are still on their way."""
+        with self._lock:
+            unserved = [r for r, p in self._pending.items() if p.peer == peer and p.seq is not None and p.seq > handled]
+            for req in unserved:
+                pending = self._pending[req]
+                if pending.on_error is not None:
+                    pending.error = NotServedError(f"server {peer} left before it read {pending.what}")
+                self._finish(req, None)
+            if unserved:
+                self._run_after_receive()  # what the answers' handlers queued goes now
 
     def fail_peer(self, peer: int, error: ShoalError) -> None:
         """End every request in flight to ``peer`` with ``error`` (it was a process that is gone: one

@@ -187,6 +187,8 @@ class ParameterServer:
                 self._run_timers(register)
                 timers_at = time.monotonic() + _TIMERS_EVERY_S
                 wait = self._wait_s()
+            if self.slicing.leave_requested:
+                self._say_goodbye()
         finally:
             self.close()
 
@@ -202,6 +204,17 @@ class ParameterServer:
             log.exception("server %d: unexpected failure in a timer", self.node)
         if register:
             self._heartbeat()
+
+    def _say_goodbye(self) -> None:
+        """Drained, and no longer reading: tell the rendezvous the last request of each worker handled
+        here, so that workers send what came after it where its keys are now instead of waiting for
+        an answer that will not come."""
+        goodbye = bodies.Leave("server", node=self.node, handled=self.order.handled())
+        try:
+            membership.call(self._rendezvous, RENDEZVOUS, goodbye.to_message(), self.cluster.timeouts.request_s,
+                            "goodbye")
+        except ShoalError as exc:  # workers then wait for their requests' timeouts, as for a server that died
+            log.warning("server %d: the rendezvous did not take its goodbye: %s", self.node, exc)
 
     def stop(self) -> None:
         self._stop.set()

@@ -178,6 +178,11 @@ class StreamOrder:
                 return unfinished - 1
         return stream.next_seq - 1
 
+    def handled(self) -> list[list[int]]:
+        """``[worker, incarnation, seq]`` per stream: every request up to ``seq`` was handled here,
+        none after it (those waiting for an earlier one, or held for a slice move, were not)."""
+        return [[worker, stream.incarnation, self.seen(worker)] for worker, stream in sorted(self._streams.items())]
+
     def expire(self, max_age: float) -> list[tuple[bytes, Message]]:
         """Requests that waited longer than ``max_age`` for an earlier one that never came: removed."""
         cutoff = self.now() - max_age

@@ -132,9 +132,18 @@ class Barrier(Body):
 
 @dataclass(frozen=True)
 class Leave(Body):
+    """A member leaves: a worker (``rank``), or a server (``node``) that handed all its slices over.
+
+    A server names, for each worker stream it served, the last request it handled (``handled``:
+    ``[rank, incarnation, seq]`` each): it stopped reading before it said so, so what a worker sent
+    it after that was never served, and goes where its keys are now (``client.worker``).
+    """
+
     op = Op.LEAVE
-    rank: int
     role: str
+    rank: int | None = None
+    node: int | None = None
+    handled: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
