@@ -13,6 +13,21 @@ current at), requests per clock, and the servers' held-pull counts, and writes
 Dai et al. (AAAI 2015) found that ESSP converges no later than SSP at the same
 bound, with lower and less variable staleness; the table states whether that
 shows here.
+
+    python benchmarks/bench_consistency.py --only data-age [--seeds 3]
+
+measures staleness as data age instead (``data_age_worker.py``): per read, the
+updates issued before it began that it does not include, for reads of rows the
+node holds, reads from the worker's cache, and pulls apart, under random pauses
+between iterations, with a straggler, and with network delay injected by the
+fault-injecting transport; over several seeds. It writes
+``results/consistency_data_age.{json,md,png}``.
+
+    python benchmarks/bench_consistency.py --only reread [--seeds 3]
+
+trains MF with each worker's own users (so every worker re-reads the item
+rows) and a random pause per batch, under SSP and ESSP, and reports RMSE per
+epoch and per second over seeds: ``results/consistency_reread.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -22,11 +37,13 @@ import json
 import statistics
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE.parent / "examples" / "mf" / "train.py"
+AGE_WORKER = HERE / "data_age_worker.py"
 sys.path.insert(0, str(HERE))
 
 import shoal.launch.local  # noqa: E402
@@ -50,13 +67,14 @@ DATASETS: dict[str, dict[str, Any]] = {
 STRAGGLE_MS = 2.0
 
 
-def run(data: str, config: list[str]) -> dict[str, Any]:
+def run(data: str, config: list[str], workload: list[str] | None = None) -> dict[str, Any]:
+    """One MF job; ``workload``: instead of the straggler, these options (pauses, users by worker, seed)."""
     epochs = DATASETS[data]["epochs"]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         command = [sys.executable, str(TRAIN), "--data", data, "--epochs", str(epochs), "--free-running",
-                   "--straggle-ms", str(STRAGGLE_MS), "--quiet", "--out", str(out), "--stats-dir", tmp,
-                   *DATASETS[data]["args"], *config]
+                   *(workload if workload is not None else ["--straggle-ms", str(STRAGGLE_MS)]),
+                   "--quiet", "--out", str(out), "--stats-dir", tmp, *DATASETS[data]["args"], *config]
         status = shoal.launch.local.run(command, nodes=2, workers_per_node=2, prefix_output=False)
         if status != 0:
             raise SystemExit(f"run {data} {config} failed with status {status}")
@@ -127,13 +145,266 @@ def plot(results: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
     fig.savefig(RESULTS / "consistency_staleness.png", dpi=110)
 
 
+# ------------------------------------------------------------------ data age
+
+AGE_MODELS: dict[str, list[str]] = {
+    "BSP": ["--model", "bsp"],
+    "SSP(1)": ["--model", "ssp", "--staleness", "1"],
+    "ESSP(1)": ["--model", "essp", "--staleness", "1"],
+    "SSP(3)": ["--model", "ssp", "--staleness", "3"],
+    "ESSP(3)": ["--model", "essp", "--staleness", "3"],
+    "ASP": ["--model", "asp"],
+    "SSP(3) + lazy": ["--model", "ssp", "--staleness", "3", "--lazy-ms", "5"],
+}
+AGE_WORKLOADS: dict[str, dict[str, Any]] = {
+    "random pauses": {"args": ["--delay-ms", "2"], "faults": None},
+    "random pauses + straggler": {"args": ["--delay-ms", "2", "--straggle-ms", "4"], "faults": None},
+    "random pauses + network delay": {"args": ["--delay-ms", "2"], "faults": "delay_ms=1,jitter_ms=1"},
+}
+AGE_KINDS = ("local", "cache", "pull")
+
+
+def data_age(workload: dict[str, Any], model: list[str], seed: int, iterations: int) -> dict[str, Any]:
+    """One probe job on 2 nodes x 2 workers: missing updates per row read, by kind of read."""
+    counters = Path("/dev/shm") / f"shoal-age-{uuid.uuid4().hex[:12]}"
+    counters.write_bytes(bytes(4 * 64 * 8))  # 4 workers x 64 rows of int64, zero
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            command = [sys.executable, str(AGE_WORKER), tmp, str(counters), "--iterations", str(iterations),
+                       "--seed", str(seed), *workload["args"], *model]
+            env = {"SHOAL_FAULTS": workload["faults"]} if workload["faults"] else {}
+            status = shoal.launch.local.run(command, nodes=2, workers_per_node=2, prefix_output=False,
+                                            extra_env=env)
+            if status != 0:
+                raise SystemExit(f"data-age run {command} failed with status {status}")
+            ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+    finally:
+        counters.unlink(missing_ok=True)
+    if not ranks[0]["exact"]:
+        raise SystemExit(f"data-age run {model} lost or doubled updates: {ranks[0]}")
+    hist: dict[str, dict[int, int]] = {k: {} for k in (*AGE_KINDS, "mixed")}
+    for r in ranks:
+        for kind, counts in r["missing"].items():
+            for m, c in counts.items():
+                hist[kind][int(m)] = hist[kind].get(int(m), 0) + c
+    iterations_done = sum(r["iterations"] for r in ranks)
+    return {"hist": hist, "seconds": max(r["seconds"] for r in ranks),
+            "requests_per_iteration": sum(r["counters"].get("requests", 0) for r in ranks) / iterations_done,
+            "eager_per_iteration": sum(r["counters"].get("eager_messages", 0) for r in ranks) / iterations_done}
+
+
+def _mean(hist: dict[int, int]) -> float | None:
+    total = sum(hist.values())
+    return sum(m * c for m, c in hist.items()) / total if total else None
+
+
+def _share_fresh(hist: dict[int, int]) -> float | None:
+    total = sum(hist.values())
+    return hist.get(0, 0) / total if total else None
+
+
+def _merged(hists: list[dict[int, int]]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for h in hists:
+        for m, c in h.items():
+            out[m] = out.get(m, 0) + c
+    return out
+
+
+def data_age_main(seeds: int, iterations: int) -> None:
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {m: [] for m in AGE_MODELS} for w in AGE_WORKLOADS}
+    for seed in range(seeds):  # seed by seed, every configuration in turn: drift hits them alike
+        for wname, workload in AGE_WORKLOADS.items():
+            for mname, model in AGE_MODELS.items():
+                res = data_age(workload, model, seed, iterations)
+                runs[wname][mname].append(res)
+                remote = _merged([res["hist"]["cache"], res["hist"]["pull"], res["hist"]["mixed"]])
+                print(f"seed {seed} {wname:30s} {mname:8s} remote reads miss {_mean(remote):.2f} updates "
+                      f"({_share_fresh(remote):.0%} miss none), local {_mean(res['hist']['local']):.2f}; "
+                      f"{res['seconds']:.1f}s", flush=True)
+    lines = [f"Data age: 4 workers on 2 nodes re-read the same 64 rows ({iterations} iterations each), "
+             "half of them held by their own node, and push +1 to 16 random rows per iteration. Per row "
+             "read: the updates issued before the read began that the value does not include. Mean over "
+             f"all reads of a kind, as the median over {seeds} seed(s) (min-max in brackets); 'fresh' is "
+             "the share of reads missing nothing.", ""]
+    summary: dict[str, Any] = {}
+    for wname, per in runs.items():
+        lines += [f"### {wname}", "",
+                  "| model | remote reads: missing | fresh | from cache | cache: missing | pulls: missing "
+                  "| local reads: missing | requests / iteration | eager msgs / iteration | s |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        summary[wname] = {}
+        for mname, rounds in per.items():
+            remote = [_merged([r["hist"]["cache"], r["hist"]["pull"], r["hist"]["mixed"]]) for r in rounds]
+            remote_means = [m for h in remote if (m := _mean(h)) is not None]
+            cached = [sum(r["hist"]["cache"].values()) / max(sum(h.values()), 1) for r, h in zip(rounds, remote,
+                                                                                                   strict=True)]
+
+            def med(kind: str, rounds: list[dict[str, Any]] = rounds) -> float | None:
+                values = [m for r in rounds if (m := _mean(r["hist"][kind])) is not None]
+                return statistics.median(values) if values else None
+
+            row = {
+                "remote_missing": statistics.median(remote_means), "remote_missing_min": min(remote_means),
+                "remote_missing_max": max(remote_means),
+                "remote_fresh": statistics.median(f for h in remote if (f := _share_fresh(h)) is not None),
+                "from_cache": statistics.median(cached),
+                **{f"{k}_missing": med(k) for k in AGE_KINDS},
+                "requests_per_iteration": statistics.median(r["requests_per_iteration"] for r in rounds),
+                "eager_per_iteration": statistics.median(r["eager_per_iteration"] for r in rounds),
+                "seconds": statistics.median(r["seconds"] for r in rounds),
+                "remote_hist": _merged(remote), "rounds": rounds,
+            }
+            summary[wname][mname] = row
+
+            def fmt(v: float | None) -> str:
+                return "-" if v is None else f"{v:.2f}"
+
+            lines.append(f"| {mname} | {row['remote_missing']:.2f} [{row['remote_missing_min']:.2f}-"
+                         f"{row['remote_missing_max']:.2f}] | {row['remote_fresh']:.0%} | {row['from_cache']:.0%} | "
+                         f"{fmt(row['cache_missing'])} | {fmt(row['pull_missing'])} | {fmt(row['local_missing'])} | "
+                         f"{row['requests_per_iteration']:.2f} | {row['eager_per_iteration']:.2f} | "
+                         f"{row['seconds']:.1f} |")
+        lines.append("")
+        for s in (1, 3):
+            essp, ssp = summary[wname][f"ESSP({s})"], summary[wname][f"SSP({s})"]
+            apart = essp["remote_missing_max"] < ssp["remote_missing_min"]
+            verdict = ("fresher than" if apart else "not fresher than" if essp["remote_missing_min"] >
+                       ssp["remote_missing_max"] else "within the seed spread of")
+            lines.append(f"- s={s}: ESSP's remote reads are {verdict} SSP's ({essp['remote_missing']:.2f} vs "
+                         f"{ssp['remote_missing']:.2f} missing updates; fresh {essp['remote_fresh']:.0%} vs "
+                         f"{ssp['remote_fresh']:.0%}).")
+        lines.append("")
+    table_md = "\n".join(lines)
+    print("\n" + table_md)
+    for per in summary.values():  # the figures, not every round's histograms, go in the json
+        for row in per.values():
+            row["remote_hist"] = {str(k): v for k, v in sorted(row["remote_hist"].items())}
+            for r in row["rounds"]:
+                r["hist"] = {k: {str(m): c for m, c in sorted(h.items())} for k, h in r["hist"].items()}
+    write_results("consistency_data_age", {"iterations": iterations, "seeds": seeds, "workloads": AGE_WORKLOADS,
+                                           "results": summary}, table_md)
+    plot_data_age(summary)
+
+
+def plot_data_age(summary: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """Per workload, the distribution of missing updates per remote read, SSP against ESSP."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = [("SSP(1)", "ESSP(1)"), ("SSP(3)", "ESSP(3)")]
+    fig, axes = plt.subplots(len(summary), len(pairs), figsize=(5.5 * len(pairs), 2.8 * len(summary)),
+                             squeeze=False)
+    for row, (wname, per) in enumerate(summary.items()):
+        for col, pair in enumerate(pairs):
+            ax = axes[row][col]
+            for offset, name in zip((-0.2, 0.2), pair, strict=True):
+                hist = {int(k): v for k, v in per[name]["remote_hist"].items()}
+                total = sum(hist.values())
+                xs = sorted(hist)
+                ax.bar([x + offset for x in xs], [hist[x] / total for x in xs], width=0.4, label=name)
+            ax.set_title(f"{wname}", fontsize=9)
+            ax.set_xlabel("updates issued before a remote read that it lacks", fontsize=8)
+            ax.set_ylabel("share of reads", fontsize=8)
+            ax.set_xlim(-0.7, 12.7)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "consistency_data_age.png", dpi=110)
+
+
+# --------------------------------------------------- MF re-reading its items
+
+REREAD_MODELS = ("SSP(1)", "ESSP(1)", "SSP(3)", "ESSP(3)")
+REREAD_DELAY_MS = 2.0
+
+
+def reread_main(seeds: int) -> None:
+    """MF on MovieLens with each worker's own users, so every worker re-reads the item rows, and a
+    random pause per batch on every worker: convergence per epoch and per second over seeds."""
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in REREAD_MODELS}
+    for seed in range(seeds):
+        for name in REREAD_MODELS:
+            res = run("ml-100k", CONFIGS[name], ["--users-by-worker", "--delay-ms", str(REREAD_DELAY_MS),
+                                                 "--seed", str(seed)])
+            runs[name].append(res)
+            print(f"seed {seed} {name:8s} RMSE {' '.join(f'{r:.3f}' for r in res['rmse'])} in "
+                  f"{res['seconds'][-1]:.1f}s, staleness (bound) {res['staleness_mean']:.2f}", flush=True)
+    target = DATASETS["ml-100k"]["target"]
+    lines = [f"MF rank 64 on MovieLens 100k, 4 workers on 2 nodes, each training its own users' ratings (item "
+             f"rows re-read by every worker), every worker pausing a random time per batch (exponential, mean "
+             f"{REREAD_DELAY_MS} ms); free-running; {seeds} seed(s) (batch order and pauses). Median "
+             "[min-max] over seeds.", "",
+             "| model | RMSE after epoch 1 | epoch 3 | epoch 10 | time to RMSE " + f"{target} s | total s "
+             "| staleness bound mean | requests / clock | eager msgs / clock |",
+             "|---|---|---|---|---|---|---:|---:|---:|"]
+    summary: dict[str, Any] = {}
+
+    def spread(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+    for name, rounds in runs.items():
+        ttt = [t for r in rounds if (t := time_to(target, r["rmse"], r["seconds"])) is not None]
+        summary[name] = {"rmse_per_epoch": [r["rmse"] for r in rounds], "seconds": [r["seconds"] for r in rounds],
+                         "time_to_target_s": ttt, "staleness_mean": [r["staleness_mean"] for r in rounds],
+                         "requests_per_clock": [r["requests_per_clock"] for r in rounds],
+                         "eager_messages_per_clock": [r["eager_messages_per_clock"] for r in rounds]}
+        epochs = [spread([r["rmse"][e] for r in rounds], 4) for e in (0, 2, -1)]
+        lines.append(f"| {name} | {' | '.join(epochs)} | {spread(ttt, 2) if len(ttt) == len(rounds) else 'not always'}"
+                     f" | {spread([r['seconds'][-1] for r in rounds], 1)} | "
+                     f"{statistics.median(summary[name]['staleness_mean']):.2f} | "
+                     f"{statistics.median(summary[name]['requests_per_clock']):.2f} | "
+                     f"{statistics.median(summary[name]['eager_messages_per_clock']):.2f} |")
+    table_md = "\n".join(lines)
+    print("\n" + table_md)
+    write_results("consistency_reread", {"delay_ms": REREAD_DELAY_MS, "seeds": seeds, "results": summary}, table_md)
+    plot_reread(runs)
+
+
+def plot_reread(runs: dict[str, list[dict[str, Any]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (name, rounds) in enumerate(runs.items()):
+        color = f"C{i}"
+        for k, r in enumerate(rounds):
+            label = name if k == 0 else None
+            axes[0].plot(range(1, len(r["rmse"]) + 1), r["rmse"], color=color, alpha=0.7, marker="o", ms=2,
+                         label=label)
+            axes[1].plot(r["seconds"], r["rmse"], color=color, alpha=0.7, marker="o", ms=2, label=label)
+    axes[0].set_xlabel("epoch of rank 0")
+    axes[1].set_xlabel("seconds")
+    for ax in axes:
+        ax.set_ylabel("test RMSE")
+        ax.legend(fontsize=8)
+    fig.suptitle("MF, users by worker, random pauses: every seed", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "consistency_reread.png", dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--only", choices=("mf", "data-age", "reread"), help="one part (default: all)")
+    p.add_argument("--seeds", type=int, default=3, help="data age and re-read: seeds per configuration")
+    p.add_argument("--iterations", type=int, default=300, help="data age: iterations per worker")
     args = p.parse_args()
+    if args.only in (None, "data-age"):
+        data_age_main(args.seeds, args.iterations)
+    if args.only in (None, "reread"):
+        reread_main(args.seeds)
+    if args.only in (None, "mf"):
+        mf_main(args.rounds)
+
+
+def mf_main(rounds: int) -> None:
     run("ml-100k", CONFIGS["ESSP(1)"])  # warm-up: compiled kernels land in the cache before timing
     results: dict[str, dict[str, list[dict[str, Any]]]] = {d: {n: [] for n in CONFIGS} for d in DATASETS}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for data in DATASETS:
             for name, config in CONFIGS.items():
                 res = run(data, config)
@@ -143,7 +414,7 @@ def main() -> None:
                       f"± {res['staleness_std']:.2f}", flush=True)
 
     lines = [f"4 workers on 2 nodes, last rank sleeps {STRAGGLE_MS} ms per batch; free-running; "
-             f"median over {args.rounds} round(s).", ""]
+             f"median over {rounds} round(s).", ""]
     summary: dict[str, Any] = {}
     for data, per in results.items():
         target = DATASETS[data]["target"]

@@ -56,6 +56,11 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
     p.add_argument("--staleness", type=int, default=1, help="bound s of SSP/ESSP")
     p.add_argument("--lazy-ms", type=float, default=0.0, help="lazy pull buffer timeout (0: off)")
     p.add_argument("--straggle-ms", type=float, default=0.0, help="the last rank sleeps this long per batch")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="every rank sleeps a random time per batch (exponential, this mean)")
+    p.add_argument("--users-by-worker", action="store_true",
+                   help="each worker trains its own users' ratings (as in the adaptive modes): item rows are re-read")
+    p.add_argument("--seed", type=int, default=0, help="of batch order and random delays")
     p.add_argument("--free-running", action="store_true", help="no barrier between epochs")
     p.add_argument("--replicas", type=int, default=1, help="replicas of every shard (>1: replicated store)")
     p.add_argument("--write-quorum", type=int, default=1)
@@ -88,7 +93,7 @@ def main() -> None:
     if args.info and ps.rank == 0:
         with open(args.info, "w") as fh:
             json.dump({"server_pids": [s["pid"] for s in ps.server_stats()]}, fh)
-    if adaptive:  # a worker's own users: their rows move to its node once, and stay
+    if adaptive or args.users_by_worker:  # a worker's own users (adaptive: their rows move to its node once)
         mine = data.train.take(np.flatnonzero(data.train.users % ps.num_workers == ps.rank))
     else:
         mine = data.train.take(np.arange(ps.rank, len(data.train), ps.num_workers))
@@ -111,7 +116,7 @@ def main() -> None:
     start = time.perf_counter()
     train_seconds = 0.0
     def batches(epoch: int) -> list[np.ndarray]:
-        order = np.random.default_rng((1000 + epoch) * 7919 + ps.rank).permutation(len(mine))
+        order = np.random.default_rng((1000 + epoch) * 7919 + ps.rank + args.seed * 104729).permutation(len(mine))
         return [order[s : s + hyper.batch] for s in range(0, len(mine), hyper.batch)]
 
     schedule = [b for epoch in range(hyper.epochs) for b in batches(epoch)]
@@ -124,6 +129,7 @@ def main() -> None:
         for epoch in range(hyper.epochs):
             begin = first + epoch * batches_per_epoch
             items.intent(np.unique(mine.items), begin, begin + batches_per_epoch)
+    delays = np.random.default_rng(args.seed * 1009 + ps.rank)
     step = 0
     for epoch in range(hyper.epochs):
         epoch_start = time.perf_counter()
@@ -142,6 +148,8 @@ def main() -> None:
                 f.wait()
             if straggler and args.straggle_ms:
                 time.sleep(args.straggle_ms / 1000)
+            if args.delay_ms:
+                time.sleep(delays.exponential(args.delay_ms) / 1000)
             ps.advance_clock()
             if progress:
                 note = f"epoch {epoch + 1}/{hyper.epochs}" + (f"  RMSE {history[-1]:.4f}" if history else "")
