@@ -7,18 +7,13 @@ through a raw DEALER socket of the test's own, so frames can be malformed by han
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from shoal import (
     AuthError,
@@ -43,119 +38,12 @@ from shoal.server.server import ParameterServer
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire import PROTOCOL_VERSION, Codec, Message, Op
 from shoal.wire.ops import Flag
+from tests.support.live_server import INCARNATION, WORKER, LiveServer, RawClient
 
-REPLY_WAIT_S = 30.0  # generous: the first request may wait for numba to compile the kernels
 SECRET = b"k" * 32
 REQ = 9
-WORKER = 0  # requests come as worker 0's, of one stream
-INCARNATION = new_incarnation()
 SPEC = TableSpec("t", num_keys=64, dim=4, init=Normal(std=1.0), seed=3)
 ALL_KEYS = np.arange(SPEC.num_keys, dtype=np.int64)
-
-
-# ------------------------------------------------------------ live server
-
-
-@dataclass
-class LiveServer:
-    """A ``ParameterServer`` running its loop in a thread; ``failure`` is what killed the loop, if anything."""
-
-    server: ParameterServer
-    transport: ZmqTransport
-    thread: threading.Thread = field(init=False)
-    failure: BaseException | None = None
-
-    def __post_init__(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="shoal-test-server", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.server.run(register=False)
-        except BaseException as exc:  # kept for the test to report, instead of an unhandled-thread warning
-            self.failure = exc
-
-    def stop(self) -> None:
-        self.server.stop()
-        self.thread.join(REPLY_WAIT_S)
-        assert not self.thread.is_alive(), "server loop did not stop"
-        self.transport.close()
-
-
-class RawClient:
-    """A DEALER socket talking to one live server."""
-
-    def __init__(self, sock: zmq.Socket, live: LiveServer, codec: Codec) -> None:
-        self.sock = sock
-        self.live = live
-        self.codec = codec
-        self._reqs = itertools.count(100)
-
-    def send_frames(self, frames: list[Any]) -> None:
-        self.sock.send_multipart(frames)
-
-    def reply(self, codec: Codec | None = None) -> Message:
-        """The next reply, decoded; fails fast if the server loop has died."""
-        deadline = time.monotonic() + REPLY_WAIT_S
-        while not self.sock.poll(50):
-            if not self.live.thread.is_alive():
-                pytest.fail(f"server loop died: {self.live.failure!r}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"no reply within {REPLY_WAIT_S}s")
-        return (codec or self.codec).decode(self.sock.recv_multipart())
-
-    def call(self, msg: Message) -> Message:
-        if not msg.req:
-            msg.req = next(self._reqs)
-        msg.sender, msg.incarnation = WORKER if msg.sender == -1 else msg.sender, INCARNATION
-        self.send_frames(self.codec.encode(msg))
-        reply = self.reply()
-        assert reply.req == msg.req
-        return reply
-
-    def create_table(self, spec: TableSpec) -> None:
-        reply = self.call(Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict()}))
-        assert reply.op == Op.OK, reply.body
-
-    def pull(self, keys: np.ndarray, table: str = "t") -> np.ndarray:
-        reply = self.call(Message(Op.PULL, table=table, arrays=[keys]))
-        assert reply.op == Op.VALUES, reply.body
-        return reply.arrays[0].copy()
-
-    def push(self, keys: np.ndarray, values: np.ndarray, table: str = "t") -> Message:
-        return self.call(Message(Op.PUSH, table=table, arrays=[keys, values]))
-
-
-@pytest.fixture
-def start_server() -> Iterator[Callable[..., LiveServer]]:
-    started: list[LiveServer] = []
-
-    def start(secret: bytes | None = None, limits: Limits | None = None) -> LiveServer:
-        cluster = ClusterSpec("test", num_nodes=1, workers_per_node=1, rendezvous="tcp://127.0.0.1:1",
-                              secret=secret, limits=limits or Limits())
-        transport = ZmqTransport()
-        started.append(LiveServer(ParameterServer(0, cluster, transport, share_memory=False), transport))
-        return started[-1]
-
-    yield start
-    for live in started:
-        live.stop()
-
-
-@pytest.fixture
-def connect() -> Iterator[Callable[..., RawClient]]:
-    ctx = zmq.Context()
-    sockets: list[zmq.Socket] = []
-
-    def connect(live: LiveServer, secret: bytes | None = None) -> RawClient:
-        sockets.append(ctx.socket(zmq.DEALER))
-        sockets[-1].connect(live.server.address)
-        return RawClient(sockets[-1], live, Codec(secret=secret, local=True))  # over loopback
-
-    yield connect
-    for sock in sockets:
-        sock.close(linger=0)
-    ctx.term()
 
 
 @pytest.fixture

@@ -280,3 +280,26 @@ def test_a_push_sent_to_a_server_after_it_left_lands_once_where_its_slice_went(p
         expected = 2 if pushes == "waited" else 4
         np.testing.assert_array_equal(t_stale.pull(keys), np.full((KEYS, 4), expected, np.float32))
         assert t_stale.layout.owners.tolist() == [0] * 8
+
+
+def test_answers_still_on_their_way_from_a_server_that_left_are_taken_in():
+    """Server 1 answered a push, then was drained and left, before the worker read the answer; the
+    worker learns that it left while the answer waits in its socket: it keeps the connection until
+    the answer is in, instead of closing it under the answer and waiting for the request timeout."""
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=6.0, barrier_s=20.0)
+    with ThreadCluster(nodes=2, transport=ZmqTransport(), timeouts=timeouts) as c:
+        w0, drainer = c.worker(0, local_access=False), c.worker(1)
+        t0, _ = _table(w0), _table(drainer)
+        keys = np.arange(KEYS)
+        remote = keys[KEYS // 2 :]  # slices 4..7, on server 1
+        t0.push_async(remote, np.ones((remote.size, 4), np.float32))  # answered while w0 looks away
+        drainer.remove_server(1)
+        c.threads[1].join(timeout=20)
+        assert not c.threads[1].is_alive(), "the drained server did not leave"
+        w0.cluster_status()  # learns that server 1 left; its answer is still unread
+        started = time.monotonic()
+        w0.wait_all()
+        assert time.monotonic() - started < timeouts.request_s
+        expected = np.zeros((KEYS, 4), np.float32)
+        expected[KEYS // 2 :] = 1
+        np.testing.assert_array_equal(t0.pull(keys), expected)

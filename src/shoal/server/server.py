@@ -329,8 +329,12 @@ class ParameterServer:
             return
         if in_turn:
             self._serve_in_turn(peer, msg)
-        else:
-            self.stats["requests_out_of_order"] += 1
+            return
+        self.stats["requests_out_of_order"] += 1
+        # Its floor may have skipped requests its worker no longer awaits, up to one already waiting.
+        ready = self.order.next_ready(msg.sender)
+        if ready is not None:
+            self._serve_in_turn(*ready)
 
     def _serve_in_turn(self, peer: bytes, msg: Message) -> None:
         """Serve ``msg``, then the requests of its worker that waited for it, in their order."""
