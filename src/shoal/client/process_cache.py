@@ -137,13 +137,14 @@ class ProcessCache:
 
     def _await_eager(self, keys: np.ndarray, shard: np.ndarray, required: int) -> np.ndarray:
         """ESSP: rows this worker caches come to it when the slowest clock advances, so
-        wait for that push instead of asking; rows never cached are pulled as usual."""
-        cached = self.rows.version[keys] >= 0
+        wait for that push instead of asking; rows not cached are pulled as usual, and so are
+        rows dropped while we wait (a pushed row older than our acknowledged pushes is dropped:
+        no push will vouch for it again)."""
         # A push that does not come (a server's reply queue was full, say) ends in a pull.
         deadline = time.monotonic() + min(self.worker.cluster.timeouts.request_s, _EAGER_WAIT_S)
         versions = self.rows.versions(keys, shard)
         self.counters["reads_awaiting_push"] += 1
-        while (versions[cached] < required).any():
+        while ((versions >= 0) & (versions < required)).any():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break  # the stale rows are pulled instead; the pull names the server if it is gone
