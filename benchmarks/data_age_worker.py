@@ -82,10 +82,11 @@ def main() -> None:
     for _ in range(args.staleness + 1):  # a read at the clock after these covers every iteration above
         ps.advance_clock()
     ps.barrier()
-    exact = None
-    if ps.rank == 0:
-        exact = bool((table.pull(rows)[:, 0].astype(np.int64) == issued.sum(axis=0)).all())
-    record = {"rank": ps.rank, "seconds": seconds, "iterations": args.iterations, "missing": missing,
+    # Every rank reads every row: through shared memory the rows its node holds, the others remotely.
+    difference = table.pull(rows)[:, 0].astype(np.int64) - issued.sum(axis=0)
+    exact = not difference.any()
+    difference = {int(k): int(d) for k, d in zip(rows, difference, strict=True) if d}
+    record = {"difference": difference, "rank": ps.rank, "seconds": seconds, "iterations": args.iterations, "missing": missing,
               "counters": dict(table.counters), "requests": dict(ps.tracker.sent), "exact": exact}
     (args.out / f"rank{ps.rank}.json").write_text(json.dumps(record))
     ps.barrier()

@@ -56,9 +56,9 @@ class ProcessCache:
         #: pushes written in this node's shared memory lately: (the seq our next request to this node's
         #: server carried then, keys, values); rows that server sent before handling it lack them
         self._local_writes: list[tuple[int, np.ndarray, np.ndarray]] = []
-        #: ESSP: per server stream, the next eager message expected and the bumps waiting for it
+        #: ESSP: per server stream, the next eager message expected and the later ones waiting for it
         self._eager_next: dict[tuple[int, str], int] = {}
-        self._eager_pending: dict[tuple[int, str], dict[int, tuple[list[int], int]]] = {}
+        self._eager_pending: dict[tuple[int, str], dict[int, Message]] = {}
 
     def forget(self) -> None:
         """Drop every cached row (their values changed under us: a restore, a lost eager message)."""
@@ -158,24 +158,24 @@ class ProcessCache:
         if rows.shape[1:] != (self.spec.dim,) or rows.dtype != self.dtype:
             raise ProtocolError(f"server pushed rows of shape {rows.shape} {rows.dtype} for table "
                                 f"{self.spec.name!r}")
-        self.keep(msg.sender, msg, keys.astype(np.int64, copy=False), rows, pushed=True)
         self.counters["eager_messages"] += 1
         self.counters["eager_rows"] += keys.shape[0]
         body = bodies.Rows.of(msg)
-        bump = ([int(s) for s in body.shards], msg.clock)
-        seq = body.seq
-        if seq is None:
-            self.rows.bump(*bump)
+        if body.seq is None:
+            self._take_pushed(msg, body)
             return
-        # "Rows not resent did not change" holds only after every earlier message of the stream
-        # arrived: apply bumps in order, and forget the cache if one never comes (it was lost).
+        # Each message holds the rows changed since the one before, and "rows not resent did not
+        # change" holds only once every earlier message is in: take them whole and in order (an
+        # earlier one arriving late would put older rows over newer ones of the same "seen"), and
+        # forget the cache if one never comes (it was lost). One older than those taken is stale.
         stream = (msg.sender, str(body.series))
         expected = self._eager_next.get(stream, 1)
         pending = self._eager_pending.setdefault(stream, {})
-        if seq >= expected:
-            pending[seq] = bump
+        if body.seq >= expected:
+            pending[body.seq] = msg
         while expected in pending:
-            self.rows.bump(*pending.pop(expected))
+            held = pending.pop(expected)
+            self._take_pushed(held, bodies.Rows.of(held))
             expected += 1
         if len(pending) > _EAGER_GAP:
             self.counters["eager_gaps"] += 1
@@ -183,3 +183,8 @@ class ProcessCache:
             expected = max(pending) + 1
             pending.clear()
         self._eager_next[stream] = expected
+
+    def _take_pushed(self, msg: Message, body: bodies.Rows) -> None:
+        keys, rows = msg.arrays
+        self.keep(msg.sender, msg, keys.astype(np.int64, copy=False), rows, pushed=True)
+        self.rows.bump([int(s) for s in body.shards], msg.clock)
