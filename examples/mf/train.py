@@ -94,15 +94,20 @@ def main() -> None:
         with open(args.info, "w") as fh:
             json.dump({"server_pids": [s["pid"] for s in ps.server_stats()]}, fh)
     if adaptive or args.users_by_worker:  # a worker's own users (adaptive: their rows move to its node once)
-        mine = data.train.take(np.flatnonzero(data.train.users % ps.num_workers == ps.rank))
+        owners = data.train.users % ps.num_workers
+        mine = data.train.take(np.flatnonzero(owners == ps.rank))
+        most = int(np.bincount(owners, minlength=ps.num_workers).max())
     else:
         mine = data.train.take(np.arange(ps.rank, len(data.train), ps.num_workers))
+        most = -(-len(data.train) // ps.num_workers)
     mu = float(data.train.values.mean())
     lead = ps.rank == 0
     straggler = ps.rank == ps.num_workers - 1 and ps.num_workers > 1
     history: list[float] = []
     times: list[float] = []
-    batches_per_epoch = -(-len(mine) // hyper.batch)
+    # As many batches (clocks) per epoch on every worker, a share that runs out first ending in empty
+    # ones: under a bound the others wait for the slowest clock, also at the end.
+    batches_per_epoch = -(-most // hyper.batch)
     progress = Progress(hyper.epochs * batches_per_epoch, "training") if lead and not args.quiet else None
 
     def evaluate() -> None:
@@ -117,7 +122,7 @@ def main() -> None:
     train_seconds = 0.0
     def batches(epoch: int) -> list[np.ndarray]:
         order = np.random.default_rng((1000 + epoch) * 7919 + ps.rank + args.seed * 104729).permutation(len(mine))
-        return [order[s : s + hyper.batch] for s in range(0, len(mine), hyper.batch)]
+        return [order[s : s + hyper.batch] for s in range(0, batches_per_epoch * hyper.batch, hyper.batch)]
 
     schedule = [b for epoch in range(hyper.epochs) for b in batches(epoch)]
     if adaptive:
@@ -137,15 +142,16 @@ def main() -> None:
         for _ in range(batches_per_epoch):
             idx = schedule[step]
             step += 1
-            u, i = mine.users[idx], mine.items[idx]
-            user_rows = users.pull_async(u)
-            item_rows = items.pull_async(i)
-            grad_u, grad_i, batch_error = gradients(user_rows.wait(), item_rows.wait(), mine.values[idx], mu,
-                                                    hyper.reg)
-            squared_error += batch_error
-            pushed = [users.push_async(u, grad_u), items.push_async(i, grad_i)]
-            for f in pushed:
-                f.wait()
+            if idx.size:
+                u, i = mine.users[idx], mine.items[idx]
+                user_rows = users.pull_async(u)
+                item_rows = items.pull_async(i)
+                grad_u, grad_i, batch_error = gradients(user_rows.wait(), item_rows.wait(), mine.values[idx], mu,
+                                                        hyper.reg)
+                squared_error += batch_error
+                pushed = [users.push_async(u, grad_u), items.push_async(i, grad_i)]
+                for f in pushed:
+                    f.wait()
             if straggler and args.straggle_ms:
                 time.sleep(args.straggle_ms / 1000)
             if args.delay_ms:
