@@ -18,8 +18,8 @@ from tests.support.live_server import LiveServer, RawClient
 def start_server() -> Iterator[Callable[..., LiveServer]]:
     started: list[LiveServer] = []
 
-    def start(secret: bytes | None = None, limits: Limits | None = None) -> LiveServer:
-        cluster = ClusterSpec("test", num_nodes=1, workers_per_node=1, rendezvous="tcp://127.0.0.1:1",
+    def start(secret: bytes | None = None, limits: Limits | None = None, workers: int = 1) -> LiveServer:
+        cluster = ClusterSpec("test", num_nodes=1, workers_per_node=workers, rendezvous="tcp://127.0.0.1:1",
                               secret=secret, limits=limits or Limits())
         transport = ZmqTransport()
         started.append(LiveServer(ParameterServer(0, cluster, transport, share_memory=False), transport))

@@ -109,7 +109,7 @@ def consistency_to_dict(model: Consistency) -> dict[str, Any]:
 
 
 def consistency_from_dict(data: Any) -> Consistency:
-    if not isinstance(data, dict) or data.get("kind") not in _KINDS:
+    if not isinstance(data, dict) or not isinstance(data.get("kind"), str) or data["kind"] not in _KINDS:
         raise ConfigError(f"consistency must be a dict with kind in {sorted(_KINDS)}, got {data!r}")
     fields = dict(data)
     cls = _KINDS[fields.pop("kind")]

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import TableError
+from shoal.api.consistency import Consistency
+from shoal.api.errors import ConfigError, TableError
 from shoal.cluster.requests import Future
 from shoal.consistency.cache import RowCache
 from shoal.placement.layout import TableLayout
@@ -63,6 +64,15 @@ class TableAccess:
     def relocates(self) -> bool:
         """Whether keys can be brought to this node (``localize``, intents)."""
         return False
+
+    def set_consistency(self, model: Consistency, slices: list[int] | None) -> None:
+        """Read ``slices`` (all: None) under ``model`` from now on."""
+        raise ConfigError(f"table {self.name!r} has one model for all its rows: only static tables read "
+                          "under BSP, SSP or ESSP choose one per slice")
+
+    def consistency_of(self, shard: int) -> Consistency | None:
+        """The model slice ``shard`` is read under, if this kind chooses one per slice."""
+        return None
 
     def oldest_open_push(self) -> int | None:
         """The clock of the oldest push not yet acknowledged, if the bound depends on it."""

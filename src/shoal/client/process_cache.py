@@ -1,9 +1,10 @@
 """A worker's process cache of a static table's remote rows, holding this worker's own pushes.
 
 Bounded models (BSP, SSP, ESSP) serve a read from the cache when its row is
-current enough. A worker's own pushes change its cached rows at once (an
-additive rule adds the change, another drops the row), so a read holds them, as
-SSP's read-my-writes promises. Rows a server sends are kept only when more
+current enough for the model of its slice (``consistency.schemes``). A
+worker's own pushes change its cached rows at once (an additive rule adds the
+change, another drops the row), so a read holds them, as SSP's read-my-writes
+promises. Rows a server sends are kept only when more
 recent than the cached ones, and the worker's pushes they do not include yet
 (not acknowledged by that server when it read them, or written into this node's
 shared memory after it did) are added back.
@@ -22,6 +23,7 @@ from shoal.api.errors import ProtocolError
 from shoal.client.calls import Positions
 from shoal.client.context import WorkerContext
 from shoal.consistency.cache import RowCache
+from shoal.consistency.schemes import SliceSchemes
 from shoal.consistency.staleness import StalenessHistogram
 from shoal.storage.rules import rule_for
 from shoal.wire import bodies
@@ -38,21 +40,20 @@ PendingWrite = tuple[int, int, np.ndarray, np.ndarray]
 class ProcessCache:
     """The cached rows of one static table under a bounded model."""
 
-    def __init__(self, spec: TableSpec, num_shards: int, worker: WorkerContext, counters: Counter[str],
+    def __init__(self, spec: TableSpec, schemes: SliceSchemes, worker: WorkerContext, counters: Counter[str],
                  staleness: StalenessHistogram, pending: Callable[[], Iterable[PendingWrite]]) -> None:
         self.spec = spec
-        self.num_shards = num_shards
+        self.schemes = schemes
+        self.num_shards = int(schemes.bounds.shape[0])
         self.worker = worker
         self.counters = counters
         self.staleness = staleness
-        self.bound = spec.consistency.bound
-        assert self.bound is not None
         self.dtype = np.dtype(spec.dtype)
         #: this worker's pushes not acknowledged yet: added to rows a server sent before it had them
         self._pending = pending
         #: what a push adds to a row, per unit of pushed value; None: the rule is not additive
         self._scale = rule_for(spec.optimizer).scale
-        self.rows = RowCache(spec.num_keys, spec.dim, self.dtype, num_shards)
+        self.rows = RowCache(spec.num_keys, spec.dim, self.dtype, self.num_shards)
         #: pushes written in this node's shared memory lately: (the seq our next request to this node's
         #: server carried then, keys, values); rows that server sent before handling it lack them
         self._local_writes: list[tuple[int, np.ndarray, np.ndarray]] = []
@@ -63,6 +64,12 @@ class ProcessCache:
     def forget(self) -> None:
         """Drop every cached row (their values changed under us: a restore, a lost eager message)."""
         self.rows = RowCache(self.spec.num_keys, self.spec.dim, self.dtype, self.num_shards)
+
+    def switched(self, slices: dict[int, np.ndarray]) -> None:
+        """Eager pushes of these slices (with their keys) started or stopped: forget their rows. A
+        server vouches with its pushes only for rows it knows are cached, those read under ESSP."""
+        for shard, keys in slices.items():
+            self.rows.forget_slice(shard, keys)
 
     # ------------------------------------------------------- own pushes
 
@@ -117,15 +124,18 @@ class ProcessCache:
     def serve(self, keys: np.ndarray, shard: np.ndarray, pos: Positions, total: int, out: np.ndarray) -> Positions:
         """Fill ``out`` at ``pos`` (all ``total`` positions: None) from rows fresh enough for this
         worker's clock; returns the positions still to pull."""
-        assert self.bound is not None
         self.worker.tracker.pump(0)  # apply rows servers pushed eagerly since the last call
         versions = self.rows.versions(keys, shard)
         clock = self.worker.clock
-        required = max(clock - self.bound, 0)  # a row never fetched (version -1) is never fresh
+        schemes = self.schemes
+        # A row never fetched (version -1) is never fresh.
+        required = np.maximum(clock - (schemes.bounds[0] if schemes.uniform else schemes.bounds[shard]), 0)
         fresh = versions >= required
-        if self.spec.consistency.eager and not fresh.all() and (versions >= 0).any():
-            versions = self._await_eager(keys, shard, required)
-            fresh = versions >= required
+        if not fresh.all() and (versions >= 0).any():
+            eager = schemes.eager[0] if schemes.uniform else schemes.eager[shard]
+            if np.any(eager & ~fresh & (versions >= 0)):
+                versions = self._await_eager(keys, shard, required, eager)
+                fresh = versions >= required
         hits = int(np.count_nonzero(fresh))
         if not hits:
             return pos
@@ -135,7 +145,8 @@ class ProcessCache:
         self.counters["rows_from_cache"] += hits
         return where[~fresh]
 
-    def _await_eager(self, keys: np.ndarray, shard: np.ndarray, required: int) -> np.ndarray:
+    def _await_eager(self, keys: np.ndarray, shard: np.ndarray, required: np.ndarray,
+                     eager: np.ndarray | np.bool_) -> np.ndarray:
         """ESSP: rows this worker caches come to it when the slowest clock advances, so
         wait for that push instead of asking; rows not cached are pulled as usual, and so are
         rows dropped while we wait (a pushed row older than our acknowledged pushes is dropped:
@@ -144,7 +155,7 @@ class ProcessCache:
         deadline = time.monotonic() + min(self.worker.cluster.timeouts.request_s, _EAGER_WAIT_S)
         versions = self.rows.versions(keys, shard)
         self.counters["reads_awaiting_push"] += 1
-        while ((versions >= 0) & (versions < required)).any():
+        while (eager & (versions >= 0) & (versions < required)).any():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break  # the stale rows are pulled instead; the pull names the server if it is gone
@@ -187,4 +198,6 @@ class ProcessCache:
     def _take_pushed(self, msg: Message, body: bodies.Rows) -> None:
         keys, rows = msg.arrays
         self.keep(msg.sender, msg, keys.astype(np.int64, copy=False), rows, pushed=True)
-        self.rows.bump([int(s) for s in body.shards], msg.clock)
+        # Only the slices this worker reads under ESSP: only their cached rows are the server's subscribed ones.
+        eager = self.schemes.eager
+        self.rows.bump([int(s) for s in body.shards if 0 <= s < eager.shape[0] and eager[s]], msg.clock)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from shoal.api.consistency import Consistency
 from shoal.api.errors import (
     CheckpointError,
     ClusterError,
@@ -43,6 +44,7 @@ from shoal.client.process_cache import PendingWrite, ProcessCache
 from shoal.client.routed import RoutedAccess
 from shoal.cluster.requests import Future
 from shoal.consistency.cache import RowCache
+from shoal.consistency.schemes import SliceSchemes
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
 from shoal.storage.shard import ShardStore
@@ -63,8 +65,10 @@ class StaticAccess(RoutedAccess):
         row_bytes = self.spec.dim * self.dtype.itemsize + 8
         self._chunk = max(1, self.worker.cluster.limits.payload_bytes // (2 * row_bytes))
         self.bound = self.spec.consistency.bound
+        #: the model this worker reads each slice under (the table's, unless changed at run time)
+        self.schemes = SliceSchemes(self.spec.name, self.spec.consistency, layout.num_shards)
         #: the process cache of remote rows (bounded models only: ASP always asks)
-        self.cache = (ProcessCache(self.spec, layout.num_shards, self.worker, self.counters, self.staleness,
+        self.cache = (ProcessCache(self.spec, self.schemes, self.worker, self.counters, self.staleness,
                                    self._pending_writes) if self.bound is not None else None)
         #: push parts not acknowledged yet, by request: the cache adds them to rows that predate them
         self._unacked: dict[int, tuple[Call, Part]] = {}
@@ -103,6 +107,20 @@ class StaticAccess(RoutedAccess):
         call = self._numbered(self._call(Op.PUSH_PULL, keys, values, self._rows(keys.shape[0], out)))
         self._run(call, _WHOLE)
         return self._future(call)
+
+    def set_consistency(self, model: Consistency, slices: list[int] | None) -> None:
+        """Read ``slices`` (all: None) under ``model`` from now on. Requests in flight finish first: a
+        row they bring back was read under the old model, and a slice whose eager pushes start must
+        cache only rows its servers push (``ProcessCache.switched``)."""
+        self.schemes.check(model, slices, self.spec.locking)
+        self.worker.wait_all()
+        switched = self.schemes.set(model, slices, self.spec.locking)
+        if self.cache is not None and switched:
+            self.cache.switched({s: self.layout.mapping.keys_of(s) for s in switched})
+        self.counters["scheme_changes"] += 1
+
+    def consistency_of(self, shard: int) -> Consistency | None:
+        return self.schemes.models[shard]
 
     def _numbered(self, call: Call) -> Call:
         self.pushes_started += 1
@@ -207,6 +225,10 @@ class StaticAccess(RoutedAccess):
             assert call.values is not None
             arrays.append(call.values if whole else call.values[pos])
         msg = Message(op, table=self.spec.name, clock=call.clock, arrays=arrays)
+        if reads and not self.schemes.uniform:  # the reader's model for these slices, if not the table's
+            named = self.schemes.named(self.layout.mapping.locate(arrays[0])[0])
+            if named is not None:
+                msg.body["consistency"] = named
         count = arrays[0].shape[0]
         reply_bytes = count * self.spec.dim * self.dtype.itemsize if reads else 0
         worker = self.worker
@@ -367,7 +389,8 @@ class StaticAccess(RoutedAccess):
         writes, reads = op in WRITES, op in READS
         if reads:
             assert call.result is not None
-            slowest = self._local_bound()
+            slowest = self._local_bound(self.bound if self.schemes.uniform else
+                                        self.schemes.bound_for(next(iter(local)) if shard is None else shard))
             self.staleness.record(self.worker.clock - slowest, rows.shape[0])
             self.counters["rows_local"] += rows.shape[0]
         for store, sel in _by_local_shard(local, shard):
@@ -393,15 +416,16 @@ class StaticAccess(RoutedAccess):
                     self.refused(call, call.positions(p), Op.PULL)
         self.worker.check_local_server(f"a {op.name} of {rows.shape[0]} row(s) of {self.spec.name!r}")
 
-    def _local_bound(self) -> int:
-        """Wait until the local server's clocks allow a read at this worker's clock; the slowest clock."""
+    def _local_bound(self, bound: int | None) -> int:
+        """Wait until the local server's clocks allow a read at this worker's clock under ``bound``;
+        the slowest clock."""
         clocks = self.worker.local_clocks
         if clocks is None:
             return self.worker.clock
         slowest = int(clocks.min())
-        if self.bound is None:
+        if bound is None:
             return min(slowest, self.worker.clock)
-        required = self.worker.clock - self.bound
+        required = self.worker.clock - bound
         if slowest >= required:
             return min(slowest, self.worker.clock)
         self.counters["local_reads_waited"] += 1

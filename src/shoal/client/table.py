@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import TableSpec
-from shoal.api.errors import ShapeError, TableError
+from shoal.api.consistency import Consistency
+from shoal.api.errors import ConfigError, ShapeError, TableError
 from shoal.client.access import TableAccess
 from shoal.client.adaptive import AdaptiveAccess
 from shoal.client.context import WorkerContext
@@ -120,6 +121,30 @@ class Table:
             return self.access.pull(keys, out)
         return self.access.push_pull(keys, values, out)
 
+    # ------------------------------------------------------------ consistency
+
+    def set_consistency(self, model: Consistency, slices: Any = None) -> None:
+        """Read ``slices`` (slice numbers; all: None) under ``model`` (BSP, SSP or ESSP) from now on.
+
+        A static table read under a bounded model can hold its slices to different
+        models, and change them during training: hot slices under a tight bound,
+        cold ones under a loose one. The model is this worker's promise to itself:
+        its reads of those slices, from its cache, this node's shared memory or a
+        server, are held to it from this call on; call it on every worker at the
+        same point of training for the whole job to read a slice alike. Requests
+        in flight finish first.
+        """
+        self.access.set_consistency(model, slices)
+
+    def consistency_of(self, slice_number: int) -> Consistency:
+        """The model this worker reads slice ``slice_number`` under."""
+        if isinstance(slice_number, bool) or not isinstance(slice_number, (int, np.integer)) or \
+                not 0 <= slice_number < self.layout.num_shards:
+            raise ConfigError(f"slices of table {self.name!r} are 0..{self.layout.num_shards - 1}, "
+                              f"got {slice_number!r}")
+        chosen = self.access.consistency_of(int(slice_number))
+        return self.spec.consistency if chosen is None else chosen
+
     # ----------------------------------------------------- adaptive placement
 
     def localize(self, keys: Any) -> None:
@@ -183,3 +208,4 @@ class Table:
 
     def close(self) -> None:
         self.access.close()
+

@@ -58,6 +58,11 @@ class RowCache:
         """Forget ``keys``: the next read of them asks their server."""
         self.version[keys] = -1
 
+    def forget_slice(self, shard: int, keys: np.ndarray) -> None:
+        """Forget the rows of slice ``shard`` (its ``keys``) and what the slice's server vouched for."""
+        self.version[keys] = -1
+        self.shard_version[shard] = -1
+
     def bump(self, shards: list[int], version: int) -> None:
         for s in shards:
             self.shard_version[s] = max(self.shard_version[s], version)

@@ -2,7 +2,9 @@
 
 There is no central scheduler: every server learns worker clocks from the
 messages it receives and decides for its own shards, so a server whose clocks
-have advanced answers while another still waits.
+have advanced answers while another still waits. A pull is held to the table's
+model, or to the one its reader names for the slices it reads
+(``consistency.schemes``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from shoal.api.consistency import Consistency
+from shoal.api.consistency import Consistency, LazyPull
 from shoal.consistency.clocks import ClockTable
 
 T = TypeVar("T")
@@ -25,6 +27,7 @@ class HeldPull(Generic[T]):
     clock: int
     required: int | None  # slowest clock the bound needs; None: no bound
     pushes_at_hold: int
+    lazy: LazyPull | None = None
     since: float = 0.0
     lazy_deadline: float | None = None
 
@@ -53,20 +56,22 @@ class ShardController(Generic[T]):
     pushes: int = 0
     stats: ControllerStats = field(default_factory=ControllerStats)
 
-    def required(self, clock: int) -> int | None:
+    def required(self, clock: int, model: Consistency | None = None) -> int | None:
         """Slowest clock a read at ``clock`` needs: all iterations before ``clock - bound``."""
-        bound = self.model.bound
+        bound = (self.model if model is None else model).bound
         return None if bound is None else clock - bound
 
-    def admit(self, item: T, worker: int, clock: int) -> bool:
-        """True: answer now. False: the pull is held until ``release`` hands it back."""
-        required = self.required(clock)
+    def admit(self, item: T, worker: int, clock: int, model: Consistency | None = None) -> bool:
+        """True: answer now. False: the pull is held until ``release`` hands it back. ``model``: the
+        one its reader holds the rows it reads to, if not the table's."""
+        model = self.model if model is None else model
+        required = self.required(clock, model)
         slowest = self.clocks.slowest
         bound_met = required is None or slowest >= required
-        if bound_met and not self._lazy_applies(clock):
+        if bound_met and not self._lazy_applies(clock, model.lazy):
             self.stats.served_at_once += 1
             return True
-        pull = HeldPull(item, worker, clock, required, self.pushes, self.now())
+        pull = HeldPull(item, worker, clock, required, self.pushes, model.lazy, self.now())
         if bound_met:
             self._start_lazy_wait(pull)
             self.stats.held_lazily += 1
@@ -75,14 +80,18 @@ class ShardController(Generic[T]):
         self.held.append(pull)
         return False
 
-    def _lazy_applies(self, clock: int) -> bool:
+    def _lazy_applies(self, clock: int, lazy: LazyPull | None) -> bool:
         """Hold a reader that is ahead of the slowest worker: its rows are about to change."""
-        return self.model.lazy is not None and self.clocks.slowest < clock
+        return lazy is not None and self.clocks.slowest < clock
 
     def _start_lazy_wait(self, pull: HeldPull[T]) -> None:
-        assert self.model.lazy is not None
-        pull.lazy_deadline = self.now() + self.model.lazy.timeout_ms / 1000.0
+        assert pull.lazy is not None
+        pull.lazy_deadline = self.now() + pull.lazy.timeout_ms / 1000.0
         pull.pushes_at_hold = self.pushes
+
+    def holds_lazily(self) -> bool:
+        """Whether a held pull waits in the lazy pull buffer (a push may release it)."""
+        return any(p.lazy is not None for p in self.held)
 
     def on_push(self) -> None:
         self.pushes += 1
@@ -92,7 +101,6 @@ class ShardController(Generic[T]):
         if not self.held:
             return []
         slowest = self.clocks.slowest
-        lazy = self.model.lazy
         now = self.now()
         out: list[T] = []
         keep: list[HeldPull[T]] = []
@@ -100,6 +108,7 @@ class ShardController(Generic[T]):
             if pull.required is not None and slowest < pull.required:
                 keep.append(pull)
                 continue
+            lazy = pull.lazy
             if lazy is None or slowest >= pull.clock:
                 if lazy is not None:
                     self.stats.released_by_aggregation += 1

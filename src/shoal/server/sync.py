@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shoal.api.errors import RequestTimeoutError, ShoalError, SliceMovedError
+from shoal.api.consistency import Consistency, consistency_from_dict
+from shoal.api.errors import ConfigError, ProtocolError, RequestTimeoutError, ShoalError, SliceMovedError
 from shoal.consistency.clocks import FINISHED, ClockTable
 from shoal.server.streams import position_of, settled_of
 from shoal.server.tables import ServedTable, SliceMoving, moved_answer
@@ -158,12 +159,12 @@ class Synchroniser:
             raise SliceMovedError(f"a push of worker {msg.sender} to {table.spec.name!r} was refused here; its "
                                   "reads are too until it has sent that push again where its slices are")
         parts = table.split(keys)
-        if table.controller.admit((peer, msg), msg.sender, msg.clock):
+        if table.controller.admit((peer, msg), msg.sender, msg.clock, _model_of(table, msg)):
             return self._serve(table, msg, table.pull(keys, parts))
         return None
 
     def after_push(self, table: ServedTable) -> None:
-        if table.controller.held and table.spec.consistency.lazy is not None:
+        if table.controller.held and table.controller.holds_lazily():
             self._release(table)
 
     def tick(self) -> None:
@@ -196,8 +197,8 @@ class Synchroniser:
         return table.pull(as_keys(msg.arrays[0], table.spec))
 
     def _serve(self, table: ServedTable, msg: Message, values: np.ndarray) -> Message:
-        if 0 <= msg.sender < self.clocks.num_workers:  # only workers subscribe; ids are bounded
-            table.subscribe(msg.sender, msg.arrays[0])
+        if 0 <= msg.sender < self.clocks.num_workers and _model_of(table, msg).eager:
+            table.subscribe(msg.sender, msg.arrays[0])  # only workers subscribe; ids are bounded
         # The rows were read after this request (and its push, if it has one): they include it too.
         position = position_of(msg)
         seen = None if position is None else {"seen": max(self.seen(msg.sender), position.seq)}
@@ -245,3 +246,15 @@ class Synchroniser:
                                self.seen(update.worker))
             self.send(peer, body.to_message(table=table.spec.name, epoch=table.layout.epoch, clock=self.clocks.slowest,
                                             arrays=[update.keys, update.values]))
+
+
+def _model_of(table: ServedTable, msg: Message) -> Consistency:
+    """The model ``msg``'s reader holds the rows it reads to: the table's, unless it names another
+    for the slices it reads (``consistency.schemes``)."""
+    named = msg.body.get("consistency")
+    if named is None:
+        return table.spec.consistency
+    try:
+        return consistency_from_dict(named)
+    except ConfigError as exc:
+        raise ProtocolError(f"a read of {table.spec.name!r} names a model that is not one: {exc}") from None

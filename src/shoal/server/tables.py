@@ -132,9 +132,7 @@ class ServedTable:
         return out
 
     def subscribe(self, worker: int, keys: np.ndarray) -> None:
-        """Remember that ``worker`` now caches the rows of ``keys`` (ESSP only)."""
-        if not self.spec.consistency.eager:
-            return
+        """Remember that ``worker`` now caches the rows of ``keys``, read under ESSP."""
         for store, _, rows in self.split(keys):
             subs = self._subscribed[store.shard]
             mask = subs.get(worker)
@@ -150,8 +148,8 @@ class ServedTable:
         clock. One not reachable yet (a slice's subscriber this server has not
         heard from) is owed its changed rows until it is.
         """
-        if not self.spec.consistency.eager:
-            return []
+        if not any(self._subscribed.values()):
+            return []  # no reader of this table's slices here reads under ESSP
         per_worker: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         for shard, store in self.stores.items():
             if shard in self.moving:

@@ -48,8 +48,9 @@ class ShardLayout:
             shape = (num_rows, spec.dim) if st.per_value else (num_rows,)
             slots[st.name] = ArraySlot(offset, shape, dtype)
             offset = align(offset + int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        if spec.consistency.eager:
-            # Rows changed since the server last pushed them to subscribers (ESSP).
+        if spec.consistency.bound is not None:
+            # Rows changed since the server last pushed them to subscribers (ESSP: the table's model,
+            # or one its readers chose for some slices at run time).
             slots["dirty"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
         if spec.adaptive:

@@ -157,11 +157,13 @@ class CreateTable(Body):
 
 @dataclass(frozen=True)
 class Pull(Body):
-    """Static tables: the request's place in the worker's stream (``client.streams``); replicated
+    """Static tables: the request's place in the worker's stream (``client.streams``), and the
+    model the reader holds these rows to if not the table's (``consistency.schemes``); replicated
     tables: the replica's shard, and whether to answer with the per-origin totals too."""
 
     op = Op.PULL
     stream: list[int] | None = None
+    consistency: dict[str, Any] | None = None
     shard: int | None = None
     totals: bool | None = None
 
@@ -182,6 +184,7 @@ class Push(Body):
 class PushPull(Body):
     op = Op.PUSH_PULL
     stream: list[int] | None = None
+    consistency: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
