@@ -107,8 +107,8 @@ def test_reads_and_writes_route_around_a_dead_replica():
 def test_replicated_tables_check_their_settings():
     with pytest.raises(shoal.ConfigError, match="write_quorum > 1 needs an additive"):
         shoal.TableSpec("x", 10, 1, replicas=3, write_quorum=2, optimizer=shoal.optim.Adagrad())
-    with pytest.raises(shoal.ConfigError, match="read under ASP"):
-        shoal.TableSpec("x", 10, 1, replicas=3, consistency=shoal.SSP(1))
+    with pytest.raises(shoal.ConfigError, match="without a lazy pull buffer"):
+        shoal.TableSpec("x", 10, 1, replicas=3, consistency=shoal.ESSP(1))
     with pytest.raises(shoal.ConfigError, match="exceeds replicas"):
         shoal.TableSpec("x", 10, 1, replicas=2, write_quorum=3)
     with ThreadCluster(nodes=2, timeouts=QUICK) as c:

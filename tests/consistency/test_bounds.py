@@ -100,11 +100,12 @@ def test_asp_never_blocks_on_a_straggler():
     assert elapsed[WORKERS - 1] >= 1.2
 
 
-def test_ssp_makes_fast_workers_wait_for_the_straggler():
+@pytest.mark.parametrize("options", [{}, {"replicas": 2}], ids=["static", "replicated"])
+def test_ssp_makes_fast_workers_wait_for_the_straggler(options):
     elapsed: dict[int, float] = {}
 
     def body(w: Worker) -> None:
-        t = w.table("held", 30, 2, consistency=shoal.SSP(1))
+        t = w.table("held", 30, 2, consistency=shoal.SSP(1), **options)
         start = time.monotonic()
         for _ in range(6):
             t.pull(np.arange(30))

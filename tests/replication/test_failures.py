@@ -17,6 +17,7 @@ from tests.support.load import BusyCPUs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "scripts" / "replica_worker.py")
+BOUNDED = str(ROOT / "tests" / "scripts" / "bounded_replica_worker.py")
 TRAIN = str(ROOT / "examples" / "mf" / "train.py")
 
 
@@ -88,6 +89,22 @@ def test_with_write_quorum_1_a_dead_replica_costs_at_most_its_unsynchronised_pus
     # Pushes acknowledged by the dead replica and not yet gossiped are lost, never applied twice: with
     # 20 ms gossip that is a small fraction.
     assert (counts <= r["acked"]).all() and (r["acked"] - counts).max() <= 0.1 * r["acked"]
+
+
+@pytest.mark.parametrize("disturb", ["kill", "pause"])
+def test_bounded_reads_keep_their_bound_and_count_every_push_once_when_a_replica_fails(tmp_path, disturb):
+    """SSP(1) over 3 replicas with W=2 and R=1: one replica killed (or paused past its heartbeats)
+    0.4 s in. Every read of every worker stays within the bound, and once the bound has passed every
+    worker reads each counter as exactly the iterations its worker ran."""
+    iterations = 60
+    proc = launch([BOUNDED, str(tmp_path), str(iterations), "1"])
+    servers = wait_for(tmp_path / "servers.json")["pids"]
+    (kill_one_after(0.4) if disturb == "kill" else pause_one(0.4, 2.0))(servers)
+    finish(proc)
+    for rank in range(3):
+        result = wait_for(tmp_path / f"rank{rank}.json")
+        assert result["violations"] == []
+        assert result["final"] == [float(iterations)] * 3, result
 
 
 def pause_one(after: float, for_s: float):

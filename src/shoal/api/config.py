@@ -150,8 +150,9 @@ class TableSpec:
             raise ConfigError(f"gossip_ms must lie in [1, 60000], got {self.gossip_ms!r}")
         if not self.replicated:
             return
-        if not isinstance(self.consistency, ASP):
-            raise ConfigError("replicated tables are read under ASP (quorums, not clocks, bound their staleness)")
+        if self.consistency.eager or self.consistency.lazy is not None:
+            # Eager pushes and the lazy buffer refresh a worker's cache of rows; replicated reads are not cached.
+            raise ConfigError("replicated tables are read under ASP, BSP or SSP, without a lazy pull buffer")
         if self.write_quorum > 1 and not isinstance(self.optimizer, (Sum, SGD)):
             # With W > 1 a push's origin is the worker: every replica must compute the same delta.
             raise ConfigError("write_quorum > 1 needs an additive update rule (Sum or SGD)")

@@ -110,6 +110,11 @@ class TableAccess:
     def on_clock(self) -> None:
         """The worker is about to advance its clock."""
 
+    def pushes_numbered(self) -> list[int] | None:
+        """What a clock tick tells servers of this table: per shard, the pushes numbered so far, where
+        bounded reads need it (replicated tables), else None."""
+        return None
+
     def on_server_message(self, server: int, msg: Message) -> bool:
         """A message a server sent unasked (eager rows, a fence); False if this kind expects none."""
         return False

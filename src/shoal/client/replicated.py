@@ -4,7 +4,10 @@ A push goes to ``write_quorum`` live replicas of each shard it touches and
 completes when all of them acknowledge. A pull reads ``R`` live replicas of
 each shard, fixed or chosen by the probabilistic model (``shoal.Dynamic``),
 and merges their per-origin sums; it widens ``R`` until the merged version
-covers this worker's own last acknowledged push (read-your-writes). A replica
+covers this worker's own last acknowledged push (read-your-writes) and, under
+a bound, every push the bound requires (the replicas name it,
+``replication.bounds``), and reads again while gossip brings what the live
+replicas still lack. A replica
 that does not answer within ``Timeouts.replica_s`` is treated as down for a
 while and the request goes to another one, so training goes on through a
 server failure.
@@ -219,9 +222,15 @@ class ReplicatedAccess(TableAccess):
         rest = [n for n in live if n not in first]
         return first + self.rng.sample(rest, size - len(first))
 
+    def pushes_numbered(self) -> list[int] | None:
+        if self.spec.consistency.bound is None:
+            return None
+        return [shard.next_seq - 1 for shard in self.shards]
+
     def _finish_read(self, shard_id: int, keys: np.ndarray, chosen: list[int], replies: dict[int, Message],
                      start: float, issued: float) -> np.ndarray:
-        """Merge; replace replicas that did not answer, widen until our own last push is covered."""
+        """Merge; replace replicas that did not answer, widen until our own last push and what the
+        bound requires are covered, read again while gossip brings what the bound requires."""
         shard = self.shards[shard_id]
         deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
         self._forget_writes_of_dead(shard)
@@ -240,15 +249,28 @@ class ReplicatedAccess(TableAccess):
                 replies = self._read(shard_id, chosen, keys, totals=len(chosen) > 1)
                 continue
             value, version = self._merge(keys, replies)
-            if self._covers(version, shard.own):
+            required = _required(replies)
+            bound_met = self._covers(version, required)
+            if bound_met and self._covers(version, shard.own):
                 break
             others = [n for n in self.view.live(shard.nodes) if n not in chosen]
-            if not others:
+            if others:
+                self.counters["read_your_writes_widened" if bound_met else "bounded_reads_widened"] += 1
+                chosen = chosen + [others[0]]  # widen R until what this read must hold is covered
+            elif not bound_met:  # on its way by gossip (or pushes sent again): read again shortly
+                if time.monotonic() > deadline:
+                    lacking = {o: s for o, s in required.items() if version.get(o, 0) < s}
+                    raise RequestTimeoutError(
+                        f"read of shard {shard_id} of {self.spec.name!r} at clock {self.worker.clock}: the live "
+                        f"replicas {sorted(chosen)} still lack pushes its bound requires (origin: seq {lacking}) "
+                        f"after {self.worker.cluster.timeouts.request_s:.0f}s; a replica that alone held them "
+                        "died (write_quorum=1), or their worker stopped before sending them")
+                self.counters["bounded_reads_again"] += 1
+                time.sleep(min(self.spec.gossip_ms / 4000.0, 0.01))
+            else:
                 self.counters["read_your_writes_unmet"] += 1
                 break
-            self.counters["read_your_writes_widened"] += 1
-            chosen = chosen + [others[0]]  # widen R until our own last push is covered
-            replies = self._read(shard_id, chosen, keys, totals=True)
+            replies = self._read(shard_id, chosen, keys, totals=len(chosen) > 1)
         self.counters[f"reads_r{len(chosen)}"] += 1
         if self.record:
             self.reads.append((len(chosen), issued, time.monotonic() - start, version))
@@ -410,6 +432,15 @@ class ReplicatedAccess(TableAccess):
             self.view.mark_down(node)
             self.counters["replica_timeouts"] += 1
         return replies
+
+
+def _required(replies: dict[int, Message]) -> dict[int, int]:
+    """What the bound requires a read to cover, as the replicas answering it name it (the largest)."""
+    required: dict[int, int] = {}
+    for reply in replies.values():
+        for origin, seq in reply.body.get("need", ()):
+            required[int(origin)] = max(required.get(int(origin), 0), int(seq))
+    return required
 
 
 def _collect(replies: dict[Any, Message], key: Any):  # type: ignore[no-untyped-def]

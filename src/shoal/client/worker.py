@@ -368,15 +368,20 @@ class Worker:
         # Nobody waits for the acknowledgement, and a newer clock supersedes an unanswered older one
         # (so a server that died costs nothing here).
         # In this worker's stream to each server, so counted there only after the pushes it follows.
+        tick = bodies.Clock(self.rank, pushed=self._pushes_numbered())
         for n in self.live_servers():
             older = self._clock_requests.get(n)
             if older is not None:
                 self.tracker.forget(older)
             self._clock_requests[n] = self.send_ordered(
-                n, bodies.Clock(self.rank).to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}",
-                background=True)
+                n, tick.to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}", background=True)
         self.tracker.pump(0)
         return self.clock
+
+    def _pushes_numbered(self) -> dict[str, list[int]] | None:
+        """Per table whose bounded reads need it, the pushes numbered to each shard so far."""
+        numbered = {name: n for name, t in self.tables.items() if (n := t.access.pushes_numbered()) is not None}
+        return numbered or None
 
     def log(self, **values: float) -> None:
         """Record scalars (``loss=...``, ``rmse=...``) at this moment and clock, for the run report."""
@@ -501,8 +506,9 @@ class Worker:
             self.wait_all()
             # A worker that left must not hold back anyone's reads: this last clock is a request,
             # sent again until acknowledged (the earlier ones ride on every later message).
-            final = {self.send_ordered(n, bodies.Clock(self.rank, final=True).to_message(clock=self.clock),
-                                       f"final CLOCK to server {n}") for n in self.live_servers()}
+            last = bodies.Clock(self.rank, final=True, pushed=self._pushes_numbered())
+            final = {self.send_ordered(n, last.to_message(clock=self.clock), f"final CLOCK to server {n}")
+                     for n in self.live_servers()}
             try:  # a server that is gone must not keep this worker from leaving
                 self.tracker.wait(final, min(_FINAL_CLOCK_S, self.cluster.timeouts.connect_s))
             except RequestTimeoutError as exc:

@@ -2,6 +2,7 @@
 
 - ``clocks``: ``ClockTable``, the worker clocks one server has learned
 - ``controller``: ``ShardController``, when a pull may be answered (bounds, lazy pull buffer)
+- ``schemes``: ``SliceSchemes``, the model a reader holds each slice of a table to
 - ``cache``: ``RowCache``, a worker's process cache of remote rows with versions
 - ``staleness``: ``StalenessHistogram``
 """

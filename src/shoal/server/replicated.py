@@ -5,7 +5,10 @@ the server's loop: on each table's jittered schedule a replica sends its
 version vector to one random live peer replica of the shard, which answers with
 what the first lacks and its own vector, and so on (``replication.gossip``).
 Peers are found through the rendezvous' status: addresses, liveness from
-heartbeats, and a restarted peer's new address.
+heartbeats, and a restarted peer's new address. Under a bound (BSP, SSP) a
+replica holds a read until every worker's clock tick has said how many pushes
+it had made by then, and answers with the version the read must cover
+(``replication.bounds``); the reader merges replicas until it does.
 """
 
 from __future__ import annotations
@@ -21,12 +24,23 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import CheckpointError, ConfigError, KeyRangeError, ProtocolError, ShoalError, TableError
+from shoal.api.errors import (
+    CheckpointError,
+    ConfigError,
+    KeyRangeError,
+    ProtocolError,
+    RequestTimeoutError,
+    ShoalError,
+    TableError,
+)
 from shoal.api.ids import MAX_INCARNATIONS, MAX_RANKS, server_node, worker_origin
+from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
+from shoal.replication.bounds import PushCounts
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
 from shoal.replication.replica import ShardReplica
 from shoal.server.peers import PeerDirectory
+from shoal.server.streams import position_of
 from shoal.server.tables import table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.validate import as_keys, as_rows, drop_nonfinite
@@ -40,7 +54,7 @@ log = logging.getLogger(__name__)
 class ReplicatedTable:
     """This server's replicas of one replicated table."""
 
-    def __init__(self, spec: TableSpec, num_nodes: int, node: int, rng: random.Random) -> None:
+    def __init__(self, spec: TableSpec, num_nodes: int, node: int, rng: random.Random, clocks: ClockTable) -> None:
         if spec.replicas > num_nodes:
             raise ConfigError(f"table {spec.name!r} wants {spec.replicas} replicas on {num_nodes} server(s)")
         self.spec = spec
@@ -51,6 +65,12 @@ class ReplicatedTable:
             for shard in range(self.layout.num_shards) if node in self.layout.replica_nodes(shard)
         }
         self.schedule = GossipSchedule(spec.gossip_ms / 1000.0, rng)
+        bound = spec.consistency.bound
+        #: under a bound: the workers' push counts at each clock, and the reads waiting for them
+        # Before the table was made no worker pushed to it: the clocks known now start its counts.
+        self.counts = None if bound is None else PushCounts(clocks.num_workers, self.layout.num_shards, bound,
+                                                            [int(c) for c in clocks.learned])
+        self.held: list[tuple[float, bytes, Message]] = []
 
     def replica(self, shard: int) -> ShardReplica:
         replica = self.replicas.get(shard)
@@ -75,9 +95,11 @@ class ReplicationService:
     """Replicated tables of one server, and the gossip between replicas."""
 
     def __init__(self, node: int, cluster: ClusterSpec, peers: PeerDirectory,
-                 reply: Callable[[bytes, Message], None], rng: random.Random | None = None,
+                 reply: Callable[[bytes, Message], None], clocks: ClockTable, rng: random.Random | None = None,
                  now: Callable[[], float] = time.monotonic) -> None:
         self.node = node
+        #: the worker clocks this server has learned (a bounded table's counts start from them)
+        self.clocks = clocks
         self.cluster = cluster
         self.reply = reply
         self.rng = rng or random.Random()
@@ -122,7 +144,7 @@ class ReplicationService:
     served_by_joined_servers = False  # replicas sit on the nodes the table was made on
 
     def build(self, spec: TableSpec, current: dict[str, Any] | None = None) -> ReplicatedTable:
-        return ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.rng)
+        return ReplicatedTable(spec, self.cluster.num_nodes, self.node, self.rng, self.clocks)
 
     def install(self, spec: TableSpec, built: ReplicatedTable) -> None:
         self.tables[spec.name] = built
@@ -159,11 +181,19 @@ class ReplicationService:
         if msg.op == Op.PULL:
             pull = bodies.Pull.of(msg)
             replica, _, rows = table.rows_of(msg, pull.shard)
+            need: dict[str, Any] = {}
+            if table.counts is not None:
+                required = table.counts.required(replica.shard, msg.clock - table.counts.bound)
+                if required is None:  # a worker has not said yet what it pushed before that clock
+                    table.held.append((self.now(), peer, msg))
+                    self.stats["bounded_reads_held"] += 1
+                    return None
+                need["need"] = sorted([o, s] for o, s in required.items())
             if pull.totals:
                 origins, seqs, totals = replica.totals(rows)
-                return msg.reply(Op.TOTALS, arrays=[origins, seqs, totals])
+                return msg.reply(Op.TOTALS, need or None, arrays=[origins, seqs, totals])
             version = [[o, s] for o, s in sorted(replica.version().items())]
-            return msg.reply(Op.VALUES, {"vv": version}, arrays=[replica.read(rows)])
+            return msg.reply(Op.VALUES, {"vv": version, **need}, arrays=[replica.read(rows)])
         if msg.op == Op.GOSSIP:
             self._gossip_in(table, msg)
             return None
@@ -173,6 +203,54 @@ class ReplicationService:
             return msg.reply(Op.OK, {"shard": replica.shard, "node": self.node, "delays": delays,
                                      "rate": replica.accept_rate(), "vv": sorted(replica.version().items())})
         raise ProtocolError(f"replicated table {msg.table!r} does not serve {msg.op.name}")
+
+    def on_clock(self, msg: Message) -> None:
+        """A worker's clock tick: learn its push counts per shard of each bounded table, and answer the
+        reads that were waiting for them."""
+        bounded = [(name, table) for name, table in self.tables.items() if table.counts is not None]
+        if not bounded:
+            return
+        body = bodies.Clock.of(msg)
+        position = position_of(msg)
+        if position is None:
+            raise ProtocolError("a clock tick carries its place in its worker's stream")
+        pushed = body.pushed or {}
+        for name, table in bounded:
+            assert table.counts is not None
+            counts = pushed.get(name)
+            if counts is not None and not (isinstance(counts, list) and all(
+                    isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)):
+                raise ProtocolError(f"push counts of {name!r} must be ints >= 0, one per shard, got {counts!r}")
+            if body.final:
+                advanced = table.counts.finish(msg.sender, position.incarnation, counts)
+            else:
+                advanced = table.counts.report(msg.sender, position.incarnation, msg.clock, counts)
+            if advanced and table.held:
+                self._release(table)
+
+    def _release(self, table: ReplicatedTable) -> None:
+        held, table.held = table.held, []
+        for _, peer, msg in held:
+            try:
+                reply = self.handle(peer, msg)  # held again if still too early
+            except ShoalError as exc:
+                reply = bodies.Error.about(exc).reply_to(msg)
+            if reply is not None:
+                self.reply(peer, reply)
+
+    def _expire_held(self, table: ReplicatedTable) -> None:
+        """Reads held so long that their requester has given up: answered with an error."""
+        cutoff = self.now() - self.cluster.timeouts.request_s
+        expired = [h for h in table.held if h[0] < cutoff]
+        if not expired:
+            return
+        table.held = [h for h in table.held if h[0] >= cutoff]
+        assert table.counts is not None
+        for _, peer, msg in expired:
+            error = RequestTimeoutError(f"read of {table.spec.name!r} at clock {msg.clock} held "
+                                        f"{self.cluster.timeouts.request_s:.0f}s: not every worker reached clock "
+                                        f"{msg.clock - table.counts.bound} (the slowest is at {table.counts.slowest})")
+            self.reply(peer, bodies.Error.about(error).reply_to(msg))
 
     def _push(self, table: ReplicatedTable, peer: bytes, msg: Message, body: bodies.Push) -> Message | None:
         replica, keys, rows = table.rows_of(msg, body.shard)
@@ -215,6 +293,8 @@ class ReplicationService:
         """Start the gossip rounds that are due; give up pushes that only a dead replica had."""
         live = {n for n in range(self.cluster.num_nodes) if self.alive[n]}
         for table in self.tables.values():
+            if table.held:
+                self._expire_held(table)
             due = table.schedule.due()
             for shard, replica in table.replicas.items():
                 if replica.waiting():

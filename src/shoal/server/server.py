@@ -123,7 +123,8 @@ class ParameterServer:
         #: the other servers: one tracker and address book for gossip, placement and slice moves
         self.peers = PeerDirectory(node, transport, self.codec, cluster.timeouts.resend_s, now)
         self.replication = ReplicationService(node, cluster, self.peers,
-                                              lambda peer, msg: self._send(peer, msg, self.codec), now=now)
+                                              lambda peer, msg: self._send(peer, msg, self.codec), self.clocks,
+                                              now=now)
         self.adaptive = AdaptiveService(node, cluster, self.peers,
                                         lambda peer, msg: self._send(peer, msg, self.codec), self.clocks, now)
         self.static = StaticService(node, cluster.num_nodes, cluster.cluster_id, self.tables, self.clocks, self.sync)
@@ -438,6 +439,7 @@ class ParameterServer:
                 raise ClusterError(self.lost[msg.table])
             return self._service(msg.table).handle(peer, msg)
         if op == Op.CLOCK:
+            self.replication.on_clock(msg)
             return msg.reply(Op.OK)
         if op == Op.CONFIRM:
             self.sync.confirm(msg.sender, msg.table, bodies.Confirm.of(msg).epoch)

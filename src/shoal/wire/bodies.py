@@ -189,12 +189,14 @@ class PushPull(Body):
 
 @dataclass(frozen=True)
 class Clock(Body):
-    """Worker ``rank`` reached the message's clock; ``final`` when it leaves."""
+    """Worker ``rank`` reached the message's clock; ``final`` when it leaves. ``pushed``: per replicated
+    table read under a bound, how many pushes it has numbered to each shard (``replication.bounds``)."""
 
     op = Op.CLOCK
     rank: int
     final: bool | None = None
     stream: list[int] | None = None
+    pushed: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

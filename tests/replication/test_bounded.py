@@ -1,0 +1,118 @@
+"""BSP and SSP over the multi-master replicated store.
+
+Each worker owns a counter and adds 1 to it every iteration, through a write
+quorum of 1: its pushes land on one replica and reach the others by gossip. A
+read at clock ``c`` under bound ``s``, from any read quorum, must see at least
+``c - s`` in every counter: counting, not agreement between replicas.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import shoal
+from shoal.api.ids import worker_origin
+from shoal.client.worker import Worker
+from shoal.consistency.clocks import FINISHED
+from shoal.replication.bounds import PushCounts
+from tests.support.cluster import ThreadCluster
+
+WORKERS = 3
+
+# ----------------------------------------------------------------- pure
+
+
+def test_a_read_must_cover_every_push_each_worker_made_before_its_clock_minus_the_bound():
+    counts = PushCounts(num_workers=2, num_shards=2, bound=1)
+    assert counts.required(0, 0) == {} and counts.required(0, 1) is None
+    assert not counts.report(0, 7, 1, [3, 0])
+    assert counts.report(1, 9, 1, [2, 5])  # every worker has reported clock 1
+    assert counts.required(0, 1) == {worker_origin(0, 7): 3, worker_origin(1, 9): 2}
+    assert counts.required(1, 1) == {worker_origin(1, 9): 5}  # worker 0 pushed nothing to shard 1
+    assert counts.required(0, 2) is None  # worker 1 has not reached clock 2
+    counts.report(0, 7, 3, [6, 1])  # clock 2's tick was overtaken: clock 3's counts stand in for it
+    counts.report(1, 9, 2, None)  # no push to the table since its last tick
+    assert counts.required(0, 2) == {worker_origin(0, 7): 6, worker_origin(1, 9): 2}
+
+
+def test_a_worker_that_left_holds_nobody_back_and_a_restarted_one_is_a_new_origin():
+    counts = PushCounts(num_workers=2, num_shards=1, bound=0, start=[4, 4])  # made at clock 4: nothing pushed
+    assert counts.required(0, 4) == {}
+    counts.report(0, 1, 5, [2])
+    assert counts.finish(1, 1, [1])
+    assert counts.slowest == 5 and counts.required(0, 5) == {worker_origin(0, 1): 2, worker_origin(1, 1): 1}
+    counts.report(0, 2, 6, [1])  # rank 0 started again: its pushes count under a new origin
+    assert counts.required(0, 6) == {worker_origin(0, 2): 1, worker_origin(1, 1): 1}
+    assert counts.slowest == 6 and counts.finish(0, 2, None) and counts.slowest == FINISHED
+
+
+def test_ticks_too_old_to_matter_are_dropped_and_malformed_ones_ignored():
+    counts = PushCounts(num_workers=1, num_shards=1, bound=2)
+    for clock in range(1, 50):
+        counts.report(0, 1, clock, [clock])
+    assert counts.required(0, 47) == {worker_origin(0, 1): 47}
+    assert len(counts._workers[0].clocks) <= 3
+    assert not counts.report(0, 1, 60, [1, 2])  # not one count per shard
+    assert not counts.report(5, 1, 60, [1])  # no such worker
+    assert counts.slowest == 49
+
+
+# --------------------------------------------------------- on a cluster
+
+
+def _counting(model, read_quorum: int = 1, iterations: int = 10, straggle_s: float = 0.02,
+              gossip_ms: float = 40.0) -> list[dict]:
+    def body(w: Worker) -> dict:
+        counters = w.table("counters", WORKERS, 1, consistency=model, replicas=3, read_quorum=read_quorum,
+                           gossip_ms=gossip_ms)
+        violations = []
+        pending = []
+        for _ in range(iterations):
+            clock = w.clock
+            seen = counters.pull(np.arange(WORKERS))[:, 0]
+            need = clock - model.bound
+            if (seen < need).any():
+                violations.append((clock, seen.tolist()))
+            pending.append(counters.push_async([w.rank], [[1.0]]))  # in flight across the tick
+            if w.rank == WORKERS - 1:
+                time.sleep(straggle_s)
+            w.advance_clock()
+        for future in pending:
+            future.wait()
+        w.barrier()
+        for _ in range(model.bound + 1):
+            w.advance_clock()
+        final = counters.pull(np.arange(WORKERS))[:, 0]  # the bound now covers every push: all of them, once
+        return {"violations": violations, "final": final.tolist(), "counters": dict(counters.counters)}
+
+    with ThreadCluster(nodes=WORKERS) as cluster:
+        return cluster.run_workers(body)
+
+
+@pytest.mark.parametrize("model", [shoal.BSP(), shoal.SSP(1), shoal.SSP(3)], ids=["BSP", "SSP1", "SSP3"])
+@pytest.mark.parametrize("read_quorum", [1, 2])
+def test_no_read_of_a_replicated_table_violates_its_bound(model, read_quorum):
+    results = _counting(model, read_quorum)
+    for result in results:
+        assert result["violations"] == []
+        assert result["final"] == [10.0, 10.0, 10.0]
+
+
+def test_a_bounded_read_waits_for_gossip_where_its_replicas_lack_updates():
+    """With gossip every 300 ms, a replica rarely holds the other workers' latest pushes when a BSP
+    read comes: the read asks more replicas, or asks again, until the merge covers them."""
+    results = _counting(shoal.BSP(), read_quorum=1, iterations=6, gossip_ms=300.0)
+    for result in results:
+        assert result["violations"] == [] and result["final"] == [6.0, 6.0, 6.0]
+    widened = sum(r["counters"].get("bounded_reads_widened", 0) + r["counters"].get("bounded_reads_again", 0)
+                  for r in results)
+    assert widened > 0
+
+
+def test_replicated_tables_take_no_eager_pushes_or_lazy_buffer():
+    for model in (shoal.ESSP(1), shoal.SSP(1, lazy=shoal.LazyPull())):
+        with pytest.raises(shoal.ConfigError, match="ASP, BSP or SSP, without a lazy pull buffer"):
+            shoal.TableSpec("t", 8, 1, replicas=2, consistency=model)
