@@ -28,6 +28,13 @@ fault-injecting transport; over several seeds. It writes
 trains MF with each worker's own users (so every worker re-reads the item
 rows) and a random pause per batch, under SSP and ESSP, and reports RMSE per
 epoch and per second over seeds: ``results/consistency_reread.{json,md,png}``.
+
+    python benchmarks/bench_consistency.py --only per-slice [--seeds 3]
+
+trains the same MF with the item table cut into slices by popularity, under one
+bound for every slice, a tight bound for the hot slice and a loose one for the
+rest (and the reverse), and a bound loosened during training:
+``results/consistency_per_slice.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -82,9 +89,13 @@ def run(data: str, config: list[str], workload: list[str] | None = None) -> dict
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     counts: dict[int, int] = {}
     requests = clocks = cache_hits = eager = 0
+    per_table: dict[str, dict[str, int]] = {}
     for r in ranks:
         clocks += r["clock"]
-        for t in r["tables"].values():
+        for name, t in r["tables"].items():
+            summed = per_table.setdefault(name, {})
+            for k, v in t["counters"].items():
+                summed[k] = summed.get(k, 0) + v
             for s, c in t["staleness"]["counts"].items():
                 counts[int(s)] = counts.get(int(s), 0) + c
             requests += t["counters"].get("requests", 0)
@@ -101,7 +112,8 @@ def run(data: str, config: list[str], workload: list[str] | None = None) -> dict
     return {"rmse": result["rmse"], "seconds": result["seconds"], "staleness_counts": counts,
             "staleness_mean": mean, "staleness_std": std, "staleness_max": max(counts),
             "requests_per_clock": requests / clocks, "eager_messages_per_clock": eager / clocks,
-            "rows_from_cache": cache_hits, "controller": held, "ratings_per_s": result["ratings_per_s"]}
+            "rows_from_cache": cache_hits, "controller": held, "ratings_per_s": result["ratings_per_s"],
+            "clocks": clocks, "table_counters": per_table}
 
 
 def time_to(target: float, rmse: list[float], seconds: list[float]) -> float | None:
@@ -364,7 +376,8 @@ def reread_main(seeds: int) -> None:
     plot_reread(runs)
 
 
-def plot_reread(runs: dict[str, list[dict[str, Any]]]) -> None:
+def plot_reread(runs: dict[str, list[dict[str, Any]]], file_name: str = "consistency_reread",
+                title: str = "MF, users by worker, random pauses: every seed") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -383,15 +396,82 @@ def plot_reread(runs: dict[str, list[dict[str, Any]]]) -> None:
     for ax in axes:
         ax.set_ylabel("test RMSE")
         ax.legend(fontsize=8)
-    fig.suptitle("MF, users by worker, random pauses: every seed", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(RESULTS / "consistency_reread.png", dpi=110)
+    fig.savefig(RESULTS / f"{file_name}.png", dpi=110)
+
+
+# ------------------------------------------------------------------ per-slice models
+
+TIGHT, LOOSE = 0, 6
+SLICED = ["--consistency", "ssp", "--item-slices", "8"]
+PER_SLICE: dict[str, list[str]] = {
+    f"all SSP({TIGHT})": [*SLICED, "--staleness", str(TIGHT)],
+    f"all SSP({LOOSE})": [*SLICED, "--staleness", str(LOOSE)],
+    f"hot SSP({TIGHT}), cold SSP({LOOSE})": [*SLICED, "--staleness", str(LOOSE), "--hot-slices", "1",
+                                             "--hot-staleness", str(TIGHT)],
+    f"hot SSP({LOOSE}), cold SSP({TIGHT})": [*SLICED, "--staleness", str(TIGHT), "--hot-slices", "1",
+                                             "--hot-staleness", str(LOOSE)],
+    f"all SSP({TIGHT}), SSP({LOOSE}) from epoch 4": [*SLICED, "--staleness", str(LOOSE), "--hot-slices", "8",
+                                                     "--hot-staleness", str(TIGHT), "--uniform-after", "4"],
+}
+
+
+def per_slice_main(seeds: int) -> None:
+    """MF with the item table cut into 8 slices by popularity (slice 0: the most-rated items, half of
+    the ratings), users by worker and random pauses, under one bound for all slices, a tight bound
+    for the hot slice only (and the reverse, as a control), and a bound loosened during training."""
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in PER_SLICE}
+    workload = ["--users-by-worker", "--delay-ms", str(REREAD_DELAY_MS)]
+    for seed in range(seeds):
+        for name, config in PER_SLICE.items():
+            res = run("ml-100k", config, [*workload, "--seed", str(seed)])
+            runs[name].append(res)
+            print(f"seed {seed} {name:34s} RMSE {' '.join(f'{r:.3f}' for r in res['rmse'])} in "
+                  f"{res['seconds'][-1]:.1f}s", flush=True)
+    target = DATASETS["ml-100k"]["target"]
+
+    def spread(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+    def items(r: dict[str, Any], counter: str) -> float:
+        return r["table_counters"]["mf.items"].get(counter, 0) / r["clocks"]
+
+    lines = [f"MF rank 64 on MovieLens 100k, items numbered by popularity in 8 slices (slice 0 the most-rated), 4 "
+             f"workers on 2 nodes, each training its own users' ratings, every worker pausing a random time per "
+             f"batch (exponential, mean {REREAD_DELAY_MS} ms); free-running; {seeds} seed(s). Item rows per clock "
+             "are per worker. Median [min-max] over seeds.", "",
+             f"| item slices read under | RMSE after epoch 1 | epoch 3 | epoch 10 | time to RMSE {target} s | "
+             "total s | item rows pulled / clock | item rows from cache / clock | item requests / clock |",
+             "|---|---|---|---|---|---|---:|---:|---:|"]
+    summary: dict[str, Any] = {}
+    for name, rounds in runs.items():
+        ttt = [t for r in rounds if (t := time_to(target, r["rmse"], r["seconds"])) is not None]
+        summary[name] = {"rmse_per_epoch": [r["rmse"] for r in rounds], "seconds": [r["seconds"] for r in rounds],
+                         "time_to_target_s": ttt,
+                         "item_rows_pulled_per_clock": [items(r, "rows_pulled") for r in rounds],
+                         "item_rows_from_cache_per_clock": [items(r, "rows_from_cache") for r in rounds],
+                         "item_requests_per_clock": [items(r, "requests") for r in rounds],
+                         "controller": [r["controller"] for r in rounds]}
+        epochs = [spread([r["rmse"][e] for r in rounds], 4) for e in (0, 2, -1)]
+        row = summary[name]
+        lines.append(f"| {name} | {' | '.join(epochs)} | "
+                     f"{spread(ttt, 2) if len(ttt) == len(rounds) else 'not always'} | "
+                     f"{spread([r['seconds'][-1] for r in rounds], 1)} | "
+                     f"{statistics.median(row['item_rows_pulled_per_clock']):.0f} | "
+                     f"{statistics.median(row['item_rows_from_cache_per_clock']):.0f} | "
+                     f"{statistics.median(row['item_requests_per_clock']):.2f} |")
+    table_md = "\n".join(lines)
+    print("\n" + table_md)
+    write_results("consistency_per_slice", {"delay_ms": REREAD_DELAY_MS, "seeds": seeds, "tight": TIGHT,
+                                            "loose": LOOSE, "results": summary}, table_md)
+    plot_reread(runs, "consistency_per_slice", "MF, item slices by popularity, per-slice bounds: every seed")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--only", choices=("mf", "data-age", "reread"), help="one part (default: all)")
+    p.add_argument("--only", choices=("mf", "data-age", "reread", "per-slice"), help="one part (default: all)")
     p.add_argument("--seeds", type=int, default=3, help="data age and re-read: seeds per configuration")
     p.add_argument("--iterations", type=int, default=300, help="data age: iterations per worker")
     args = p.parse_args()
@@ -399,6 +479,8 @@ def main() -> None:
         data_age_main(args.seeds, args.iterations)
     if args.only in (None, "reread"):
         reread_main(args.seeds)
+    if args.only in (None, "per-slice"):
+        per_slice_main(args.seeds)
     if args.only in (None, "mf"):
         mf_main(args.rounds)
 

@@ -75,6 +75,19 @@ def synthetic_zipf(num_users: int = 20_000, num_items: int = 5_000, num_ratings:
     return MovieLens(ratings.take(np.arange(cut)), ratings.take(np.arange(cut, num_ratings)), num_users, num_items)
 
 
+def by_popularity(data: MovieLens) -> MovieLens:
+    """The same ratings with items numbered by how often they are rated in training (item 0 most):
+    a range of item ids is then a range of popularity, and so is a slice of the item table."""
+    counts = np.bincount(data.train.items, minlength=data.num_items)
+    new_id = np.empty(data.num_items, dtype=np.int64)
+    new_id[np.argsort(-counts, kind="stable")] = np.arange(data.num_items)
+
+    def renumbered(r: Ratings) -> Ratings:
+        return Ratings(r.users, new_id[r.items], r.values)
+
+    return MovieLens(renumbered(data.train), renumbered(data.test), data.num_users, data.num_items)
+
+
 def load(name: str) -> MovieLens:
     """``ml-100k`` (MovieLens 100k) or ``zipf`` (the synthetic matrix)."""
     if name == "ml-100k":

@@ -18,6 +18,13 @@ trains the ratings of its own users (user ``u`` belongs to rank
 ``u % num_workers``), and declares intents as long as the use: its users for
 the whole run, the items it rates for each epoch. Its users move to its node
 once and stay; an item every worker rates is replicated on their nodes.
+
+``--item-slices K`` numbers items by popularity and cuts the item table into
+``K`` slices (slice 0 the most-rated items); ``--hot-slices H --hot-staleness S``
+then reads the ``H`` hottest slices under bound ``S`` while the others
+keep ``--staleness``: a tight bound where rows change every clock, a loose one
+where they rarely do. ``--uniform-after E`` sets every slice back to
+``--staleness`` from epoch ``E`` on, during training.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import os
 import time
 
 import numpy as np
-from data import load
+from data import by_popularity, load
 from model import Hyper, gradients, rmse
 from progress import Progress
 
@@ -55,6 +62,12 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
     p.add_argument("--consistency", default="asp", choices=sorted(MODELS))
     p.add_argument("--staleness", type=int, default=1, help="bound s of SSP/ESSP")
     p.add_argument("--lazy-ms", type=float, default=0.0, help="lazy pull buffer timeout (0: off)")
+    p.add_argument("--item-slices", type=int, default=0, help="slices of the item table (0: one per server)")
+    p.add_argument("--hot-slices", type=int, default=0, help="how many of the most-rated item slices read under "
+                   "--hot-staleness (items numbered by popularity)")
+    p.add_argument("--hot-staleness", type=int, default=0, help="bound of the hot item slices")
+    p.add_argument("--uniform-after", type=int, default=0,
+                   help="from this epoch on (1-based), every item slice under --staleness again (0: never)")
     p.add_argument("--straggle-ms", type=float, default=0.0, help="the last rank sleeps this long per batch")
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="every rank sleeps a random time per batch (exponential, this mean)")
@@ -78,6 +91,8 @@ def main() -> None:
     hyper, args = parse()
     ps = shoal.init()
     data = load(args.data)
+    if args.item_slices:
+        data = by_popularity(data)
     lazy = shoal.LazyPull(timeout_ms=args.lazy_ms) if args.lazy_ms > 0 else None
     optimizer = shoal.optim.SGD(lr=hyper.lr) if args.optimizer == "sgd" else shoal.optim.Adagrad(lr=hyper.lr)
     options = dict(init=shoal.Normal(std=hyper.init_std), optimizer=optimizer,
@@ -89,7 +104,10 @@ def main() -> None:
     if adaptive:
         options["techniques"] = args.mode
     users = ps.table("mf.users", data.num_users, hyper.rank + 1, **options)
-    items = ps.table("mf.items", data.num_items, hyper.rank + 1, **options)
+    items = ps.table("mf.items", data.num_items, hyper.rank + 1, **options,
+                     **({"slices": args.item_slices} if args.item_slices else {}))
+    if args.hot_slices:  # every worker, at the same point: the whole job reads those slices alike
+        items.set_consistency(MODELS[args.consistency](args.hot_staleness, lazy), list(range(args.hot_slices)))
     if args.info and ps.rank == 0:
         with open(args.info, "w") as fh:
             json.dump({"server_pids": [s["pid"] for s in ps.server_stats()]}, fh)
@@ -137,6 +155,8 @@ def main() -> None:
     delays = np.random.default_rng(args.seed * 1009 + ps.rank)
     step = 0
     for epoch in range(hyper.epochs):
+        if args.hot_slices and epoch + 1 == args.uniform_after:
+            items.set_consistency(MODELS[args.consistency](args.staleness, lazy))
         epoch_start = time.perf_counter()
         squared_error = 0.0
         for _ in range(batches_per_epoch):
