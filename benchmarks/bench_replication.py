@@ -38,17 +38,24 @@ KS = (0, 1, 2, 3, 4)
 QUORUMS = ("R=1", "R=2", "R=3", "dynamic")
 
 
-def missing_counts(reads: list[tuple[int, float, float, dict[int, int]]],
-                   acks: list[tuple[int, int, float]]) -> np.ndarray:
-    by_origin: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for origin in {a[0] for a in acks}:
-        mine = sorted((s, t) for o, s, t in acks if o == origin)
-        by_origin[origin] = (np.array([s for s, _ in mine]), np.array([t for _, t in mine]))
+def missing_counts(reads: list[tuple[int, int, float, float, dict[int, int]]],
+                   acks: list[tuple[int, int, int, float]]) -> np.ndarray:
+    """Per read: the pushes to its shard acknowledged before it was issued that its merged version
+    does not cover (a push acknowledged by several replicas counts once, at its first acceptance)."""
+    first: dict[tuple[int, int, int], float] = {}
+    for shard, origin, seq, at in acks:
+        key = (int(shard), int(origin), int(seq))
+        first[key] = min(at, first.get(key, at))
+    by_origin: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for shard, origin in {(s, o) for s, o, _ in first}:
+        mine = sorted((q, t) for (s, o, q), t in first.items() if s == shard and o == origin)
+        by_origin[(shard, origin)] = (np.array([q for q, _ in mine]), np.array([t for _, t in mine]))
     out = []
-    for _, issued, _, version in reads:
+    for shard, _, issued, _, version in reads:
         miss = 0
-        for origin, (seqs, times) in by_origin.items():
-            miss += int(np.count_nonzero((times < issued) & (seqs > version.get(origin, 0))))
+        for (s, origin), (seqs, times) in by_origin.items():
+            if s == shard:
+                miss += int(np.count_nonzero((times < issued) & (seqs > version.get(origin, 0))))
         out.append(miss)
     return np.array(out)
 
@@ -108,12 +115,12 @@ def worker(out_dir: str) -> None:
             rows = {}
             for phase, reads in phases.items():
                 missing = missing_counts(reads, acks)
-                latency = np.array([r[2] for r in reads]) * 1000
+                latency = np.array([r[3] for r in reads]) * 1000
                 row = {"reads": len(reads), "mean_missing": float(missing.mean()),
                        "measured": {str(k): float(np.mean(missing <= k)) for k in KS},
                        "latency_p50_ms": float(np.percentile(latency, 50)),
                        "latency_p99_ms": float(np.percentile(latency, 99)),
-                       "quorum_sizes": {str(s): int(c) for s, c in zip(*np.unique([r[0] for r in reads],
+                       "quorum_sizes": {str(s): int(c) for s, c in zip(*np.unique([r[1] for r in reads],
                                                                                 return_counts=True), strict=True)}}
                 if phase != "dynamic":
                     row["predicted"] = predicted[int(phase[2])]

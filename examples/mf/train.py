@@ -25,6 +25,11 @@ then reads the ``H`` hottest slices under bound ``S`` while the others
 keep ``--staleness``: a tight bound where rows change every clock, a loose one
 where they rarely do. ``--uniform-after E`` sets every slice back to
 ``--staleness`` from epoch ``E`` on, during training.
+
+``--replicas N`` replicates both tables (``--write-quorum``, ``--read-quorum``
+an int or ``dynamic`` with ``--dynamic P,K,LATENCY_MS``); ``--gossip-at E:MS``
+changes the gossip period from epoch ``E`` on, and ``--record DIR`` writes what
+``benchmarks/bench_dynamic_quorum.py`` checks the model against.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import numpy as np
 from data import by_popularity, load
 from model import Hyper, gradients, rmse
 from progress import Progress
+from replicas import dynamic, gossip_schedule, record, write_records
 
 import shoal
 
@@ -78,7 +84,13 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
     p.add_argument("--replicas", type=int, default=1, help="replicas of every shard (>1: replicated store)")
     p.add_argument("--write-quorum", type=int, default=1)
     p.add_argument("--read-quorum", default="1", help="an int, or 'dynamic'")
+    p.add_argument("--dynamic", default="0.95,0,50", help="dynamic read quorum: P,K,LATENCY_MS (P(missing <= K) "
+                   ">= P within LATENCY_MS)")
     p.add_argument("--gossip-ms", type=float, default=50.0)
+    p.add_argument("--gossip-at", action="append", default=[], metavar="EPOCH:MS",
+                   help="from this epoch on (1-based), gossip every MS (rank 0 sets it; repeatable)")
+    p.add_argument("--record", help="replicated tables: every rank writes its reads, acknowledged pushes and "
+                   "read-quorum choices here, and rank 0 the measurements the model is fitted from")
     p.add_argument("--info", help="rank 0 writes the servers' pids here once the tables exist")
     p.add_argument("--out", help="rank 0 writes results as JSON here")
     p.add_argument("--stats-dir", help="every rank writes its staleness and counters here")
@@ -99,7 +111,7 @@ def main() -> None:
                    mapping=args.mapping, consistency=MODELS[args.consistency](args.staleness, lazy))
     if args.replicas > 1:
         options.update(replicas=args.replicas, write_quorum=args.write_quorum, gossip_ms=args.gossip_ms,
-                       read_quorum=shoal.Dynamic() if args.read_quorum == "dynamic" else int(args.read_quorum))
+                       read_quorum=dynamic(args.dynamic) if args.read_quorum == "dynamic" else int(args.read_quorum))
     adaptive = args.mode != "static"
     if adaptive:
         options["techniques"] = args.mode
@@ -108,6 +120,9 @@ def main() -> None:
                      **({"slices": args.item_slices} if args.item_slices else {}))
     if args.hot_slices:  # every worker, at the same point: the whole job reads those slices alike
         items.set_consistency(MODELS[args.consistency](args.hot_staleness, lazy), list(range(args.hot_slices)))
+    if args.record:
+        record([users, items])
+    gossip_at = gossip_schedule(args.gossip_at)
     if args.info and ps.rank == 0:
         with open(args.info, "w") as fh:
             json.dump({"server_pids": [s["pid"] for s in ps.server_stats()]}, fh)
@@ -157,6 +172,9 @@ def main() -> None:
     for epoch in range(hyper.epochs):
         if args.hot_slices and epoch + 1 == args.uniform_after:
             items.set_consistency(MODELS[args.consistency](args.staleness, lazy))
+        if epoch in gossip_at and ps.rank == 0:
+            for table in (users, items):
+                table.set_gossip_ms(gossip_at[epoch])
         epoch_start = time.perf_counter()
         squared_error = 0.0
         for _ in range(batches_per_epoch):
@@ -194,6 +212,8 @@ def main() -> None:
         if lead:
             evaluate()
 
+    if args.record:
+        write_records(args.record, ps.rank, [users, items])
     if args.stats_dir:
         with open(os.path.join(args.stats_dir, f"rank{ps.rank}.json"), "w") as fh:
             json.dump({"rank": ps.rank, "clock": ps.clock,

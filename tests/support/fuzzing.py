@@ -281,7 +281,8 @@ INCARNATIONS = mostly(st.integers(0, 2**20).map(lambda n: new_incarnation() ^ n)
 FLAGS = st.sampled_from([0] * 16 + [Flag.NO_REPLY, Flag.SIGNED, Flag.NO_REPLY | Flag.SIGNED, 4, 2**63 - 1])
 #: ops that reach a server's handlers, weighted up; the others (replies, rendezvous ops) are refused
 TABLE_OPS = [Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.CLOCK, Op.CREATE_TABLE, Op.GOSSIP, Op.PLACEMENT, Op.LOCALIZE,
-             Op.INTENT, Op.REPLICA_STATS, Op.SLICE_STATE, Op.CHECKPOINT, Op.RESTORE, Op.STATS, Op.PING, Op.CONFIRM]
+             Op.INTENT, Op.REPLICA_STATS, Op.SLICE_STATE, Op.CHECKPOINT, Op.RESTORE, Op.STATS, Op.PING, Op.CONFIRM,
+             Op.GOSSIP_PERIOD]
 SERVED_OPS = [op for op in SCHEMAS if op != Op.SHUTDOWN] + TABLE_OPS * 3 + [Op.PULL, Op.PUSH, Op.PUSH_PULL] * 6
 
 

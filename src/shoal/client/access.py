@@ -70,6 +70,10 @@ class TableAccess:
         raise ConfigError(f"table {self.name!r} has one model for all its rows: only static tables read "
                           "under BSP, SSP or ESSP choose one per slice")
 
+    def set_gossip_ms(self, gossip_ms: float) -> None:
+        """Gossip between this table's replicas every ``gossip_ms`` from now on."""
+        raise ConfigError(f"table {self.name!r} is not replicated: it has no gossip to time")
+
     def consistency_of(self, shard: int) -> Consistency | None:
         """The model slice ``shard`` is read under, if this kind chooses one per slice."""
         return None

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import CheckpointError, ClusterError, RequestTimeoutError, WriteQuorumError
+from shoal.api.errors import CheckpointError, ClusterError, ConfigError, RequestTimeoutError, WriteQuorumError
 from shoal.api.replication import Dynamic
 from shoal.client.access import TableAccess
 from shoal.client.calls import Rows
@@ -39,11 +39,12 @@ from shoal.replication.delays import DelaySamples
 from shoal.replication.pbs import ShardModel, choose_read_quorum
 from shoal.storage import kernels
 from shoal.storage.initialize import fill_initial
-from shoal.wire.bodies import Body, Pull, Push, ReplicaStats
+from shoal.wire.bodies import Body, GossipPeriod, Pull, Push, ReplicaStats
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
 QUORUM_EVERY_S = 2.0
+UNMEASURED_EVERY_S = 0.2  # while the model has nothing to go on, every replica is read and it is asked again soon
 
 
 @dataclass
@@ -66,6 +67,7 @@ class _Shard:
     read_quorum: int = 1
     predicted: dict[int, float] = field(default_factory=dict)
     model_at: float = -1e9
+    measured: bool = False  # whether the last choice had measurements to go on
 
 
 class ReplicatedAccess(TableAccess):
@@ -83,11 +85,13 @@ class ReplicatedAccess(TableAccess):
         self.rng = random.Random(self.worker.rank)
         self.read_latency: dict[int, DelaySamples] = defaultdict(lambda: DelaySamples(1024))
         self.counters: Counter[str] = table.counters
-        #: with ``record`` on, per read (quorum size, issue time, seconds, merged version) and
-        #: per acknowledged push (origin, seq, accept time): what benchmarks check the model against
+        #: with ``record`` on, per read (shard, quorum size, issue time, seconds, merged version), per
+        #: acknowledged push (shard, origin, seq, accept time) and per dynamic choice (time, shard, R,
+        #: predicted probability per R): what benchmarks check the model against
         self.record = False
-        self.reads: list[tuple[int, float, float, dict[int, int]]] = []
-        self.acks: list[tuple[int, int, float]] = []
+        self.reads: list[tuple[int, int, float, float, dict[int, int]]] = []
+        self.acks: list[tuple[int, int, int, float]] = []
+        self.choices: list[tuple[float, int, int, dict[int, float]]] = []
 
     # ---------------------------------------------------------------- pushes
 
@@ -111,7 +115,7 @@ class ReplicatedAccess(TableAccess):
             self.shards[shard_id].holders = set(acked)
             for (s, _), reply in replies.items():
                 if s == shard_id:
-                    self._note_ack(self.shards[shard_id], reply)
+                    self._note_ack(shard_id, reply)
             if len(acked) < self.spec.write_quorum:
                 self._complete_push(shard_id, k, v, numbered[shard_id], acked)
 
@@ -133,11 +137,12 @@ class ReplicatedAccess(TableAccess):
         live = self.view.reachable(nodes)
         return [n for n in order if n in live and n not in exclude][: self.spec.write_quorum]
 
-    def _note_ack(self, shard: _Shard, reply: Message) -> None:
+    def _note_ack(self, shard_id: int, reply: Message) -> None:
         origin, seq = int(reply.body["origin"]), int(reply.body["seq"])
+        shard = self.shards[shard_id]
         shard.own[origin] = max(shard.own.get(origin, 0), seq)
         if self.record:
-            self.acks.append((origin, seq, float(reply.body["at"])))
+            self.acks.append((shard_id, origin, seq, float(reply.body["at"])))
 
     def _complete_push(self, shard_id: int, keys: np.ndarray, values: np.ndarray, body: Push,
                        acked: set[int]) -> None:
@@ -169,7 +174,7 @@ class ReplicatedAccess(TableAccess):
             for node, reply in self._ask_all(batch).items():
                 acked.add(node)
                 shard.holders.add(node)
-                self._note_ack(shard, reply)
+                self._note_ack(shard_id, reply)
 
     # ----------------------------------------------------------------- pulls
 
@@ -222,6 +227,16 @@ class ReplicatedAccess(TableAccess):
         rest = [n for n in live if n not in first]
         return first + self.rng.sample(rest, size - len(first))
 
+    def set_gossip_ms(self, gossip_ms: float) -> None:
+        if isinstance(gossip_ms, bool) or not isinstance(gossip_ms, (int, float)) or not 1 <= gossip_ms <= 60_000:
+            raise ConfigError(f"gossip_ms must lie in [1, 60000], got {gossip_ms!r}")
+        self.view.refresh(force=True)
+        nodes = self.view.live(sorted({n for shard in self.shards for n in shard.nodes}))
+        period = GossipPeriod(round(gossip_ms * 1000))
+        self.worker.tracker.gather(nodes, lambda node: period.to_message(table=self.spec.name),
+                                   f"gossip period of {self.spec.name!r}", self.worker.cluster.timeouts.request_s)
+        self.counters["gossip_period_changes"] += 1
+
     def pushes_numbered(self) -> list[int] | None:
         if self.spec.consistency.bound is None:
             return None
@@ -273,7 +288,7 @@ class ReplicatedAccess(TableAccess):
             replies = self._read(shard_id, chosen, keys, totals=len(chosen) > 1)
         self.counters[f"reads_r{len(chosen)}"] += 1
         if self.record:
-            self.reads.append((len(chosen), issued, time.monotonic() - start, version))
+            self.reads.append((shard_id, len(chosen), issued, time.monotonic() - start, version))
         return value.astype(self.spec.dtype)
 
     def _message(self, body: Body, arrays: list[np.ndarray]) -> Message:
@@ -352,7 +367,7 @@ class ReplicatedAccess(TableAccess):
 
     def _refresh_quorum(self, shard_id: int, shard: _Shard) -> None:
         now = self.worker.now()
-        if now - shard.model_at < QUORUM_EVERY_S:
+        if now - shard.model_at < (QUORUM_EVERY_S if shard.measured else UNMEASURED_EVERY_S):
             return
         shard.model_at = now
         policy = self.spec.read_quorum
@@ -361,8 +376,15 @@ class ReplicatedAccess(TableAccess):
         if not live:
             return
         model = self.model(shard_id, live)
-        shard.read_quorum, shard.predicted = choose_read_quorum(model, live, policy)
+        shard.measured = model.measured()
+        if shard.measured:
+            shard.read_quorum, shard.predicted = choose_read_quorum(model, live, policy)
+        else:  # no pushes or no delays seen yet: a prediction would promise everything
+            shard.read_quorum, shard.predicted = len(live), {}
+            self.counters["quorum_unmeasured"] += 1
         self.counters[f"quorum_choice_r{shard.read_quorum}"] += 1
+        if self.record:
+            self.choices.append((time.time(), shard_id, shard.read_quorum, dict(shard.predicted)))
 
     def model(self, shard_id: int, live: list[int]) -> ShardModel:
         """Fit the probabilistic model of one shard from its replicas' measurements and ours."""

@@ -145,6 +145,13 @@ class Table:
         chosen = self.access.consistency_of(int(slice_number))
         return self.spec.consistency if chosen is None else chosen
 
+    # ------------------------------------------------------------- replication
+
+    def set_gossip_ms(self, gossip_ms: float) -> None:
+        """Gossip between a replicated table's replicas every ``gossip_ms`` (jittered) from now on:
+        staler replicas for less traffic, or the reverse. Waits for every live replica server."""
+        self.access.set_gossip_ms(gossip_ms)
+
     # ----------------------------------------------------- adaptive placement
 
     def localize(self, keys: Any) -> None:

@@ -34,7 +34,7 @@ _ADMIN = frozenset({Role.WORKER, Role.OPERATOR})
 
 #: what a server serves, and to whom
 SERVER_OPS: dict[Op, frozenset[Role]] = {
-    **dict.fromkeys((Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.CLOCK, Op.CONFIRM, Op.LOCALIZE, Op.INTENT,
+    **dict.fromkeys((Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.CLOCK, Op.CONFIRM, Op.LOCALIZE, Op.INTENT, Op.GOSSIP_PERIOD,
                      Op.CREATE_TABLE, Op.CHECKPOINT, Op.RESTORE, Op.SETTLE, Op.SHUTDOWN), _WORKER),
     **dict.fromkeys((Op.GOSSIP, Op.PLACEMENT, Op.SLICE_STATE), _SERVER),
     **dict.fromkeys((Op.STATS, Op.PING, Op.REPLICA_STATS), _ANYONE),

@@ -127,6 +127,11 @@ class GossipSchedule:
     def _gap(self) -> float:
         return self.period_s * self.rng.uniform(0.5, 1.5)
 
+    def change(self, period_s: float) -> None:
+        """Gossip every ``period_s`` from now on (the next round comes within the new period)."""
+        self.period_s = period_s
+        self.next_at = min(self.next_at, self.now() + self._gap())
+
     def due(self) -> bool:
         t = self.now()
         if t < self.next_at:

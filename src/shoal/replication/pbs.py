@@ -45,6 +45,13 @@ class ShardModel:
     delays: dict[tuple[int, int], DelaySamples] = field(default_factory=dict)
     read_latency: dict[int, DelaySamples] = field(default_factory=dict)
 
+    def measured(self) -> bool:
+        """Whether pushes have been seen and the delay from every replica that takes them to every other
+        has been sampled: before that the model knows nothing, and predicts no miss."""
+        origins = [o for o, rate in self.rates.items() if rate > 0]
+        return bool(origins) and all(
+            (o, j) in self.delays and len(self.delays[(o, j)]) for o in origins for j in self.replicas if j != o)
+
     def mean_read_latency(self, replica: int) -> float:
         samples = self.read_latency.get(replica)
         return float(samples.sorted().mean()) if samples is not None and len(samples) else 0.0

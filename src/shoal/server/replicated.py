@@ -197,6 +197,12 @@ class ReplicationService:
         if msg.op == Op.GOSSIP:
             self._gossip_in(table, msg)
             return None
+        if msg.op == Op.GOSSIP_PERIOD:
+            micros = bodies.GossipPeriod.of(msg).micros
+            if not 1_000 <= micros <= 60_000_000:
+                raise ConfigError(f"gossip period must lie in [1, 60000] ms, got {micros / 1000} ms")
+            table.schedule.change(micros / 1e6)
+            return msg.reply(Op.OK)
         if msg.op == Op.REPLICA_STATS:
             replica = table.replica(bodies.ReplicaStats.of(msg).shard)
             delays = [[n, s.values()[-512:]] for n, s in sorted(replica.delays.items())]

@@ -73,7 +73,7 @@ _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS}
 #: requests that read or write a table's rows (refused for a table whose rows here were lost)
 _DATA_OPS = frozenset({Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LOCALIZE, Op.INTENT})
 #: requests a table's service serves (each kind serves those it knows)
-_TABLE_OPS = _DATA_OPS | {Op.GOSSIP, Op.REPLICA_STATS, Op.PLACEMENT}
+_TABLE_OPS = _DATA_OPS | {Op.GOSSIP, Op.REPLICA_STATS, Op.PLACEMENT, Op.GOSSIP_PERIOD}
 
 
 class ParameterServer:

@@ -326,6 +326,14 @@ class Restore(Body):
 
 
 @dataclass(frozen=True)
+class GossipPeriod(Body):
+    """Gossip a replicated table's replicas every ``micros`` microseconds (jittered) from now on."""
+
+    op = Op.GOSSIP_PERIOD
+    micros: int
+
+
+@dataclass(frozen=True)
 class Settle(Body):
     op = Op.SETTLE
     tables: list[str]

@@ -43,6 +43,7 @@ class Op(IntEnum):
     SETTLE = 40  # worker -> server: finish the placement traffic of these adaptive tables; say if it has
     FENCE = 41  # server -> worker, unasked: a slice of this table moved here; confirm when your pushes landed
     CONFIRM = 42  # worker -> server: every push of mine routed by a layout older than this epoch has landed
+    GOSSIP_PERIOD = 43  # worker -> server: gossip this replicated table's replicas at another period from now on
 
 
 class Flag:

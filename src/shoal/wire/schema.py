@@ -84,6 +84,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.CHECKPOINT: _schema(Op.CHECKPOINT),
     Op.RESTORE: _schema(Op.RESTORE),
     Op.SETTLE: _schema(Op.SETTLE),
+    Op.GOSSIP_PERIOD: _schema(Op.GOSSIP_PERIOD, needs_table=True),
     Op.FENCE: _schema(Op.FENCE, needs_table=True),
     Op.CONFIRM: _schema(Op.CONFIRM, needs_table=True),
 }
