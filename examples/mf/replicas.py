@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import shoal
@@ -23,6 +24,13 @@ def gossip_schedule(entries: list[str]) -> dict[int, float]:
         epoch, ms = entry.split(":")
         schedule[int(epoch) - 1] = float(ms)
     return schedule
+
+
+def note_epoch(directory: str, epoch: int, gossip_ms: float | None) -> None:
+    """When each epoch starts (and the gossip period it sets), for a harness that disturbs replicas at
+    given epochs and for the timeline of the records."""
+    with open(os.path.join(directory, "epochs.jsonl"), "a") as fh:
+        fh.write(json.dumps({"t": time.time(), "epoch": epoch + 1, "gossip_ms": gossip_ms}) + "\n")
 
 
 def record(tables: list[Any]) -> None:

@@ -43,7 +43,7 @@ import numpy as np
 from data import by_popularity, load
 from model import Hyper, gradients, rmse
 from progress import Progress
-from replicas import dynamic, gossip_schedule, record, write_records
+from replicas import dynamic, gossip_schedule, note_epoch, record, write_records
 
 import shoal
 
@@ -172,9 +172,11 @@ def main() -> None:
     for epoch in range(hyper.epochs):
         if args.hot_slices and epoch + 1 == args.uniform_after:
             items.set_consistency(MODELS[args.consistency](args.staleness, lazy))
-        if epoch in gossip_at and ps.rank == 0:
+        if epoch in gossip_at and lead:
             for table in (users, items):
                 table.set_gossip_ms(gossip_at[epoch])
+        if args.record and lead:
+            note_epoch(args.record, epoch, gossip_at.get(epoch))
         epoch_start = time.perf_counter()
         squared_error = 0.0
         for _ in range(batches_per_epoch):

@@ -80,3 +80,20 @@ def test_the_mixture_model_keeps_the_mean_and_sums_to_one():
     assert (np.arange(201) * pmf).sum() == pytest.approx(expected_missing(m, [0]), rel=0.02)
     # Batched delivery spreads the count: more reads miss nothing than a Poisson of the same mean says.
     assert predict(m, [0, 1, 2], 1, 0) > predict(m, [0, 1, 2], 1, 0, kind="poisson")
+
+
+def test_a_replica_reports_the_delays_of_the_last_seconds_so_the_model_follows_a_change():
+    """Delays of 10 ms for a minute, then of 200 ms (the gossip period went up): the samples of the
+    last 5 s are the slow ones, which the model must see; the last 512 of all were mostly fast."""
+    t = [0.0]
+    d = DelaySamples(4096, now=lambda: t[0])
+    for _ in range(600):
+        t[0] += 0.1
+        d.add(0.010)
+    for _ in range(40):
+        t[0] += 0.125
+        d.add(0.200)
+    assert d.recent(4.9, 32, 512) == [0.2] * 40
+    assert d.values()[-512:].count(0.2) == 40  # the old way: 472 fast ones besides
+    assert len(d.recent(0.01, 32, 512)) == 32  # too few that recent: the latest 32 all the same
+    assert len(d.recent(1000.0, 32, 512)) == 512

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
 
 class DelaySamples:
-    """The most recent ``capacity`` delays (seconds) of one kind."""
+    """The most recent ``capacity`` delays (seconds) of one kind, with when each was taken."""
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 4096, now: Callable[[], float] = time.monotonic) -> None:
         self._samples: deque[float] = deque(maxlen=capacity)
+        self._taken: deque[float] = deque(maxlen=capacity)
         self._sorted: np.ndarray | None = None
+        self.now = now
 
     def add(self, seconds: float) -> None:
         self._samples.append(max(0.0, float(seconds)))
+        self._taken.append(self.now())
         self._sorted = None
 
     def extend(self, values: list[float]) -> None:
@@ -43,3 +49,11 @@ class DelaySamples:
 
     def values(self) -> list[float]:
         return list(self._samples)
+
+    def recent(self, window_s: float, at_least: int, at_most: int) -> list[float]:
+        """The samples of the last ``window_s`` seconds (at least the ``at_least`` latest, at most the
+        ``at_most`` latest): delays change when gossip does, and a model fitted from older samples
+        goes on promising what the old delays allowed."""
+        start = bisect.bisect_left(self._taken, self.now() - window_s)
+        count = min(max(len(self._samples) - start, at_least), at_most)
+        return list(self._samples)[-count:] if count else []

@@ -50,6 +50,9 @@ from shoal.wire.ops import Op
 
 log = logging.getLogger(__name__)
 
+#: the propagation delays a replica reports for the model: those of the last few seconds
+DELAY_WINDOW_S = 5.0
+
 
 class ReplicatedTable:
     """This server's replicas of one replicated table."""
@@ -205,7 +208,7 @@ class ReplicationService:
             return msg.reply(Op.OK)
         if msg.op == Op.REPLICA_STATS:
             replica = table.replica(bodies.ReplicaStats.of(msg).shard)
-            delays = [[n, s.values()[-512:]] for n, s in sorted(replica.delays.items())]
+            delays = [[n, s.recent(DELAY_WINDOW_S, 32, 512)] for n, s in sorted(replica.delays.items())]
             return msg.reply(Op.OK, {"shard": replica.shard, "node": self.node, "delays": delays,
                                      "rate": replica.accept_rate(), "vv": sorted(replica.version().items())})
         raise ProtocolError(f"replicated table {msg.table!r} does not serve {msg.op.name}")
