@@ -35,6 +35,19 @@ trains the same MF with the item table cut into slices by popularity, under one
 bound for every slice, a tight bound for the hot slice and a loose one for the
 rest (and the reverse), and a bound loosened during training:
 ``results/consistency_per_slice.{json,md,png}``.
+
+    python benchmarks/bench_consistency.py --only lazy [--seeds 3]
+
+sets the lazy pull buffer beside plain SSP on MF with users by worker and a
+straggler (fast workers would pull their re-read rows again every clock):
+requests and bytes per clock and time to the target,
+``results/consistency_lazy.{json,md}``.
+
+    python benchmarks/bench_consistency.py --only lda [--seeds 3]
+
+runs Bösen's second application, LDA by Gibbs sampling on the Lee corpus, under
+SSP and ESSP with random pauses, with and without a straggler, over seeds:
+``results/consistency_lda.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE.parent / "examples" / "mf" / "train.py"
 AGE_WORKER = HERE / "data_age_worker.py"
+LDA = HERE.parent / "examples" / "lda" / "train.py"
 sys.path.insert(0, str(HERE))
 
 import shoal.launch.local  # noqa: E402
@@ -90,8 +104,10 @@ def run(data: str, config: list[str], workload: list[str] | None = None) -> dict
     counts: dict[int, int] = {}
     requests = clocks = cache_hits = eager = 0
     per_table: dict[str, dict[str, int]] = {}
+    moved = 0
     for r in ranks:
         clocks += r["clock"]
+        moved += r["bytes"]["sent"] + r["bytes"]["received"]
         for name, t in r["tables"].items():
             summed = per_table.setdefault(name, {})
             for k, v in t["counters"].items():
@@ -113,7 +129,14 @@ def run(data: str, config: list[str], workload: list[str] | None = None) -> dict
             "staleness_mean": mean, "staleness_std": std, "staleness_max": max(counts),
             "requests_per_clock": requests / clocks, "eager_messages_per_clock": eager / clocks,
             "rows_from_cache": cache_hits, "controller": held, "ratings_per_s": result["ratings_per_s"],
-            "clocks": clocks, "table_counters": per_table}
+            "clocks": clocks, "table_counters": per_table, "bytes_per_clock": moved / clocks}
+
+
+def publish(name: str, data: dict[str, Any], lines: list[str]) -> None:
+    """Print the table and write ``results/NAME.{json,md}``."""
+    table_md = "\n".join(lines)
+    print("\n" + table_md)
+    write_results(name, data, table_md)
 
 
 def time_to(target: float, rmse: list[float], seconds: list[float]) -> float | None:
@@ -370,9 +393,7 @@ def reread_main(seeds: int) -> None:
                      f"{statistics.median(summary[name]['staleness_mean']):.2f} | "
                      f"{statistics.median(summary[name]['requests_per_clock']):.2f} | "
                      f"{statistics.median(summary[name]['eager_messages_per_clock']):.2f} |")
-    table_md = "\n".join(lines)
-    print("\n" + table_md)
-    write_results("consistency_reread", {"delay_ms": REREAD_DELAY_MS, "seeds": seeds, "results": summary}, table_md)
+    publish("consistency_reread", {"delay_ms": REREAD_DELAY_MS, "seeds": seeds, "results": summary}, lines)
     plot_reread(runs)
 
 
@@ -461,17 +482,180 @@ def per_slice_main(seeds: int) -> None:
                      f"{statistics.median(row['item_rows_pulled_per_clock']):.0f} | "
                      f"{statistics.median(row['item_rows_from_cache_per_clock']):.0f} | "
                      f"{statistics.median(row['item_requests_per_clock']):.2f} |")
-    table_md = "\n".join(lines)
-    print("\n" + table_md)
-    write_results("consistency_per_slice", {"delay_ms": REREAD_DELAY_MS, "seeds": seeds, "tight": TIGHT,
-                                            "loose": LOOSE, "results": summary}, table_md)
+    publish("consistency_per_slice", {"delay_ms": REREAD_DELAY_MS, "seeds": seeds, "tight": TIGHT,
+                                            "loose": LOOSE, "results": summary}, lines)
     plot_reread(runs, "consistency_per_slice", "MF, item slices by popularity, per-slice bounds: every seed")
+
+
+# ------------------------------------------------------------------ the lazy pull buffer
+
+LAZY_CONFIGS: dict[str, list[str]] = {
+    "SSP(3)": CONFIGS["SSP(3)"],
+    "SSP(3) + lazy 5 ms": CONFIGS["SSP(3) + lazy"],
+    "SSP(3) + lazy 20 ms": ["--consistency", "ssp", "--staleness", "3", "--lazy-ms", "20"],
+}
+
+
+def lazy_main(seeds: int) -> None:
+    """MF with each worker's own users (item rows re-read every clock) and a straggler: fast workers
+    run ahead of it, so each clock their cached rows fall out of the bound and are pulled again.
+    Messages and bytes per clock and time to the target, SSP against the lazy pull buffer."""
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in LAZY_CONFIGS}
+    for seed in range(seeds):
+        for name, config in LAZY_CONFIGS.items():
+            res = run("ml-100k", config, ["--users-by-worker", "--straggle-ms", str(STRAGGLE_MS), "--seed", str(seed)])
+            runs[name].append(res)
+            print(f"seed {seed} {name:20s} RMSE {res['rmse'][-1]:.4f} in {res['seconds'][-1]:.1f}s, "
+                  f"{res['requests_per_clock']:.2f} requests and {res['bytes_per_clock'] / 1e3:.0f} kB per clock",
+                  flush=True)
+    target = DATASETS["ml-100k"]["target"]
+
+    def spread(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+    lines = [f"MF rank 64 on MovieLens 100k, 4 workers on 2 nodes, each training its own users' ratings, the last "
+             f"rank sleeping {STRAGGLE_MS} ms per batch; free-running; {seeds} seed(s). Per clock of one worker: "
+             "requests sent and bytes sent plus received. Median [min-max] over seeds.", "",
+             f"| model | requests / clock | kB / clock | rows from cache / clock | pulls held lazily | time to RMSE "
+             f"{target} s | RMSE after epoch 10 | total s |", "|---|---|---|---:|---:|---|---|---|"]
+    summary: dict[str, Any] = {}
+    for name, rounds in runs.items():
+        ttt = [t for r in rounds if (t := time_to(target, r["rmse"], r["seconds"])) is not None]
+        summary[name] = {"requests_per_clock": [r["requests_per_clock"] for r in rounds],
+                         "bytes_per_clock": [r["bytes_per_clock"] for r in rounds],
+                         "rows_from_cache_per_clock": [r["rows_from_cache"] / r["clocks"] for r in rounds],
+                         "held_lazily": [r["controller"].get("held_lazily", 0) for r in rounds],
+                         "time_to_target_s": ttt, "rmse_per_epoch": [r["rmse"] for r in rounds],
+                         "seconds": [r["seconds"] for r in rounds]}
+        row = summary[name]
+        lines.append(f"| {name} | {spread(row['requests_per_clock'], 2)} | "
+                     f"{spread([b / 1e3 for b in row['bytes_per_clock']], 0)} | "
+                     f"{statistics.median(row['rows_from_cache_per_clock']):.0f} | "
+                     f"{statistics.median(row['held_lazily']):.0f} | "
+                     f"{spread(ttt, 2) if len(ttt) == len(rounds) else 'not always'} | "
+                     f"{spread([r['rmse'][-1] for r in rounds], 4)} | "
+                     f"{spread([r['seconds'][-1] for r in rounds], 1)} |")
+    publish("consistency_lazy", {"straggle_ms": STRAGGLE_MS, "seeds": seeds, "results": summary}, lines)
+
+
+# ------------------------------------------------------------------ LDA
+
+LDA_MODELS: dict[str, list[str]] = {
+    "SSP(1)": ["--consistency", "ssp", "--staleness", "1"],
+    "ESSP(1)": ["--consistency", "essp", "--staleness", "1"],
+    "SSP(3)": ["--consistency", "ssp", "--staleness", "3"],
+    "ESSP(3)": ["--consistency", "essp", "--staleness", "3"],
+}
+LDA_WORKLOADS: dict[str, list[str]] = {
+    "random pauses": ["--delay-ms", "2"],
+    "random pauses + straggler": ["--delay-ms", "2", "--straggle-ms", "6"],
+}
+LDA_EPOCHS, LDA_TARGET = 15, -158_000.0
+
+
+def lda_run(config: list[str], workload: list[str], seed: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        command = [sys.executable, str(LDA), "--epochs", str(LDA_EPOCHS), "--seed", str(seed), "--out", str(out),
+                   "--stats-dir", tmp, *workload, *config]
+        status = shoal.launch.local.run(command, nodes=2, workers_per_node=2, prefix_output=False)
+        if status != 0:
+            raise SystemExit(f"LDA run {config} {workload} failed with status {status}")
+        result = json.loads(out.read_text())
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+    clocks = sum(r["clock"] for r in ranks)
+    counts: dict[int, int] = {}
+    for r in ranks:
+        for s, c in r["tables"]["lda.word_topic"]["staleness"]["counts"].items():
+            counts[int(s)] = counts.get(int(s), 0) + c
+
+    def per_clock(counter: str) -> float:
+        return sum(t["counters"].get(counter, 0) for r in ranks for t in r["tables"].values()) / clocks
+
+    return {"ll": result["log_likelihood"], "seconds": result["seconds"], "exact": result["counts_exact"],
+            "staleness_mean": sum(s * c for s, c in counts.items()) / max(1, sum(counts.values())),
+            "requests_per_clock": per_clock("requests"), "eager_messages_per_clock": per_clock("eager_messages"),
+            "rows_from_cache_per_clock": per_clock("rows_from_cache"),
+            "bytes_per_clock": sum(r["bytes"]["sent"] + r["bytes"]["received"] for r in ranks) / clocks}
+
+
+def lda_main(seeds: int) -> None:
+    """LDA on the Lee corpus (Bösen's second application): SSP against ESSP under random pauses, with
+    and without a straggler, over seeds; convergence per epoch and per second."""
+    runs = {w: {m: [] for m in LDA_MODELS} for w in LDA_WORKLOADS}
+    lda_run(LDA_MODELS["ESSP(1)"], [], 0)  # warm-up: the compiled sweep lands in the cache before timing
+    for seed in range(seeds):
+        for workload, extra in LDA_WORKLOADS.items():
+            for name, config in LDA_MODELS.items():
+                res = lda_run(config, extra, seed)
+                runs[workload][name].append(res)
+                print(f"seed {seed} {workload:26s} {name:8s} LL {res['ll'][-1]:,.0f} in {res['seconds'][-1]:.1f}s "
+                      f"exact {res['exact']}", flush=True)
+
+    def spread(values: list[float], digits: int, scale: float = 1.0) -> str:
+        v = [x / scale for x in values]
+        return f"{statistics.median(v):,.{digits}f} [{min(v):,.{digits}f} to {max(v):,.{digits}f}]"
+
+    lines = [f"LDA, 20 topics, collapsed Gibbs sampling on the Lee corpus (300 documents), 4 workers on 2 nodes, "
+             f"4 clocks per epoch, {LDA_EPOCHS} epochs, free-running, every worker pausing a random time per clock "
+             f"(exponential, mean 2 ms); {seeds} seed(s). Log-likelihood in thousands, median [min to max] over "
+             "seeds; staleness of the word-topic rows read (reader's clock minus the clock a row is current at).",
+             ""]
+    summary: dict[str, Any] = {}
+    for workload, per in runs.items():
+        lines += [f"### {workload}", "",
+                  f"| model | LL after epoch 1 | epoch 5 | epoch {LDA_EPOCHS} | time to LL {LDA_TARGET / 1e3:,.0f}k s "
+                  "| total s | staleness mean | requests / clock | eager msgs / clock | kB / clock | counts exact |",
+                  "|---|---|---|---|---|---|---:|---:|---:|---:|---|"]
+        summary[workload] = {}
+        for name, rounds in per.items():
+            ttt = [next((t for v, t in zip(r["ll"], r["seconds"], strict=True) if v >= LDA_TARGET), None)
+                   for r in rounds]
+            reached = [t for t in ttt if t is not None]
+            summary[workload][name] = {k: [r[k] for r in rounds] for k in rounds[0]} | {"time_to_target_s": ttt}
+            lines.append(f"| {name} | {spread([r['ll'][0] for r in rounds], 1, 1e3)} | "
+                         f"{spread([r['ll'][4] for r in rounds], 1, 1e3)} | "
+                         f"{spread([r['ll'][-1] for r in rounds], 1, 1e3)} | "
+                         f"{spread(reached, 2) if len(reached) == len(rounds) else 'not always'} | "
+                         f"{spread([r['seconds'][-1] for r in rounds], 1)} | "
+                         f"{statistics.median(r['staleness_mean'] for r in rounds):.2f} | "
+                         f"{statistics.median(r['requests_per_clock'] for r in rounds):.2f} | "
+                         f"{statistics.median(r['eager_messages_per_clock'] for r in rounds):.2f} | "
+                         f"{statistics.median(r['bytes_per_clock'] for r in rounds) / 1e3:.0f} | "
+                         f"{all(r['exact'] for r in rounds)} |")
+        lines.append("")
+    publish("consistency_lda", {"epochs": LDA_EPOCHS, "seeds": seeds, "results": summary}, lines)
+    plot_lda(runs)
+
+
+def plot_lda(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 2, figsize=(11, 4 * len(runs)), squeeze=False)
+    for row, (workload, per) in enumerate(runs.items()):
+        for i, (name, rounds) in enumerate(per.items()):
+            for k, r in enumerate(rounds):
+                label = name if k == 0 else None
+                axes[row][0].plot(range(1, len(r["ll"]) + 1), r["ll"], color=f"C{i}", alpha=0.7, lw=1, label=label)
+                axes[row][1].plot(r["seconds"], r["ll"], color=f"C{i}", alpha=0.7, lw=1, label=label)
+        axes[row][0].set_xlabel("epoch of rank 0")
+        axes[row][1].set_xlabel("seconds")
+        for ax in axes[row]:
+            ax.set_ylabel("log-likelihood")
+            ax.set_title(workload, fontsize=9)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "consistency_lda.png", dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--only", choices=("mf", "data-age", "reread", "per-slice"), help="one part (default: all)")
+    p.add_argument("--only", choices=("mf", "data-age", "reread", "per-slice", "lazy", "lda"),
+                   help="one part (default: all)")
     p.add_argument("--seeds", type=int, default=3, help="data age and re-read: seeds per configuration")
     p.add_argument("--iterations", type=int, default=300, help="data age: iterations per worker")
     args = p.parse_args()
@@ -481,6 +665,10 @@ def main() -> None:
         reread_main(args.seeds)
     if args.only in (None, "per-slice"):
         per_slice_main(args.seeds)
+    if args.only in (None, "lazy"):
+        lazy_main(args.seeds)
+    if args.only in (None, "lda"):
+        lda_main(args.seeds)
     if args.only in (None, "mf"):
         mf_main(args.rounds)
 
@@ -538,9 +726,7 @@ def mf_main(rounds: int) -> None:
                          f"and its mean staleness is {'lower' if fresher else 'NOT lower'} "
                          f"({essp['staleness_mean']:.2f} vs {ssp['staleness_mean']:.2f}).")
         lines.append("")
-    table_md = "\n".join(lines)
-    print("\n" + table_md)
-    write_results("consistency", {"straggle_ms": STRAGGLE_MS, "datasets": DATASETS, "results": summary}, table_md)
+    publish("consistency", {"straggle_ms": STRAGGLE_MS, "datasets": DATASETS, "results": summary}, lines)
     plot(results)
 
 

@@ -219,6 +219,7 @@ def main() -> None:
     if args.stats_dir:
         with open(os.path.join(args.stats_dir, f"rank{ps.rank}.json"), "w") as fh:
             json.dump({"rank": ps.rank, "clock": ps.clock,
+                       "bytes": {"sent": ps.tracker.bytes_sent, "received": ps.tracker.bytes_received},
                        "tables": {t.name: {"staleness": t.staleness.as_dict(), "counters": dict(t.counters)}
                                   for t in (users, items)}}, fh)
     if lead:

@@ -1,4 +1,4 @@
-"""The adaptive-placement examples run end to end on a local cluster."""
+"""The sparse-model examples run end to end on a local cluster."""
 
 from __future__ import annotations
 
@@ -69,3 +69,15 @@ def test_word2vec_learns_the_planted_clusters(tmp_path):
     shoal_run = run("word2vec/train.py", 2, "--mode", "auto", "--corpus", "planted", tmp=tmp_path)["cluster_purity"]
     assert baseline > 0.4 and shoal_run > 0.4, (baseline, shoal_run)
     assert abs(baseline - shoal_run) < 0.1, (baseline, shoal_run)
+
+
+@pytest.mark.parametrize("model", ["ssp", "essp"])
+def test_lda_learns_and_counts_every_token_once(tmp_path, model):
+    """Gibbs sampling on the Lee corpus on 2 nodes under a bound with random pauses: the log-likelihood
+    rises, and once the bound has passed the word-topic counts hold every token exactly once."""
+    needs("gensim", "the Lee corpus ships in gensim: pip install --no-deps gensim==4.4.0")
+    r = run("lda/train.py", 2, "--consistency", model, "--staleness", "2", "--epochs", "6", "--delay-ms", "1",
+            tmp=tmp_path)
+    ll = r["log_likelihood"]
+    assert ll[-1] > ll[0] + 10_000, ll
+    assert r["counts_exact"] and r["counted"] == r["tokens"], r
