@@ -116,3 +116,30 @@ def test_replicated_tables_take_no_eager_pushes_or_lazy_buffer():
     for model in (shoal.ESSP(1), shoal.SSP(1, lazy=shoal.LazyPull())):
         with pytest.raises(shoal.ConfigError, match="ASP, BSP or SSP, without a lazy pull buffer"):
             shoal.TableSpec("t", 8, 1, replicas=2, consistency=model)
+
+
+def test_a_read_held_by_its_bound_does_not_mark_its_replicas_down():
+    """A straggler takes 2 s per clock, longer than the replica timeout (0.3 s): BSP reads of the
+    others wait that long at replicas that are alive and well. They are waited for, not taken for
+    dead (every replica was marked down, reads went round all of them, pushes lost their targets)."""
+    from shoal.api.config import Timeouts
+
+    STRAGGLE_S = 2.0  # noqa: N806 (longer than the wait a replica's measured round trips allow, too)
+
+    def body(w: Worker) -> dict:
+        t = w.table("slow", WORKERS, 1, consistency=shoal.BSP(), replicas=3, gossip_ms=20)
+        seen = []
+        for _ in range(3):
+            seen.append(t.pull(np.arange(WORKERS))[:, 0].tolist())
+            t.push([w.rank], [[1.0]])
+            if w.rank == WORKERS - 1:
+                time.sleep(STRAGGLE_S)
+            w.advance_clock()
+        return {"seen": seen, "counters": dict(t.counters)}
+
+    quick = Timeouts(connect_s=10, request_s=20, barrier_s=20, replica_s=0.3)
+    with ThreadCluster(nodes=WORKERS, timeouts=quick) as cluster:
+        results = cluster.run_workers(body)
+    for result in results:
+        assert all(min(seen) >= clock for clock, seen in enumerate(result["seen"]))  # BSP: every earlier push
+        assert result["counters"].get("replica_timeouts", 0) == 0, result["counters"]

@@ -83,6 +83,8 @@ class ReplicatedAccess(TableAccess):
         for shard in self.shards:
             shard.read_quorum = fixed if isinstance(fixed, int) else len(shard.nodes)
         self.rng = random.Random(self.worker.rank)
+        #: reads wait for the slowest worker (a replica holds them): a slow answer is not a dead replica
+        self.bounded = self.spec.consistency.bound is not None
         self.read_latency: dict[int, DelaySamples] = defaultdict(lambda: DelaySamples(1024))
         self.counters: Counter[str] = table.counters
         #: with ``record`` on, per read (shard, quorum size, issue time, seconds, merged version), per
@@ -196,7 +198,7 @@ class ReplicatedAccess(TableAccess):
         sent = self._send_all(batch)
 
         def finish() -> np.ndarray:
-            self._finish_pull(keys, result.array(), parts, plan, self._gather(sent), start, issued)
+            self._finish_pull(keys, result.array(), parts, plan, self._gather(sent, self.bounded), start, issued)
             return result.get()
 
         return Future.running(finish, self._answered(sent))
@@ -238,7 +240,7 @@ class ReplicatedAccess(TableAccess):
         self.counters["gossip_period_changes"] += 1
 
     def pushes_numbered(self) -> list[int] | None:
-        if self.spec.consistency.bound is None:
+        if not self.bounded:
             return None
         return [shard.next_seq - 1 for shard in self.shards]
 
@@ -296,7 +298,7 @@ class ReplicatedAccess(TableAccess):
 
     def _read(self, shard_id: int, nodes: list[int], keys: np.ndarray, totals: bool) -> dict[int, Message]:
         body = Pull(shard=shard_id, totals=totals)
-        return self._ask_all([(node, node, self._message(body, [keys])) for node in nodes])
+        return self._ask_all([(node, node, self._message(body, [keys])) for node in nodes], self.bounded)
 
     def _merge(self, keys: np.ndarray, replies: dict[int, Message]) -> tuple[np.ndarray, dict[int, int]]:
         if len(replies) == 1:
@@ -407,8 +409,8 @@ class ReplicatedAccess(TableAccess):
         return [(s, order[starts[s] : starts[s + 1]]) for s in range(self.layout.num_shards)
                 if starts[s + 1] > starts[s]]
 
-    def _ask_all(self, batch: list[tuple[Any, int, Message]]) -> dict[Any, Message]:
-        return self._gather(self._send_all(batch))
+    def _ask_all(self, batch: list[tuple[Any, int, Message]], patient: bool = False) -> dict[Any, Message]:
+        return self._gather(self._send_all(batch), patient)
 
     def _send_all(self, batch: list[tuple[Any, int, Message]]) -> _Sent:
         """Send every ``(key, node, message)`` at once."""
@@ -423,11 +425,14 @@ class ReplicatedAccess(TableAccess):
         """Whether every request of ``sent`` has its answer (what ``Future.done`` asks)."""
         return lambda: self.worker.tracker.answered(set(sent.reqs))
 
-    def _gather(self, sent: _Sent) -> dict[Any, Message]:
+    def _gather(self, sent: _Sent, patient: bool = False) -> dict[Any, Message]:
         """The replies that came within the replica timeout, by key.
 
         A node that does not answer in time is marked down; its reply, if it
-        comes later, is dropped.
+        comes later, is dropped. A ``patient`` read (under a bound, which a
+        replica holds it to until the slowest worker has reached its clock) is
+        waited for while the rendezvous calls its replicas alive, up to the
+        request timeout.
         """
         tracker = self.worker.tracker
         replies, reqs, sent_at = sent.replies, sent.reqs, sent.at
@@ -436,10 +441,24 @@ class ReplicatedAccess(TableAccess):
         # their round trips, as timed for resends.
         trips = [tracker.round_trips[n] for _, n in reqs.values() if n in tracker.round_trips]
         wait = max([timeouts.replica_s, *(t.timeout(timeouts.request_s) for t in trips)])
-        try:
-            tracker.wait(set(reqs), wait)
-        except RequestTimeoutError:
-            pass  # whoever did not answer is handled below
+        deadline = sent_at + timeouts.request_s
+        check_at = sent_at + wait
+        pending = set(reqs)
+        def answered_or_due(until: float) -> Callable[[], bool]:
+            return lambda: tracker.done(pending) or time.monotonic() >= until
+
+        while not tracker.done(pending):
+            # Returns by ``check_at`` at the latest: the waiting decides, not the tracker's timeout.
+            tracker.wait_until(answered_or_due(check_at), lambda: pending, max(0.0, check_at - time.monotonic()) + 1.0)
+            if tracker.done(pending):
+                break
+            if patient and time.monotonic() < deadline and self._silent_alive(reqs, replies):
+                self.counters["bounded_reads_waited"] += 1
+                check_at = min(time.monotonic() + wait, deadline)
+                continue
+            for req in pending:
+                tracker.forget(req)  # whoever did not answer is handled below; a late reply is dropped
+            break
         elapsed = time.monotonic() - sent_at
         silent: set[int] = set()
         for req, (key, node) in reqs.items():
@@ -454,6 +473,13 @@ class ReplicatedAccess(TableAccess):
             self.view.mark_down(node)
             self.counters["replica_timeouts"] += 1
         return replies
+
+
+    def _silent_alive(self, reqs: dict[int, tuple[Any, int]], replies: dict[Any, Message]) -> bool:
+        """Whether every replica yet to answer lives, as the rendezvous knows it now."""
+        self.view.refresh(force=True)
+        silent = {node for key, node in reqs.values() if key not in replies}
+        return all(self.view.alive[n] and n not in self.view.exited for n in silent)
 
 
 def _required(replies: dict[int, Message]) -> dict[int, int]:
