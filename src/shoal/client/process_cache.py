@@ -4,10 +4,10 @@ Bounded models (BSP, SSP, ESSP) serve a read from the cache when its row is
 current enough for the model of its slice (``consistency.schemes``). A
 worker's own pushes change its cached rows at once (an additive rule adds the
 change, another drops the row), so a read holds them, as SSP's read-my-writes
-promises. Rows a server sends are kept only when more
-recent than the cached ones, and the worker's pushes they do not include yet
-(not acknowledged by that server when it read them, or written into this node's
-shared memory after it did) are added back.
+promises. Rows a server sends are kept only when more recent than the cached
+ones, and the worker's pushes they do not include yet (not acknowledged by that
+server when it read them, or written into this node's shared memory after it
+did) are added back.
 """
 
 from __future__ import annotations

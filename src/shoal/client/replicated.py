@@ -7,10 +7,11 @@ and merges their per-origin sums; it widens ``R`` until the merged version
 covers this worker's own last acknowledged push (read-your-writes) and, under
 a bound, every push the bound requires (the replicas name it,
 ``replication.bounds``), and reads again while gossip brings what the live
-replicas still lack. A replica
-that does not answer within ``Timeouts.replica_s`` is treated as down for a
-while and the request goes to another one, so training goes on through a
-server failure.
+replicas still lack. A replica that does not answer within
+``Timeouts.replica_s`` is treated as down for a while and the request goes to
+another one, so training goes on through a server failure; a bounded read,
+which a replica holds until the slowest worker catches up, is waited for
+while the replica lives.
 """
 
 from __future__ import annotations
