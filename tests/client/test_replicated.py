@@ -195,15 +195,15 @@ def test_a_restarted_worker_numbers_its_pushes_afresh_and_none_is_taken_for_a_re
 
 def test_the_gossip_period_changes_during_training():
     """Gossip every 20 ms, then every 30 s, then every 20 ms again: a push taken by one replica
-    reaches another within a second exactly while the period is short."""
+    reaches another while the period is short, and not within a second while it is long."""
     with ThreadCluster(nodes=2, timeouts=QUICK) as c:
         w = c.worker(0)
         t = w.table("g", 8, 1, replicas=2, gossip_ms=20)
         key = np.array([0])
         access = t.access
 
-        def reaches_the_other_replica(expected: float) -> bool:
-            deadline = time.monotonic() + 1.0
+        def reaches_the_other_replica(expected: float, within: float = 10.0) -> bool:
+            deadline = time.monotonic() + within  # long enough for a loaded machine, short against 30 s
             while time.monotonic() < deadline:
                 if access.replica_values(1, key)[0][0, 0] == expected:
                     return True
@@ -215,7 +215,7 @@ def test_the_gossip_period_changes_during_training():
         t.set_gossip_ms(30_000)
         time.sleep(0.1)  # a round already due may still go
         t.push(key, [[1.0]])
-        assert not reaches_the_other_replica(2.0)
+        assert not reaches_the_other_replica(2.0, within=1.0)
         t.set_gossip_ms(20)
         assert reaches_the_other_replica(2.0)
         with pytest.raises(shoal.ConfigError, match=r"gossip_ms must lie in \[1, 60000\]"):
