@@ -466,10 +466,10 @@ class ReplicatedAccess(TableAccess):
             error = tracker.take_error(req)
             if error is not None:
                 raise error  # the replica answered, with a typed error: bad input, not a failure
-            if key in replies:
-                self.read_latency[node].add(elapsed / 2)
-            else:
+            if key not in replies:
                 silent.add(node)
+            elif not patient:  # a bounded read's time includes its wait for the slowest worker
+                self.read_latency[node].add(elapsed / 2)
         for node in silent:
             self.view.mark_down(node)
             self.counters["replica_timeouts"] += 1
