@@ -30,8 +30,10 @@ def run(script: str, nodes: int, *args: str, tmp: Path) -> dict:
 
 def test_kge_auto_on_kinships_learns(tmp_path):
     needs("pykeen", "Kinships ships in pykeen: pip install --no-deps pykeen==1.11.1")
-    # Both sides corrupted, as filtered MRR ranks both: 0.76-0.78 after 20 epochs (0.56 with tails only).
-    r = run("kge/train.py", 2, "--data", "kinships", "--mode", "auto", "--epochs", "20", tmp=tmp_path)
+    # Both sides corrupted, as filtered MRR ranks both. Asynchronous workers make the result depend on
+    # timing: after 20 epochs 0.69-0.76 (0.69 on a busy CI machine), after 40 epochs 0.77-0.80 with two
+    # CPU hogs beside it; tails only give 0.56.
+    r = run("kge/train.py", 2, "--data", "kinships", "--mode", "auto", "--epochs", "40", tmp=tmp_path)
     assert r["mrr"] > 0.7, r
     assert r["counters"]["rows_local"] > 0
 
