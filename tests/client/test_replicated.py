@@ -134,7 +134,7 @@ def test_replicated_tables_check_their_settings():
     with pytest.raises(shoal.ConfigError, match="write_quorum > 1 needs an additive"):
         shoal.TableSpec("x", 10, 1, replicas=3, write_quorum=2, optimizer=shoal.optim.Adagrad())
     with pytest.raises(shoal.ConfigError, match="without a lazy pull buffer"):
-        shoal.TableSpec("x", 10, 1, replicas=3, consistency=shoal.ESSP(1))
+        shoal.TableSpec("x", 10, 1, replicas=3, consistency=shoal.SSP(1, lazy=shoal.LazyPull()))
     with pytest.raises(shoal.ConfigError, match="exceeds replicas"):
         shoal.TableSpec("x", 10, 1, replicas=2, write_quorum=3)
     with ThreadCluster(nodes=2, timeouts=QUICK) as c:

@@ -91,13 +91,15 @@ def test_with_write_quorum_1_a_dead_replica_costs_at_most_its_unsynchronised_pus
     assert (counts <= r["acked"]).all() and (r["acked"] - counts).max() <= 0.1 * r["acked"]
 
 
+@pytest.mark.parametrize("model", ["ssp", "essp"])
 @pytest.mark.parametrize("disturb", ["kill", "pause"])
-def test_bounded_reads_keep_their_bound_and_count_every_push_once_when_a_replica_fails(tmp_path, disturb):
-    """SSP(1) over 3 replicas with W=2 and R=1: one replica killed (or paused past its heartbeats)
-    0.4 s in. Every read of every worker stays within the bound, and once the bound has passed every
-    worker reads each counter as exactly the iterations its worker ran."""
+def test_bounded_reads_keep_their_bound_and_count_every_push_once_when_a_replica_fails(tmp_path, disturb, model):
+    """SSP(1) (or ESSP(1), reads served from the rows replicas push) over 3 replicas with W=2 and R=1:
+    one replica killed (or paused past its heartbeats) 0.4 s in. Every read of every worker stays
+    within the bound, and once the bound has passed every worker reads each counter as exactly the
+    iterations its worker ran."""
     iterations = 60
-    proc = launch([BOUNDED, str(tmp_path), str(iterations), "1"])
+    proc = launch([BOUNDED, str(tmp_path), str(iterations), "1", model])
     servers = wait_for(tmp_path / "servers.json")["pids"]
     (kill_one_after(0.4) if disturb == "kill" else pause_one(0.4, 2.0))(servers)
     finish(proc)
@@ -105,6 +107,8 @@ def test_bounded_reads_keep_their_bound_and_count_every_push_once_when_a_replica
         result = wait_for(tmp_path / f"rank{rank}.json")
         assert result["violations"] == []
         assert result["final"] == [float(iterations)] * 3, result
+        if model == "essp":
+            assert result["counters"].get("eager_reads_served", 0) > 0, result
 
 
 def pause_one(after: float, for_s: float):

@@ -1,8 +1,8 @@
 """A worker script for bounded reads of a replicated table while replicas fail.
 
-    bounded_replica_worker.py INFO_DIR ITERATIONS STALENESS
+    bounded_replica_worker.py INFO_DIR ITERATIONS STALENESS [ssp|essp]
 
-Each worker owns counter ``rank`` of a 3-replica table read under SSP(STALENESS)
+Each worker owns counter ``rank`` of a 3-replica table read under SSP(STALENESS) (or ESSP)
 with a write quorum of 2 and a read quorum of 1, and every iteration reads every
 counter, checks it against the bound (a read at clock ``c`` must see at least
 ``c - STALENESS``), pushes +1 to its own and advances its clock. Rank 0 writes
@@ -25,9 +25,10 @@ import shoal
 
 def main() -> None:
     info_dir, iterations, staleness = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    model = shoal.ESSP(staleness) if sys.argv[4:] == ["essp"] else shoal.SSP(staleness)
     ps = shoal.init()
     table = ps.table("counters", ps.num_workers, 1, replicas=3, write_quorum=2, read_quorum=1, gossip_ms=20,
-                     consistency=shoal.SSP(staleness))
+                     consistency=model)
     if ps.rank == 0:
         with open(os.path.join(info_dir, "servers.json"), "w") as fh:
             json.dump({"pids": [s["pid"] for s in ps.server_stats()]}, fh)

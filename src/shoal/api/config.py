@@ -150,9 +150,10 @@ class TableSpec:
             raise ConfigError(f"gossip_ms must lie in [1, 60000], got {self.gossip_ms!r}")
         if not self.replicated:
             return
-        if self.consistency.eager or self.consistency.lazy is not None:
-            # Eager pushes and the lazy buffer refresh a worker's cache of rows; replicated reads are not cached.
-            raise ConfigError("replicated tables are read under ASP, BSP or SSP, without a lazy pull buffer")
+        if self.consistency.lazy is not None:
+            # The lazy buffer holds reads at a server for the pushes a fast worker would pull again;
+            # a replicated read is answered by whichever replicas it asks.
+            raise ConfigError("replicated tables are read under ASP, BSP, SSP or ESSP, without a lazy pull buffer")
         if self.write_quorum > 1 and not isinstance(self.optimizer, (Sum, SGD)):
             # With W > 1 a push's origin is the worker: every replica must compute the same delta.
             raise ConfigError("write_quorum > 1 needs an additive update rule (Sum or SGD)")

@@ -11,7 +11,9 @@ replicas still lack. A replica that does not answer within
 ``Timeouts.replica_s`` is treated as down for a while and the request goes to
 another one, so training goes on through a server failure; a bounded read,
 which a replica holds until the slowest worker catches up, is waited for
-while the replica lives.
+while the replica lives. Under ESSP the first replica a read asks pushes the
+rows read to this worker from then on, and a read its bound allows is served
+from them without a message (``client.replica_cache``).
 """
 
 from __future__ import annotations
@@ -27,11 +29,20 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import CheckpointError, ClusterError, ConfigError, RequestTimeoutError, WriteQuorumError
+from shoal.api.errors import (
+    CheckpointError,
+    ClusterError,
+    ConfigError,
+    ProtocolError,
+    RequestTimeoutError,
+    WriteQuorumError,
+)
+from shoal.api.ids import worker_origin
 from shoal.api.replication import Dynamic
 from shoal.client.access import TableAccess
 from shoal.client.calls import Rows
 from shoal.client.context import TableView
+from shoal.client.replica_cache import ReplicaCache
 from shoal.client.replica_view import ReplicaView
 from shoal.cluster.requests import Future
 from shoal.lattice.sum_lattice import merged_value
@@ -40,12 +51,14 @@ from shoal.replication.delays import DelaySamples
 from shoal.replication.pbs import ShardModel, choose_read_quorum
 from shoal.storage import kernels
 from shoal.storage.initialize import fill_initial
+from shoal.wire import bodies
 from shoal.wire.bodies import Body, GossipPeriod, Pull, Push, ReplicaStats
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
 QUORUM_EVERY_S = 2.0
 UNMEASURED_EVERY_S = 0.2  # while the model has nothing to go on, every replica is read and it is asked again soon
+_EAGER_WAIT_S = 5.0  # ESSP: how long a read waits for the pushed rows its bound needs before asking for them
 
 
 @dataclass
@@ -86,6 +99,10 @@ class ReplicatedAccess(TableAccess):
         self.rng = random.Random(self.worker.rank)
         #: reads wait for the slowest worker (a replica holds them): a slow answer is not a dead replica
         self.bounded = self.spec.consistency.bound is not None
+        #: ESSP: the rows read, kept current by the replicas they were read from
+        self.cache = ReplicaCache(self.spec, [len(layout.mapping.keys_of(s)) for s in range(layout.num_shards)],
+                                  lambda: worker_origin(self.worker.rank, self.worker.streams.incarnation),
+                                  table.counters) if self.spec.consistency.eager else None
         self.read_latency: dict[int, DelaySamples] = defaultdict(lambda: DelaySamples(1024))
         self.counters: Counter[str] = table.counters
         #: with ``record`` on, per read (shard, quorum size, issue time, seconds, merged version), per
@@ -104,6 +121,11 @@ class ReplicatedAccess(TableAccess):
         self.view.refresh()
         parts = [(shard_id, keys[pos], values[pos]) for shard_id, pos in self._by_shard(keys)]
         numbered = {shard_id: self._numbered_push(shard_id) for shard_id, _, _ in parts}
+        if self.cache is not None:
+            for shard_id, k, v in parts:
+                seq = numbered[shard_id].seq
+                assert seq is not None
+                self.cache.own_push(shard_id, self._rows(k, shard_id), v, seq)
         batch = []
         for shard_id, k, v in parts:
             for node in self._write_targets(self.shards[shard_id], set()):
@@ -183,19 +205,24 @@ class ReplicatedAccess(TableAccess):
 
     def pull(self, keys: np.ndarray, out: np.ndarray | None) -> Future[np.ndarray]:
         """Ask every shard's read quorum at once; waiting merges the replies into the rows (a shard
-        that needs more replicas asks again)."""
+        that needs more replicas asks again). Under ESSP a shard whose cached rows the bound allows
+        is read from them."""
         self.view.refresh()
         result = Rows(keys.shape[0], self.spec.dim, np.dtype(self.spec.dtype), out)
         start = time.monotonic()
         issued = time.time()
-        parts = self._by_shard(keys)
+        parts = self._cached(keys, result.array(), self._by_shard(keys))
         plan: dict[int, list[int]] = {}
         batch = []
         for shard_id, pos in parts:
             chosen = plan[shard_id] = self._read_targets(shard_id)
             body = Pull(shard=shard_id, totals=len(chosen) > 1)
             for node in chosen:
-                batch.append(((shard_id, node), node, self._message(body, [keys[pos]])))
+                if self.cache is not None and node == chosen[0]:  # the home: it pushes these rows from now on
+                    ask = Pull(shard=shard_id, totals=body.totals, subscribe=True)
+                    batch.append(((shard_id, node), node, self._message(ask, [keys[pos]])))
+                else:
+                    batch.append(((shard_id, node), node, self._message(body, [keys[pos]])))
         sent = self._send_all(batch)
 
         def finish() -> np.ndarray:
@@ -204,19 +231,99 @@ class ReplicatedAccess(TableAccess):
 
         return Future.running(finish, self._answered(sent))
 
+    def _cached(self, keys: np.ndarray, out: np.ndarray, parts: list[tuple[int, np.ndarray]]
+                ) -> list[tuple[int, np.ndarray]]:
+        """Place the shards the cache can serve at this worker's clock; the parts left to read."""
+        if self.cache is None:
+            return parts
+        assert self.spec.consistency.bound is not None
+        clock = self.worker.clock - self.spec.consistency.bound
+        self.worker.tracker.pump(0)  # take in the rows pushed since the last call
+        remote = []
+        for shard_id, pos in parts:
+            at = self._rows(keys[pos], shard_id)
+            rows = self.cache.serve(shard_id, at, clock)
+            if rows is None and self.cache.follows(shard_id, at) and \
+                    self.cache.home_of(shard_id) in self.view.live(self.shards[shard_id].nodes):
+                rows = self._await_pushed(shard_id, at, clock)
+            if rows is None:
+                remote.append((shard_id, pos))
+            elif pos.shape[0] == keys.shape[0]:
+                out[...] = rows
+            else:
+                kernels.place_rows(out, pos, rows)
+        return remote
+
+    def _await_pushed(self, shard_id: int, rows: np.ndarray, clock: int) -> np.ndarray | None:
+        """The cached rows follow their home's messages: wait for the one covering ``clock`` (sent when
+        the slowest worker gets there) instead of asking. None if it does not come in time (the
+        rows are read instead; the read finds out whether the home is gone)."""
+        assert self.cache is not None
+        deadline = time.monotonic() + min(self.worker.cluster.timeouts.request_s, _EAGER_WAIT_S)
+        self.counters["reads_awaiting_push"] += 1
+        while (remaining := deadline - time.monotonic()) > 0 and self.cache.follows(shard_id, rows):
+            self.worker.tracker.pump(min(remaining, 0.5))
+            got = self.cache.serve(shard_id, rows, clock)
+            if got is not None:
+                return got
+        return None
+
     def _finish_pull(self, keys: np.ndarray, out: np.ndarray, parts: list[tuple[int, np.ndarray]],
                      plan: dict[int, list[int]], replies: dict[Any, Message], start: float, issued: float) -> None:
         for shard_id, pos in parts:
             got = {node: replies[(shard_id, node)] for node in plan[shard_id] if (shard_id, node) in replies}
-            rows = self._finish_read(shard_id, keys[pos], plan[shard_id], got, start, issued)
+            rows, version = self._finish_read(shard_id, keys[pos], plan[shard_id], got, start, issued)
             if pos.shape[0] == keys.shape[0]:
                 out[...] = rows
             else:
                 kernels.place_rows(out, pos, rows)
+            home = plan[shard_id][0]
+            if self.cache is not None and home in got:
+                self._keep(shard_id, home, got[home], keys[pos], rows, version)
+
+    def _keep(self, shard_id: int, home: int, reply: Message, keys: np.ndarray, rows: np.ndarray,
+              version: dict[int, int]) -> None:
+        """Cache rows read from ``home`` (subscribed to them by this read) with the clock they cover."""
+        assert self.cache is not None and self.spec.consistency.bound is not None
+        rows_seq, series = reply.body.get("rows_seq"), reply.body.get("series")
+        if not isinstance(rows_seq, int) or isinstance(rows_seq, bool) or not isinstance(series, str):
+            raise ProtocolError(f"replica {home} did not say where its rows of {self.spec.name!r} stand "
+                                f"(rows_seq {rows_seq!r}, series {series!r})")
+        self.cache.keep(shard_id, home, series, rows_seq, self._rows(keys, shard_id), rows,
+                        self.worker.clock - self.spec.consistency.bound, version)
+
+    def on_server_message(self, server: int, msg: Message) -> bool:
+        if msg.op != Op.ROWS or self.cache is None:
+            return False
+        body = bodies.Rows.of(msg)
+        if len(body.shards) != 1 or not isinstance(body.covers, int) or not isinstance(body.vv, list) \
+                or not isinstance(body.seq, int) or not isinstance(body.series, str):
+            raise ProtocolError(f"rows of replicated {self.spec.name!r} name one shard, the clock they cover, a "
+                                "version vector and their place in a series")
+        shard_id = body.shards[0]
+        if not 0 <= shard_id < self.layout.num_shards:
+            raise ProtocolError(f"rows of {self.spec.name!r} for shard {shard_id}, which it does not have")
+        keys, values = msg.arrays
+        rows = self.layout.mapping.rows_in(keys, shard_id) if keys.shape[0] else keys
+        if rows is None or values.shape != (keys.shape[0], self.spec.dim):
+            raise ProtocolError(f"rows of {self.spec.name!r} that do not fit shard {shard_id}")
+        version = {int(o): int(s) for o, s in body.vv}
+        self.cache.on_rows(server, shard_id, body.seq, body.series, body.covers, version, rows, values)
+        return True
+
+    def forget_cached(self) -> None:
+        if self.cache is not None:
+            self.cache.forget()
+
+    def _rows(self, keys: np.ndarray, shard_id: int) -> np.ndarray:
+        rows = self.layout.mapping.rows_in(keys, shard_id)
+        assert rows is not None  # keys were split by shard
+        return rows
 
     def _read_targets(self, shard_id: int) -> list[int]:
         """``R`` live replicas: one holding our last push first (read-your-writes without
-        widening), the rest at random (the model assumes random quorums)."""
+        widening; under ESSP the home of the rows cached, while it lives), the rest at random (the
+        model assumes random quorums)."""
         shard = self.shards[shard_id]
         if isinstance(self.spec.read_quorum, Dynamic):
             self._refresh_quorum(shard_id, shard)
@@ -225,8 +332,12 @@ class ReplicatedAccess(TableAccess):
             self.view.refresh(force=True)
             live = self.view.live(shard.nodes) or list(shard.nodes)
         size = min(shard.read_quorum, len(live))
+        home = self.cache.home_of(shard_id) if self.cache is not None else None
         holders = [n for n in live if n in shard.holders]
-        first = [self.rng.choice(holders)] if holders else []
+        if home in live:  # ESSP: the replica that pushes this worker the rows it read there
+            first = [home]
+        else:
+            first = [self.rng.choice(holders)] if holders else []
         rest = [n for n in live if n not in first]
         return first + self.rng.sample(rest, size - len(first))
 
@@ -246,7 +357,7 @@ class ReplicatedAccess(TableAccess):
         return [shard.next_seq - 1 for shard in self.shards]
 
     def _finish_read(self, shard_id: int, keys: np.ndarray, chosen: list[int], replies: dict[int, Message],
-                     start: float, issued: float) -> np.ndarray:
+                     start: float, issued: float) -> tuple[np.ndarray, dict[int, int]]:
         """Merge; replace replicas that did not answer, widen until our own last push and what the
         bound requires are covered, read again while gossip brings what the bound requires."""
         shard = self.shards[shard_id]
@@ -292,7 +403,7 @@ class ReplicatedAccess(TableAccess):
         self.counters[f"reads_r{len(chosen)}"] += 1
         if self.record:
             self.reads.append((shard_id, len(chosen), issued, time.monotonic() - start, version))
-        return value.astype(self.spec.dtype)
+        return value.astype(self.spec.dtype), version
 
     def _message(self, body: Body, arrays: list[np.ndarray]) -> Message:
         return body.to_message(table=self.spec.name, clock=self.worker.clock, arrays=arrays)

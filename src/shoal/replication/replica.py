@@ -72,6 +72,18 @@ class ShardReplica:
         self._sent: dict[int, dict[int, tuple[int, float]]] = defaultdict(dict)
         self.delays: dict[int, DelaySamples] = defaultdict(DelaySamples)  # accepting replica -> delays to here
         self.accept_times: deque[float] = deque(maxlen=4096)
+        #: changes counted, and per row the count at its last change: eager pushes (ESSP) send the rows
+        #: changed since the count they last went out at
+        self.changes = 0
+        self.changed_at = np.zeros(self.num_rows, dtype=np.int64)
+
+    def _changed(self, rows: np.ndarray | None) -> None:
+        """``rows`` (None: every row) changed just now."""
+        self.changes += 1
+        if rows is None:
+            self.changed_at[:] = self.changes
+        else:
+            self.changed_at[rows] = self.changes
 
     # ----------------------------------------------------------------- pushes
 
@@ -118,6 +130,7 @@ class ShardReplica:
                 held.tokens.append(token)
             return None
         self.lattice.accept(origin, rows, delta, now, seq=seq, accepted_by=self.node)
+        self._changed(rows)
         self.accept_times.append(now)
         return origin, seq, now
 
@@ -133,6 +146,7 @@ class ShardReplica:
             while (seq := self.lattice.seq(origin) + 1) in waiting:
                 push = waiting.pop(seq)
                 self.lattice.accept(origin, push.rows, push.delta, now, seq=seq, accepted_by=self.node)
+                self._changed(push.rows)
                 done += [(t, origin, seq, now) for t in push.tokens]
         return done
 
@@ -150,6 +164,7 @@ class ShardReplica:
                 push = waiting[first]
                 self.lattice.accept(origin, push.rows, push.delta, now, seq=first, accepted_by=self.node,
                                     skip=True)
+                self._changed(push.rows)
         return self.release_held()
 
     # ------------------------------------------------------------ checkpoints
@@ -237,12 +252,14 @@ class ShardReplica:
             applied = self.lattice.apply(delta)
             if applied:
                 for update in delta.updates[have - delta.from_seq:]:
+                    self._changed(update.rows)
                     if 0 <= update.accepted_by != self.node:
                         self.delays[update.accepted_by].add(now - update.accepted_at)
                 new += applied
         for origin, seq, total in payload.states:
             before = self.lattice.seq(origin)
             if self.lattice.merge_state(origin, seq, total):
+                self._changed(None)
                 new += seq - before
         return new
 

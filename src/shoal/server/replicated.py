@@ -5,16 +5,19 @@ the server's loop: on each table's jittered schedule a replica sends its
 version vector to one random live peer replica of the shard, which answers with
 what the first lacks and its own vector, and so on (``replication.gossip``).
 Peers are found through the rendezvous' status: addresses, liveness from
-heartbeats, and a restarted peer's new address. Under a bound (BSP, SSP) a
+heartbeats, and a restarted peer's new address. Under a bound (BSP, SSP, ESSP) a
 replica holds a read until every worker's clock tick has said how many pushes
 it had made by then, and answers with the version the read must cover
-(``replication.bounds``); the reader merges replicas until it does.
+(``replication.bounds``); the reader merges replicas until it does. Under ESSP
+a replica also pushes the rows a worker reads from it to that worker as soon as
+it holds what a later clock requires (``replication.eager``).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,9 +37,10 @@ from shoal.api.errors import (
     TableError,
 )
 from shoal.api.ids import MAX_INCARNATIONS, MAX_RANKS, server_node, worker_origin
-from shoal.consistency.clocks import ClockTable
+from shoal.consistency.clocks import FINISHED, ClockTable
 from shoal.placement.layout import TableLayout
 from shoal.replication.bounds import PushCounts
+from shoal.replication.eager import Subscribers
 from shoal.replication.gossip import ANSWER, DIGEST, FINAL, GossipPayload, GossipSchedule
 from shoal.replication.replica import ShardReplica
 from shoal.server.peers import PeerDirectory
@@ -74,6 +78,13 @@ class ReplicatedTable:
         self.counts = None if bound is None else PushCounts(clocks.num_workers, self.layout.num_shards, bound,
                                                             [int(c) for c in clocks.learned])
         self.held: list[tuple[float, bytes, Message]] = []
+        #: under ESSP: the workers that read each shard here, to push its rows to
+        self.subscribers = Subscribers() if spec.consistency.eager else None
+        self._keys = {shard: self.layout.mapping.keys_of(shard) for shard in self.replicas}
+
+    def keys_at(self, shard: int, rows: np.ndarray) -> np.ndarray:
+        """The keys of ``rows`` of ``shard``."""
+        return self._keys[shard][rows]
 
     def replica(self, shard: int) -> ShardReplica:
         replica = self.replicas.get(shard)
@@ -120,6 +131,7 @@ class ReplicationService:
         self.stats: Counter[str] = Counter()
         self._held_replies: dict[int, tuple[bytes, Message]] = {}  # token -> waiting push (W > 1)
         self._tokens = 0
+        self._series = secrets.token_hex(4)  # eager messages of a restarted server are a new series
 
     # ------------------------------------------------------------ membership
 
@@ -192,6 +204,9 @@ class ReplicationService:
                     self.stats["bounded_reads_held"] += 1
                     return None
                 need["need"] = sorted([o, s] for o, s in required.items())
+            if pull.subscribe and table.subscribers is not None and 0 <= msg.sender < self.cluster.num_workers:
+                need["rows_seq"] = table.subscribers.subscribe(msg.sender, peer, replica, rows)
+                need["series"] = self._series
             if pull.totals:
                 origins, seqs, totals = replica.totals(rows)
                 return msg.reply(Op.TOTALS, need or None, arrays=[origins, seqs, totals])
@@ -232,10 +247,37 @@ class ReplicationService:
                 raise ProtocolError(f"push counts of {name!r} must be ints >= 0, one per shard, got {counts!r}")
             if body.final:
                 advanced = table.counts.finish(msg.sender, position.incarnation, counts)
+                if table.subscribers is not None:
+                    table.subscribers.drop(msg.sender)
             else:
                 advanced = table.counts.report(msg.sender, position.incarnation, msg.clock, counts)
             if advanced and table.held:
                 self._release(table)
+            if advanced:
+                self._push_eagerly(table)
+
+    def _push_eagerly(self, table: ReplicatedTable) -> None:
+        """ESSP: tell each subscriber of a shard whose replica here holds every push a read at the slowest
+        reported clock must cover that its rows cover that clock, with those that changed since its
+        last message. A replica still lacking some is retried when gossip brings them."""
+        if table.subscribers is None or table.counts is None or table.counts.slowest >= FINISHED:
+            return
+        clock = table.counts.slowest
+        for shard, replica in table.replicas.items():
+            if not table.subscribers.waiting(shard, clock):
+                continue
+            required = table.counts.required(shard, clock)
+            have = replica.version()
+            if required is None or any(have.get(o, 0) < s for o, s in required.items()):
+                continue
+            vv = wire_version(replica)
+            for update in table.subscribers.due(replica, clock):
+                body = bodies.Rows([shard], update.seq, self._series, covers=clock, vv=vv)
+                rows = body.to_message(table=table.spec.name, clock=clock,
+                                       arrays=[table.keys_at(shard, update.rows), replica.read(update.rows)])
+                self.stats["eager_messages"] += 1
+                self.stats["eager_rows"] += int(update.rows.shape[0])
+                self.reply(update.peer, rows)
 
     def _release(self, table: ReplicatedTable) -> None:
         held, table.held = table.held, []
@@ -304,6 +346,7 @@ class ReplicationService:
         for table in self.tables.values():
             if table.held:
                 self._expire_held(table)
+            self._push_eagerly(table)
             due = table.schedule.due()
             for shard, replica in table.replicas.items():
                 if replica.waiting():
@@ -368,7 +411,10 @@ class ReplicationService:
         except ValueError as exc:
             raise ProtocolError(f"bad gossip from server {sender}: {exc}") from None
         self.stats["gossip_received"] += 1
-        self.stats["gossip_updates_new"] += replica.absorb(payload)
+        new = replica.absorb(payload)
+        self.stats["gossip_updates_new"] += new
+        if new:
+            self._push_eagerly(table)  # what a read must cover may be here now
         have = replica.version()
         if payload.stage == ANSWER and all(have.get(o, 0) >= s for o, s in payload.version.items()):
             # the peer's whole answer to a digest of ours: we have every update it had

@@ -159,13 +159,15 @@ class CreateTable(Body):
 class Pull(Body):
     """Static tables: the request's place in the worker's stream (``client.streams``), and the
     model the reader holds these rows to if not the table's (``consistency.schemes``); replicated
-    tables: the replica's shard, and whether to answer with the per-origin totals too."""
+    tables: the replica's shard, whether to answer with the per-origin totals too, and (ESSP)
+    whether the replica is to push these rows to the reader from now on."""
 
     op = Op.PULL
     stream: list[int] | None = None
     consistency: dict[str, Any] | None = None
     shard: int | None = None
     totals: bool | None = None
+    subscribe: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -202,13 +204,17 @@ class Clock(Body):
 @dataclass(frozen=True)
 class Rows(Body):
     """Rows a server pushes unasked (ESSP): the slices whose other rows did not change, numbered in
-    a series per worker and table, and the last request of the worker it had handled."""
+    a series per worker and table, and the last request of the worker it had handled. A replica of
+    a replicated table names its one shard, the clock before which its rows hold every push
+    (``covers``) and its version vector (``vv``, ``[origin, seq]`` pairs)."""
 
     op = Op.ROWS
     shards: list[int]
     seq: int | None = None
     series: str | None = None
     seen: int | None = None
+    covers: int | None = None
+    vv: list[Any] | None = None
 
 
 @dataclass(frozen=True)
