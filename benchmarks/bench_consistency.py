@@ -48,6 +48,13 @@ requests and bytes per clock and time to the target,
 runs Bösen's second application, LDA by Gibbs sampling on the Lee corpus, under
 SSP and ESSP with random pauses, with and without a straggler, over seeds:
 ``results/consistency_lda.{json,md,png}``.
+
+    python benchmarks/bench_consistency.py --only replicated [--seeds 3]
+
+trains the MF with users by worker and a straggler on the replicated store (2
+replicas of every shard) under SSP and ESSP: replica reads, reads served from
+the rows replicas pushed, bytes per clock, speed and RMSE,
+``results/consistency_replicated.{json,md}``.
 """
 
 from __future__ import annotations
@@ -117,16 +124,16 @@ def run(data: str, config: list[str], workload: list[str] | None = None) -> dict
             requests += t["counters"].get("requests", 0)
             cache_hits += t["counters"].get("rows_from_cache", 0)
             eager += t["counters"].get("eager_messages", 0)
-    reads = sum(counts.values())
-    mean = sum(s * c for s, c in counts.items()) / reads
-    std = (sum(c * (s - mean) ** 2 for s, c in counts.items()) / reads) ** 0.5
+    reads = sum(counts.values())  # none recorded for replicated tables
+    mean = sum(s * c for s, c in counts.items()) / reads if reads else 0.0
+    std = (sum(c * (s - mean) ** 2 for s, c in counts.items()) / reads) ** 0.5 if reads else 0.0
     held: dict[str, int] = {}
     for server in result["servers"]:
         for ctl in server["controllers"].values():
             for k, v in ctl.items():
                 held[k] = held.get(k, 0) + v
     return {"rmse": result["rmse"], "seconds": result["seconds"], "staleness_counts": counts,
-            "staleness_mean": mean, "staleness_std": std, "staleness_max": max(counts),
+            "staleness_mean": mean, "staleness_std": std, "staleness_max": max(counts, default=0),
             "requests_per_clock": requests / clocks, "eager_messages_per_clock": eager / clocks,
             "rows_from_cache": cache_hits, "controller": held, "ratings_per_s": result["ratings_per_s"],
             "clocks": clocks, "table_counters": per_table, "bytes_per_clock": moved / clocks}
@@ -538,6 +545,55 @@ def lazy_main(seeds: int) -> None:
     publish("consistency_lazy", {"straggle_ms": STRAGGLE_MS, "seeds": seeds, "results": summary}, lines)
 
 
+REPLICATED_CONFIGS = {name: CONFIGS[name] for name in ("SSP(1)", "ESSP(1)", "SSP(3)", "ESSP(3)")}
+
+
+def replicated_main(seeds: int) -> None:
+    """MF on 2 replicas of every shard, users by worker (item rows re-read every clock), a straggler:
+    SSP reads replicas every clock a cached row falls out of the bound; ESSP's replicas push the
+    rows read as the slowest clock advances."""
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in REPLICATED_CONFIGS}
+    workload = ["--replicas", "2", "--users-by-worker", "--straggle-ms", str(STRAGGLE_MS)]
+    for seed in range(seeds):
+        for name, config in REPLICATED_CONFIGS.items():
+            res = run("ml-100k", config, [*workload, "--seed", str(seed)])
+            runs[name].append(res)
+            print(f"seed {seed} {name:8s} RMSE {res['rmse'][-1]:.4f} in {res['seconds'][-1]:.1f}s, "
+                  f"{res['bytes_per_clock'] / 1e3:.0f} kB per clock", flush=True)
+    target = DATASETS["ml-100k"]["target"]
+
+    def spread(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+    def per_clock(r: dict[str, Any], counter: str) -> float:
+        return sum(v for t in r["table_counters"].values() for k, v in t.items() if k.startswith(counter)) / r["clocks"]
+
+    lines = [f"MF rank 64 on MovieLens 100k on the replicated store (2 replicas of every shard, W=1, R=1), 4 workers "
+             f"on 2 nodes, each training its own users' ratings, the last rank sleeping {STRAGGLE_MS} ms per batch; "
+             f"free-running; {seeds} seed(s). Per clock of one worker (two tables read each clock): shard reads "
+             "sent to replicas, shard reads served from rows replicas pushed, bytes sent plus received. Median "
+             "[min-max] over seeds.", "",
+             f"| model | replica reads / clock | served from pushed rows / clock | kB / clock | ratings/s | time to "
+             f"RMSE {target} s | RMSE after epoch 10 |", "|---|---|---|---|---|---|---|"]
+    summary: dict[str, Any] = {}
+    for name, rounds in runs.items():
+        ttt = [t for r in rounds if (t := time_to(target, r["rmse"], r["seconds"])) is not None]
+        summary[name] = {"replica_reads_per_clock": [per_clock(r, "reads_r") for r in rounds],
+                         "served_from_pushed_per_clock": [per_clock(r, "eager_reads_served") for r in rounds],
+                         "bytes_per_clock": [r["bytes_per_clock"] for r in rounds],
+                         "ratings_per_s": [r["ratings_per_s"] for r in rounds], "time_to_target_s": ttt,
+                         "rmse_per_epoch": [r["rmse"] for r in rounds], "seconds": [r["seconds"] for r in rounds],
+                         "counters": [r["table_counters"] for r in rounds]}
+        row = summary[name]
+        lines.append(f"| {name} | {spread(row['replica_reads_per_clock'], 2)} | "
+                     f"{spread(row['served_from_pushed_per_clock'], 2)} | "
+                     f"{spread([b / 1e3 for b in row['bytes_per_clock']], 0)} | "
+                     f"{spread(row['ratings_per_s'], 0)} | "
+                     f"{spread(ttt, 2) if len(ttt) == len(rounds) else 'not always'} | "
+                     f"{spread([r['rmse'][-1] for r in rounds], 4)} |")
+    publish("consistency_replicated", {"straggle_ms": STRAGGLE_MS, "seeds": seeds, "results": summary}, lines)
+
+
 # ------------------------------------------------------------------ LDA
 
 LDA_MODELS: dict[str, list[str]] = {
@@ -654,7 +710,7 @@ def plot_lda(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--only", choices=("mf", "data-age", "reread", "per-slice", "lazy", "lda"),
+    p.add_argument("--only", choices=("mf", "data-age", "reread", "per-slice", "lazy", "lda", "replicated"),
                    help="one part (default: all)")
     p.add_argument("--seeds", type=int, default=3, help="data age and re-read: seeds per configuration")
     p.add_argument("--iterations", type=int, default=300, help="data age: iterations per worker")
@@ -669,6 +725,8 @@ def main() -> None:
         lazy_main(args.seeds)
     if args.only in (None, "lda"):
         lda_main(args.seeds)
+    if args.only in (None, "replicated"):
+        replicated_main(args.seeds)
     if args.only in (None, "mf"):
         mf_main(args.rounds)
 
