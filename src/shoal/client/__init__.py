@@ -16,6 +16,7 @@ once by its kind -> local rows in shared memory, or requests to servers.
 - ``streams``: this worker's requests to each server, numbered so they are handled in order
 - ``replicated``: ``ReplicatedAccess``, write and read quorums, failover, read-your-writes
 - ``replica_view``: which servers this worker believes alive
+- ``replica_cache``: under ESSP, replicated rows kept current by the replicas they were read from
 - ``adaptive``: ``AdaptiveAccess``, rows that move and replicate, intents
 - ``sampling``: drawing keys from a distribution and getting their rows (NuPS schemes)
 - ``checkpoints``: collective checkpoint and restore

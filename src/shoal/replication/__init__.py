@@ -5,5 +5,6 @@ the probabilistic consistency model, and read-quorum choice. Pure: no sockets.
 - ``gossip``: digests and deltas as plain payloads, and the jittered schedule
 - ``delays``: propagation and read-latency samples
 - ``pbs``: the model (probability a read misses at most k pushes) and ``choose_read_quorum``
-- ``bounds``: ``PushCounts``, what a read under BSP/SSP must cover, from the workers' clock ticks
+- ``bounds``: ``PushCounts``, what a read under BSP/SSP/ESSP must cover, from the workers' clock ticks
+- ``eager``: ``Subscribers``, the rows a replica pushes to the workers that read them (ESSP)
 """
