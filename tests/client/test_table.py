@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -260,3 +261,26 @@ def test_creating_a_table_waits_for_its_build_past_a_short_request_timeout():
     with ThreadCluster(nodes=1, timeouts=Timeouts(connect_s=30.0, request_s=0.01, barrier_s=30.0)) as c:
         t = c.worker(0).table("big", 4_000_000, 8, init=shoal.Normal(std=0.1))
         assert t.pull(np.array([3_999_999])).shape == (1, 8)  # a local read: no request to time out
+
+
+@pytest.mark.parametrize("model", [shoal.ASP(), shoal.SSP(1)], ids=["ASP", "SSP"])
+def test_clock_ticks_of_a_fast_loop_are_spaced_when_no_read_waits_on_them(model):
+    """100 clocks as fast as the loop goes: under ASP a few ticks carry them (servers learn clocks
+    from every request too, and the last goes before the barrier); under a bound every one goes,
+    since reads wait on them."""
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(0)
+        w.table("t", 8, 1, consistency=model)
+        sent = w.tracker.sent["CLOCK"]
+        for _ in range(100):
+            w.advance_clock()
+        ticks = w.tracker.sent["CLOCK"] - sent
+        w.wait_all()
+        deadline = time.monotonic() + 10
+        while (told := [int(s.clocks.clocks[0]) for s in c.servers]) != [100, 100] and time.monotonic() < deadline:
+            w.tracker.pump(0.01)
+    if model.bound is None:
+        assert ticks < 100, ticks  # 2 servers x 100 clocks would be 200
+    else:
+        assert ticks == 200
+    assert told == [100, 100]
