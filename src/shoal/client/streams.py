@@ -37,12 +37,18 @@ class Streams:
 
     def stamp(self, server: int, msg: Message, settled: int) -> int:
         """Number ``msg`` as this worker's next request to ``server``; returns its seq."""
-        stream = self._streams.setdefault(server, _Stream())
+        stream = self._stream(server)
         seq = stream.next_seq
         stream.next_seq += 1
         stream.open.add(seq)
         msg.body["stream"] = [self.incarnation, seq, min(stream.open), min(settled, msg.clock)]
         return seq
+
+    def _stream(self, server: int) -> _Stream:
+        stream = self._streams.get(server)  # not setdefault: it would build a stream on every call
+        if stream is None:
+            stream = self._streams[server] = _Stream()
+        return stream
 
     def ended(self, server: int, seq: int) -> None:
         """The request is over (answered, given up or superseded): it no longer holds the floor."""
@@ -52,8 +58,9 @@ class Streams:
 
     def answered(self, server: int, seq: int) -> None:
         """``server`` answered request ``seq`` (rows, an acknowledgement or an error)."""
-        stream = self._streams.setdefault(server, _Stream())
-        stream.answered = max(stream.answered, seq)
+        stream = self._stream(server)
+        if seq > stream.answered:
+            stream.answered = seq
 
     def handled(self, server: int) -> int:
         """``server`` has handled every request of ours up to this seq: what it sends after

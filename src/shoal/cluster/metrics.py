@@ -49,13 +49,14 @@ class LatencyHistogram:
 
     def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
         self.buckets = buckets
-        self.counts: dict[str, np.ndarray] = {}
+        # Python lists: a request observes one duration, and a numpy element costs more to bump
+        self.counts: dict[str, list[int]] = {}
         self.sums: dict[str, float] = {}
 
     def observe(self, label: str, seconds: float) -> None:
         counts = self.counts.get(label)
         if counts is None:
-            counts = self.counts[label] = np.zeros(len(self.buckets) + 1, dtype=np.int64)
+            counts = self.counts[label] = [0] * (len(self.buckets) + 1)
             self.sums[label] = 0.0
         counts[bisect.bisect_left(self.buckets, seconds)] += 1
         self.sums[label] += seconds

@@ -18,8 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-import numpy as np
-
 from shoal.api.errors import (
     AuthError,
     ClosedError,
@@ -34,9 +32,9 @@ from shoal.cluster.replay import new_incarnation
 from shoal.cluster.throttle import ThrottledWarnings
 from shoal.transport.base import Connection, Transport, is_loopback
 from shoal.wire import bodies
-from shoal.wire.codec import Codec
+from shoal.wire.codec import Codec, frames_nbytes
 from shoal.wire.message import Message
-from shoal.wire.ops import Flag, Op
+from shoal.wire.ops import OP_NAMES, Flag, Op
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,7 @@ RESEND_CHECK_S = 0.05
 ReplyHandler = Callable[[Message], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     peer: int
     what: str
@@ -196,9 +194,9 @@ class RequestTracker:
             req = self._stamp(msg)
             frames = self._codecs[peer].encode(msg)
             conn.send(frames)  # bounded wait for room; raises if the peer is stuck
-            op = msg.op.name
+            op = OP_NAMES[msg.op]
             now = self.now()
-            size = _size(frames)
+            size = frames_nbytes(frames)
             pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background,
                                nbytes=size + reply_bytes, on_error=on_error, on_end=on_end,
                                seq=stream[1] if (stream := msg.body.get("stream")) else None)
@@ -226,7 +224,7 @@ class RequestTracker:
             sent = conn.send(frames, block=block)
             if sent:
                 self.sent[msg.op.name] += 1
-                self.bytes_sent += _size(frames)
+                self.bytes_sent += frames_nbytes(frames)
             if not sent:
                 self._note_dropped(peer, msg.op.name)
             return sent
@@ -446,7 +444,7 @@ class RequestTracker:
             log.exception("dropping a message from peer %s that could not be handled", peer)
 
     def _dispatch_checked(self, peer: int, frames: list) -> None:
-        self.bytes_received += _size(frames)
+        self.bytes_received += frames_nbytes(frames)
         try:
             msg = self._codecs.get(peer, self.codec).decode(frames)
         except ShoalError as exc:
@@ -483,7 +481,10 @@ class RequestTracker:
             elapsed = self.now() - pending.started
             self.latency.observe(pending.op, elapsed)
             if not pending.resends:  # a reply to a request sent again could answer either copy (Karn)
-                self.round_trips.setdefault(pending.peer, RoundTrip()).observe(elapsed)
+                trip = self.round_trips.get(pending.peer)
+                if trip is None:
+                    trip = self.round_trips[pending.peer] = RoundTrip()
+                trip.observe(elapsed)
         error = pending.error
         if msg is not None and error is None:
             try:
@@ -609,6 +610,4 @@ class Future(Generic[T]):
             self._recover(errors)  # type: ignore[misc]
 
 
-def _size(frames: list[Any]) -> int:
-    # Arrays and views count their bytes; bytes and zmq frames have a length in bytes.
-    return sum(f.nbytes if isinstance(f, (np.ndarray, memoryview)) else len(f) for f in frames)
+

@@ -13,18 +13,25 @@ class StalenessHistogram:
     """Counts of reads by staleness: reader's clock minus the clock its rows are known current at."""
 
     def __init__(self) -> None:
-        self.counts = np.zeros(_MAX + 1, dtype=np.int64)
+        # A Python list: every reply records one value, and a numpy element costs more to add to.
+        self._counts = [0] * (_MAX + 1)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Reads per staleness value (a copy)."""
+        return np.array(self._counts, dtype=np.int64)
 
     def record(self, staleness: np.ndarray | int, reads: int = 1) -> None:
         if isinstance(staleness, (int, np.integer)):
-            self.counts[min(max(int(staleness), 0), _MAX)] += reads
+            self._counts[min(max(int(staleness), 0), _MAX)] += reads
             return
-        clipped = np.clip(staleness, 0, _MAX)
-        self.counts += np.bincount(clipped, minlength=_MAX + 1)[: _MAX + 1]
+        per_value = np.bincount(np.clip(staleness, 0, _MAX), minlength=_MAX + 1)
+        for value in np.flatnonzero(per_value):
+            self._counts[value] += int(per_value[value])
 
     @property
     def total(self) -> int:
-        return int(self.counts.sum())
+        return sum(self._counts)
 
     def mean(self) -> float:
         total = self.total
@@ -43,17 +50,19 @@ class StalenessHistogram:
         return int(nonzero[-1]) if nonzero.size else 0
 
     def as_dict(self) -> dict[str, Any]:
-        nonzero = np.flatnonzero(self.counts)
-        return {"counts": {str(int(s)): int(self.counts[s]) for s in nonzero}, "reads": self.total,
+        counts = self.counts
+        return {"counts": {str(int(s)): int(counts[s]) for s in np.flatnonzero(counts)}, "reads": self.total,
                 "mean": self.mean(), "std": self.std(), "max": self.max()}
 
     def __repr__(self) -> str:
         if not self.total:
             return "StalenessHistogram(no reads)"
-        shares = ", ".join(f"{int(s)}: {self.counts[s] / self.total:.1%}" for s in np.flatnonzero(self.counts)[:8])
-        more = ", ..." if np.count_nonzero(self.counts) > 8 else ""
+        counts, total = self.counts, self.total
+        shares = ", ".join(f"{int(s)}: {counts[s] / total:.1%}" for s in np.flatnonzero(counts)[:8])
+        more = ", ..." if np.count_nonzero(counts) > 8 else ""
         return (f"StalenessHistogram({self.total} reads, mean {self.mean():.2f} clocks, max {self.max()}; "
                 f"share of reads by clocks behind: {{{shares}{more}}})")
 
     def merge(self, other: StalenessHistogram) -> None:
-        self.counts += other.counts
+        for value, reads in enumerate(other._counts):
+            self._counts[value] += reads

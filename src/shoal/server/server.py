@@ -57,9 +57,9 @@ from shoal.server.tables import ServedTable, SliceMoving, table_bytes
 from shoal.storage.segment import Segment
 from shoal.transport.base import Transport, is_loopback
 from shoal.wire import bodies
-from shoal.wire.codec import Codec
+from shoal.wire.codec import Codec, frames_nbytes
 from shoal.wire.message import Message
-from shoal.wire.ops import Flag, Op
+from shoal.wire.ops import OP_NAMES, Flag, Op
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS}
 _DATA_OPS = frozenset({Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LOCALIZE, Op.INTENT})
 #: requests a table's service serves (each kind serves those it knows)
 _TABLE_OPS = _DATA_OPS | {Op.GOSSIP, Op.REPLICA_STATS, Op.PLACEMENT, Op.GOSSIP_PERIOD}
+_KEPT_REPLIES = frozenset({Op.OK, Op.VALUES, Op.ERROR})  # answers a repeated request gets again
+_OP_COUNTERS = {op: f"op_{name.lower()}" for op, name in OP_NAMES.items()}
 
 
 class ParameterServer:
@@ -304,7 +306,7 @@ class ParameterServer:
     def handle(self, peer: bytes, frames: list[Any]) -> None:
         """Decode, check and serve one request; every failure becomes an error reply."""
         self.stats["messages"] += 1
-        self.stats["bytes_in"] += sum(memoryview(getattr(f, "buffer", f)).nbytes for f in frames)
+        self.stats["bytes_in"] += frames_nbytes(frames)
         try:
             msg = self.codec.decode(frames)
         except AuthError as exc:
@@ -317,7 +319,7 @@ class ParameterServer:
             self._warnings.warn("malformed", "server %d: rejected a malformed message: %s", self.node, exc)
             self._reply_error(peer, exc, self.codec)
             return
-        self.stats[f"op_{msg.op.name.lower()}"] += 1
+        self.stats[_OP_COUNTERS[msg.op]] += 1
         try:
             if self._repeated(peer, msg):
                 return
@@ -396,7 +398,7 @@ class ParameterServer:
             reply = bodies.Error.about(err).reply_to(msg)
         if reply is not None and not msg.flags & Flag.NO_REPLY:
             self._send(peer, reply, self.codec)
-        self.latency.observe(msg.op.name, time.perf_counter() - started)
+        self.latency.observe(OP_NAMES[msg.op], time.perf_counter() - started)
         return True
 
     def _expire_out_of_order(self) -> None:
@@ -425,9 +427,9 @@ class ParameterServer:
             error = bodies.Error.about(exc, f"server {self.node}: reply refused").to_message(req=reply.req,
                                                                                              sender=self.node)
             frames = codec.encode(error)
-        size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        size = frames_nbytes(frames)
         self.stats["bytes_out"] += size
-        if reply.req and reply.op in (Op.OK, Op.VALUES, Op.ERROR):
+        if reply.req and reply.op in _KEPT_REPLIES:
             self.replay.answered(reply.incarnation, reply.req, frames, size)
         self.listener.send(peer, frames)
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from shoal.api.errors import ProtocolError
 from shoal.wire.message import Message
-from shoal.wire.schema import is_int64
+
+_INT64_END = 1 << 63  # stream numbers land in int64 arrays
 
 #: requests kept per worker while an earlier one is missing: far more than a worker has in flight
 MAX_WAITING = 4096
@@ -63,10 +64,15 @@ def position_of(msg: Message) -> Position | None:
     last = _last_position  # one tuple, read once: server threads of one process share it
     if last[0] is msg and last[1] is value:  # asked again while the same request is handled
         return last[2]
-    if not (isinstance(value, list) and len(value) == 4 and all(is_int64(v) and v >= 0 for v in value)):
+    if type(value) is not list or len(value) != 4:
         raise ProtocolError(f"stream must be [incarnation, seq, floor, settled] of non-negative ints, "
                             f"got {value!r}")
     incarnation, seq, floor, settled = value
+    if not (type(incarnation) is int and type(seq) is int and type(floor) is int and type(settled) is int
+            and 0 <= incarnation < _INT64_END and 0 <= seq < _INT64_END and 0 <= floor < _INT64_END
+            and 0 <= settled < _INT64_END):
+        raise ProtocolError(f"stream must be [incarnation, seq, floor, settled] of non-negative ints, "
+                            f"got {value!r}")
     if floor > seq:
         raise ProtocolError(f"stream floor {floor} lies past the request's own seq {seq}")
     if settled > msg.clock:

@@ -74,7 +74,8 @@ class ServedTable:
         #: slices being handed to another server: requests for them wait for the move to end
         self.moving: set[int] = set()
         #: per slice: bytes in and out, requests, and seconds spent on them, since the last report
-        self.load: dict[int, np.ndarray] = {s: np.zeros(3) for s in self.stores}
+        #: (Python lists: every request adds to one, and a numpy element costs more to add to)
+        self.load: dict[int, list[float]] = {s: [0.0, 0.0, 0.0] for s in self.stores}
         self._row_bytes = spec.dim * np.dtype(spec.dtype).itemsize
 
     def split(self, keys: np.ndarray) -> Parts:
@@ -112,7 +113,7 @@ class ServedTable:
         """Per-slice load since the last call (and reset it)."""
         out = {s: [float(x) for x in v] for s, v in self.load.items() if v[1]}
         for v in self.load.values():
-            v[:] = 0
+            v[:] = [0.0, 0.0, 0.0]
         return out
 
     def pull(self, keys: np.ndarray, parts: Parts | None = None) -> np.ndarray:
@@ -207,7 +208,7 @@ class ServedTable:
         """A slice handed over from another server is served here from now on."""
         self.stores[store.shard] = store
         self._subscribed[store.shard] = subscribers
-        self.load[store.shard] = np.zeros(3)
+        self.load[store.shard] = [0.0, 0.0, 0.0]
         self.layout = self.layout.at(_with_owner(self.layout.owners, store.shard, self.node),
                                      max(epoch, self.layout.epoch))
 

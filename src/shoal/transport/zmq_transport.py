@@ -24,6 +24,12 @@ _LINGER_MS = 1_000  # let one-way messages (clock ticks) leave before a socket c
 # Frames below this are copied on send. Zero-copy hands the buffer to pyzmq's
 # garbage-collector thread, which costs more than copying a few hundred KB.
 _COPY_THRESHOLD = 512 * 1024
+# pyzmq's flags are enum members: combining or testing them per message builds enum objects. Plain
+# ints cost nothing (a 1-key request pays for the enum arithmetic in every send and every look).
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
 
 
 def _ms(timeout: float | None) -> int | None:
@@ -40,6 +46,17 @@ def normalise_address(address: str) -> str:
     if address.startswith("ipc://"):
         return address
     raise ConfigError(f"ZeroMQ transport speaks tcp:// and ipc://, got {address!r}")
+
+
+def _send_parts(socket: zmq.Socket[Any], parts: Sequence[Any], flags: int) -> None:
+    """``send_multipart`` without its per-part type checks and enum arithmetic: our frames are
+    bytes, arrays and frames already. libzmq queues a multipart message whole once its first part is
+    taken, so only that part can fail for want of room."""
+    last = len(parts) - 1
+    send = socket.send
+    for i in range(last):
+        send(parts[i], flags | _SNDMORE, copy=False)
+    send(parts[last], flags, copy=False)
 
 
 def _recv_parts(socket: zmq.Socket[Any]) -> list[zmq.Frame]:
@@ -73,7 +90,7 @@ class ZmqListener(Listener):
 
     def recv(self, timeout: float | None) -> tuple[bytes, Frames] | None:
         if timeout == 0:  # the server's loop drains a burst this way: no poll call, no exception when empty
-            if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+            if not self.socket.get(_EVENTS) & _POLLIN:
                 return None
         elif not self._poller.poll(_ms(timeout)):
             return None
@@ -82,7 +99,7 @@ class ZmqListener(Listener):
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         try:
-            self.socket.send_multipart([peer, *frames], copy=False)
+            _send_parts(self.socket, [peer, *frames], 0)
             return True
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the peer disconnected, as every peer does when a job ends; a peer that
@@ -111,7 +128,7 @@ class ZmqConnection(Connection):
 
     def send(self, frames: Sequence[Any], block: bool = True) -> bool:
         try:
-            self.socket.send_multipart(list(frames), copy=False, flags=0 if block else zmq.NOBLOCK)
+            _send_parts(self.socket, frames, 0 if block else _NOBLOCK)
             return True
         except zmq.Again:
             if not block:
@@ -121,7 +138,7 @@ class ZmqConnection(Connection):
 
     def recv(self, timeout: float | None) -> Frames | None:
         if timeout == 0:
-            if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+            if not self.socket.get(_EVENTS) & _POLLIN:
                 return None
         elif not self._poller.poll(_ms(timeout)):
             return None

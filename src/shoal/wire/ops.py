@@ -46,6 +46,11 @@ class Op(IntEnum):
     GOSSIP_PERIOD = 43  # worker -> server: gossip this replicated table's replicas at another period from now on
 
 
+#: each op's name, for counters and labels on every message (an enum member's ``.name`` is a
+#: property lookup that costs more than the dictionary)
+OP_NAMES: dict[Op, str] = {op: op.name for op in Op}
+
+
 class Flag:
     """Bits of the header's ``flags`` field."""
 

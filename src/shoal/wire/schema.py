@@ -14,7 +14,7 @@ from shoal.api.errors import ProtocolError, ShapeError
 from shoal.placement import messages
 from shoal.wire.bodies import BODIES, fields_of
 from shoal.wire.message import Message
-from shoal.wire.ops import Op
+from shoal.wire.ops import OP_NAMES, Op
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def is_int64(value: object) -> bool:
 def check_schema(msg: Message) -> None:
     """Raise ``ProtocolError`` (or ``ShapeError``) if ``msg`` does not fit its op (and sub-kind)."""
     schema = SCHEMAS[msg.op]
-    _check(msg, schema, msg.op.name)
+    _check(msg, schema, OP_NAMES[msg.op])
     if msg.op == Op.PLACEMENT:
         if msg.body["kind"] == messages.BATCH:
             _check_batch(msg)
@@ -192,24 +192,29 @@ def _check_batch(msg: Message) -> None:
 
 
 def _check(msg: Message, schema: OpSchema, what: str) -> None:
+    body = msg.body
     for name, kind in schema.body.items():
-        _check_field(msg.body.get(name), name, kind, what)
-    for name, kind in schema.optional.items():
-        value = msg.body.get(name)
-        if value is not None:
-            _check_field(value, name, kind, what)
+        _check_field(body.get(name), name, kind, what)
+    if body:  # the optional fields present: a body carries few of the many its op allows
+        optional = schema.optional
+        for name, value in body.items():
+            allowed = optional.get(name)
+            if allowed is not None and value is not None:
+                _check_field(value, name, allowed, what)
     if schema.needs_table and not msg.table:
         raise ProtocolError(f"{what} needs a table name")
     if schema.variadic:
         return
-    if len(msg.arrays) != len(schema.arrays):
-        raise ProtocolError(f"{what} carries {len(schema.arrays)} array(s), got {len(msg.arrays)}")
-    for i, (arr, rule) in enumerate(zip(msg.arrays, schema.arrays, strict=True)):
+    arrays, rules = msg.arrays, schema.arrays
+    if len(arrays) != len(rules):
+        raise ProtocolError(f"{what} carries {len(rules)} array(s), got {len(arrays)}")
+    for i in range(len(arrays)):
+        arr, rule = arrays[i], rules[i]
         if arr.dtype.kind != rule.kind:
             raise ProtocolError(f"{what} array {i} must be of kind {rule.kind!r}, got dtype {arr.dtype}")
         if arr.ndim != rule.ndim:
             raise ShapeError(f"{what} array {i} must have {rule.ndim} dimension(s), got shape {arr.shape}")
-    if schema.same_rows and len({a.shape[0] for a in msg.arrays}) > 1:
+    if schema.same_rows and len(arrays) > 1 and len({a.shape[0] for a in arrays}) > 1:
         raise ShapeError(
             f"{what}: arrays disagree on the number of rows: {[a.shape for a in msg.arrays]}"
         )
