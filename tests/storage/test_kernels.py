@@ -60,16 +60,33 @@ def test_partition_by_owner_is_a_stable_grouping(owners):
 @given(arrays(np.int64, st.integers(0, 20), elements=st.integers(0, 19), unique=True), st.integers(0, 2**20))
 def test_take_pending_returns_and_clears_exactly_the_changed_or_marked_rows(rows, seed):
     rng = np.random.default_rng(seed)
-    pending = np.where(rng.random((20, 3)) < 0.3, rng.standard_normal((20, 3)), 0.0).astype(np.float32)
+    changed = (rng.random(20) < 0.3).astype(np.uint8)
+    pending = np.where(changed[:, None] == 1, rng.standard_normal((20, 3)), 0.0).astype(np.float32)
+    pending[np.flatnonzero(changed)[:1]] = 0  # a row changed by zero is taken all the same
     marked = rng.random(len(rows)) < 0.2
-    before = pending.copy()
-    want = rows[np.any(before[rows] != 0, axis=1) | marked]
-    taken, deltas = kernels.take_pending(pending, rows, marked)
+    before, changed_before = pending.copy(), changed.copy()
+    want = rows[(changed_before[rows] == 1) | marked]
+    taken, deltas = kernels.take_pending(pending, changed, rows, marked)
     np.testing.assert_array_equal(taken, want)
     np.testing.assert_array_equal(deltas, before[want])
-    assert not pending[rows].any()
+    assert not pending[rows].any() and not changed[rows].any()
     untouched = np.setdiff1d(np.arange(20), rows)
     np.testing.assert_array_equal(pending[untouched], before[untouched])
+    np.testing.assert_array_equal(changed[untouched], changed_before[untouched])
+
+
+def test_add_present_marks_the_replica_rows_it_changes_and_no_others():
+    values = np.zeros((4, 2), np.float32)
+    pending = np.zeros((4, 2), np.float32)
+    changed = np.zeros(4, np.uint8)
+    presence = np.array([kernels.OWNED, kernels.REPLICA, kernels.ABSENT, kernels.REPLICA], np.uint8)
+    absent = np.empty(3, np.bool_)
+    kernels.add_present(values, pending, changed, presence, np.array([0, 1, 2]), np.ones((3, 2), np.float32),
+                        0.5, absent)
+    np.testing.assert_array_equal(absent, [False, False, True])
+    np.testing.assert_array_equal(changed, [0, 1, 0, 0])
+    np.testing.assert_array_equal(pending, [[0, 0], [0.5, 0.5], [0, 0], [0, 0]])
+    np.testing.assert_array_equal(values, [[0.5, 0.5], [0.5, 0.5], [0, 0], [0, 0]])
 
 
 def test_gather_and_place_are_inverse_orders():

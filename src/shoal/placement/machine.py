@@ -274,7 +274,7 @@ class PlacementMachine:
                        epochs: np.ndarray, steps: np.ndarray) -> None:
         table = self.table
         store = table.store
-        assert store.pending is not None
+        assert store.pending is not None and store.changed is not None
         with store.hold(None, exclusive=True):
             # A replica here becomes the row: its changes not yet synced stay in. Only a replica's
             # pending row can be non-zero; the others are left untouched (a first write to a page of
@@ -283,6 +283,7 @@ class PlacementMachine:
             store.values[keys] = values
             store.values[replica_keys] += store.pending[replica_keys]
             store.pending[replica_keys] = 0
+            store.changed[replica_keys] = 0
             table.presence[keys] = OWNED
         table.epoch[keys], table.step[keys] = epochs, steps
         table.replica_owner[keys] = -1
@@ -356,7 +357,7 @@ class PlacementMachine:
         """Send each owner the change its replicas here saw since the last sync (one sync in flight per owner)."""
         table = self.table
         store = table.store
-        assert store.pending is not None
+        assert store.pending is not None and store.changed is not None
         replicas = np.flatnonzero(table.presence == REPLICA)
         if not replicas.size:
             return
@@ -364,7 +365,7 @@ class PlacementMachine:
             if table.syncs_unanswered[owner]:
                 continue
             with store.hold(None, exclusive=True):
-                changed, deltas = take_pending(store.pending, keys, table.dropping[keys])
+                changed, deltas = take_pending(store.pending, store.changed, keys, table.dropping[keys])
             if not changed.size:
                 continue
             table.syncs_unanswered[owner] = 1
@@ -406,14 +407,14 @@ class PlacementMachine:
     def _synced(self, keys: np.ndarray, values: np.ndarray, drop: np.ndarray, target: int, parts: int) -> None:
         table = self.table
         store = table.store
-        assert store.pending is not None
+        assert store.pending is not None and store.changed is not None
         table.syncs_unanswered[target] = max(0, table.syncs_unanswered[target] + parts - 1)
         with store.hold(None, exclusive=True):
             replica = table.presence[keys] == REPLICA
             keys, values, drop = keys[replica], values[replica], drop[replica].astype(bool)
             store.values[keys] = values + store.pending[keys]
             # A replica goes once its last change is in; changes made meanwhile go in the next sync.
-            gone = keys[drop & ~np.any(store.pending[keys] != 0, axis=1)]
+            gone = keys[drop & (store.changed[keys] == 0)]
             table.presence[gone] = ABSENT
         table.dropping[gone] = False
         table.replica_owner[gone] = -1
@@ -465,6 +466,11 @@ class PlacementMachine:
 
 
 def _group(where: np.ndarray, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    if not where.size:
+        return []
+    first = where[0]
+    if (where == first).all():  # the usual case (with two nodes, always): one node, no sort
+        return [(int(first), keys)]
     return [(int(n), keys[where == n]) for n in np.unique(where)]
 
 

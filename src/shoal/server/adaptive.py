@@ -146,6 +146,8 @@ class AdaptiveService:
     def carry_out(self, effects: Effects, ticket: object = None) -> Message | None:
         """Send the placement messages a machine asked for and answer the requests it released; the
         answer to the request being handled (``ticket``) is returned, the others go through ``reply``."""
+        if not effects.sends and not effects.answers:  # most timer passes: nothing to do
+            return None
         batches: dict[tuple[str, int], list[PlacementMessage]] = {}
         for send in effects.sends:  # one message per table and node: a batch of what the event sends there
             batches.setdefault((send.table, send.node), []).append(send.message)

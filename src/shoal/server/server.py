@@ -269,7 +269,8 @@ class ParameterServer:
     def _heartbeat(self) -> None:
         """Ask the rendezvous how the cluster is; leave when it is finished or gone."""
         tracker = self._rendezvous
-        tracker.pump(0)
+        if tracker.awaits(RENDEZVOUS):  # answers may be in (the rendezvous sends nothing unasked)
+            tracker.pump(0)
         if self._heartbeat_req is not None and tracker.done({self._heartbeat_req}):
             tracker.take_error(self._heartbeat_req)
             self._heartbeat_req = None

@@ -82,9 +82,10 @@ def read_present(values: np.ndarray, presence: np.ndarray, rows: np.ndarray, pos
 
 
 @kernel
-def add_present(values: np.ndarray, pending: np.ndarray, presence: np.ndarray, rows: np.ndarray,
-                grads: np.ndarray, scale: float, absent: np.ndarray) -> None:
-    """Additive update of present rows; a replica also records the change as pending for its owner."""
+def add_present(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, presence: np.ndarray,
+                rows: np.ndarray, grads: np.ndarray, scale: float, absent: np.ndarray) -> None:
+    """Additive update of present rows; a replica also records the change as pending for its owner
+    and marks the row changed."""
     dim = values.shape[1]
     a = values.dtype.type(scale)
     for i in range(rows.shape[0]):
@@ -94,28 +95,27 @@ def add_present(values: np.ndarray, pending: np.ndarray, presence: np.ndarray, r
             absent[i] = True
             continue
         absent[i] = False
-        for j in range(dim):
-            d = a * grads[i, j]
-            values[r, j] += d
-            if state == 2:
+        if state == 2:
+            changed[r] = 1
+            for j in range(dim):
+                d = a * grads[i, j]
+                values[r, j] += d
                 pending[r, j] += d
+        else:
+            for j in range(dim):
+                values[r, j] += a * grads[i, j]
 
 
 @kernel
-def take_pending(pending: np.ndarray, rows: np.ndarray, also: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A replica sync's payload: the rows among ``rows`` with a non-zero pending change (or marked in
-    ``also``) and their changes, which are reset to zero. One pass, no row-sized temporaries."""
+def take_pending(pending: np.ndarray, changed: np.ndarray, rows: np.ndarray, also: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """A replica sync's payload: the rows among ``rows`` marked changed (or marked in ``also``) and
+    their changes, which are reset to zero with their marks. No row-sized temporaries."""
     dim = pending.shape[1]
     chosen = np.zeros(rows.shape[0], dtype=np.bool_)
     count = 0
     for i in range(rows.shape[0]):
-        take = also[i]
-        if not take:
-            r = rows[i]
-            for j in range(dim):
-                if pending[r, j] != 0:
-                    take = True
-                    break
+        take = also[i] or changed[rows[i]] != 0
         chosen[i] = take
         count += take
     taken = np.empty(count, dtype=np.int64)
@@ -128,6 +128,7 @@ def take_pending(pending: np.ndarray, rows: np.ndarray, also: np.ndarray) -> tup
             for j in range(dim):
                 deltas[k, j] = pending[r, j]
                 pending[r, j] = 0
+            changed[r] = 0
             k += 1
     return taken, deltas
 

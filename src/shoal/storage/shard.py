@@ -56,13 +56,16 @@ class ShardLayout:
         if spec.adaptive:
             # Whether this node owns a row, holds a replica of it, or neither; where the node's
             # server believes an absent row lives (its location cache, read by its workers);
-            # and, for replicas, the change made here since the owner last heard of it.
+            # and, for replicas, the change made here since the owner last heard of it, with a mark
+            # per changed row (a sync then looks at a byte per replica, not at its whole row).
             slots["presence"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
             slots["location"] = ArraySlot(offset, (num_rows,), "int8")
             offset = align(offset + num_rows)
             slots["pending"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
             offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
+            slots["changed"] = ArraySlot(offset, (num_rows,), "uint8")
+            offset = align(offset + num_rows)
         return cls(slots, max(offset, 1))
 
 
@@ -87,6 +90,7 @@ class ShardStore:
         self.presence: np.ndarray | None = arrays.pop("presence", None)
         self.location: np.ndarray | None = arrays.pop("location", None)
         self.pending: np.ndarray | None = arrays.pop("pending", None)
+        self.changed: np.ndarray | None = arrays.pop("changed", None)
         self.state = arrays
         self._locks = StripedLocks(segment.fd) if spec.locking == "exact" else None
 
@@ -214,10 +218,10 @@ class ShardStore:
     def update_present(self, rows: np.ndarray, grads: np.ndarray, scale: float) -> np.ndarray:
         """Add ``scale * grads`` to the rows present here (and to a replica's pending change);
         returns a mask of the absent rows, which the caller must send to their owner."""
-        assert self.presence is not None and self.pending is not None
+        assert self.presence is not None and self.pending is not None and self.changed is not None
         absent = np.empty(rows.shape[0], dtype=np.bool_)
         with self._hold(rows, exclusive=True):
-            kernels.add_present(self.values, self.pending, self.presence, rows, grads, scale, absent)
+            kernels.add_present(self.values, self.pending, self.changed, self.presence, rows, grads, scale, absent)
         return absent
 
     def take_dirty(self) -> np.ndarray:
