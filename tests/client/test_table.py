@@ -284,3 +284,27 @@ def test_clock_ticks_of_a_fast_loop_are_spaced_when_no_read_waits_on_them(model)
     else:
         assert ticks == 200
     assert told == [100, 100]
+
+
+def test_an_asp_worker_ticks_rarely_but_near_the_clocks_its_intents_start_and_end():
+    """A loop of about 1 ms a clock, every table ASP: a tick at most every ``TICK_QUIET_S`` (every
+    5 ms before: 20 or more in 100 clocks), and one in the few clocks before an intent starts, by
+    which the node's server acts on it."""
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(0)
+        t = w.table("t", 64, 1, techniques="auto")
+        ticked: list[int] = []
+        tick = w._tick
+
+        def recorded(now: float) -> None:
+            ticked.append(w.clock)
+            tick(now)
+
+        w._tick = recorded  # type: ignore[method-assign]
+        t.intent(np.arange(8), 60, 1000)
+        for _ in range(100):
+            time.sleep(0.001)
+            w.advance_clock()
+        w.wait_all()
+    assert len(ticked) < 15, ticked
+    assert any(52 <= clock <= 60 for clock in ticked), ticked

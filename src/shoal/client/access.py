@@ -111,8 +111,10 @@ class TableAccess:
     def intent(self, keys: np.ndarray, start: int, end: int) -> None:
         """Keys to be used in clocks ``[start, end)``: kinds that do not move keys ignore it."""
 
-    def on_clock(self) -> None:
-        """The worker is about to advance its clock."""
+    def on_clock(self) -> list[tuple[int, int]]:
+        """The worker is about to advance its clock; the intents (start and end clocks) this table
+        told its node's server of now, which acts on them by clock."""
+        return []
 
     def pushes_numbered(self) -> list[int] | None:
         """What a clock tick tells servers of this table: per shard, the pushes numbered so far, where

@@ -97,19 +97,17 @@ class AdaptiveAccess(RoutedAccess):
     def lose_local(self) -> None:
         self.store = self.node_hints = None
 
-    def on_clock(self) -> None:
-        self.flush_intents()
-
-    def flush_intents(self) -> None:
+    def on_clock(self) -> list[tuple[int, int]]:
+        """Send the intents declared since the last clock to this node's server."""
+        intents, self._intents = self._intents, []
         if self.worker.num_nodes == 1:  # every key lives here already: nothing to act on
-            self.counters["intents_skipped"] += len(self._intents)
-            self._intents.clear()
-            return
-        for keys, start, end in self._intents:
+            self.counters["intents_skipped"] += len(intents)
+            return []
+        for keys, start, end in intents:
             self.worker.tracker.notify(self.worker.node, bodies.Intent(start, end).to_message(table=self.spec.name,
                                                                                             arrays=[keys]))
-        self.counters["intents_sent"] += len(self._intents)
-        self._intents.clear()
+        self.counters["intents_sent"] += len(intents)
+        return [(start, end) for _, start, end in intents]
 
     # --------------------------------------------------------- checkpoints
 

@@ -25,6 +25,7 @@ from shoal.client.replica_view import WATCH_AFTER_S
 from shoal.client.replicated import ReplicaView
 from shoal.client.streams import Streams
 from shoal.client.table import Table
+from shoal.client.ticks import TickSchedule
 from shoal.cluster import membership
 from shoal.cluster.fdshare import fetch_fds, socket_name
 from shoal.cluster.liveness import ProcessExit
@@ -46,9 +47,6 @@ log = logging.getLogger(__name__)
 
 _RUN_LOG_ENTRIES = 100_000  # ps.log(...) keeps the newest this many in memory for the run report
 _FINAL_CLOCK_S = 5.0  # how long a leaving worker waits for servers to acknowledge its last clock
-#: while no table's reads wait on clocks (every one ASP), a worker tells servers its clock at most
-#: this often: a fast loop (MF on one core: 2 ms a clock) spent 40% of its time on clock ticks
-TICK_EVERY_S = 0.005
 
 
 class Worker:
@@ -90,7 +88,7 @@ class Worker:
         self.run_log: deque[dict[str, Any]] = deque(maxlen=_RUN_LOG_ENTRIES)
         self._barrier_generation = 0
         self._clock_requests: dict[int, int] = {}  # per server: the newest clock not yet acknowledged
-        self._ticked_at = -TICK_EVERY_S  # when the servers were last told this worker's clock
+        self._ticks = TickSchedule()  # when servers are told the clock while no read waits on it
         self._tick_due = False  # a clock they have not been told yet
         self._closed = False
         timeout = cluster.timeouts.connect_s
@@ -364,17 +362,18 @@ class Worker:
     # ---------------------------------------------------------- clock, sync
 
     def advance_clock(self) -> int:
-        """Finish an iteration: tell every server this worker's new clock (under ASP alone, at most every
-        ``TICK_EVERY_S``)."""
+        """Finish an iteration: tell every server this worker's new clock (under ASP alone, when
+        ``client.ticks`` says it is due)."""
         self._check_open()
         for table in self.tables.values():
-            table.access.on_clock()
+            self._ticks.note_intents(table.access.on_clock())
         self.clock += 1
         now = time.monotonic()  # real time, also where tests move the tracker's clock by hand
+        self._ticks.advanced(now)
         if self.tables and all(t.spec.consistency.bound is None for t in self.tables.values()) and \
-                now - self._ticked_at < TICK_EVERY_S:
-            # No read waits on clocks: servers learn them from every request, and from a tick at
-            # most every TICK_EVERY_S (intents, statistics); the last one goes before any wait.
+                not self._ticks.due(self.clock, now):
+            # No read waits on clocks: servers learn them from every request, and from the ticks
+            # intents need; the last one goes before any wait.
             self._tick_due = True
             return self.clock
         self._tick(now)
@@ -382,7 +381,8 @@ class Worker:
 
     def _tick(self, now: float) -> None:
         """Tell every server this worker's clock."""
-        self._ticked_at, self._tick_due = now, False
+        self._ticks.ticked(self.clock, now)
+        self._tick_due = False
         # A request, not a one-way message: a lost clock would hold back every bounded read for good.
         # Nobody waits for the acknowledgement, and a newer clock supersedes an unanswered older one
         # (so a server that died costs nothing here).

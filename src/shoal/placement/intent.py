@@ -18,6 +18,9 @@ from enum import Enum
 
 import numpy as np
 
+#: about how long a relocation or replication takes here: the action window is this long in clocks
+ACTION_S = 0.005
+
 
 class Action(Enum):
     NOTHING = "nothing"

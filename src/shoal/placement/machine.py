@@ -37,7 +37,7 @@ import numpy as np
 from shoal.api.errors import ProtocolError
 from shoal.placement import held
 from shoal.placement.adaptive_table import AdaptiveTable, Answer, Effects, Send
-from shoal.placement.intent import Action, smoothed_window
+from shoal.placement.intent import ACTION_S, Action, smoothed_window
 from shoal.placement.messages import (
     Announce,
     Handover,
@@ -58,7 +58,6 @@ from shoal.storage.validate import as_keys, as_rows
 
 log = logging.getLogger(__name__)
 
-ACTION_S = 0.005  # about how long a relocation or replication takes here: sets the action window
 SYNC_HOPS = 16  # a replica's change chasing a key that keeps moving: after this many hops it is logged and lost
 HANDOVER_HOPS = 16  # the same for a handover
 

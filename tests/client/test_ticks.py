@@ -1,0 +1,51 @@
+"""When a worker whose tables are all ASP tells servers its clock (``client.ticks``)."""
+
+from shoal.client.ticks import TICK_EVERY_S, TICK_QUIET_S, TickSchedule
+
+
+def clocked(every_s: float, clocks: int) -> tuple[TickSchedule, float]:
+    """A schedule that has seen ``clocks`` clocks ``every_s`` apart, and the time of the last."""
+    ticks = TickSchedule()
+    now = 100.0
+    for _ in range(clocks):
+        now += every_s
+        ticks.advanced(now)
+    return ticks, now
+
+
+def test_without_intents_ticks_are_spaced_by_the_quiet_period():
+    ticks, now = clocked(0.001, 5)
+    assert ticks.due(5, now)  # never ticked
+    ticks.ticked(5, now)
+    assert not ticks.due(6, now + TICK_EVERY_S * 2)
+    assert not ticks.due(40, now + TICK_QUIET_S * 0.9)
+    assert ticks.due(60, now + TICK_QUIET_S + 1e-6)
+
+
+def test_near_an_intent_boundary_a_tick_goes_once_the_short_spacing_allows():
+    ticks, now = clocked(0.001, 5)  # 1 ms a clock: the lead is 5 ms of clocks and two more
+    ticks.ticked(5, now)
+    ticks.note_intents([(30, 40)])
+    assert ticks.lead() == 7
+    assert not ticks.due(22, now + 0.017)  # 30 is more than the lead away
+    assert not ticks.due(23, now + 0.001)  # within the lead, but the short spacing has not passed
+    assert ticks.due(23, now + 0.018)
+    ticks.ticked(23, now + 0.018)  # the start is served: quiet again until the end comes near
+    assert not ticks.due(28, now + 0.023)
+    assert ticks.due(33, now + 0.028)
+
+
+def test_slower_clocks_shorten_the_lead_and_a_boundary_passed_unticked_is_dropped_at_the_next_tick():
+    ticks, now = clocked(0.01, 5)
+    assert ticks.lead() == 3  # 5 ms is under one clock
+    ticks.note_intents([(10, 12)])
+    ticks.ticked(20, now)
+    assert not ticks.due(21, now + TICK_EVERY_S)  # nothing ahead any more
+    assert ticks.lead() == 3
+
+
+def test_before_any_clock_is_timed_the_lead_is_the_narrowest():
+    ticks = TickSchedule()
+    ticks.note_intents([(50, 60)])
+    ticks.ticked(1, 0.0)  # the first tick does not serve an intent 49 clocks away
+    assert ticks.due(48, TICK_EVERY_S)
