@@ -14,6 +14,7 @@ once by its kind -> local rows in shared memory, or requests to servers.
 - ``fences``: confirming a slice move to the server that fenced it
 - ``process_cache``: remote rows of a static table, holding this worker's own pushes
 - ``streams``: this worker's requests to each server, numbered so they are handled in order
+- ``ticks``: when a worker whose tables are all ASP tells servers its clock
 - ``replicated``: ``ReplicatedAccess``, write and read quorums, failover, read-your-writes
 - ``replica_view``: which servers this worker believes alive
 - ``replica_cache``: under ESSP, replicated rows kept current by the replicas they were read from
