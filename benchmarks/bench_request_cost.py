@@ -12,6 +12,11 @@ from run to run: it is the measure of the Python work per message that the
 per-message target is about. Profiled times are inflated by the profiler and by
 the two sides sharing one interpreter; read them as shares, not as latency
 (``bench_pull_push.py`` measures that, against raw pyzmq).
+
+It also times, unprofiled and in a tight loop, the steps no authenticated request
+can skip on either side (``floor``): what pyzmq costs to send and receive the
+frames of a request and of its reply, and what the codec costs to encode and
+decode them. Their sum is a lower bound for the Python work per message.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import os
 import pstats
 import sys
 import threading
+import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
@@ -37,6 +44,8 @@ from shoal.cluster.rendezvous import Rendezvous  # noqa: E402
 from shoal.server.server import ParameterServer  # noqa: E402
 from shoal.transport.zmq_transport import ZmqTransport  # noqa: E402
 from shoal.wire.codec import Codec  # noqa: E402
+from shoal.wire.message import Message  # noqa: E402
+from shoal.wire.ops import Op  # noqa: E402
 
 DIM = 64
 TOP = 12
@@ -110,6 +119,55 @@ def measure(op: str, requests: int) -> dict[str, object]:
         transport.close()
 
 
+def _cpu_us(fn: Callable[[], object], calls: int = 20_000) -> float:
+    """CPU microseconds per call of ``fn`` in a tight loop (the best of three runs)."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - start) / calls * 1e6)
+    return best
+
+
+def floor() -> list[tuple[str, float]]:
+    """The unavoidable steps of one authenticated 1-row pull, per side, hot (CPU µs per message)."""
+    import zmq
+
+    codec = Codec(Limits(), os.urandom(32), local=True)
+    request = Message(Op.PULL, req=7, table="cost", epoch=1, clock=3, sender=0, incarnation=123_456_789,
+                      body={"stream": [123_456_789, 7, 6, 2]}, arrays=[np.array([12_345], np.int64)])
+    reply = request.reply(Op.VALUES, {"seen": 7}, arrays=[np.ones((1, DIM), np.float32)])
+    request_frames, reply_frames = codec.encode(request), codec.encode(reply)
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    more = int(zmq.SNDMORE)
+
+    def send_receive(frames: list[object], sender: zmq.Socket[bytes], receiver: zmq.Socket[bytes]) -> None:
+        for frame in frames[:-1]:
+            sender.send(frame, more, copy=False)
+        sender.send(frames[-1], 0, copy=False)
+        receiver.recv_multipart(copy=False)
+
+    dealer.send(b"hello")
+    peer = router.recv_multipart()[0]
+    rows: list[tuple[str, float]] = [
+        ("pyzmq: send and receive the request's frames", _cpu_us(lambda: send_receive(request_frames, dealer, router))),
+        ("pyzmq: send and receive the reply's frames", _cpu_us(lambda: send_receive([peer, *reply_frames], router,
+                                                                                       dealer))),
+        ("codec: encode the request", _cpu_us(lambda: codec.encode(request))),
+        ("codec: decode the request", _cpu_us(lambda: codec.decode(request_frames))),
+        ("codec: encode the reply", _cpu_us(lambda: codec.encode(reply))),
+        ("codec: decode the reply", _cpu_us(lambda: codec.decode(reply_frames))),
+    ]
+    dealer.close(0)
+    router.close(0)
+    ctx.term()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=3000)
@@ -126,9 +184,15 @@ def main() -> int:
             lines += ["", f"{r['op']}, {side}: most costly functions (own time per request, profiled)", "",
                       "| function | calls | µs |", "|---|---:|---:|"]
             lines += [f"| {t['where']} | {t['calls']} | {t['us']} |" for t in r[side]["top"]]  # type: ignore[index]
+    steps = floor()
+    lines += ["", "What no authenticated pull can skip, timed alone in a tight loop (CPU µs per message, both "
+              "sides of the wire in one thread: pyzmq's rows count a send and its receive)", "",
+              "| step | µs |", "|---|---:|"]
+    lines += [f"| {what} | {us:.1f} |" for what, us in steps]
+    lines.append(f"| **sum: both sides of one round trip** | **{sum(us for _, us in steps):.1f}** |")
     text = "\n".join(lines)
     print(text)
-    write_results("request_cost", {"dim": DIM, "results": results}, text)
+    write_results("request_cost", {"dim": DIM, "results": results, "floor_us": dict(steps)}, text)
     return 0
 
 

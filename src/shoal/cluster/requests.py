@@ -608,6 +608,3 @@ class Future(Generic[T]):
             raise next(iter(errors.values()))
         if errors:
             self._recover(errors)  # type: ignore[misc]
-
-
-
