@@ -1,6 +1,6 @@
 """The single-process baseline: skip-gram with negative sampling on numpy arrays, the same compiled step.
 
-Rows are gathered and updated with Shoal's compiled row kernels (no parameter server): numpy's
+Rows are gathered and updated, and negatives drawn, with Shoal's compiled kernels (no parameter server): numpy's
 fancy indexing is several times slower, and the baseline should be as efficient as Shoal's local path.
 """
 
@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 from corpus import load
-from sgns import Hyper, evaluate, noise_weights, pairs, sgns_step
+from sgns import Hyper, distinct, evaluate, noise_weights, pairs, sgns_step
 
-from shoal.storage.kernels import add_rows, gather_rows
+from shoal.storage.kernels import add_rows, alias_draw, alias_table, gather_rows
 
 
 def train(epochs: int, h: Hyper, seed: int = 0, corpus_name: str = "lee") -> dict[str, object]:
@@ -22,25 +22,25 @@ def train(epochs: int, h: Hyper, seed: int = 0, corpus_name: str = "lee") -> dic
     rng = np.random.default_rng(seed)
     vin = ((rng.random((corpus.vocab, h.dim)) - 0.5) / h.dim).astype(np.float32)
     vout = np.zeros((corpus.vocab, h.dim), np.float32)
-    cdf = np.cumsum(noise_weights(corpus.counts))
+    noise = alias_table(noise_weights(corpus.counts))
+    scratch = np.full(corpus.vocab, -1, np.int64)
     done, start = 0, time.perf_counter()
     for epoch in range(epochs):
         lr = h.lr * (1 - epoch / epochs)
         batches = pairs(corpus, h, rng)
         for s in range(0, batches.shape[0], h.batch):
             batch = batches[s : s + h.batch]
-            negs = np.minimum(np.searchsorted(cdf, rng.random((batch.shape[0], h.negatives))), corpus.vocab - 1)
-            ins, in_slot = np.unique(batch[:, 0], return_inverse=True)
-            outs, out_slot = np.unique(np.concatenate([batch[:, 1], negs.reshape(-1)]), return_inverse=True)
-            d_in = np.zeros((ins.shape[0], h.dim), np.float32)
-            d_out = np.zeros((outs.shape[0], h.dim), np.float32)
             n = batch.shape[0]
+            negs = alias_draw(*noise, rng.random(n * h.negatives))
+            ins, in_slot = distinct(batch[:, 0], scratch)
+            outs, out_slot = distinct(np.concatenate([batch[:, 1], negs]), scratch)
             in_rows = np.empty((ins.shape[0], h.dim), np.float32)
             out_rows = np.empty((outs.shape[0], h.dim), np.float32)
             gather_rows(vin, ins, in_rows)
             gather_rows(vout, outs, out_rows)
-            sgns_step(in_rows, out_rows, in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives),
-                      np.arange(ins.shape[0]), np.arange(outs.shape[0]), lr, d_in, d_out)
+            d_in = np.zeros_like(in_rows)
+            d_out = np.zeros_like(out_rows)
+            sgns_step(in_rows, out_rows, in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives), lr, d_in, d_out)
             add_rows(vin, ins, d_in, 1.0)
             add_rows(vout, outs, d_out, 1.0)
             done += n

@@ -40,30 +40,48 @@ def pairs(corpus: Corpus, h: Hyper, rng: np.random.Generator) -> np.ndarray:
     return all_pairs[rng.permutation(all_pairs.shape[0])]
 
 
+@numba.njit(nogil=True, cache=True)
+def distinct(words: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ``words`` in order of first appearance, and each word's slot among them (what
+    ``np.unique(..., return_inverse=True)`` gives, in one pass instead of a sort). ``scratch`` is an
+    int64 array of -1s, one per word of the vocabulary, and is left as it was found."""
+    uniq = np.empty(words.shape[0], dtype=np.int64)
+    slots = np.empty(words.shape[0], dtype=np.int64)
+    m = 0
+    for i in range(words.shape[0]):
+        w = words[i]
+        s = scratch[w]
+        if s < 0:
+            s = m
+            scratch[w] = m
+            uniq[m] = w
+            m += 1
+        slots[i] = s
+    for j in range(m):
+        scratch[uniq[j]] = -1
+    return uniq[:m], slots
+
+
 @numba.njit(nogil=True, fastmath=True, cache=True)
-def sgns_step(vin: np.ndarray, vout: np.ndarray, centres: np.ndarray, contexts: np.ndarray, negs: np.ndarray,
-              in_slot: np.ndarray, out_slot: np.ndarray, lr: float, d_in: np.ndarray, d_out: np.ndarray) -> float:
-    """SGD changes for a batch; rows are looked up through ``centres``/``contexts``/``negs`` and their
-    changes summed into ``d_in[in_slot[row]]`` / ``d_out[out_slot[row]]``. Returns the mean loss."""
-    loss = 0.0
-    dim = vin.shape[1]
+def sgns_step(in_rows: np.ndarray, out_rows: np.ndarray, centres: np.ndarray, contexts: np.ndarray,
+              negs: np.ndarray, lr: float, d_in: np.ndarray, d_out: np.ndarray) -> None:
+    """SGD changes for a batch of pairs, from the rows as they were before it: ``centres``,
+    ``contexts`` and ``negs`` are slots of ``in_rows``/``out_rows``, and each row's changes are
+    summed into the same slot of ``d_in``/``d_out``. (The loss is not computed: a logarithm per
+    score, no use in training.)"""
+    dim = in_rows.shape[1]
     for b in range(centres.shape[0]):
         c = centres[b]
-        sc = in_slot[c]
         for j in range(negs.shape[1] + 1):
             o = contexts[b] if j == 0 else negs[b, j - 1]
-            so = out_slot[o]
-            s = 0.0
+            s = np.float32(0.0)
             for k in range(dim):
-                s += vin[c, k] * vout[o, k]
+                s += in_rows[c, k] * out_rows[o, k]
             label = 1.0 if j == 0 else 0.0
-            p = 1.0 / (1.0 + np.exp(-s))
-            loss += -np.log(p + 1e-7) if j == 0 else -np.log(1.0 - p + 1e-7)
-            g = lr * (label - p)
+            g = np.float32(lr * (label - 1.0 / (1.0 + np.exp(-s))))
             for k in range(dim):
-                d_in[sc, k] += g * vout[o, k]
-                d_out[so, k] += g * vin[c, k]
-    return loss / centres.shape[0]
+                d_in[c, k] += g * out_rows[o, k]
+                d_out[o, k] += g * in_rows[c, k]
 
 
 def evaluate(vin: np.ndarray, corpus: Corpus) -> dict[str, float]:

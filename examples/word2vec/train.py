@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 from corpus import load
-from sgns import Hyper, evaluate, noise_weights, pairs, sgns_step
+from sgns import Hyper, distinct, evaluate, noise_weights, pairs, sgns_step
 
 import shoal
 
@@ -48,6 +48,7 @@ def main() -> None:
     vout = ps.table("w2v.out", corpus.vocab, h.dim, **common)
     vout.register_sampling(noise_weights(corpus.counts), scheme="local" if adaptive else "naive",
                            seed=args.seed * 1000 + ps.rank)
+    scratch = np.full(corpus.vocab, -1, np.int64)  # for `distinct`
     done = 0
     pushes: list[shoal.Future[None]] = []
     passes = [pairs(corpus, h, np.random.default_rng([args.seed, epoch]))[ps.rank::ps.num_workers]
@@ -73,13 +74,13 @@ def main() -> None:
             # As the baseline does: one gather of the batch's centres and one of its distinct output
             # words (contexts and negatives, drawn among rows present here unless in classic mode).
             negatives = vout.sample_keys(n * h.negatives)
-            ins, in_slot = np.unique(batch[:, 0], return_inverse=True)
-            outs, out_slot = np.unique(np.concatenate([batch[:, 1], negatives]), return_inverse=True)
+            ins, in_slot = distinct(batch[:, 0], scratch)
+            outs, out_slot = distinct(np.concatenate([batch[:, 1], negatives]), scratch)
             in_rows, out_rows = vin.pull_async(ins), vout.pull_async(outs)
             d_in = np.zeros((ins.shape[0], h.dim), np.float32)
             d_out = np.zeros((outs.shape[0], h.dim), np.float32)
-            sgns_step(in_rows.wait(), out_rows.wait(), in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives),
-                      np.arange(ins.shape[0]), np.arange(outs.shape[0]), lr, d_in, d_out)
+            sgns_step(in_rows.wait(), out_rows.wait(), in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives), lr,
+                      d_in, d_out)
             for f in pushes:  # the last step's updates of rows elsewhere are in: one step in flight at most
                 f.wait()
             pushes = [vin.push_async(ins, d_in), vout.push_async(outs, d_out)]

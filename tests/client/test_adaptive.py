@@ -237,6 +237,22 @@ def test_local_sampling_draws_only_keys_still_here_after_some_moved_away():
         assert t0.counters["requests"] == requests
 
 
+@pytest.mark.parametrize("scheme", ["naive", "local"])
+def test_weighted_samples_follow_the_weights_renormalised_to_the_keys_drawn_from(scheme):
+    with ThreadCluster(nodes=2) as c:
+        t = c.worker(0).table("neg", 200, 1, techniques="auto")
+        weights = np.arange(200, dtype=np.float64) % 7  # every seventh key never drawn
+        t.register_sampling(weights, scheme=scheme, seed=5)
+        counts = np.bincount(np.concatenate([t.sample_keys(10_000) for _ in range(20)]), minlength=200)
+        among = np.arange(200) % 2 == 0 if scheme == "local" else np.ones(200, bool)  # node 0 holds the even keys
+        want = np.where(among, weights, 0.0)
+        want /= want.sum()
+        assert counts[want == 0].sum() == 0
+        # 200,000 draws: a key of probability p is off by more than 5 standard deviations by chance
+        # about once in three million tries.
+        assert (np.abs(counts / counts.sum() - want) <= 5 * np.sqrt(want * (1 - want) / counts.sum())).all()
+
+
 def test_sample_keys_follows_the_scheme_and_refuses_pools():
     with ThreadCluster(nodes=2) as c:
         t = c.worker(0).table("neg", 100, 1, techniques="auto")

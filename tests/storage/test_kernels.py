@@ -107,6 +107,29 @@ def test_first_out_of_range_and_nonfinite_rows():
     np.testing.assert_array_equal(kernels.nonfinite_rows(vals), [False, True, True, False])
 
 
+@given(arrays(np.float64, st.integers(1, 300), elements=st.sampled_from([0.0, 1e-9, 0.5, 1.0, 3.0, 1e6])))
+@settings(max_examples=80, deadline=None)
+def test_alias_table_holds_exactly_the_normalised_weights(weights):
+    if not weights.sum() > 0:
+        weights[0] = 1.0
+    prob, alias = kernels.alias_table(weights)
+    n = weights.shape[0]
+    assert ((prob >= 0) & (prob <= 1 + 1e-12)).all() and ((alias >= 0) & (alias < n)).all()
+    mass = prob.copy()  # each column keeps prob[k] for itself and gives the rest to alias[k]
+    np.add.at(mass, alias, 1.0 - prob)
+    np.testing.assert_allclose(mass / n, weights / weights.sum(), atol=1e-9)
+
+
+def test_alias_draws_follow_the_weights_and_never_a_zero_weight_key():
+    weights = np.array([0.0, 1.0, 2.0, 0.0, 5.0, 0.5])
+    prob, alias = kernels.alias_table(weights)
+    uniforms = (np.arange(600_000) + 0.5) / 600_000  # evenly spread: frequencies without sampling noise
+    counts = np.bincount(kernels.alias_draw(prob, alias, uniforms), minlength=weights.shape[0])
+    assert counts[0] == counts[3] == 0
+    np.testing.assert_allclose(counts / counts.sum(), weights / weights.sum(), atol=1e-5)
+    assert kernels.alias_draw(prob, alias, np.array([0.0, np.nextafter(1.0, 0.0)])).tolist()[1] < 6
+
+
 def test_seeded_initialisation_depends_only_on_seed_and_key():
     keys = np.array([3, 1000, 7], dtype=np.int64)
     a = np.empty((3, 64))

@@ -25,7 +25,7 @@ import numpy as np
 from shoal.api.errors import ConfigError, TableError
 from shoal.client.context import TableView
 from shoal.cluster.requests import Future
-from shoal.storage.kernels import ABSENT
+from shoal.storage.kernels import ABSENT, alias_draw, alias_table
 
 SCHEMES = ("naive", "preloc", "pool", "local")
 _LOCAL_REFRESH = 64  # draws between refreshes of the list of local keys
@@ -59,7 +59,8 @@ class Sampler:
         self.reuse = reuse
         self.pool_size = pool_size
         self.rng = np.random.default_rng(seed)
-        self.cdf = None if weights is None else np.cumsum(weights / weights.sum())
+        #: the distribution as an alias table (None: uniform)
+        self._alias = None if weights is None else alias_table(weights)
         self.weights = weights
         self._ids = itertools.count()
         self._handles: dict[int, SampleHandle] = {}
@@ -67,13 +68,13 @@ class Sampler:
         self._pool_rows = np.empty((0, table.dim), dtype=table.dtype)
         self._pool_left = np.empty(0, dtype=np.int64)
         self._local: np.ndarray | None = None
-        self._local_cdf: np.ndarray | None = None
+        self._local_alias: tuple[np.ndarray, np.ndarray] | None = None
         self._local_age = 0
 
     def _draw(self, n: int) -> np.ndarray:
-        if self.cdf is None:
+        if self._alias is None:
             return self.rng.integers(0, self.table.num_keys, n)
-        return np.minimum(np.searchsorted(self.cdf, self.rng.random(n), side="right"), self.table.num_keys - 1)
+        return alias_draw(*self._alias, self.rng.random(n))
 
     def prepare(self, n: int, clock: int | None = None) -> int:
         if self.scheme == "naive":
@@ -150,7 +151,7 @@ class Sampler:
 
     def _refresh_local(self, presence: np.ndarray) -> np.ndarray:
         self._local = np.flatnonzero(presence != ABSENT)
-        self._local_cdf = None
+        self._local_alias = None
         self._local_age = 0
         return self._local
 
@@ -158,10 +159,10 @@ class Sampler:
         """``n`` keys of ``local``, by their weights renormalised (uniform without weights)."""
         if self.weights is None:
             return local[self.rng.integers(0, local.size, n)]
-        if self._local_cdf is None:
+        if self._local_alias is None:
             w = self.weights[local]
-            self._local_cdf = np.cumsum(w / w.sum()) if w.sum() > 0 else np.linspace(1 / local.size, 1, local.size)
-        return local[np.minimum(np.searchsorted(self._local_cdf, self.rng.random(n), side="right"), local.size - 1)]
+            self._local_alias = alias_table(w if w.sum() > 0 else np.ones(local.size))
+        return local[alias_draw(*self._local_alias, self.rng.random(n))]
 
     def _static_local_keys(self) -> np.ndarray:
         if self._local is None:

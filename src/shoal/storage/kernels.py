@@ -233,6 +233,56 @@ def sum_duplicates(rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.
     return out_rows, out
 
 
+# -------------------------------------------------------------------- sampling
+
+
+@kernel
+def alias_table(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Walker's alias table of non-negative ``weights`` with a positive sum (Vose's construction):
+    key ``k`` keeps its column with probability ``prob[k]`` and gives it to ``alias[k]`` otherwise,
+    so a draw costs one uniform and one comparison where a binary search over the CDF mispredicts
+    a branch per level (``alias_draw``)."""
+    n = weights.shape[0]
+    scaled = weights * (n / weights.sum())
+    prob = np.ones(n, dtype=np.float64)
+    alias = np.arange(n)
+    small = np.empty(n, dtype=np.int64)
+    large = np.empty(n, dtype=np.int64)
+    num_small = num_large = 0
+    for k in range(n):
+        if scaled[k] < 1.0:
+            small[num_small] = k
+            num_small += 1
+        else:
+            large[num_large] = k
+            num_large += 1
+    while num_small > 0 and num_large > 0:
+        num_small -= 1
+        s = small[num_small]
+        big = large[num_large - 1]
+        prob[s] = scaled[s]
+        alias[s] = big
+        scaled[big] = (scaled[big] + scaled[s]) - 1.0
+        if scaled[big] < 1.0:  # it gave away more than its excess: now a small column itself
+            num_large -= 1
+            small[num_small] = big
+            num_small += 1
+    return prob, alias  # columns left over hold (up to rounding) exactly 1: they keep prob 1
+
+
+@kernel
+def alias_draw(prob: np.ndarray, alias: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """Keys drawn from an ``alias_table``, one per uniform in ``[0, 1)``: its integer part (times the
+    number of columns) picks the column, its fraction decides between the column's two keys."""
+    n = prob.shape[0]
+    out = np.empty(uniforms.shape[0], dtype=np.int64)
+    for i in range(uniforms.shape[0]):
+        x = uniforms[i] * n
+        k = min(int(x), n - 1)
+        out[i] = k if x - k < prob[k] else alias[k]
+    return out
+
+
 # --------------------------------------------------------------- update rules
 
 
