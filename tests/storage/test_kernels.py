@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -191,3 +192,22 @@ print(repr(out.tolist()))
     again = np.zeros((3, 4))
     kernels.seeded_normal(np.uint64(7), np.arange(3), again, 0.0, 1.0)
     assert ast.literal_eval(done.stdout.strip()) == again.tolist()
+
+
+def test_the_first_kernel_call_does_not_import_scipy_linalg_but_blas_still_works():
+    """numba checked for BLAS at its first compilation by importing scipy.linalg, 0.2-0.3 s of every
+    process's first kernel call that no kernel of Shoal's needed."""
+    pytest.importorskip("scipy")
+    script = """
+import sys
+import numba
+import numpy as np
+from shoal.storage import kernels
+kernels.gather_rows(np.zeros((4, 2), np.float32), np.arange(2), np.empty((2, 2), np.float32))
+assert "scipy.linalg" not in sys.modules, "the first kernel call imported scipy.linalg"
+dot = numba.njit(lambda a, b: np.dot(a, b))  # an application's kernel using BLAS
+assert dot(np.ones((3, 3)), np.ones(3)).tolist() == [3.0, 3.0, 3.0]
+assert "scipy.linalg" in sys.modules
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

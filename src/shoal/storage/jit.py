@@ -47,11 +47,47 @@ def compile_all() -> dict[types.FunctionType, Callable[..., Any]]:
         if len(_compiled) < len(_recorded):
             import numba
 
+            _defer_blas_check()
             for fn in _recorded:
                 if fn not in _compiled:
                     _compiled[fn] = numba.njit(nogil=True, cache=True)(fn)
                     fn.__globals__[fn.__name__] = _compiled[fn]
         return _compiled
+
+
+def _defer_blas_check() -> None:
+    """Let numba's first compilation skip importing ``scipy.linalg`` (0.2-0.3 s in every process).
+
+    Loading its array functions, numba asks whether BLAS is there by importing
+    ``scipy.linalg.cython_blas``, only to choose how one family of functions
+    (``np.vdot`` and kin) is typed; none of Shoal's kernels uses BLAS. While that
+    module loads, the question is answered by whether scipy is installed; numba's
+    real check, the import and its guard on the BLAS integer width, still runs
+    when a kernel first uses BLAS (``np.dot`` in an application's kernel).
+    A numba without these names (another version) is left alone.
+    """
+    import importlib.util
+    import sys
+
+    if "numba.np.arraymath" in sys.modules:
+        return
+    try:
+        from numba.np import linalg
+    except ImportError:
+        return
+    real = getattr(linalg, "ensure_blas", None)
+    if real is None:
+        return
+
+    def scipy_installed() -> None:
+        if importlib.util.find_spec("scipy") is None:
+            raise ImportError("scipy is not installed")
+
+    linalg.ensure_blas = scipy_installed
+    try:
+        import numba.np.arraymath  # noqa: F401  (its import runs the check, with the answer above)
+    finally:
+        linalg.ensure_blas = real
 
 
 def is_loaded() -> bool:
