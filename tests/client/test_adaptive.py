@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import shoal
 from shoal.placement.adaptive_table import Effects, Send
 from shoal.placement.messages import Replicate
 from shoal.server.metrics import server_families
-from shoal.storage.kernels import ABSENT, REPLICA
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA
 from tests.support.clock import ManualClock
 from tests.support.cluster import ThreadCluster
 from tests.support.waiting import wait_until
@@ -171,6 +172,44 @@ def test_on_one_node_intents_send_nothing():
         w.advance_clock()
         assert t.counters["intents_skipped"] == 1 and t.counters["intents_sent"] == 0
         assert c.servers[0].adaptive.describe()["one"].get("intents_announced", 0) == 0
+
+
+def test_wait_local_sends_the_intents_and_returns_once_their_keys_are_here():
+    # Intents waited in the worker for its next clock tick, and nothing told a worker when the rows
+    # it declared had arrived: its first batches asked other nodes while they moved.
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("w", 400, 4, techniques="auto", init=shoal.Constant(1.0))
+        t1 = w1.table("w", 400, 4, techniques="auto", init=shoal.Constant(1.0))
+        mine, shared = np.arange(1, 200, 2), np.arange(200, 400, 2)  # node 1's keys; node 0's, wanted by both
+        t0.intent(mine, w0.clock, w0.clock + 100)
+        t0.intent(shared, w0.clock, w0.clock + 100)
+        t1.intent(shared, w1.clock, w1.clock + 100)
+        waiting = [None, None]
+        threads = [threading.Thread(target=lambda: waiting.__setitem__(1, t1.wait_local(shared, timeout=20)))]
+        threads[0].start()
+        waiting[0] = t0.wait_local(np.concatenate([mine, shared]), timeout=20)  # no clock advanced meanwhile
+        threads[0].join()
+        assert waiting == [0, 0]
+        here, there = (c.servers[n].adaptive.tables["w"].presence for n in (0, 1))
+        assert (here[mine] == OWNED).all()
+        # Whichever node announced first owns a shared key (alone then, it moved there), the other
+        # holds a replica.
+        assert (np.sort(np.stack([here[shared], there[shared]]), axis=0) == [[OWNED], [REPLICA]]).all()
+        requests = t0.counters["requests"]
+        np.testing.assert_array_equal(t0.pull(np.concatenate([mine, shared])), 1.0)
+        assert t0.counters["requests"] == requests  # every row read here
+
+
+def test_wait_local_gives_up_at_its_timeout_and_refuses_static_tables():
+    with ThreadCluster(nodes=2) as c:
+        t = c.worker(0).table("w", 100, 1, techniques="auto")
+        started = time.monotonic()
+        assert t.wait_local(np.arange(1, 100, 2), timeout=0.3) == 50  # node 1's keys, no intent for them
+        assert 0.3 <= time.monotonic() - started < 5
+        assert t.wait_local(np.arange(0, 100, 2), timeout=0.3) == 0  # here from the start
+        with pytest.raises(shoal.TableError, match="not adaptive"):
+            c.worker(0).table("s", 10, 1).wait_local([1, 2])
 
 
 @pytest.mark.parametrize("scheme", ["naive", "preloc", "pool", "local"])

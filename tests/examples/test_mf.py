@@ -55,3 +55,6 @@ def test_mf_with_intents_on_two_nodes_reads_its_rows_locally_and_reaches_rmse_09
         assert remote < 0.05 * (local + remote), (rank, local, remote)
         # Intents a batch long would move or copy items anew every few clocks: a request most batches.
         assert requests < 0.1 * batches, (rank, requests, batches)
+    # Rank 1 does not evaluate: every row it used was here from its first batch on, since the set-up
+    # waited for the rows its intents declared (its first batches asked node 0 while they moved).
+    assert (requests, remote) == (0, 0)

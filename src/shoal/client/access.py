@@ -108,6 +108,9 @@ class TableAccess:
     def localize(self, keys: np.ndarray) -> None:
         raise TableError(f"table {self.name!r} is not adaptive; create it with techniques='relocation' or 'auto'")
 
+    def wait_local(self, keys: np.ndarray, timeout: float) -> int:
+        raise TableError(f"table {self.name!r} is not adaptive: its keys do not move to where they are used")
+
     def intent(self, keys: np.ndarray, start: int, end: int) -> None:
         """Keys to be used in clocks ``[start, end)``: kinds that do not move keys ignore it."""
 

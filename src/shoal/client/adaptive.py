@@ -12,6 +12,7 @@ Intents are buffered and sent to the node's server at each clock tick.
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from shoal.cluster.requests import Future
 from shoal.placement.layout import TableLayout
 from shoal.placement.ownership import LocationCache
 from shoal.storage import checkpoint
+from shoal.storage.kernels import ABSENT
 from shoal.storage.rules import rule_for
 from shoal.storage.shard import ShardStore
 from shoal.wire import bodies
@@ -93,6 +95,28 @@ class AdaptiveAccess(RoutedAccess):
     def intent(self, keys: np.ndarray, start: int, end: int) -> None:
         """Declare that ``keys`` will be used in clocks ``[start, end)``; sent at the next clock tick."""
         self._intents.append((keys, start, end))
+
+    def wait_local(self, keys: np.ndarray, timeout: float) -> int:
+        """Wait until ``keys`` are present on this node or ``timeout`` seconds pass; how many are not.
+
+        Intents declared so far go to this node's server first (they would wait for the next clock
+        tick), which brings their keys here by the clocks they start at. Presence is read in shared
+        memory: waiting sends nothing.
+        """
+        self.worker.send_intents()
+        if self.store is None:
+            return int(keys.shape[0])  # classic mode: no row is ever read here
+        presence = self.store.presence
+        assert presence is not None  # an adaptive store has one
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while True:
+            self.worker.check_local_server(f"waiting for keys of {self.spec.name!r}")
+            absent = int(np.count_nonzero(presence[keys] == ABSENT))
+            if absent == 0 or time.monotonic() >= deadline:
+                return absent
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.02)
 
     def lose_local(self) -> None:
         self.store = self.node_hints = None

@@ -166,6 +166,16 @@ class Table:
         """
         self.access.intent(as_keys(keys, self.spec), int(start), int(start) + 1 if end is None else int(end))
 
+    def wait_local(self, keys: Any, timeout: float = 30.0) -> int:
+        """Wait until ``keys`` are on this worker's node (owned or replicated here), as the intents
+        declared for them bring them; returns how many are still elsewhere when ``timeout`` seconds
+        pass (0: every one is here). For a start where every row a worker declared is local from
+        its first batch on, instead of its first batches asking other nodes while rows move. Keys
+        no intent brings here (a technique that cannot, another node's intent) are not waited for
+        any better than ``timeout``. Adaptive tables only.
+        """
+        return self.access.wait_local(as_keys(keys, self.spec), float(timeout))
+
     # ------------------------------------------------------------- sampling
 
     def register_sampling(self, weights: Any = None, scheme: str = "naive", reuse: int = 4,

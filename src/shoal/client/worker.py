@@ -365,8 +365,7 @@ class Worker:
         """Finish an iteration: tell every server this worker's new clock (under ASP alone, when
         ``client.ticks`` says it is due)."""
         self._check_open()
-        for table in self.tables.values():
-            self._ticks.note_intents(table.access.on_clock())
+        self.send_intents()
         self.clock += 1
         now = time.monotonic()  # real time, also where tests move the tracker's clock by hand
         self._ticks.advanced(now)
@@ -378,6 +377,11 @@ class Worker:
             return self.clock
         self._tick(now)
         return self.clock
+
+    def send_intents(self) -> None:
+        """Send the intents declared since the last clock to this node's server now."""
+        for table in self.tables.values():
+            self._ticks.note_intents(table.access.on_clock())
 
     def _tick(self, now: float) -> None:
         """Tell every server this worker's clock."""
