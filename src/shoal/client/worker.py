@@ -177,7 +177,7 @@ class Worker:
         # Setting up, not serving: servers allocate, fill and compile for the table meanwhile, which
         # on a busy machine can outlast a request timeout chosen to notice a stalled peer.
         timeout = max(self.cluster.timeouts.request_s, self.cluster.timeouts.connect_s)
-        warming = kernels.warm_up_meanwhile()  # while the servers build it; not on the first pull timed
+        warming = kernels.warm_up_meanwhile(spec.dtype)  # while the servers build it; not on the first batches
         create = bodies.CreateTable(spec.to_dict())
         self.tracker.gather(self.live_servers(),
                             lambda n: create.to_message(table=spec.name),

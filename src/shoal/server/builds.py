@@ -73,5 +73,5 @@ class TableBuilds:
 
 
 def _build(service: TableService, spec: TableSpec, current: dict[str, Any] | None) -> Any:
-    kernels.warm_up()  # not on the loop, on the table's first request
+    kernels.warm_up(spec.dtype)  # here, not on the loop at the table's first requests
     return service.build(spec, current)

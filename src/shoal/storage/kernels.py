@@ -380,15 +380,29 @@ def seeded_normal(seed: np.uint64, keys: np.ndarray, out: np.ndarray, mean: floa
             out[i, j] = mean + std * radius * np.cos(2.0 * np.pi * u2)
 
 
-def warm_up() -> None:
-    """Start numba now: its import and first call in a process cost about 1 s even from the cache (each
-    kernel after that a few ms), which would otherwise land on a job's first pull or push."""
-    first_out_of_range(np.zeros(1, dtype=np.int64), 1)
+def warm_up(dtype: Any = np.float32) -> None:
+    """Load numba and the kernels rows of ``dtype`` go through now: numba's import and first call cost
+    a process about 0.5 s even from the cache and each kernel after that 3-20 ms, which would
+    otherwise land on a job's first batches (the row paths of every table kind: checks, gathers,
+    adds, present rows, a replica's changes)."""
+    keys = np.zeros(1, dtype=np.int64)
+    rows = np.zeros((1, 1), dtype=dtype)
+    flags = np.zeros(1, dtype=np.uint8)
+    absent = np.zeros(1, dtype=np.bool_)
+    first_out_of_range(keys, 1)
+    any_nonfinite(rows)
+    gather_rows(rows, keys, rows.copy())
+    gather_place(rows, keys, keys, rows.copy())
+    place_rows(rows.copy(), keys, rows)
+    add_rows(rows.copy(), keys, rows, 1.0)
+    read_present(rows, flags, keys, keys, rows.copy(), absent)
+    add_present(rows.copy(), rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent)
+    take_pending(rows.copy(), flags.copy(), keys, absent)
 
 
-def warm_up_meanwhile() -> threading.Thread:
+def warm_up_meanwhile(dtype: Any = np.float32) -> threading.Thread:
     """``warm_up`` on a thread of its own, while the caller waits on the network (a table's servers
     building it); join it before the first pull or push that is timed."""
-    thread = threading.Thread(target=warm_up, name="shoal-numba-warm-up", daemon=True)
+    thread = threading.Thread(target=warm_up, args=(dtype,), name="shoal-numba-warm-up", daemon=True)
     thread.start()
     return thread
