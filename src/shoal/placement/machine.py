@@ -53,7 +53,7 @@ from shoal.placement.messages import (
     node_fields,
 )
 from shoal.placement.ownership import MAX_HOPS, home_of
-from shoal.storage.kernels import ABSENT, OWNED, REPLICA, any_nonfinite, take_pending
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA, add_rows, any_nonfinite, gather_rows, take_pending
 from shoal.storage.validate import as_keys, as_rows
 
 log = logging.getLogger(__name__)
@@ -259,11 +259,11 @@ class PlacementMachine:
         if to == self.node or not keys.size:
             return
         with table.store.hold(None, exclusive=True):
-            values = table.store.values[keys].copy()
+            values = _rows_of(table.store.values, keys)
             table.presence[keys] = ABSENT
         table.hints.learn(keys, to)
-        interest = table.interest.interest[keys].copy()
-        replicas = table.interest.replicas[keys].copy()
+        interest = table.interest.interest[keys]  # indexing by an array copies
+        replicas = table.interest.replicas[keys]
         table.interest.interest[keys] = 0
         table.interest.replicas[keys] = 0
         table.stats["keys_relocated_away"] += int(keys.size)
@@ -333,7 +333,7 @@ class PlacementMachine:
         if not keys.size:
             return
         with table.store.hold(None, exclusive=False):
-            values = table.store.values[keys].copy()
+            values = _rows_of(table.store.values, keys)
         table.interest.replicas[keys] |= 1 << node
         table.stats["replicas_made"] += int(keys.size)
         self._send(node, Replicate(keys, values))
@@ -398,8 +398,8 @@ class PlacementMachine:
                     self._send(owner, Sync(keys[part], deltas[part], drop[part], origin, target, hops + 1))
         keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
         with table.store.hold(None, exclusive=True):
-            table.store.values[keys] += deltas  # keys of one sync are distinct
-            values = table.store.values[keys].copy()
+            add_rows(table.store.values, keys, deltas, 1.0)
+            values = _rows_of(table.store.values, keys)
         table.interest.replicas[keys[drop.astype(bool)]] &= ~(1 << origin)
         self._send(origin, Synced(keys, values, drop, target, parts))
 
@@ -462,6 +462,14 @@ class PlacementMachine:
             table.stats["intents_withdrawn"] += int(stop.size)
             table.dropping[stop[table.presence[stop] == REPLICA]] = True
             self._announce(stop, False, self.node, 0)
+
+
+def _rows_of(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """A copy of the rows of ``keys``: the compiled gather, about twice as fast as indexing by an
+    array (rows of KGE's tables are 1.6 KB, and a relocation copies a thousand at once)."""
+    out = np.empty((keys.shape[0], values.shape[1]), dtype=values.dtype)
+    gather_rows(values, keys, out)
+    return out
 
 
 def _group(where: np.ndarray, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
