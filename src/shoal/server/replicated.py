@@ -125,6 +125,7 @@ class ReplicationService:
         self.now = now
         self._died_at: dict[int, float] = {}
         self._incarnations: dict[int, int] = {}
+        self._seen_alive: set[int] = set()  # servers a status has called alive: only those can die
         self._answered_at: dict[tuple[str, int, int], float] = {}
         self._waiting_since: dict[tuple[str, int], float] = {}
         self.peers = peers
@@ -139,11 +140,16 @@ class ReplicationService:
         """Follow the rendezvous: which servers live (a restarted one is new: its replicas start empty)."""
         alive = [bool(a) for a in status.get("alive", self.alive)]
         for n, lives in enumerate(alive):
-            if not lives and n < len(self.alive) and self.alive[n]:
+            # A server not registered yet is not alive either, and has died no more than one that has
+            # not started: a death taken for one let a push waiting for an earlier one be given up.
+            if not lives and n in self._seen_alive and n < len(self.alive) and self.alive[n]:
                 self._died_at[n] = self.now()
+            if lives:
+                self._seen_alive.add(n)
         self.alive = alive
         for n, incarnation in enumerate(status.get("incarnations") or []):
-            if int(incarnation) > self._incarnations.get(n, 1):  # a process started in a dead one's place
+            previous = self._incarnations.get(n, 1)  # unheard of until now: its first process, if 1
+            if previous >= 1 and int(incarnation) > previous:  # a process started in a dead one's place
                 self._died_at[n] = self.now()
             self._incarnations[n] = int(incarnation)
 

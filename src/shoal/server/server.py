@@ -74,7 +74,6 @@ _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS}
 _DATA_OPS = frozenset({Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LOCALIZE, Op.INTENT})
 #: requests a table's service serves (each kind serves those it knows)
 _TABLE_OPS = _DATA_OPS | {Op.GOSSIP, Op.REPLICA_STATS, Op.PLACEMENT, Op.GOSSIP_PERIOD}
-_KEPT_REPLIES = frozenset({Op.OK, Op.VALUES, Op.ERROR})  # answers a repeated request gets again
 _OP_COUNTERS = {op: f"op_{name.lower()}" for op, name in OP_NAMES.items()}
 
 
@@ -430,7 +429,7 @@ class ParameterServer:
             frames = codec.encode(error)
         size = frames_nbytes(frames)
         self.stats["bytes_out"] += size
-        if reply.req and reply.op in _KEPT_REPLIES:
+        if reply.req:  # every answer: a repeat of its request is answered again, never taken as in progress
             self.replay.answered(reply.incarnation, reply.req, frames, size)
         self.listener.send(peer, frames)
 
