@@ -210,6 +210,11 @@ def test_wait_local_gives_up_at_its_timeout_and_refuses_static_tables():
         assert t.wait_local(np.arange(0, 100, 2), timeout=0.3) == 0  # here from the start
         with pytest.raises(shoal.TableError, match="not adaptive"):
             c.worker(0).table("s", 10, 1).wait_local([1, 2])
+        for bad in (float("nan"), -1.0, float("inf"), "5"):
+            with pytest.raises(shoal.ConfigError, match="timeout"):
+                t.wait_local([1], timeout=bad)
+        with pytest.raises(shoal.ConfigError, match="finite"):
+            t.register_sampling(np.r_[np.inf, np.ones(99)])
 
 
 @pytest.mark.parametrize("scheme", ["naive", "preloc", "pool", "local"])

@@ -6,7 +6,8 @@ is never written after it left. Requests for the other rows go to where the
 worker's location cache says they live; keys answered "moved" are noted in the
 cache with where they went and sent again (``client.routed``, the protocol static
 slices follow too), after two hops to the key's home, which knows.
-Intents are buffered and sent to the node's server at each clock tick.
+Intents are buffered and sent to the node's server at each clock tick (or when
+``wait_local`` waits for their keys).
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ class Sampler:
             raise ConfigError(f"sampling scheme must be one of {SCHEMES}, got {scheme!r}")
         if weights is not None:
             weights = np.asarray(weights, dtype=np.float64)
-            if weights.shape != (table.num_keys,) or (weights < 0).any() or not weights.sum() > 0:
-                raise ConfigError(f"weights must be {table.num_keys} non-negative numbers with a positive sum")
+            if weights.shape != (table.num_keys,) or not np.isfinite(weights).all() or (weights < 0).any() \
+                    or not weights.sum() > 0:
+                raise ConfigError(f"weights must be {table.num_keys} finite non-negative numbers with a positive sum")
         if reuse < 1 or pool_size < 1:
             raise ConfigError(f"reuse and pool_size must be >= 1, got {reuse}, {pool_size}")
         if scheme == "preloc" and not table.access.relocates:

@@ -8,6 +8,7 @@ and replicate). This class checks the caller's input and hands it on.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -174,6 +175,8 @@ class Table:
         no intent brings here (a technique that cannot, another node's intent) are not waited for
         any better than ``timeout``. Adaptive tables only.
         """
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+            raise ConfigError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
         return self.access.wait_local(as_keys(keys, self.spec), float(timeout))
 
     # ------------------------------------------------------------- sampling

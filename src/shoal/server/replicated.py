@@ -140,8 +140,8 @@ class ReplicationService:
         """Follow the rendezvous: which servers live (a restarted one is new: its replicas start empty)."""
         alive = [bool(a) for a in status.get("alive", self.alive)]
         for n, lives in enumerate(alive):
-            # A server not registered yet is not alive either, and has died no more than one that has
-            # not started: a death taken for one let a push waiting for an earlier one be given up.
+            # A server not registered yet is not alive either, but it has not died: taken for dead, it
+            # let a push that waits for an earlier one of its worker be applied past the gap.
             if not lives and n in self._seen_alive and n < len(self.alive) and self.alive[n]:
                 self._died_at[n] = self.now()
             if lives:

@@ -1,7 +1,7 @@
 """Kernels compiled with numba on first use, not on import.
 
-numba's import costs a process about 0.4 s and its first call (LLVM, the cached
-kernels) about 0.6 s more; a job's launcher, its rendezvous, and servers and
+numba's import costs a process about 0.3 s and its first call (LLVM, the cached
+kernels) about 0.15 s more; a job's launcher, its rendezvous, and servers and
 workers that never touch a row (a barrier-only job, a worker between tables)
 should not pay that. So ``@kernel`` records the plain function and returns a
 stand-in; the first call of any stand-in compiles every recorded kernel (or
