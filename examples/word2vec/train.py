@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the initial rows, the passes and the negatives")
     p.add_argument("--corpus", default="lee", choices=("lee", "planted"),
                    help="the Lee corpus, or planted word clusters (quality: cluster purity)")
+    p.add_argument("--sync-ms", type=float, default=50.0,
+                   help="adaptive modes: how often a replica sends its change to the word's owner and gets its rows")
     p.add_argument("--out")
     args = p.parse_args()
     h = Hyper()
@@ -44,6 +46,8 @@ def main() -> None:
     ps = shoal.init(local_access=args.mode != "classic")
     common = dict(optimizer=shoal.optim.Sum(), techniques=args.mode if adaptive else "static", mapping="round_robin",
                   seed=args.seed)
+    if adaptive:
+        common["sync_ms"] = args.sync_ms
     vin = ps.table("w2v.in", corpus.vocab, h.dim, init=shoal.Uniform(-0.5 / h.dim, 0.5 / h.dim), **common)
     vout = ps.table("w2v.out", corpus.vocab, h.dim, **common)
     vout.register_sampling(noise_weights(corpus.counts), scheme="local" if adaptive else "naive",
