@@ -64,8 +64,8 @@ def main() -> int:
     if args.nodes > 1:
         print("  (a batch of MovieLens 100k is about 0.2 ms of compute, so what Shoal spends per batch decides:\n"
               "   with --mode static rows are fetched from the other node, with auto they are read on the\n"
-              "   worker's own node, and a clock message to each server is the largest cost left; see\n"
-              "   benchmarks/results/mf_movielens.md)")
+              "   worker's own node; what is left is the checks and locks of each local pull and push, and\n"
+              "   two servers sharing the cores with the workers; see benchmarks/results/mf_movielens.md)")
     print(f"final test RMSE: Shoal {ps['rmse'][-1]:.4f}, baseline {base['rmse'][-1]:.4f}")  # type: ignore[index]
     print(f"run report (plots of RMSE, throughput, per-server load, staleness): {args.report}/report.html")
     return 0
