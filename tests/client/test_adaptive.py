@@ -203,6 +203,36 @@ def test_wait_local_sends_the_intents_and_returns_once_their_keys_are_here():
         assert t0.counters["requests"] == requests  # every row read here
 
 
+def test_placement_messages_for_a_server_that_registered_later_go_out_within_a_few_heartbeats(monkeypatch):
+    # A server learns its peers' addresses from its heartbeats (every 0.5 s); what it had to send to a
+    # server that registered after its last one waited for the next, and with it every wait_local of a
+    # job that started quickly (0.4 s of a Kinships job's set-up). Heartbeats are made rare here so
+    # that waiting for the next one cannot pass.
+    from shoal.server import server as server_module
+
+    monkeypatch.setattr(server_module, "_HEARTBEAT_S", 60.0)
+    run = server_module.ParameterServer.run
+    first: list[server_module.ParameterServer] = []
+
+    def run_late(self: server_module.ParameterServer) -> None:
+        if self.node == 0:
+            first.append(self)
+        else:  # once node 0's first heartbeat has been answered, without node 1 in it
+            wait_until(lambda: bool(first) and first[0]._next_heartbeat > 0 and first[0]._heartbeat_req is None,
+                       timeout=20)
+        run(self)
+
+    monkeypatch.setattr(server_module.ParameterServer, "run", run_late)
+    with ThreadCluster(nodes=2) as c:
+        c.rendezvous.dead_after_s = 120.0  # rare heartbeats do not make a server dead here
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("w", 100, 2, techniques="auto", init=shoal.Constant(1.0))
+        w1.table("w", 100, 2, techniques="auto", init=shoal.Constant(1.0))
+        theirs = np.arange(1, 100, 2)  # home node 1: node 0's server asks node 1's for them
+        t0.intent(theirs, w0.clock, w0.clock + 100)
+        assert t0.wait_local(theirs, timeout=20) == 0
+
+
 def test_wait_local_gives_up_at_its_timeout_and_refuses_static_tables():
     with ThreadCluster(nodes=2) as c:
         t = c.worker(0).table("w", 100, 1, techniques="auto")

@@ -149,3 +149,33 @@ def test_barrier_notes_are_typed_and_a_malformed_one_is_not_passed_on():
             "rank": 0, "generation": generation, "note": {"ok": "yes"}}), 30, "barrier")
         t.join(timeout=30)
         assert reply.body["notes"] == {} and heard[-1] == {}
+
+
+def test_a_server_hears_of_a_server_that_registers_while_its_heartbeat_is_held(transport, monkeypatch):
+    # A server's heartbeat is a long poll the rendezvous holds until it has a move for it; a server
+    # registering meanwhile went unseen until the poll ran out (0.4 s, then the next heartbeat), and
+    # so did every placement message for it (a Kinships job's set-up waited 0.4 s on that).
+    from shoal.cluster import rendezvous as rendezvous_module
+
+    monkeypatch.setattr(rendezvous_module, "_POLL_S", 60.0)  # held far longer than the wait below
+    rendezvous = Rendezvous(transport, Codec(), "tcp://127.0.0.1:0", "late", 2, 1).start()
+    spec = ClusterSpec("late", 2, 1, rendezvous.address)
+    servers = [ParameterServer(n, spec, transport) for n in range(2)]
+    threads = [threading.Thread(target=s.run, daemon=True) for s in servers]
+    try:
+        threads[0].start()
+        deadline = time.monotonic() + 20
+        while 0 not in rendezvous._polls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 0 in rendezvous._polls, "server 0's heartbeat was never held"
+        threads[1].start()
+        while 1 not in servers[0].peers.addresses and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 1 in servers[0].peers.addresses
+    finally:
+        for s in servers:
+            s.stop()
+        for t in threads:
+            if t.is_alive() or t.ident is not None:
+                t.join(timeout=5)
+        rendezvous.stop()

@@ -312,13 +312,14 @@ class Rendezvous:
             self._told_finished.add(node)
         self._reply(peer, msg.reply(Op.OK, status))
 
-    def _answer_polls(self) -> None:
-        """Servers waiting on a long poll: answer those with a move to make, or whose wait is over."""
+    def _answer_polls(self, every: bool = False) -> None:
+        """Servers waiting on a long poll: answer those with a move to make, or whose wait is over
+        (``every``: all of them, the servers they know having changed)."""
         if not self._polls:
             return
         now = time.monotonic()
         for node, (peer, msg, deadline) in list(self._polls.items()):
-            if now >= deadline or self.finished or self.slices.commands(node):
+            if every or now >= deadline or self.finished or self.slices.commands(node):
                 self._answer_server(node, peer, msg)
 
     def _answer_when_done(self, peer: bytes, msg: Message) -> Callable[[ClusterError | None], None]:
@@ -350,6 +351,9 @@ class Rendezvous:
             self.last_seen[member.node] = self.now()
             self.exited.discard(member.node)
             self.gone.pop(member.node, None)
+            # Servers whose heartbeats wait here learn its address now: what they have for it (a
+            # replica's gossip, placement messages) would otherwise wait for their next heartbeat.
+            self._answer_polls(every=True)
             return self.incarnations[member.node]
         if member.rank in self.workers:  # a restarted worker: drop what its old self left waiting
             for waiting in self._barriers.values():

@@ -80,6 +80,11 @@ class AdaptiveService:
         for msg in self._outbox.pop(node, []):
             self.peers.tracker.notify(node, msg)
 
+    def missing_peers(self) -> bool:
+        """Whether placement messages wait for a server whose address is not known yet (it registered
+        after this server's last heartbeat, as at start-up): the next heartbeat tells it."""
+        return any(self._outbox.values())
+
     def build(self, spec: TableSpec, current: dict[str, Any] | None = None) -> AdaptiveTable:
         return AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
 

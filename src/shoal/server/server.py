@@ -64,7 +64,7 @@ from shoal.wire.ops import OP_NAMES, Flag, Op
 log = logging.getLogger(__name__)
 
 _HEARTBEAT_S = 0.5
-_PEER_WAIT_S = 0.02  # heartbeat period while a replica does not know where a peer replica is
+_PEER_WAIT_S = 0.02  # heartbeat period while something waits for a peer's address
 _BURST_S = 0.01  # longest stretch of message handling between timer runs
 _TIMERS_EVERY_S = 0.002  # while requests keep coming, timers run at most this often
 _BUILD_POLL_S = 0.01  # how often the loop looks for a table built off it
@@ -137,6 +137,7 @@ class ParameterServer:
         self._heartbeat_req: int | None = None
         self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
         self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
+        self._heartbeat_sent = 0.0
         self.slicing = SliceService(node, cluster, self.peers, self.tables, self.sync, self._rendezvous,
                                     self._serve_held)
         self.sync.hold_for_move = self.slicing.hold
@@ -277,10 +278,14 @@ class ParameterServer:
         if self.slicing.heartbeat_now:
             self.slicing.heartbeat_now = False
             self._next_heartbeat = now
-        if self._heartbeat_req is None and now >= self._next_heartbeat:
-            # Sooner while replicas wait for a peer's address (its heartbeat tells us when it registered).
-            self._next_heartbeat = now + (_PEER_WAIT_S if self.replication.missing_peers() else _HEARTBEAT_S)
-            body = bodies.ClusterStatus("server", self.node, self.slicing.take_load(), self._backlog, poll=True)
+        # Replicas or placement messages waiting for a peer's address ask often, and are answered at
+        # once, not held as a long poll (a peer that registered since the last answer is in the next).
+        hurry = (self._heartbeat_req is None and now >= self._heartbeat_sent + _PEER_WAIT_S
+                 and (self.replication.missing_peers() or self.adaptive.missing_peers()))
+        if self._heartbeat_req is None and (hurry or now >= self._next_heartbeat):
+            self._heartbeat_sent, self._next_heartbeat = now, now + _HEARTBEAT_S
+            body = bodies.ClusterStatus("server", self.node, self.slicing.take_load(), self._backlog,
+                                        poll=not hurry)
             self.queue_length, self._backlog = self._backlog, 0
             self._heartbeat_req = tracker.request(RENDEZVOUS, body.to_message(), self._on_status, "heartbeat")
         elif self._heartbeat_req is not None and now - self._last_heartbeat > self.cluster.timeouts.connect_s:
