@@ -30,7 +30,8 @@ def main() -> None:
     servers = ps.server_stats()
     info = {"rank": ps.rank, "pid": os.getpid(), "cluster_id": os.environ["SHOAL_CLUSTER_ID"],
             "server_pids": [s["pid"] for s in servers], "server_addresses": [s["address"] for s in servers],
-            "rendezvous": os.environ["SHOAL_RENDEZVOUS"]}
+            "rendezvous": os.environ["SHOAL_RENDEZVOUS"], "secret_file": os.environ.get("SHOAL_SECRET_FILE"),
+            "secret_in_environment": "SHOAL_SECRET" in os.environ}
     with open(os.path.join(info_dir, f"w{ps.rank}.json"), "w") as fh:
         json.dump(info, fh)
     print(f"worker {ps.rank} ready", flush=True)

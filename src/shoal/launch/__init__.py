@@ -9,4 +9,5 @@
 - ``env``: the SHOAL_* environment contract
 - ``server_main``: entry point of a server process
 - ``lifecycle``: children die with their launcher
+- ``forked``: job processes forked from a launcher that loaded Shoal once
 """

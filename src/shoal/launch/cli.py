@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="at most this many seconds before an unanswered request is sent again, sooner once "
                           "its peer's round trips are timed (default %(default)s)")
     run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [w<rank>]")
+    run.add_argument("--fresh-interpreters", action="store_true",
+                     help="start every process as a new interpreter instead of forking the servers and the Python "
+                          "workers from the launcher, which loads Shoal once for all of them (0.7 s per process)")
     run.add_argument("--faults", help="inject network faults into every process, e.g. 'delay_ms=2,loss=0.01'")
     run.add_argument("--on-server-failure", choices=("fail", "continue", "restart"), default="fail",
                      help="when a server dies: stop the job (default), go on without it, or start it again")
@@ -151,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefix_output=not args.no_prefix, on_server_failure=args.on_server_failure,
             extra_env={"SHOAL_FAULTS": args.faults} if args.faults else {},
             rebalance=RebalancePolicy(threshold=args.rebalance) if args.rebalance else None,
-            report=args.report,
+            report=args.report, fork_from_launcher=not args.fresh_interpreters,
         )
         return LocalCluster(options).run()
     except ShoalError as exc:

@@ -30,6 +30,7 @@ from shoal.api.config import ClusterSpec, Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ConfigError
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch.env import child_env
+from shoal.launch.forked import SERVER, ForkedProcess, preload, python_main
 from shoal.launch.lifecycle import die_with_parent, wait_for_an_exit
 from shoal.launch.report import LoadSampler, write_report
 from shoal.launch.status import keep_secret, record_run
@@ -62,6 +63,9 @@ class LaunchOptions:
     rebalance: RebalancePolicy | None = None
     #: write a run report (plots and an HTML page) into this directory
     report: str | None = None
+    #: load Shoal once in this process and fork the servers and the Python workers from it
+    #: (``shoal.launch.forked``); only for a launcher that has started no thread or socket yet
+    fork_from_launcher: bool = False
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -77,7 +81,7 @@ class LaunchOptions:
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     is_worker: bool
     command: list[str]
     env: dict[str, str]
@@ -143,6 +147,7 @@ class LocalCluster:
         self.cluster_id = secrets.token_hex(6)
         self.children: list[Child] = []
         self._interrupted: int | None = None
+        self._waiting: dict[str, ForkedProcess] = {}  # forked, waiting for their environment
 
     def _address(self, what: str) -> str:
         if self.options.transport == "ipc":
@@ -152,6 +157,8 @@ class LocalCluster:
     def run(self) -> int:
         """Run the job to the end; returns the exit status for the shell."""
         opts = self.options
+        if opts.fork_from_launcher:
+            self._fork_children()  # before the transport's threads: a fork copies only this one
         transport = ZmqTransport()
         # Every job is authenticated: one secret per job unless given, in a file only this user reads.
         secret = opts.secret or secrets.token_bytes(32)
@@ -164,6 +171,7 @@ class LocalCluster:
         except BaseException:  # e.g. its address is taken: nothing of the job may stay behind
             secret_file.unlink(missing_ok=True)
             transport.close()
+            self._reap_waiting()
             raise
         cluster = ClusterSpec(self.cluster_id, opts.nodes, opts.workers_per_node, rendezvous.address,
                               secret, opts.limits, opts.timeouts)
@@ -213,16 +221,52 @@ class LocalCluster:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def _spawn(self, name: str, command: list[str], env: dict[str, str], is_worker: bool) -> None:
-        self.children.append(Child(name, self._popen(name, command, env), is_worker, command, env))
+    def _fork_children(self) -> None:
+        opts = self.options
+        worker = python_main(opts.command)
+        names = [(f"s{node}", SERVER) for node in range(opts.nodes)]
+        if worker is not None:
+            names += [(f"w{rank}", worker) for rank in range(opts.nodes * opts.workers_per_node)]
+        preload()
+        try:
+            for name, main in names:
+                self._waiting[name] = ForkedProcess(name, main, capture_output=opts.prefix_output)
+        except BaseException:
+            self._reap_waiting()
+            raise
 
-    def _popen(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _reap_waiting(self) -> None:
+        """End the forked children whose job never started (each exits once its pipe closes)."""
+        for proc in self._waiting.values():
+            proc.abandon()
+        for proc in self._waiting.values():
+            try:
+                proc.wait(timeout=self.options.grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._waiting.clear()
+
+    def _spawn(self, name: str, command: list[str], env: dict[str, str], is_worker: bool) -> None:
+        forked = self._waiting.pop(name, None)
+        if forked is not None:
+            forked.start(self._full_env(env))
+            self.children.append(Child(name, forked, is_worker, command, env))
+        else:
+            self.children.append(Child(name, self._popen(name, command, env), is_worker, command, env))
+
+    def _full_env(self, env: dict[str, str]) -> dict[str, str]:
         full_env = {**os.environ, **self.options.extra_env, **env, "PYTHONUNBUFFERED": "1"}
         if self.options.report:
             full_env["SHOAL_RUN_DIR"] = str(Path(self.options.report).resolve())
+        return full_env
+
+    def _popen(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         try:
             return subprocess.Popen(
-                command, env=full_env, stdin=subprocess.DEVNULL,
+                command, env=self._full_env(env), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE if self.options.prefix_output else None,
                 stderr=subprocess.STDOUT if self.options.prefix_output else None,
                 start_new_session=True, preexec_fn=die_with_parent,
@@ -305,6 +349,7 @@ class LocalCluster:
 
     def _teardown(self) -> None:
         """SIGTERM every live child's process group, then SIGKILL what is left; reap all."""
+        self._reap_waiting()
         live = [c for c in self.children if c.proc.poll() is None]
         for c in live:
             _signal_group(c.proc.pid, signal.SIGTERM)

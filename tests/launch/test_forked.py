@@ -1,0 +1,142 @@
+"""Job processes forked from a launcher that loaded Shoal once: each must be what a fresh interpreter
+running its command would have been, and the job must end as it did with fresh interpreters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shoal.launch.forked import PythonMain, python_main
+
+PYTHON = sys.executable
+
+#: what a worker sees of itself, written to the file named by its last argument (one per rank)
+INTROSPECT = """
+import json, logging, os, sys, threading, time
+import numpy as np
+import shoal
+ps = shoal.init()
+cpu_after_init = time.process_time()
+seen = {
+    "name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+    "cpu_after_init": cpu_after_init, "preloaded": ["numba" in sys.modules, "shoal.client.worker" in sys.modules],
+    "draw": float(np.random.random()), "log_handlers": len(logging.root.handlers),
+    "rank_env": os.environ["SHOAL_RANK"], "comm": open(f"/proc/{os.getpid()}/comm").read().strip(),
+    "servers_preloaded": ["/numba/" in open(f"/proc/{s['pid']}/maps").read() for s in ps.server_stats()],
+}
+ps.barrier()
+ps.shutdown()
+out = sys.argv[-1] + f".{seen['rank_env']}"
+open(out, "w").write(json.dumps(seen))
+"""
+
+
+def shoal_run(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "-m", "shoal.launch.cli", "run", "--connect-timeout", "30", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def test_only_this_interpreter_running_a_script_a_module_or_code_is_forked(tmp_path):
+    assert python_main([PYTHON, "train.py", "--lr", "1"]) == PythonMain("script", "train.py", ("--lr", "1"))
+    assert python_main([PYTHON, "-u", "-m", "pkg.train", "x"]) == PythonMain("module", "pkg.train", ("x",))
+    assert python_main([PYTHON, "-c", "print(1)", "a"]) == PythonMain("code", "print(1)", ("a",))
+    other = tmp_path / "python"  # the same file elsewhere is another environment
+    other.symlink_to(os.path.realpath(PYTHON))
+    for command in ([PYTHON], [PYTHON, "-u"], [PYTHON, "-m"], [PYTHON, "-O", "train.py"], [PYTHON, "-X", "dev", "t.py"],
+                    ["bash", "-c", "true"], [str(other), "train.py"], ["no-such-program-here", "train.py"]):
+        assert python_main(command) is None, command
+
+
+@pytest.mark.parametrize("form", ["script", "module", "code"])
+def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(tmp_path, form):
+    (tmp_path / "job.py").write_text(INTROSPECT)
+    out = tmp_path / "seen"
+    command = {"script": [PYTHON, "job.py", "a", str(out)], "module": [PYTHON, "-m", "job", "a", str(out)],
+               "code": [PYTHON, "-c", INTROSPECT, "a", str(out)]}[form]
+    done = shoal_run("--nodes", "2", "--", *command, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    for rank, s in enumerate(seen):
+        assert s["name"] == "__main__"
+        assert s["argv"] == {"script": ["job.py", "a", str(out)], "module": [str(tmp_path / "job.py"), "a", str(out)],
+                             "code": ["-c", "a", str(out)]}[form]
+        assert s["path0"] == {"script": str(tmp_path), "module": str(tmp_path), "code": ""}[form]
+        assert s["cwd"] == str(tmp_path) and s["rank_env"] == str(rank) and s["comm"] == f"shoal-w{rank}"
+        assert s["log_handlers"] == 0  # not the launcher's logging
+        # It starts with Shoal, numba and the kernels loaded, and has paid for none of it (a fresh
+        # interpreter spends 0.25 s of CPU on the imports alone); so do the servers.
+        assert s["preloaded"] == [True, True] and s["servers_preloaded"] == [True, True]
+        assert s["cpu_after_init"] < 0.15
+    assert seen[0]["draw"] != seen[1]["draw"]  # each its own random state, as fresh ones have
+
+
+EXITS = """
+import atexit, sys, threading, time
+from pathlib import Path
+import shoal
+ps = shoal.init()
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / f"atexit.{ps.rank}").write_text("ran"))
+def late():
+    time.sleep(0.3)
+    (out / f"thread.{ps.rank}").write_text("joined")
+threading.Thread(target=late).start()  # not a daemon: the interpreter waits for it at exit
+ps.barrier()
+ps.shutdown()
+if ps.rank == 1:
+    print("rank 1 fails now", flush=True)
+    raise RuntimeError("planned failure")
+"""
+
+
+def test_a_forked_worker_ends_as_an_interpreter_does_and_its_status_ends_the_job(tmp_path):
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS)
+    done = shoal_run("--nodes", "1", "--workers-per-node", "2", "--", PYTHON, str(script), str(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "RuntimeError: planned failure" in done.stdout and "[w1] Traceback" in done.stdout
+    assert (tmp_path / "thread.1").read_text() == "joined" and (tmp_path / "atexit.1").read_text() == "ran"
+    exited = shoal_run("--nodes", "1", "--", PYTHON, "-c", "import sys; print('bye'); sys.exit(3)")
+    assert exited.returncode == 3 and "[w0] bye" in exited.stdout, exited.stdout + exited.stderr
+
+
+def forked_from(cwd: Path) -> list[int]:
+    """Processes whose working directory is ``cwd``: what a launcher started there and left behind."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if os.readlink(entry / "cwd") == str(cwd):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_children_forked_for_a_job_that_cannot_start_are_ended_and_reaped(tmp_path):
+    # The children are forked before the rendezvous binds: when it cannot, they must not stay waiting.
+    done = shoal_run("--nodes", "2", "--host", "203.0.113.7", "--", PYTHON, "-c", "pass", cwd=tmp_path)
+    assert done.returncode != 0 and "203.0.113.7" in done.stderr, done.stdout + done.stderr
+    deadline = time.monotonic() + 10
+    while forked_from(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert forked_from(tmp_path) == []
+
+
+def test_fresh_interpreters_on_request_and_for_commands_of_other_programs(tmp_path):
+    (tmp_path / "job.py").write_text(INTROSPECT)
+    out = tmp_path / "seen"
+    done = shoal_run("--nodes", "2", "--fresh-interpreters", "--", PYTHON, "job.py", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = json.loads(Path(f"{out}.0").read_text())
+    assert seen["preloaded"] == [False, True] and seen["servers_preloaded"] == [False, False]
+    assert seen["comm"] != "shoal-w0"
+    # A shell command is started as it is; the servers are still forked.
+    shell = shoal_run("--nodes", "1", "--", "bash", "-c", "echo from bash $SHOAL_RANK")
+    assert shell.returncode == 0 and "[w0] from bash 0" in shell.stdout, shell.stdout + shell.stderr
