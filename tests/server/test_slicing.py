@@ -201,6 +201,11 @@ def test_bounds_hold_with_asynchronous_pushes_while_slices_move(model, local_acc
         def run(rank: int) -> None:
             previous = None
             for clock in range(clocks):
+                # Clocks interleave with moves (a job that starts quickly could end before the first):
+                # a move at least every three clocks, four in all.
+                moves = min(4, clock // 3)
+                wait_until(lambda: c.rendezvous.slices.moves_done >= moves, timeout=60,  # noqa: B023 - read at once
+                           what="the operator's slice moves")
                 rows = tables[rank].pull(np.arange(KEYS))[:, 0]
                 seen.append((rank, clock, float(rows.min()), float(rows.max())))
                 push = tables[rank].push_async(np.arange(KEYS), np.ones((KEYS, 1), np.float32))
