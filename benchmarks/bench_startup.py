@@ -3,13 +3,16 @@
     python benchmarks/bench_startup.py [--runs 5]
 
 The job is ``shoal run --nodes 2 --workers-per-node 1`` of a script that calls
-``shoal.init()``, one barrier and ``shutdown()``. Its workers print when each
-phase ended (time since the launcher started), and the costs every process pays
+``shoal.init()``, one barrier and ``shutdown()``, with its processes forked from
+the launcher (the default) and as fresh interpreters (``--fresh-interpreters``),
+alternating. Its workers print when each phase ended (time since the launcher
+started), and the costs every process pays
 are timed alone, each in a fresh interpreter: the interpreter itself, ``import
 shoal`` (which leaves the worker out), the worker's and the server's imports,
 the launcher's import, what numba and prometheus_client cost where they are
-first used (a job's first table, a process's first scrape), and how long an
-interpreter holding the worker's imports takes to exit. Medians over ``--runs``.
+first used (a job's first table, a process's first scrape), the launcher's
+preload (all of that once, before it forks), and how long an interpreter holding
+the worker's imports takes to exit. Medians over ``--runs``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ ALONE = {
     "numba's import and first call, at a job's first table": (
         "import shoal.client.worker, time; t = time.perf_counter(); from shoal.storage import kernels; "
         "kernels.warm_up(); print(time.perf_counter() - t)"),
+    "the launcher's preload, once per job (the processes are forked from it)": (
+        "import shoal.launch.cli, time; t = time.perf_counter(); from shoal.launch.forked import preload; "
+        "preload(); print(time.perf_counter() - t)"),
 }
 
 #: what an interpreter that imported the worker takes to exit, without and with ``gc.freeze``
@@ -77,12 +83,12 @@ def exit_cost(code: str) -> float:
     return time.time() - float(out)
 
 
-def job(script: Path) -> tuple[float, dict[str, float]]:
+def job(script: Path, fresh: bool) -> tuple[float, dict[str, float]]:
     env = {**os.environ, "BENCH_T0": repr(time.time())}
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node",
-                           "1", "--", sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          check=True, timeout=120)
+                           "1", *(["--fresh-interpreters"] if fresh else []), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, env=env, check=True, timeout=120)
     wall = time.perf_counter() - started
     phases: dict[str, float] = {}
     for line in done.stdout.splitlines() + done.stderr.splitlines():
@@ -98,23 +104,32 @@ def main() -> None:
     args = parser.parse_args()
     costs = {name: statistics.median(alone(code) for _ in range(args.runs)) for name, code in ALONE.items()}
     costs |= {name: statistics.median(exit_cost(code) for _ in range(args.runs)) for name, code in EXIT.items()}
+    starts = {"forked from the launcher": False, "fresh interpreters": True}
+    runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in starts}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "trivial.py"
         script.write_text(WORKER)
-        runs = [job(script) for _ in range(args.runs)]
-    wall = statistics.median(w for w, _ in runs)
-    phases = {k: statistics.median(p[k] for _, p in runs) for k in runs[0][1]}
+        for _ in range(args.runs):  # alternating
+            for name, fresh in starts.items():
+                runs[name].append(job(script, fresh))
+    wall = {name: statistics.median(w for w, _ in rs) for name, rs in runs.items()}
+    phases = {name: {k: statistics.median(p[k] for _, p in rs) for k in rs[0][1]} for name, rs in runs.items()}
 
-    lines = ["| the trivial 2-node job (median) | s since the launcher started |", "|---|---:|"]
-    lines += [f"| workers: {k} | {v:.2f} |" for k, v in phases.items()]
-    lines.append(f"| **launcher exited** | **{wall:.2f}** |")
+    lines = ["| the trivial 2-node job (median), s since the launcher started | " + " | ".join(starts) + " |",
+             "|---|---:|---:|"]
+    lines += [f"| workers: {k} | " + " | ".join(f"{phases[name][k]:.2f}" for name in starts) + " |"
+              for k in phases["fresh interpreters"]]
+    lines.append("| **launcher exited** | " + " | ".join(f"**{wall[name]:.2f}**" for name in starts) + " |")
     lines += ["", "| each process pays, alone on the machine (median) | s |", "|---|---:|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in costs.items()]
     imports = costs["import the worker"] + costs["import the server"]
-    lines.append(f"\nEach node's worker and server import {imports:.2f} s of Python before the job runs (the "
-                 f"launcher {costs['import the launcher']:.2f} s before it starts them); on {os.cpu_count()} cores "
-                 "the four processes' imports overlap only two at a time. numba and prometheus_client load "
-                 "where they are first needed, not at start.")
+    lines.append(f"\nAs fresh interpreters, each node's worker and server import {imports:.2f} s of Python before "
+                 f"the job runs (the launcher {costs['import the launcher']:.2f} s before it starts them); on "
+                 f"{os.cpu_count()} cores the four processes' imports overlap only two at a time, and numba loads "
+                 "in each where it is first needed (a job's first table). Forked from the launcher (`shoal run`'s "
+                 "default), the processes start with all of it loaded once: the launcher's preload is the cost, "
+                 "paid before the processes start, once per job. prometheus_client loads at a process's first "
+                 "scrape either way.")
     table = "\n".join(lines)
     print("\n" + table)
     write_results("startup", {"runs": args.runs, "wall_s": wall, "phases_s": phases, "alone_s": costs}, table)
