@@ -156,8 +156,10 @@ def test_a_server_hears_of_a_server_that_registers_while_its_heartbeat_is_held(t
     # registering meanwhile went unseen until the poll ran out (0.4 s, then the next heartbeat), and
     # so did every placement message for it (a Kinships job's set-up waited 0.4 s on that).
     from shoal.cluster import rendezvous as rendezvous_module
+    from shoal.server import server as server_module
 
-    monkeypatch.setattr(rendezvous_module, "_POLL_S", 60.0)  # held far longer than the wait below
+    monkeypatch.setattr(rendezvous_module, "_POLL_S", 60.0)  # held far longer than the waits below
+    monkeypatch.setattr(server_module, "_HEARTBEAT_S", 60.0)
     rendezvous = Rendezvous(transport, Codec(), "tcp://127.0.0.1:0", "late", 2, 1).start()
     spec = ClusterSpec("late", 2, 1, rendezvous.address)
     servers = [ParameterServer(n, spec, transport) for n in range(2)]
@@ -172,6 +174,11 @@ def test_a_server_hears_of_a_server_that_registers_while_its_heartbeat_is_held(t
         while 1 not in servers[0].peers.addresses and time.monotonic() < deadline:
             time.sleep(0.01)
         assert 1 in servers[0].peers.addresses
+        # and it polls again at once, not a heartbeat period later: the job's end (or a move for it)
+        # comes as the answer of a held poll
+        while 0 not in rendezvous._polls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 0 in rendezvous._polls
     finally:
         for s in servers:
             s.stop()

@@ -304,10 +304,11 @@ class Rendezvous:
             error = ProtocolError(f"rendezvous does not serve {msg.op.name}")
             self._reply(peer, bodies.Error.about(error).reply_to(msg))
 
-    def _answer_server(self, node: int, peer: bytes, msg: Message) -> None:
+    def _answer_server(self, node: int, peer: bytes, msg: Message, early: bool = False) -> None:
         self._polls.pop(node, None)
         status = self.status()
         status["moves"] = self.slices.commands(node)
+        status["poll_again"] = early  # answered before its time for news of all: the next poll at once
         if status["finished"]:
             self._told_finished.add(node)
         self._reply(peer, msg.reply(Op.OK, status))
@@ -319,8 +320,10 @@ class Rendezvous:
             return
         now = time.monotonic()
         for node, (peer, msg, deadline) in list(self._polls.items()):
-            if every or now >= deadline or self.finished or self.slices.commands(node):
+            if now >= deadline or self.finished or self.slices.commands(node):
                 self._answer_server(node, peer, msg)
+            elif every:
+                self._answer_server(node, peer, msg, early=True)
 
     def _answer_when_done(self, peer: bytes, msg: Message) -> Callable[[ClusterError | None], None]:
         def done(error: ClusterError | None) -> None:

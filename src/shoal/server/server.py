@@ -294,6 +294,8 @@ class ParameterServer:
 
     def _on_status(self, msg: Message) -> None:
         self._last_heartbeat = time.monotonic()
+        if msg.body.get("poll_again"):  # a poll cut short (a server registered): hold the next one now
+            self._next_heartbeat = self._last_heartbeat
         self.roles.num_nodes = max(self.roles.num_nodes, len(msg.body.get("servers") or []))  # servers joined
         self.peers.on_status(msg.body)
         self.replication.on_status(msg.body)
