@@ -3,7 +3,8 @@
     python benchmarks/bench_startup.py [--runs 5]
 
 The job is ``shoal run --nodes 2 --workers-per-node 1`` of a script that calls
-``shoal.init()``, one barrier and ``shutdown()``, with its processes forked from
+``shoal.init()``, one barrier and ``shutdown()`` (and once more with a first
+table, pushed and pulled, between them), with its processes forked from
 the launcher (the default) and as fresh interpreters (``--fresh-interpreters``),
 alternating. Its workers print when each phase ended (time since the launcher
 started), and the costs every process pays
@@ -41,6 +42,13 @@ ps = shoal.init()
 mark("init done")
 ps.barrier()
 mark("barrier done")
+if os.environ.get("BENCH_TABLE"):  # a job's first table: a push and a pull of rows on both nodes
+    import numpy as np
+    table = ps.table("t", 1000, 16)
+    table.push(np.arange(1000), np.ones((1000, 16), np.float32))
+    table.pull(np.arange(1000))
+    ps.barrier()
+    mark("first table pushed and pulled")
 ps.shutdown()
 mark("shutdown done")
 """
@@ -83,8 +91,8 @@ def exit_cost(code: str) -> float:
     return time.time() - float(out)
 
 
-def job(script: Path, fresh: bool) -> tuple[float, dict[str, float]]:
-    env = {**os.environ, "BENCH_T0": repr(time.time())}
+def job(script: Path, fresh: bool, table: bool) -> tuple[float, dict[str, float]]:
+    env = {**os.environ, "BENCH_T0": repr(time.time()), "BENCH_TABLE": "1" if table else ""}
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node",
                            "1", *(["--fresh-interpreters"] if fresh else []), "--", sys.executable, str(script)],
@@ -105,22 +113,27 @@ def main() -> None:
     costs = {name: statistics.median(alone(code) for _ in range(args.runs)) for name, code in ALONE.items()}
     costs |= {name: statistics.median(exit_cost(code) for _ in range(args.runs)) for name, code in EXIT.items()}
     starts = {"forked from the launcher": False, "fresh interpreters": True}
-    runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in starts}
+    kinds = {"the trivial 2-node job": False, "the same with a first table": True}
+    runs: dict[str, dict[str, list[tuple[float, dict[str, float]]]]] = {k: {n: [] for n in starts} for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "trivial.py"
         script.write_text(WORKER)
         for _ in range(args.runs):  # alternating
-            for name, fresh in starts.items():
-                runs[name].append(job(script, fresh))
-    wall = {name: statistics.median(w for w, _ in rs) for name, rs in runs.items()}
-    phases = {name: {k: statistics.median(p[k] for _, p in rs) for k in rs[0][1]} for name, rs in runs.items()}
+            for kind, with_table in kinds.items():
+                for name, fresh in starts.items():
+                    runs[kind][name].append(job(script, fresh, with_table))
+    wall = {k: {n: statistics.median(w for w, _ in rs) for n, rs in by.items()} for k, by in runs.items()}
+    phases = {k: {n: {p: statistics.median(ph[p] for _, ph in rs) for p in rs[0][1]} for n, rs in by.items()}
+              for k, by in runs.items()}
 
-    lines = ["| the trivial 2-node job (median), s since the launcher started | " + " | ".join(starts) + " |",
-             "|---|---:|---:|"]
-    lines += [f"| workers: {k} | " + " | ".join(f"{phases[name][k]:.2f}" for name in starts) + " |"
-              for k in phases["fresh interpreters"]]
-    lines.append("| **launcher exited** | " + " | ".join(f"**{wall[name]:.2f}**" for name in starts) + " |")
-    lines += ["", "| each process pays, alone on the machine (median) | s |", "|---|---:|"]
+    lines = []
+    for kind in kinds:
+        lines += [f"| {kind} (median), s since the launcher started | " + " | ".join(starts) + " |",
+                  "|---|---:|---:|"]
+        lines += [f"| workers: {p} | " + " | ".join(f"{phases[kind][n][p]:.2f}" for n in starts) + " |"
+                  for p in phases[kind]["fresh interpreters"]]
+        lines += ["| **launcher exited** | " + " | ".join(f"**{wall[kind][n]:.2f}**" for n in starts) + " |", ""]
+    lines += ["| each process pays, alone on the machine (median) | s |", "|---|---:|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in costs.items()]
     imports = costs["import the worker"] + costs["import the server"]
     lines.append(f"\nAs fresh interpreters, each node's worker and server import {imports:.2f} s of Python before "
