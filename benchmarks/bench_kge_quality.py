@@ -152,7 +152,7 @@ def report(data: dict[str, Any]) -> str:
         lines += ["", "Set-up: from the script's arguments parsed to training (joining, creating the tables, "
                   "loading the data); final report: rank 0 pulling every row and ranking the test triples, the "
                   "servers' statistics; start and stop: the rest (the launcher's start, the processes' imports "
-                  "and numba, shutting down). Forked from the launcher: it loads Shoal and numba once (0.7 s) "
+                  "and numba, shutting down). Forked from the launcher: it loads Shoal and numba once (0.5-0.7 s) "
                   "and forks every process from it; fresh interpreters: each process loads them itself."]
     return "\n".join(lines)
 
