@@ -46,6 +46,7 @@ def main() -> int:
             [sys.executable, str(HERE / "train.py"), "--epochs", str(args.epochs), "--mode", args.mode,
              "--out", str(out)],
             nodes=args.nodes, workers_per_node=args.workers_per_node, report=args.report,
+            fork_from_launcher=True,  # as `shoal run` does: Shoal and numba loaded once, here
         )
         if status != 0 or not out.exists():
             print(f"the Shoal run failed (exit status {status})", file=sys.stderr)

@@ -77,12 +77,15 @@ def test_a_forked_worker_is_what_a_fresh_interpreter_would_be(tmp_path, form):
 
 
 EXITS = """
-import atexit, sys, threading, time
+import atexit, sys, threading, time, weakref
 from pathlib import Path
 import shoal
 ps = shoal.init()
 out = Path(sys.argv[1])
 atexit.register(lambda: (out / f"atexit.{ps.rank}").write_text("ran"))
+class Kept: pass
+kept = Kept()
+weakref.finalize(kept, (out / f"finalized.{ps.rank}").write_text, "ran")  # runs at exit, kept alive
 def late():
     time.sleep(0.3)
     (out / f"thread.{ps.rank}").write_text("joined")
@@ -102,6 +105,7 @@ def test_a_forked_worker_ends_as_an_interpreter_does_and_its_status_ends_the_job
     assert done.returncode == 1, done.stdout + done.stderr
     assert "RuntimeError: planned failure" in done.stdout and "[w1] Traceback" in done.stdout
     assert (tmp_path / "thread.1").read_text() == "joined" and (tmp_path / "atexit.1").read_text() == "ran"
+    assert (tmp_path / "finalized.1").read_text() == "ran"
     exited = shoal_run("--nodes", "1", "--", PYTHON, "-c", "import sys; print('bye'); sys.exit(3)")
     assert exited.returncode == 3 and "[w0] bye" in exited.stdout, exited.stdout + exited.stderr
 
@@ -140,3 +144,59 @@ def test_fresh_interpreters_on_request_and_for_commands_of_other_programs(tmp_pa
     # A shell command is started as it is; the servers are still forked.
     shell = shoal_run("--nodes", "1", "--", "bash", "-c", "echo from bash $SHOAL_RANK")
     assert shell.returncode == 0 and "[w0] from bash 0" in shell.stdout, shell.stdout + shell.stderr
+
+
+BUSY_LAUNCHER = """
+import sys, threading
+import zmq
+import shoal.launch.local
+from shoal.launch.forked import safe_to_fork
+assert safe_to_fork()
+context = zmq.Context()
+socket = context.socket(zmq.PAIR)  # its I/O threads
+assert not safe_to_fork()
+socket.close(); context.term()
+stop = threading.Event()
+threading.Thread(target=stop.wait).start()
+assert not safe_to_fork()
+try:
+    sys.exit(shoal.launch.local.run([sys.executable, sys.argv[1], sys.argv[2]], nodes=1, fork_from_launcher=True))
+finally:
+    stop.set()
+"""
+
+
+def test_a_launcher_running_other_threads_starts_fresh_interpreters(tmp_path):
+    # A fork copies only the calling thread: a lock another held would stay held in every child.
+    (tmp_path / "job.py").write_text(INTROSPECT)
+    (tmp_path / "launcher.py").write_text(BUSY_LAUNCHER)
+    out = tmp_path / "seen"
+    done = subprocess.run([PYTHON, "launcher.py", "job.py", str(out)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(Path(f"{out}.0").read_text())["preloaded"] == [False, True]
+
+
+CLEANING_LAUNCHER = """
+import atexit, os, sys, tempfile
+from pathlib import Path
+import shoal.launch.local
+log = Path(sys.argv[2])
+atexit.register(lambda: log.open("a").write(f"launcher exit handler in {os.getpid()}\\n"))
+with tempfile.TemporaryDirectory() as tmp:
+    status = shoal.launch.local.run([sys.executable, "-c", "import shoal, sys; ps = shoal.init(); "
+                                     "open(sys.argv[1] + '/out', 'w').write('done'); ps.shutdown()", tmp],
+                                    nodes=2, fork_from_launcher=True)
+    print(status, Path(tmp, "out").read_text())
+"""
+
+
+def test_the_launchers_exit_handlers_and_finalizers_stay_its_own(tmp_path):
+    # Run at a forked child's exit, the launcher's TemporaryDirectory finalizer deleted the directory
+    # the job wrote its results into (the MF demo's), and its exit handlers ran once per process.
+    (tmp_path / "launcher.py").write_text(CLEANING_LAUNCHER)
+    log = tmp_path / "exits.log"
+    done = subprocess.run([PYTHON, "launcher.py", "job.py", str(log)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "0 done", done.stdout + done.stderr
+    assert log.read_text().count("launcher exit handler") == 1

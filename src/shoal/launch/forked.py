@@ -34,8 +34,10 @@ import threading
 import time
 import traceback
 import types
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 from shoal.api.errors import ConfigError
@@ -84,6 +86,19 @@ def _same_interpreter(path: str) -> bool:
                 and os.path.samefile(path, ours))
     except OSError:
         return False
+
+
+def safe_to_fork() -> bool:
+    """Whether a fork of this process leaves no lock held in the child: no Python thread but this
+    one and no ZeroMQ context's I/O threads (a fork copies only the calling thread). OpenBLAS's pool,
+    which numpy's import starts, shuts itself down around a fork."""
+    if threading.active_count() != 1:
+        return False
+    try:
+        names = [Path(f"/proc/self/task/{task}/comm").read_text() for task in os.listdir("/proc/self/task")]
+    except OSError:  # pragma: no cover - no procfs: Python's own threads are all that can be seen
+        return True
+    return not any(name.startswith("ZMQbg") for name in names)
 
 
 def preload() -> None:
@@ -202,6 +217,7 @@ def _become(main: PythonMain, env_read: int, out_write: int) -> None:
         os.close(3)
         if env is None:
             os._exit(1)  # the launcher gave up before the job started
+        _forget_the_launchers_cleanups()
         code = _run(main, env)
     except SystemExit as exc:
         code = _exit_status(exc.code)
@@ -212,6 +228,15 @@ def _become(main: PythonMain, env_read: int, out_write: int) -> None:
         code = 1
     finally:
         os._exit(_finish(code))
+
+
+def _forget_the_launchers_cleanups() -> None:
+    """The launcher's exit handlers and finalizers are its own: run at a child's exit, they would
+    clean up what the launcher goes on using (a ``TemporaryDirectory`` the workers write into)."""
+    atexit._clear()  # type: ignore[attr-defined]
+    weakref.finalize._registry.clear()  # type: ignore[attr-defined]
+    weakref.finalize._registered_with_atexit = False  # type: ignore[attr-defined]  # the child's own register
+    atexit.register(logging.shutdown)  # as logging's import did: the child's handlers flushed at its exit
 
 
 def _read_env(fd: int) -> dict[str, str] | None:

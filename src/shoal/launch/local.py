@@ -30,7 +30,7 @@ from shoal.api.config import ClusterSpec, Limits, RebalancePolicy, Timeouts
 from shoal.api.errors import ConfigError
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.launch.env import child_env
-from shoal.launch.forked import SERVER, ForkedProcess, preload, python_main
+from shoal.launch.forked import SERVER, ForkedProcess, preload, python_main, safe_to_fork
 from shoal.launch.lifecycle import die_with_parent, wait_for_an_exit
 from shoal.launch.report import LoadSampler, write_report
 from shoal.launch.status import keep_secret, record_run
@@ -64,7 +64,8 @@ class LaunchOptions:
     #: write a run report (plots and an HTML page) into this directory
     report: str | None = None
     #: load Shoal once in this process and fork the servers and the Python workers from it
-    #: (``shoal.launch.forked``); only for a launcher that has started no thread or socket yet
+    #: (``shoal.launch.forked``): for a process that runs the job and nothing else (``shoal run``);
+    #: one that runs other threads (or ZeroMQ sockets) starts fresh interpreters instead
     fork_from_launcher: bool = False
 
     def __post_init__(self) -> None:
@@ -223,6 +224,9 @@ class LocalCluster:
 
     def _fork_children(self) -> None:
         opts = self.options
+        if not safe_to_fork():
+            log.warning("this process runs other threads: the job's processes start as fresh interpreters")
+            return
         worker = python_main(opts.command)
         names = [(f"s{node}", SERVER) for node in range(opts.nodes)]
         if worker is not None:
