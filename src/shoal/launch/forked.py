@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import random
-import select
 import shutil
 import signal
 import subprocess
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import IO
 
 from shoal.api.errors import ConfigError
-from shoal.launch.lifecycle import die_with_parent, name_process
+from shoal.launch.lifecycle import die_with_parent, name_process, wait_for_an_exit
 
 
 @dataclass(frozen=True)
@@ -128,6 +127,7 @@ class ForkedProcess:
         out_read, out_write = os.pipe() if capture_output else (-1, -1)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # or the child would write what the launcher had buffered once more
+        launcher = os.getpid()
         try:
             self.pid = os.fork()
         except OSError as exc:
@@ -136,8 +136,7 @@ class ForkedProcess:
                     os.close(fd)
             raise ConfigError(f"cannot start {name}: {exc}") from exc
         if self.pid == 0:
-            name_process(f"shoal-{name}")
-            _become(main, env_read, out_write)  # never returns
+            _become(name, main, launcher, env_read, out_write)  # never returns
         os.close(env_read)
         if capture_output:
             os.close(out_write)
@@ -177,34 +176,20 @@ class ForkedProcess:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(self.name, timeout or 0.0)
-            _wait_for_exit(self.pid, 1.0 if left is None else min(left, 1.0))
+            wait_for_an_exit([self], 1.0 if left is None else min(left, 1.0))
         assert self.returncode is not None
         return self.returncode
 
 
-def _wait_for_exit(pid: int, timeout_s: float) -> None:
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        time.sleep(min(timeout_s, 0.01))
-        return
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        poller.poll(timeout_s * 1000)
-    finally:
-        os.close(fd)
-
-
-def _become(main: PythonMain, env_read: int, out_write: int) -> None:
+def _become(name: str, main: PythonMain, launcher: int, env_read: int, out_write: int) -> None:
     """The child's whole life: wait for the environment, run ``main`` as a fresh interpreter would,
     exit with its status. Nothing here returns into the launcher's stack."""
     code = 1
     try:
-        launcher = os.getppid()
+        name_process(f"shoal-{name}")
         os.setsid()  # its own process group: the launcher's teardown signals the group
         die_with_parent()
-        if os.getppid() != launcher:
+        if os.getppid() != launcher:  # it died before the call above took effect
             os._exit(1)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -212,7 +197,7 @@ def _become(main: PythonMain, env_read: int, out_write: int) -> None:
             os.dup2(out_write, 1)
             os.dup2(out_write, 2)
         os.dup2(env_read, 3)
-        os.closerange(4, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
+        os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the launcher's other descriptors
         env = _read_env(3)
         os.close(3)
         if env is None:
