@@ -76,6 +76,9 @@ def test_dynamic_quorum_is_chosen_from_the_model_again_as_the_workers_clock_move
         shard = t.access.shards[0]
         deadline = time.monotonic() + 20  # gossip has to carry a push first (a loaded machine: a while)
         while True:
+            # Pushes go on, as in a job: a replica that caught up by a whole state (one that was not
+            # yet known to be alive when the first pushes went out) samples no delay until a next one.
+            t.push(np.arange(30), np.ones((30, 1), np.float32))
             clock.advance(QUORUM_EVERY_S)
             t.pull(np.arange(30))
             if shard.measured or time.monotonic() > deadline:
