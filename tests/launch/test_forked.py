@@ -147,13 +147,16 @@ def test_fresh_interpreters_on_request_and_for_commands_of_other_programs(tmp_pa
 
 
 BUSY_LAUNCHER = """
-import sys, threading
+import sys, threading, time
 import zmq
 import shoal.launch.local
 from shoal.launch.forked import safe_to_fork
 assert safe_to_fork()
 context = zmq.Context()
-socket = context.socket(zmq.PAIR)  # its I/O threads
+socket = context.socket(zmq.PAIR)  # its I/O threads, seen once they have named themselves
+deadline = time.monotonic() + 30
+while safe_to_fork() and time.monotonic() < deadline:
+    time.sleep(0.01)
 assert not safe_to_fork()
 socket.close(); context.term()
 stop = threading.Event()

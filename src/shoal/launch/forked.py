@@ -89,8 +89,9 @@ def _same_interpreter(path: str) -> bool:
 
 def safe_to_fork() -> bool:
     """Whether a fork of this process leaves no lock held in the child: no Python thread but this
-    one and no ZeroMQ context's I/O threads (a fork copies only the calling thread). OpenBLAS's pool,
-    which numpy's import starts, shuts itself down around a fork."""
+    one and no ZeroMQ context's I/O threads (known by the names they give themselves as they start;
+    a fork copies only the calling thread). OpenBLAS's pool, which numpy's import starts, shuts
+    itself down around a fork."""
     if threading.active_count() != 1:
         return False
     try:
