@@ -12,8 +12,9 @@ the calling thread, and a lock another thread held would stay locked in the chil
 environment, which names the rendezvous the launcher has not made yet, comes through a pipe:
 each child waits on it, then becomes what a fresh interpreter running its command would have
 been (its own session, output to the launcher's pipe, ``sys.argv``, ``sys.path[0]``, a fresh
-``__main__``, reseeded random state), and exits through ``os._exit`` with its command's status,
-never returning into the launcher's code.
+``__main__``, reseeded random state, none of the launcher's exit handlers or finalizers), and
+exits through ``os._exit`` with its command's status, never returning into the launcher's code.
+A launcher running other threads starts fresh interpreters (``safe_to_fork``).
 """
 
 from __future__ import annotations
