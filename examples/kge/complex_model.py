@@ -114,20 +114,28 @@ def warm_up(h: Hyper) -> None:
 
 def filtered_ranks(ent: np.ndarray, rel: np.ndarray, triples: np.ndarray, known: set[tuple[int, int, int]],
                    d: int) -> np.ndarray:
-    """Filtered rank of the true tail and of the true head of each triple among all entities."""
-    ranks = []
-    for h, r, t in triples:
-        for side in ("tail", "head"):
-            if side == "tail":
-                s = score(ent[h, : 2 * d], rel[r, : 2 * d], ent[:, : 2 * d], d)
-                true, others = t, [x for x in range(ent.shape[0]) if (h, r, x) in known and x != t]
-            else:
-                s = score(ent[:, : 2 * d], rel[r, : 2 * d], ent[t, : 2 * d], d)
-                true, others = h, [x for x in range(ent.shape[0]) if (x, r, t) in known and x != h]
-            s = s.copy()
-            s[others] = -np.inf
-            ranks.append(1 + int((s > s[true]).sum()))
-    return np.array(ranks)
+    """Filtered rank of the true tail and of the true head of each triple among all entities: one
+    less than the entities scored above it, other known triples left out. Each side's scores are one
+    matrix product (for a tail: Re(<h, r, conj(t)>) = <h*r, t> over the real and imaginary halves)."""
+    e = ent[:, : 2 * d].astype(np.float64)
+    heads, rels, tails = (triples[:, i] for i in range(3))
+    hr, hi = e[heads, :d], e[heads, d:]
+    rr, ri = rel[rels, :d].astype(np.float64), rel[rels, d:2 * d].astype(np.float64)
+    tr, ti = e[tails, :d], e[tails, d:]
+    tail_scores = np.hstack([hr * rr - hi * ri, hr * ri + hi * rr]) @ e.T  # every entity as the tail
+    head_scores = np.hstack([rr * tr + ri * ti, rr * ti - ri * tr]) @ e.T  # every entity as the head
+    tails_of: dict[tuple[int, int], list[int]] = {}
+    heads_of: dict[tuple[int, int], list[int]] = {}
+    for h, r, t in known:
+        tails_of.setdefault((h, r), []).append(t)
+        heads_of.setdefault((r, t), []).append(h)
+    ranks = np.empty(2 * len(triples), dtype=np.int64)
+    for i, (h, r, t) in enumerate(triples.tolist()):
+        for j, (scores, true, others) in enumerate(((tail_scores[i], t, tails_of.get((h, r), [])),
+                                                    (head_scores[i], h, heads_of.get((r, t), [])))):
+            above = scores > scores[true]
+            ranks[2 * i + j] = 1 + int(above.sum()) - int(above[others].sum())  # a known triple is no rival
+    return ranks
 
 
 def mrr_hits(ranks: np.ndarray) -> tuple[float, float]:
