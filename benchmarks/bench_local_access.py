@@ -13,12 +13,20 @@ same process, with no checks and no locks:
 
 The bar is the fastest raw method. Shoal runs with exact locking (the default)
 and in hogwild mode (no locks).
+
+A second part times what one call costs beyond the work on its rows: pulls and
+pushes of 1, 100 and 1,000 keys on a static and an adaptive table (the sizes an
+app's batch asks for: MF's users and items, a word2vec batch's words), against
+the compiled loop on the same keys.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
@@ -31,6 +39,7 @@ from common import interleaved, write_results  # noqa: E402
 NUM_KEYS = 100_000
 DIM = 64
 BATCH = 10_000
+CALL_SIZES = (1, 100, 1_000)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -76,6 +85,8 @@ def worker() -> None:
         "Shoal push (exact)": lambda: exact.push(keys, grads),
         "Shoal push (hogwild)": lambda: hogwild.push(keys, grads),
     })
+    adaptive = ps.table("local.adaptive", NUM_KEYS, DIM, init=shoal.Normal(std=0.1), techniques="auto")
+    per_call = {size: _per_call(size, values, {"static": exact, "adaptive": adaptive}) for size in CALL_SIZES}
     ps.shutdown()
 
     report = {}
@@ -87,9 +98,32 @@ def worker() -> None:
             lines.append(f"| {name} | {t * 1e6:.1f} | {BATCH / t / 1e6:.1f} | {best_raw / t:.2f} |")
             report[f"{label}: {name}"] = {"us": t * 1e6, "rows_per_s": BATCH / t, "vs_fastest_raw": best_raw / t}
         lines.append("")
+    lines += ["What one call costs beyond its rows (µs per call; overhead: Shoal's call less the compiled loop "
+              "on the same keys)", "",
+              "| keys | op | compiled loop | static table | adaptive table | overhead static | overhead adaptive |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
+    for size, times in per_call.items():
+        for op in ("pull", "push"):
+            raw, static, adapt = (times[f"{op}: {kind}"] * 1e6 for kind in ("raw", "static", "adaptive"))
+            lines.append(f"| {size:,} | {op} | {raw:.1f} | {static:.1f} | {adapt:.1f} | {static - raw:.1f} | "
+                         f"{adapt - raw:.1f} |")
+            report[f"per call {size}: {op}"] = {"raw_us": raw, "static_us": static, "adaptive_us": adapt}
     table_md = "\n".join(lines)
     print(table_md)
     write_results("local_access", {"batch": BATCH, "dim": DIM, "num_keys": NUM_KEYS, "results": report}, table_md)
+
+
+def _per_call(size: int, values: np.ndarray, tables: dict[str, Any]) -> dict[str, float]:
+    """Seconds per pull and push of ``size`` distinct keys through each table and by the compiled loop."""
+    keys = np.random.default_rng(size).choice(NUM_KEYS, size=size, replace=False).astype(np.int64)
+    grads = np.full((size, DIM), 1e-7, dtype=np.float32)
+    out = np.empty((size, DIM), dtype=np.float32)
+    contenders: dict[str, Callable[[], object]] = {"pull: raw": lambda: loop_gather(values, keys, out),
+                                                   "push: raw": lambda: loop_scatter_add(values, keys, grads)}
+    for kind, table in tables.items():
+        contenders[f"pull: {kind}"] = functools.partial(table.pull, keys, out=out)
+        contenders[f"push: {kind}"] = functools.partial(table.push, keys, grads)
+    return interleaved(contenders)
 
 
 def main() -> int:

@@ -113,7 +113,9 @@ class Network:
     def push(self, node: int, keys: np.ndarray) -> None:
         """A worker on ``node`` adds one to each of ``keys``: the rows here in shared memory, the rest remote."""
         table = self.tables[node]
-        absent = table.store.update_present(keys, np.ones((keys.size, 2), np.float32), table.scale)
+        absent_at = table.store.update_present(keys, np.ones((keys.size, 2), np.float32), table.scale)
+        absent = np.zeros(keys.size, dtype=np.bool_)
+        absent[absent_at] = True
         self.pushed[keys[~absent]] += 1
         if absent.any():
             self.send_push(Push(node, keys[absent]))

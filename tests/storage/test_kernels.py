@@ -81,13 +81,24 @@ def test_add_present_marks_the_replica_rows_it_changes_and_no_others():
     pending = np.zeros((4, 2), np.float32)
     changed = np.zeros(4, np.uint8)
     presence = np.array([kernels.OWNED, kernels.REPLICA, kernels.ABSENT, kernels.REPLICA], np.uint8)
-    absent = np.empty(3, np.bool_)
-    kernels.add_present(values, pending, changed, presence, np.array([0, 1, 2]), np.ones((3, 2), np.float32),
-                        0.5, absent)
-    np.testing.assert_array_equal(absent, [False, False, True])
+    absent_at = np.full(3, -1, np.int64)
+    absent = kernels.add_present(values, pending, changed, presence, np.array([0, 1, 2]), np.ones((3, 2), np.float32),
+                                 0.5, absent_at)
+    assert absent == 1 and absent_at[0] == 2
     np.testing.assert_array_equal(changed, [0, 1, 0, 0])
     np.testing.assert_array_equal(pending, [[0, 0], [0.5, 0.5], [0, 0], [0, 0]])
     np.testing.assert_array_equal(values, [[0.5, 0.5], [0.5, 0.5], [0, 0], [0, 0]])
+
+
+def test_read_present_gathers_present_rows_in_order_and_lists_the_absent_positions():
+    values = np.arange(8, dtype=np.float32).reshape(4, 2)
+    presence = np.array([kernels.OWNED, kernels.ABSENT, kernels.REPLICA, kernels.ABSENT], np.uint8)
+    out = np.full((4, 2), -1, np.float32)
+    absent_at = np.full(4, -1, np.int64)
+    absent = kernels.read_present(values, presence, np.array([3, 2, 1, 0]), out, absent_at)
+    assert absent == 2
+    np.testing.assert_array_equal(absent_at[:absent], [0, 2])
+    np.testing.assert_array_equal(out, [[-1, -1], [4, 5], [-1, -1], [0, 1]])
 
 
 def test_gather_and_place_are_inverse_orders():

@@ -63,28 +63,26 @@ class AdaptiveAccess(RoutedAccess):
     def pull(self, keys: np.ndarray, out: np.ndarray | None) -> Future[np.ndarray]:
         rows = np.empty((keys.shape[0], self.spec.dim), dtype=self.spec.dtype) if out is None else out
         if self.store is not None:
-            absent = self.store.read_present(keys, np.arange(keys.shape[0]), rows)
+            pos = self.store.read_present(keys, rows)
             self.worker.check_local_server(f"a pull of {self.spec.name!r}")
-            pos = np.flatnonzero(absent)
             self.counters["rows_local"] += keys.shape[0] - pos.shape[0]
         else:
             pos = np.arange(keys.shape[0])
         if not pos.size:
-            return Future.completed(lambda: rows)
+            return Future.done_with(rows)
         call = self._call(Op.PULL, keys, None, self._rows(keys.shape[0], rows))
         self._send(call, pos, Op.PULL)
         return self._future(call)
 
     def push(self, keys: np.ndarray, values: np.ndarray) -> Future[None]:
         if self.store is not None:
-            absent = self.store.update_present(keys, values, self.scale)
+            pos = self.store.update_present(keys, values, self.scale)
             self.worker.check_local_server(f"a push to {self.spec.name!r}")
-            pos = np.flatnonzero(absent)
             self.counters["rows_local"] += keys.shape[0] - pos.shape[0]
         else:
             pos = np.arange(keys.shape[0])
         if not pos.size:
-            return Future.completed(lambda: None)
+            return Future.done_with(None)
         call = self._call(Op.PUSH, keys, values, None)
         self._send(call, pos, Op.PUSH)
         return self._future(call)

@@ -80,6 +80,9 @@ class StaticAccess(RoutedAccess):
         self.pushes_started = 0
         self._refreshed_at = 0.0
         self.fences = Fences(self)
+        #: what a local call is called in the error that its node's server died (made once: a call
+        #: on local rows costs a few microseconds, and formatting would be a sizeable part of them)
+        self._local_call_names = {op: f"a {op.name} of rows of {self.spec.name!r}" for op in (*READS, *WRITES)}
 
     @property
     def row_cache(self) -> RowCache | None:
@@ -414,7 +417,7 @@ class StaticAccess(RoutedAccess):
                         store.read_into(r, p, call.result.array())
                 except SliceMovedError:  # its rows are read where the slice is now
                     self.refused(call, call.positions(p), Op.PULL)
-        self.worker.check_local_server(f"a {op.name} of {rows.shape[0]} row(s) of {self.spec.name!r}")
+        self.worker.check_local_server(self._local_call_names[op])
 
     def _local_bound(self, bound: int | None) -> int:
         """Wait until the local server's clocks allow a read at this worker's clock under ``bound``;
@@ -422,7 +425,7 @@ class StaticAccess(RoutedAccess):
         clocks = self.worker.local_clocks
         if clocks is None:
             return self.worker.clock
-        slowest = int(clocks.min())
+        slowest = min(clocks.tolist())  # a few workers' clocks: numpy's reduction costs more than the list
         if bound is None:
             return min(slowest, self.worker.clock)
         required = self.worker.clock - bound

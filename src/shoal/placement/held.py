@@ -21,8 +21,7 @@ HELD_S = 2.0  # a request waiting for rows on their way here longer than this is
 def serve_pull(table: AdaptiveTable, keys: np.ndarray, ticket: object, now: float) -> Answer | None:
     """Rows of ``keys`` (checked, int64); None: held until the rows on their way here arrive."""
     values = np.zeros((keys.shape[0], table.spec.dim), dtype=table.spec.dtype)
-    absent = table.store.read_present(keys, np.arange(keys.shape[0]), values)
-    pos, coming = _moved(table, keys, absent)
+    pos, coming = _moved(table, keys, table.store.read_present(keys, values))
     if coming.size:
         table.held.append(Held(ticket, keys, None, coming, None, now))
         table.stats["requests_held"] += 1
@@ -35,8 +34,7 @@ def serve_push(table: AdaptiveTable, keys: np.ndarray, grads: np.ndarray, ticket
     """Apply the present part of a push (rows checked and finite); the rest waits for its rows if they
     are on their way here (None), else is answered "moved". ``positions``: where a held rest's keys sat
     in the request the worker sent."""
-    absent = table.store.update_present(keys, grads, table.scale)
-    pos, coming = _moved(table, keys, absent)
+    pos, coming = _moved(table, keys, table.store.update_present(keys, grads, table.scale))
     if coming.size:
         where = pos if positions is None else positions[pos]
         table.held.append(Held(ticket, keys[pos], grads[pos], coming, where, now))
@@ -74,17 +72,17 @@ def expire_held(table: AdaptiveTable, now: float) -> list[Answer]:
     for h in stale:
         if h.grads is None:
             values = np.zeros((h.keys.shape[0], table.spec.dim), dtype=table.spec.dtype)
-            absent = table.store.read_present(h.keys, np.arange(h.keys.shape[0]), values)
-            answers.append(_answer(table, h.ticket, h.keys, np.flatnonzero(absent), values, None))
+            absent = table.store.read_present(h.keys, values)
+            answers.append(_answer(table, h.ticket, h.keys, absent, values, None))
         else:
             absent = table.store.update_present(h.keys, h.grads, table.scale)
-            answers.append(_answer(table, h.ticket, h.keys, np.flatnonzero(absent), None, h.positions))
+            answers.append(_answer(table, h.ticket, h.keys, absent, None, h.positions))
     return answers
 
 
-def _moved(table: AdaptiveTable, keys: np.ndarray, absent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions of absent keys, and those of them on their way here (the request waits for these)."""
-    pos = np.flatnonzero(absent)
+def _moved(table: AdaptiveTable, keys: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of absent keys (``pos``), and those of them on their way here (the request waits
+    for these)."""
     if not pos.size:
         return pos, pos
     missing = keys[pos]

@@ -66,35 +66,39 @@ ABSENT, OWNED, REPLICA = 0, 1, 2
 
 
 @kernel
-def read_present(values: np.ndarray, presence: np.ndarray, rows: np.ndarray, positions: np.ndarray,
-                 out: np.ndarray, absent: np.ndarray) -> None:
-    """``out[positions[i]] = values[rows[i]]`` for present rows; ``absent[i]`` marks the others."""
+def read_present(values: np.ndarray, presence: np.ndarray, rows: np.ndarray, out: np.ndarray,
+                 absent_at: np.ndarray) -> int:
+    """``out[i] = values[rows[i]]`` for present rows; the positions of the others go to the front of
+    ``absent_at``, and their count is returned (a call that finds every row here allocates nothing more)."""
     dim = values.shape[1]
+    absent = 0
     for i in range(rows.shape[0]):
         r = rows[i]
         if presence[r] == 0:
-            absent[i] = True
+            absent_at[absent] = i
+            absent += 1
             continue
-        absent[i] = False
-        p = positions[i]
         for j in range(dim):
-            out[p, j] = values[r, j]
+            out[i, j] = values[r, j]
+    return absent
 
 
 @kernel
 def add_present(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, presence: np.ndarray,
-                rows: np.ndarray, grads: np.ndarray, scale: float, absent: np.ndarray) -> None:
+                rows: np.ndarray, grads: np.ndarray, scale: float, absent_at: np.ndarray) -> int:
     """Additive update of present rows; a replica also records the change as pending for its owner
-    and marks the row changed."""
+    and marks the row changed. The positions of absent rows go to the front of ``absent_at``; returns
+    their count."""
     dim = values.shape[1]
     a = values.dtype.type(scale)
+    absent = 0
     for i in range(rows.shape[0]):
         r = rows[i]
         state = presence[r]
         if state == 0:
-            absent[i] = True
+            absent_at[absent] = i
+            absent += 1
             continue
-        absent[i] = False
         if state == 2:
             changed[r] = 1
             for j in range(dim):
@@ -104,6 +108,7 @@ def add_present(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, pr
         else:
             for j in range(dim):
                 values[r, j] += a * grads[i, j]
+    return absent
 
 
 @kernel
@@ -388,16 +393,16 @@ def warm_up(dtype: Any = np.float32) -> None:
     keys = np.zeros(1, dtype=np.int64)
     rows = np.zeros((1, 1), dtype=dtype)
     flags = np.zeros(1, dtype=np.uint8)
-    absent = np.zeros(1, dtype=np.bool_)
+    absent_at = np.zeros(1, dtype=np.int64)
     first_out_of_range(keys, 1)
     any_nonfinite(rows)
     gather_rows(rows, keys, rows.copy())
     gather_place(rows, keys, keys, rows.copy())
     place_rows(rows.copy(), keys, rows)
     add_rows(rows.copy(), keys, rows, 1.0)
-    read_present(rows, flags, keys, keys, rows.copy(), absent)
-    add_present(rows.copy(), rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent)
-    take_pending(rows.copy(), flags.copy(), keys, absent)
+    read_present(rows, flags, keys, rows.copy(), absent_at)
+    add_present(rows.copy(), rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
+    take_pending(rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
 
 
 def warm_up_meanwhile(dtype: Any = np.float32) -> threading.Thread:

@@ -203,26 +203,28 @@ class ShardStore:
         """The row locks, for callers that read and change presence together with values."""
         return self._hold(rows, exclusive)
 
-    def read_present(self, rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Gather the rows present on this node into ``out``; returns a mask of the absent ones.
+    def read_present(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Gather the rows present on this node into ``out`` (in the order of ``rows``); returns the
+        positions of the absent ones.
 
         Presence is checked under the same lock that a relocation takes, so a
         row is read here or found absent, never read after it moved away.
         """
         assert self.presence is not None
-        absent = np.empty(rows.shape[0], dtype=np.bool_)
+        absent_at = np.empty(rows.shape[0], dtype=np.int64)
         with self._hold(rows, exclusive=False):
-            kernels.read_present(self.values, self.presence, rows, positions, out, absent)
-        return absent
+            absent = kernels.read_present(self.values, self.presence, rows, out, absent_at)
+        return absent_at[:absent]
 
     def update_present(self, rows: np.ndarray, grads: np.ndarray, scale: float) -> np.ndarray:
         """Add ``scale * grads`` to the rows present here (and to a replica's pending change);
-        returns a mask of the absent rows, which the caller must send to their owner."""
+        returns the positions of the absent rows, which the caller must send to their owner."""
         assert self.presence is not None and self.pending is not None and self.changed is not None
-        absent = np.empty(rows.shape[0], dtype=np.bool_)
+        absent_at = np.empty(rows.shape[0], dtype=np.int64)
         with self._hold(rows, exclusive=True):
-            kernels.add_present(self.values, self.pending, self.changed, self.presence, rows, grads, scale, absent)
-        return absent
+            absent = kernels.add_present(self.values, self.pending, self.changed, self.presence, rows, grads, scale,
+                                         absent_at)
+        return absent_at[:absent]
 
     def take_dirty(self) -> np.ndarray:
         """Rows changed since the last call, and clear their marks.

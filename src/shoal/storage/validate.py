@@ -13,6 +13,19 @@ from shoal.storage import kernels
 
 def as_keys(keys: Any, spec: TableSpec) -> np.ndarray:
     """Keys as a contiguous int64 vector inside ``[0, num_keys)``."""
+    if type(keys) is np.ndarray and keys.dtype == np.int64 and keys.ndim == 1 and keys.flags.c_contiguous:
+        arr = keys  # what an app usually passes: nothing to convert, only the range to check
+    else:
+        arr = _as_int64_vector(keys, spec)
+    bad = kernels.first_out_of_range(arr, spec.num_keys)
+    if bad >= 0:
+        raise KeyRangeError(
+            f"key {int(arr[bad])} (position {bad}) is outside [0, {spec.num_keys}) of table {spec.name!r}"
+        )
+    return arr
+
+
+def _as_int64_vector(keys: Any, spec: TableSpec) -> np.ndarray:
     arr = np.asarray(keys)
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
@@ -24,13 +37,7 @@ def as_keys(keys: Any, spec: TableSpec) -> np.ndarray:
             arr = arr.reshape(1)
         else:
             raise ShapeError(f"keys of table {spec.name!r} must be a vector, got shape {arr.shape}")
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
-    bad = kernels.first_out_of_range(arr, spec.num_keys)
-    if bad >= 0:
-        raise KeyRangeError(
-            f"key {int(arr[bad])} (position {bad}) is outside [0, {spec.num_keys}) of table {spec.name!r}"
-        )
-    return arr
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def as_rows(values: Any, n: int, spec: TableSpec, strict_dtype: bool = False) -> np.ndarray:
