@@ -15,14 +15,17 @@ import numpy as np
 import pytest
 
 import shoal
-from shoal.api.config import Timeouts
+from shoal import ClusterSpec
+from shoal.api.config import TableSpec, Timeouts
 from shoal.api.ids import worker_origin
 from shoal.client.worker import Worker
 from shoal.consistency.clocks import FINISHED
 from shoal.replication.bounds import PushCounts
+from shoal.server.server import ParameterServer
 from shoal.transport.base import Transport
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire import Message, Op, bodies
 from tests.support.cluster import FAST, ThreadCluster
 
 WORKERS = 3
@@ -165,8 +168,6 @@ def test_a_read_held_by_its_bound_does_not_mark_its_replicas_down():
     others wait that long at replicas that are alive and well. They are waited for, not taken for
     dead (every replica was marked down, reads went round all of them, pushes lost their targets),
     and their waiting is not taken for the replicas' latency."""
-    from shoal.api.config import Timeouts
-
     STRAGGLE_S = 2.0  # noqa: N806 (longer than the wait a replica's measured round trips allow, too)
 
     def body(w: Worker) -> dict:
@@ -189,3 +190,30 @@ def test_a_read_held_by_its_bound_does_not_mark_its_replicas_down():
         assert result["counters"].get("replica_timeouts", 0) == 0, result["counters"]
         # Round trips as the dynamic quorum's model sees them: not the time reads waited for the straggler.
         assert result["latency"] < STRAGGLE_S / 4, result["latency"]
+
+
+def test_a_push_waiting_for_one_only_a_peer_had_is_answered_when_that_peer_registered_and_died_unseen():
+    """A short job on a busy machine: server 1 registered, took a worker's first push (W=1) and was
+    killed before any status that server 0 received called it alive. It died all the same: the
+    worker's next push, waiting at server 0 for the first, is given up on and answered, not held
+    until the worker's request times out (it was: 120 s, seen under load)."""
+    cluster = ClusterSpec("gap", num_nodes=2, workers_per_node=1, rendezvous="tcp://127.0.0.1:1")
+    transport = ZmqTransport()
+    server = ParameterServer(0, cluster, transport, share_memory=False)
+    replies: list[Message] = []
+    try:
+        service = server.replication
+        service.reply = lambda peer, reply: replies.append(reply)
+        spec = TableSpec("rep", 4, 1, replicas=2, write_quorum=1)
+        service.install(spec, service.build(spec))
+        service.on_status({"alive": [True, False], "incarnations": [1, 0]})  # server 0 registers first
+        second = bodies.Push(shard=0, seq=2, inc=1).to_message(
+            table="rep", sender=1, arrays=[np.array([0], np.int64), np.ones((1, 1), np.float32)])
+        assert service.handle(b"w1", second) is None  # push 1 went to server 1 only: this one waits
+        service.on_status({"alive": [True, False], "incarnations": [1, 1]})  # server 1 came and went
+        service.tick()
+        assert [r.op for r in replies] == [Op.OK] and replies[0].body["seq"] == 2
+        assert service.stats["pushes_given_up_with_dead_replica"] == 1
+    finally:
+        server.close()
+        transport.close()

@@ -125,7 +125,9 @@ class ReplicationService:
         self.now = now
         self._died_at: dict[int, float] = {}
         self._incarnations: dict[int, int] = {}
-        self._seen_alive: set[int] = set()  # servers a status has called alive: only those can die
+        #: servers known to have registered (a status called them alive or counted an incarnation of
+        #: them): only those can die
+        self._registered: set[int] = set()
         self._answered_at: dict[tuple[str, int, int], float] = {}
         self._waiting_since: dict[tuple[str, int], float] = {}
         self.peers = peers
@@ -139,15 +141,20 @@ class ReplicationService:
     def on_status(self, status: dict[str, Any]) -> None:
         """Follow the rendezvous: which servers live (a restarted one is new: its replicas start empty)."""
         alive = [bool(a) for a in status.get("alive", self.alive)]
+        incarnations = status.get("incarnations") or []
         for n, lives in enumerate(alive):
             # A server not registered yet is not alive either, but it has not died: taken for dead, it
-            # let a push that waits for an earlier one of its worker be applied past the gap.
-            if not lives and n in self._seen_alive and n < len(self.alive) and self.alive[n]:
+            # let a push that waits for an earlier one of its worker be applied past the gap. One that
+            # registered and died between two statuses of ours (a short job on a busy machine) was
+            # never called alive here, but it died all the same: what only it had is not coming.
+            registered = lives or (n < len(incarnations) and int(incarnations[n]) >= 1)
+            was_alive = n in self._registered and n < len(self.alive) and self.alive[n]
+            if not lives and registered and (was_alive or n not in self._registered):
                 self._died_at[n] = self.now()
-            if lives:
-                self._seen_alive.add(n)
+            if registered:
+                self._registered.add(n)
         self.alive = alive
-        for n, incarnation in enumerate(status.get("incarnations") or []):
+        for n, incarnation in enumerate(incarnations):
             previous = self._incarnations.get(n, 1)  # unheard of until now: its first process, if 1
             if previous >= 1 and int(incarnation) > previous:  # a process started in a dead one's place
                 self._died_at[n] = self.now()
