@@ -222,3 +222,18 @@ assert "scipy.linalg" in sys.modules
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_apply_synced_sets_replicas_to_the_owners_rows_plus_their_pending_change_and_drops_the_unchanged():
+    values = np.zeros((4, 2), np.float32)
+    pending = np.array([[0, 0], [1, 1], [0, 0], [2, 2]], np.float32)  # changes made since the sync left
+    changed = np.array([0, 1, 0, 0], np.uint8)
+    presence = np.array([kernels.REPLICA, kernels.REPLICA, kernels.OWNED, kernels.REPLICA], np.uint8)
+    owner_rows = np.array([[10, 10], [20, 20], [30, 30], [40, 40]], np.float32)
+    drop = np.array([1, 1, 1, 0], np.uint8)
+    gone = np.full(4, -1, np.int64)
+    went = kernels.apply_synced(values, pending, changed, presence, np.array([0, 1, 2, 3]), owner_rows, drop, gone)
+    # row 2 is owned here (no longer a replica): untouched; row 1 changed since: kept for the next sync
+    np.testing.assert_array_equal(values, [[10, 10], [21, 21], [0, 0], [42, 42]])
+    assert went == 1 and gone[0] == 0
+    np.testing.assert_array_equal(presence, [kernels.ABSENT, kernels.REPLICA, kernels.OWNED, kernels.REPLICA])

@@ -72,11 +72,11 @@ def expire_held(table: AdaptiveTable, now: float) -> list[Answer]:
     for h in stale:
         if h.grads is None:
             values = np.zeros((h.keys.shape[0], table.spec.dim), dtype=table.spec.dtype)
-            absent = table.store.read_present(h.keys, values)
-            answers.append(_answer(table, h.ticket, h.keys, absent, values, None))
+            absent_at = table.store.read_present(h.keys, values)
+            answers.append(_answer(table, h.ticket, h.keys, absent_at, values, None))
         else:
-            absent = table.store.update_present(h.keys, h.grads, table.scale)
-            answers.append(_answer(table, h.ticket, h.keys, absent, None, h.positions))
+            absent_at = table.store.update_present(h.keys, h.grads, table.scale)
+            answers.append(_answer(table, h.ticket, h.keys, absent_at, None, h.positions))
     return answers
 
 

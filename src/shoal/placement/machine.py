@@ -53,7 +53,16 @@ from shoal.placement.messages import (
     node_fields,
 )
 from shoal.placement.ownership import MAX_HOPS, home_of
-from shoal.storage.kernels import ABSENT, OWNED, REPLICA, add_rows, any_nonfinite, gather_rows, take_pending
+from shoal.storage.kernels import (
+    ABSENT,
+    OWNED,
+    REPLICA,
+    add_rows,
+    any_nonfinite,
+    apply_synced,
+    gather_rows,
+    take_pending,
+)
 from shoal.storage.validate import as_keys, as_rows
 
 log = logging.getLogger(__name__)
@@ -408,13 +417,11 @@ class PlacementMachine:
         store = table.store
         assert store.pending is not None and store.changed is not None
         table.syncs_unanswered[target] = max(0, table.syncs_unanswered[target] + parts - 1)
+        gone = np.empty(keys.shape[0], dtype=np.int64)
         with store.hold(None, exclusive=True):
-            replica = table.presence[keys] == REPLICA
-            keys, values, drop = keys[replica], values[replica], drop[replica].astype(bool)
-            store.values[keys] = values + store.pending[keys]
             # A replica goes once its last change is in; changes made meanwhile go in the next sync.
-            gone = keys[drop & (store.changed[keys] == 0)]
-            table.presence[gone] = ABSENT
+            gone = gone[:apply_synced(store.values, store.pending, store.changed, table.presence, keys, values, drop,
+                                      gone)]
         table.dropping[gone] = False
         table.replica_owner[gone] = -1
         table.stats["replicas_dropped"] += int(gone.size)

@@ -138,6 +138,28 @@ def take_pending(pending: np.ndarray, changed: np.ndarray, rows: np.ndarray, als
     return taken, deltas
 
 
+@kernel
+def apply_synced(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, presence: np.ndarray,
+                 rows: np.ndarray, owner_rows: np.ndarray, drop: np.ndarray, gone: np.ndarray) -> int:
+    """An owner's answer to a replica's sync, in one pass: each row still a replica here becomes the
+    owner's row plus the change made here since the sync left (still pending); a row whose replica
+    was to go (``drop``) and saw no change since goes now (absent). The rows that went are written to
+    the front of ``gone``; returns how many."""
+    dim = values.shape[1]
+    went = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if presence[r] != 2:
+            continue
+        for j in range(dim):
+            values[r, j] = owner_rows[i, j] + pending[r, j]
+        if drop[i] != 0 and changed[r] == 0:
+            presence[r] = 0
+            gone[went] = r
+            went += 1
+    return went
+
+
 # ------------------------------------------------------------- key bookkeeping
 
 
@@ -403,6 +425,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     read_present(rows, flags, keys, rows.copy(), absent_at)
     add_present(rows.copy(), rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
     take_pending(rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
+    apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), keys, rows, flags, absent_at.copy())
 
 
 def warm_up_meanwhile(dtype: Any = np.float32) -> threading.Thread:
