@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_replication.py
 	$(PY) benchmarks/bench_replica_failures.py
 	$(PY) benchmarks/bench_kge.py
+	$(PY) benchmarks/bench_placement.py
+	$(PY) benchmarks/bench_server_cpu.py
 	$(PY) benchmarks/bench_word2vec.py
 	$(PY) benchmarks/bench_kge_hosts.py
 

@@ -167,6 +167,7 @@ def main() -> None:
             result["mrr"], result["hits10"] = mrr_hits(filtered_ranks(all_e, all_r, graph.test, known, d))
             print(f"filtered MRR {result['mrr']:.4f}, Hits@10 {result['hits10']:.4f}")
         result["servers"] = ps.server_stats()
+        result["servers_before"] = servers_before  # from before training: what it cost is the difference
         # Cores busy on average during training: what bounds the speed-up on a small machine.
         result["worker_cores"] = float(cpu.pull(np.arange(ps.num_workers)).sum()) / elapsed
         result["server_cores"] = sum(a["cpu_s"] - b["cpu_s"]

@@ -70,6 +70,17 @@ def test_relocated_keys_are_counted_in_the_servers_metrics():
 
         assert relocated(0) == {"here": 10, "away": 0} and relocated(1) == {"here": 0, "away": 10}
 
+
+def test_each_kind_of_placement_message_is_charged_its_cpu_where_it_is_received():
+    with ThreadCluster(nodes=2) as c:
+        t0 = c.worker(0).table("a", 20, 2, techniques="relocation")
+        c.worker(1).table("a", 20, 2, techniques="relocation")
+        t0.localize(np.arange(1, 20, 2))  # node 0 asks their home, node 1, which owns them and gives them
+        wait_until(lambda: c.servers[0].adaptive.describe()["a"]["owned"] == 20)
+        received = [{kind: count for kind, (count, _) in s.cpu_use()["placement"].items()} for s in c.servers]
+        assert received == [{"state": 1}, {"relocate": 1}]
+        assert c.servers[0].cpu_use()["activities"]["LOCALIZE"][0] == 1
+
 def test_what_one_event_sends_one_node_goes_as_one_message():
     with ThreadCluster(nodes=2) as c:
         c.worker(0).table("b", 8, 2, techniques="replication", init=shoal.Constant(1.0))

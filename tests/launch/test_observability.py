@@ -144,6 +144,7 @@ def test_a_running_job_serves_metrics_and_shoal_status_shows_it(tmp_path):
         server = scrape(urls[0], token)
         assert total(server["shoal_server_requests"], "shoal_server_requests_total", op="pull") > 0
         assert total(server["shoal_server_request_seconds"], "shoal_server_request_seconds_count", op="PULL") > 0
+        assert total(server["shoal_server_cpu_seconds"], "shoal_server_cpu_seconds_total", activity="PULL") > 0
         assert total(server["shoal_server_bytes"], "shoal_server_bytes_total", direction="in") > 0
         assert server["shoal_server_clock"][1].value >= server["shoal_server_clock"][0].value  # fastest >= slowest
         worker = scrape(workers[0], token)

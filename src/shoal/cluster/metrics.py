@@ -71,6 +71,30 @@ class LatencyHistogram:
         return fam
 
 
+class CpuAccount:
+    """CPU seconds of one thread (``time.thread_time``), charged per activity, with how often each ran.
+
+    A thread's CPU, not the wall clock: on a machine with fewer cores than busy
+    processes, a handler that was preempted halfway would otherwise be charged for
+    the processes that ran meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def charge(self, activity: str, seconds: float) -> None:
+        self.seconds[activity] = self.seconds.get(activity, 0.0) + seconds
+        self.counts[activity] = self.counts.get(activity, 0) + 1
+
+    def describe(self) -> dict[str, list[float]]:
+        """``{activity: [times run, CPU seconds]}``."""
+        return {name: [self.counts[name], seconds] for name, seconds in list(self.seconds.items())}
+
+    def family(self, name: str, help: str, label: str) -> Family:
+        return counters(name, help, dict(self.seconds), label)
+
+
 def counters(name: str, help: str, values: Mapping[str, float], label: str) -> Family:
     """A counter family with one sample per entry of ``values``."""
     fam = Family(name, "counter", help)

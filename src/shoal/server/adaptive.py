@@ -21,6 +21,7 @@ import numpy as np
 from shoal.api.config import ClusterSpec, TableSpec
 from shoal.api.errors import CheckpointError, ProtocolError, TableError
 from shoal.api.ids import ADAPTIVE_SHARD, server_node
+from shoal.cluster.metrics import CpuAccount
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.adaptive_table import AdaptiveTable, Effects
 from shoal.placement.machine import PlacementMachine
@@ -58,6 +59,7 @@ class AdaptiveService:
         #: messages for servers whose address we do not know yet
         self._outbox: dict[int, list[Message]] = defaultdict(list)
         self._own_stats: Counter[str] = Counter()
+        self.cpu = CpuAccount()  # the part of each kind of placement message in the PLACEMENT messages' CPU
         self._clock_seen = (0, now())
         self._clock_s = 0.0
 
@@ -142,7 +144,9 @@ class AdaptiveService:
             effects = Effects()
             try:
                 for message in from_parts(msg.body, msg.arrays):
+                    started = time.thread_time()
                     effects.extend(machine.receive(sender, message, self.now()))
+                    self.cpu.charge(message.kind, time.thread_time() - started)
             finally:  # what the messages before a malformed one asked for is carried out all the same
                 self.carry_out(effects)
             return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Protocol
 
-from shoal.cluster.metrics import Family, LatencyHistogram, counters
+from shoal.cluster.metrics import CpuAccount, Family, LatencyHistogram, counters
 from shoal.consistency.clocks import FINISHED, ClockTable
 from shoal.server.adaptive import AdaptiveService
 from shoal.server.replicated import ReplicationService
@@ -20,6 +20,7 @@ class Measured(Protocol):
     stats: Counter[str]
     clocks: ClockTable
     latency: LatencyHistogram
+    cpu: CpuAccount
     queue_length: int
     tables: dict[str, ServedTable]
     sync: Synchroniser
@@ -48,6 +49,10 @@ def server_families(server: Measured) -> list[Family]:
         counters("shoal_server_requests_total", "Messages served, by op.", ops, "op"),
         server.latency.family("shoal_server_request_seconds", "Time to serve a message (held pulls: until held).",
                               "op"),
+        server.cpu.family("shoal_server_cpu_seconds_total", "The request loop's CPU time: handling each op's "
+                          "messages, and each timer.", "activity"),
+        server.adaptive.cpu.family("shoal_server_placement_cpu_seconds_total", "The part of PLACEMENT "
+                                   "messages' CPU time each kind of placement message took.", "kind"),
         Family("shoal_server_bytes_total", "counter", "Bytes received and sent.")
         .add(stats.get("bytes_in", 0), direction="in").add(stats.get("bytes_out", 0), direction="out"),
         counters("shoal_server_errors_total", "Requests answered with an error, by error code.", errors, "code"),

@@ -34,7 +34,7 @@ from shoal.api.errors import (
 from shoal.api.ids import RENDEZVOUS, server_sender
 from shoal.cluster import membership
 from shoal.cluster.fdshare import FdShareServer, socket_name
-from shoal.cluster.metrics import LatencyHistogram, metrics_token
+from shoal.cluster.metrics import CpuAccount, LatencyHistogram, metrics_token
 from shoal.cluster.metrics_endpoint import MetricsEndpoint
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.requests import RequestTracker
@@ -146,6 +146,13 @@ class ParameterServer:
         self._backlog = 0  # most messages handled in one burst since the last heartbeat: a queue length
         self.queue_length = 0  # the same, as last reported
         self.latency = LatencyHistogram()
+        #: the loop thread's CPU by what it did: each op's messages (decoded, served, answered), each timer
+        self.cpu = CpuAccount()
+        self._loop_clock: int | None = None  # the loop thread's CPU clock, read by ``describe``
+        self._timers: list[tuple[str, Callable[[], None]]] = [
+            ("timer builds", self.install_built), ("timer out of order", self._expire_out_of_order),
+            ("timer sync", self.sync.tick), ("timer replication", self.replication.tick),
+            ("timer adaptive", self.adaptive.tick), ("timer slicing", self.slicing.tick)]
         self.replay = ReplayGuard()  # a request sent again is answered again, never served twice
         self._warnings = ThrottledWarnings(log)  # bad messages may come by the thousand
         #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token derived from the job's secret
@@ -166,6 +173,7 @@ class ParameterServer:
             self._rejoin(status)
             log.info("server %d serving at %s", self.node, self.address)
         wait, timers_at = 0.0, 0.0
+        self._loop_clock = time.pthread_getcpuclockid(threading.get_ident())
         try:
             while not self._stop.is_set():
                 first = item = self.listener.recv(wait)
@@ -196,17 +204,17 @@ class ParameterServer:
             self.close()
 
     def _run_timers(self, register: bool) -> None:
-        try:
-            self.install_built()
-            self._expire_out_of_order()
-            self.sync.tick()
-            self.replication.tick()
-            self.adaptive.tick()
-            self.slicing.tick()
-        except Exception:  # timers must not end the loop either
-            log.exception("server %d: unexpected failure in a timer", self.node)
+        for name, timer in self._timers:
+            started = time.thread_time()
+            try:
+                timer()
+            except Exception:  # timers must not end the loop either
+                log.exception("server %d: unexpected failure in a timer", self.node)
+            self.cpu.charge(name, time.thread_time() - started)
         if register:
+            started = time.thread_time()
             self._heartbeat()
+            self.cpu.charge("timer heartbeat", time.thread_time() - started)
 
     def _say_goodbye(self) -> None:
         """Drained, and no longer reading: tell the rendezvous the last request of each worker handled
@@ -311,7 +319,14 @@ class ParameterServer:
     # -------------------------------------------------------------- handling
 
     def handle(self, peer: bytes, frames: list[Any]) -> None:
-        """Decode, check and serve one request; every failure becomes an error reply."""
+        """Decode, check and serve one request; every failure becomes an error reply. Its CPU is
+        charged to its op."""
+        started = time.thread_time()
+        activity = self._handle(peer, frames)
+        self.cpu.charge(activity, time.thread_time() - started)
+
+    def _handle(self, peer: bytes, frames: list[Any]) -> str:
+        """``handle``; returns what the message was (its op's name)."""
         self.stats["messages"] += 1
         self.stats["bytes_in"] += frames_nbytes(frames)
         try:
@@ -320,13 +335,19 @@ class ParameterServer:
             self.stats["dropped_unauthenticated"] += 1
             self._warnings.warn("unauthenticated", "server %d: dropped an unauthenticated message: %s", self.node, exc)
             self._reply_error(peer, exc, self._unsigned)
-            return
+            return "unauthenticated"
         except ShoalError as exc:
             self.stats["rejected_malformed"] += 1
             self._warnings.warn("malformed", "server %d: rejected a malformed message: %s", self.node, exc)
             self._reply_error(peer, exc, self.codec)
-            return
+            return "malformed"
         self.stats[_OP_COUNTERS[msg.op]] += 1
+        self._check_and_serve(peer, msg)
+        return OP_NAMES[msg.op]
+
+    def _check_and_serve(self, peer: bytes, msg: Message) -> None:
+        """Serve a decoded message unless it repeats one, comes from a sender out of its role or
+        out of its stream's order (then it waits for those before it)."""
         try:
             if self._repeated(peer, msg):
                 return
@@ -558,6 +579,7 @@ class ParameterServer:
             "address": self.address,
             "pid": os.getpid(),
             "cpu_s": time.process_time(),  # this server's CPU time so far, every thread
+            "cpu": self.cpu_use(),
             "metrics": self.metrics.url if self.metrics is not None else None,
             "queue": self.queue_length,
             "held": self.sync.held_count(),
@@ -570,6 +592,13 @@ class ParameterServer:
             "replicated": self.replication.describe(),
             "adaptive": self.adaptive.describe(),
         }
+
+    def cpu_use(self) -> dict[str, Any]:
+        """Where the request loop's CPU went: ``loop_s`` in all (the rest of it: waiting for and
+        reading messages), each op's messages and each timer (``[times, seconds]``), and the part of
+        the PLACEMENT messages' each kind of placement message took."""
+        loop_s = time.clock_gettime(self._loop_clock) if self._loop_clock is not None else 0.0
+        return {"loop_s": loop_s, "activities": self.cpu.describe(), "placement": self.adaptive.cpu.describe()}
 
     # --------------------------------------------------- shared-memory access
 

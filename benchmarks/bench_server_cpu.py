@@ -1,0 +1,110 @@
+"""Where the servers' CPU goes on KGE auto with 2 nodes: per op, per timer, per kind of placement message.
+
+    python benchmarks/bench_server_cpu.py [--seconds 15] [--runs 2]
+
+Runs the KGE app on the synthetic Zipf graph (``bench_kge.py``'s job) on a local
+cluster of 2 nodes x 1 worker and reads each server's CPU account
+(``ParameterServer.cpu_use``: thread CPU time, charged per activity) before and
+after training. Prints, summed over both servers and per second of training:
+how often each activity ran, its CPU per run and the cores it kept busy; the part
+of the loop thread no activity was charged (waiting for and reading messages)
+and the process's other threads (ZeroMQ's I/O thread). Thread CPU, not wall
+time: on 2 cores shared by four busy processes a handler is often preempted, and
+wall time would charge it for the processes that ran meanwhile. Writes
+``results/server_cpu.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import run_example, write_results  # noqa: E402
+
+KGE = HERE.parent / "examples" / "kge" / "train.py"
+
+Split = dict[str, list[float]]  # activity -> [times run, CPU seconds]
+
+
+def _delta(after: Split, before: Split) -> Split:
+    return {name: [count - before.get(name, [0, 0.0])[0], seconds - before.get(name, [0, 0.0])[1]]
+            for name, (count, seconds) in after.items()}
+
+
+def _add(into: Split, part: Split) -> None:
+    for name, (count, seconds) in part.items():
+        total = into.setdefault(name, [0, 0.0])
+        total[0] += count
+        total[1] += seconds
+
+
+def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
+    """The servers' CPU during training, summed over servers, from the app's stats before and after."""
+    activities: Split = {}
+    placement: Split = {}
+    loop_s = process_s = 0.0
+    for after, before in zip(result["servers"], result["servers_before"], strict=True):
+        _add(activities, _delta(after["cpu"]["activities"], before["cpu"]["activities"]))
+        _add(placement, _delta(after["cpu"]["placement"], before["cpu"]["placement"]))
+        loop_s += after["cpu"]["loop_s"] - before["cpu"]["loop_s"]
+        process_s += after["cpu_s"] - before["cpu_s"]
+    return {"seconds": result["seconds"], "triples_per_s": result["triples_per_s"], "activities": activities,
+            "placement": placement, "loop_s": loop_s, "process_s": process_s}
+
+
+def report(runs: list[dict[str, Any]]) -> str:
+    seconds = sum(r["seconds"] for r in runs)
+    activities: Split = {}
+    placement: Split = {}
+    for r in runs:
+        _add(activities, r["activities"])
+        _add(placement, r["placement"])
+    loop_s = sum(r["loop_s"] for r in runs)
+    process_s = sum(r["process_s"] for r in runs)
+    charged = sum(s for _, s in activities.values())
+
+    def rows(split: Split) -> list[str]:
+        out = []
+        for name, (count, cpu) in sorted(split.items(), key=lambda kv: -kv[1][1]):
+            if count > 0:
+                out.append(f"| {name} | {count / seconds:,.1f} | {cpu / count * 1e6:,.0f} | {cpu / seconds:.4f} |")
+        return out
+
+    rates = ", ".join(f"{r['triples_per_s']:,.0f}" for r in runs)
+    lines = [f"KGE on the Zipf graph, auto, 2 nodes x 1 worker, {len(runs)} run(s) of "
+             f"{seconds / len(runs):.0f} s of training ({rates} triples/s); both servers together, thread CPU "
+             "per second of training.", "",
+             f"Servers' processes: {process_s / seconds:.3f} cores; their request loops {loop_s / seconds:.3f} "
+             f"(charged to an activity {charged / seconds:.3f}, waiting for and reading messages "
+             f"{(loop_s - charged) / seconds:.3f}); other threads (ZeroMQ's I/O) "
+             f"{(process_s - loop_s) / seconds:.3f}.", "",
+             "| activity (a message's op: decoded, served, answered; or a timer pass) | per s | µs CPU each | cores |",
+             "|---|---:|---:|---:|", *rows(activities), "",
+             "The PLACEMENT messages' share by kind (each message carries one or more):", "",
+             "| placement message | per s | µs CPU each | cores |", "|---|---:|---:|---:|", *rows(placement)]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--runs", type=int, default=2)
+    args = p.parse_args()
+    runs = []
+    for _ in range(args.runs):
+        result = run_example(KGE, ["--data", "zipf", "--mode", "auto", "--seconds", str(args.seconds)], nodes=2)
+        runs.append(servers_cpu(result))
+        print(f"run: {result['triples_per_s']:,.0f} triples/s, servers {runs[-1]['process_s'] / result['seconds']:.3f} "
+              "cores", flush=True)
+    table = report(runs)
+    print("\n" + table)
+    write_results("server_cpu", {"seconds": args.seconds, "runs": runs}, table)
+
+
+if __name__ == "__main__":
+    main()
