@@ -341,3 +341,29 @@ def test_nan_rows_from_a_peer_are_refused_before_anything_changes(network_of):
         net.machines[0].receive(1, State(np.array([1]), rows, zeros, zeros, zeros, zeros), 0.0)
     assert net.tables[0].presence[1] == ABSENT
 
+
+
+def test_intents_are_acted_on_every_few_fast_clocks_with_notice_and_at_once_when_one_is_about_to_start(network_of):
+    net = network_of(2, "auto", 0)
+    machine, table = net.machines[0], net.tables[0]
+    clock_s = 0.02  # three clocks per ACT_EVERY_S
+    for clock in range(10):  # the window settles at two clocks of notice
+        machine.tick(clock * clock_s, clock, clock_s)
+    assert table.window == 2
+    first = {2 * i + 1: 12 + i for i in range(10)}  # a key homed on node 1 per clock, for that clock alone
+    for key, start in first.items():
+        machine.intend(np.array([key]), start, start + 1)
+    announced: dict[int, int] = {}  # key -> the clock it was announced at
+    actions = 0
+    for clock in range(10, 22):
+        sends = machine.tick(clock * clock_s, clock, clock_s).sends
+        keys = [k for s in sends if s.message.kind == "announce" and s.message.active for k in s.message.keys.tolist()]
+        actions += bool(keys)
+        announced.update(dict.fromkeys(keys, clock))
+    assert sorted(announced) == sorted(first)
+    assert all(first[key] - at >= table.window for key, at in announced.items())  # each with the notice it needs
+    assert actions <= 4  # ten clocks of intents in strides of three, not an action per clock
+
+    machine.intend(np.array([23]), 23, 24)  # declared late, mid-stride: one clock of notice
+    sends = machine.tick(22 * clock_s, 22, clock_s).sends
+    assert [s.message.keys.tolist() for s in sends if s.message.kind == "announce" and s.message.active] == [[23]]

@@ -109,6 +109,7 @@ class AdaptiveTable:
         self.window = 1  # clocks ahead that intents are acted on
         self.acted_at = -1  # the node clock the window was last estimated at
         self.window_estimate = 1.0
+        self.next_action = 0  # the node clock from which intents are acted on again (urgent ones at once)
         self.stats: Counter[str] = Counter()
 
     @property

@@ -20,6 +20,9 @@ import numpy as np
 
 #: about how long a relocation or replication takes here: the action window is this long in clocks
 ACTION_S = 0.005
+#: how often a server acts on its node's intents at most, unless one is about to start: each action
+#: costs a few hundred µs per table and peer, whatever the number of keys (``server_cpu.md``)
+ACT_EVERY_S = 0.05
 
 
 class Action(Enum):
@@ -51,6 +54,10 @@ class NodeIntents:
     def any_due(self, clock: int, window: int) -> bool:
         return bool((self._starting and self._starting[0][0] <= clock + window)
                     or (self._ending and self._ending[0][0] <= clock))
+
+    def starts_within(self, clock: int, window: int) -> bool:
+        """Whether an intent not yet acted on starts within ``window`` clocks of ``clock``."""
+        return bool(self._starting and self._starting[0][0] <= clock + window)
 
     def due(self, clock: int, window: int) -> tuple[np.ndarray, np.ndarray]:
         """``(to_announce, to_withdraw)`` at node clock ``clock`` with an action window of ``window`` clocks."""
