@@ -49,6 +49,19 @@ def test_node_intents_enter_the_window_and_expire():
     assert book.due(clock=10, window=2)[1].tolist() == [3, 4]
 
 
+def test_an_intent_naming_keys_again_announces_and_withdraws_each_once():
+    book = NodeIntents(num_keys=20)
+    book.add(np.array([7, 3, 7, 7, 19, 3, 0]), start=1, end=3)
+    book.add(np.array([0, 19, 19]), start=1, end=2)
+    start, _ = book.due(clock=0, window=1)
+    assert start.tolist() == [7, 3, 19, 0]  # as they first came, each once
+    _, stop = book.due(clock=3, window=1)
+    assert sorted(stop.tolist()) == [0, 3, 7, 19]
+    book.add(np.array([5, 5]), start=4, end=5)  # the scratch flags were left clear: 5 and the others again
+    book.add(np.array([3, 7, 3]), start=4, end=5)
+    assert book.due(clock=4, window=0)[0].tolist() == [5, 3, 7]
+
+
 def test_owner_decisions_per_technique():
     interest = OwnerInterest(num_keys=10)
     keys = np.array([1, 2])

@@ -18,6 +18,8 @@ from enum import Enum
 
 import numpy as np
 
+from shoal.placement.kernels import distinct
+
 #: about how long a relocation or replication takes here: the action window is this long in clocks
 ACTION_S = 0.005
 #: how often a server acts on its node's intents at most, unless one is about to start: each action
@@ -46,10 +48,15 @@ class NodeIntents:
     def __post_init__(self) -> None:
         self.until = np.zeros(self.num_keys, dtype=np.int64)
         self.announced = np.zeros(self.num_keys, dtype=np.bool_)
+        self._seen = np.zeros(self.num_keys, dtype=np.bool_)  # ``distinct``'s scratch flags, kept clear
 
     def add(self, keys: np.ndarray, start: int, end: int) -> None:
         if end > start and keys.size:
-            heapq.heappush(self._starting, (start, next(self._seq), np.unique(keys), end))
+            heapq.heappush(self._starting, (start, next(self._seq), self._distinct(keys), end))
+
+    def _distinct(self, keys: np.ndarray) -> np.ndarray:
+        out = np.empty(keys.shape[0], dtype=np.int64)
+        return out[:distinct(keys, self._seen, out)]
 
     def any_due(self, clock: int, window: int) -> bool:
         return bool((self._starting and self._starting[0][0] <= clock + window)
@@ -80,7 +87,7 @@ class NodeIntents:
             self.announced[over] = False
             expired.append(over)
         empty = np.empty(0, dtype=np.int64)
-        return (np.concatenate(newly) if newly else empty), (np.unique(np.concatenate(expired)) if expired else empty)
+        return (np.concatenate(newly) if newly else empty), (self._distinct(np.concatenate(expired)) if expired else empty)
 
 
 @dataclass
