@@ -168,6 +168,33 @@ def test_a_replica_wanted_again_before_its_last_sync_is_kept():
         assert t.counters["requests"] == requests
 
 
+def test_the_syncs_of_several_tables_to_one_node_go_as_one_message_and_every_push_lands_once():
+    clock = ManualClock()  # the servers' syncs run when the test moves it
+    with ThreadCluster(nodes=2, now=clock) as c:
+        w1 = c.worker(1)
+        a = w1.table("a", 10, 1, techniques="replication", sync_ms=1000, init=shoal.Constant(0.0))
+        b = w1.table("b", 10, 1, techniques="replication", sync_ms=1000, init=shoal.Constant(0.0))
+        a.intent([0], 1, 50)  # keys homed on node 0, wanted on node 1: replicated there
+        b.intent([0, 2], 1, 50)
+        w1.advance_clock()
+        here = c.servers[1].adaptive
+        wait_until(lambda: (here.tables["a"].presence[[0]] == REPLICA).all()
+                   and (here.tables["b"].presence[[0, 2]] == REPLICA).all())
+        for _ in range(3):
+            a.push([0], np.ones((1, 1), np.float32))  # into the replicas here, sent on by the next syncs
+        for _ in range(2):
+            b.push([0, 2], np.ones((2, 1), np.float32))
+        owner = c.servers[0].adaptive
+        sent = [s.stats["placement_messages_sent"] for s in (owner, here)]
+        clock.advance(1.1)  # both tables' syncs are due in the same pass
+        wait_until(lambda: not here.tables["a"].syncs_unanswered[0] and not here.tables["b"].syncs_unanswered[0]
+                   and here.stats["sync_sent"] >= 2)
+        assert here.stats["sync_sent"] == 2
+        assert [s.stats["placement_messages_sent"] - n for s, n in zip((owner, here), sent, strict=True)] == [1, 1]
+        assert owner.tables["a"].store.values[[0], 0].tolist() == [3.0]  # each push once, at the owner
+        assert owner.tables["b"].store.values[[0, 2], 0].tolist() == [2.0, 2.0]
+
+
 def test_adaptive_tables_check_their_settings():
     with pytest.raises(shoal.ConfigError, match="additive update rule"):
         shoal.TableSpec("x", 10, 1, techniques="auto", optimizer=shoal.optim.Adagrad())

@@ -367,3 +367,13 @@ def test_intents_are_acted_on_every_few_fast_clocks_with_notice_and_at_once_when
     machine.intend(np.array([23]), 23, 24)  # declared late, mid-stride: one clock of notice
     sends = machine.tick(22 * clock_s, 22, clock_s).sends
     assert [s.message.keys.tolist() for s in sends if s.message.kind == "announce" and s.message.active] == [[23]]
+
+
+def test_tables_with_one_sync_period_sync_in_the_same_pass_whenever_they_began(network_of):
+    first, second = network_of(2, "auto", 0), network_of(2, "auto", 1)  # sync_ms 50
+    first.machines[0].tick(0.013, 0, 0.0)
+    second.machines[0].tick(0.031, 0, 0.0)
+    assert first.tables[0].next_sync == second.tables[0].next_sync == pytest.approx(0.05)
+    first.machines[0].tick(0.052, 0, 0.0)
+    second.machines[0].tick(0.052, 0, 0.0)
+    assert first.tables[0].next_sync == second.tables[0].next_sync == pytest.approx(0.1)

@@ -25,7 +25,7 @@ from shoal import (
     ShapeError,
     ShoalError,
 )
-from shoal.placement.messages import Owner, Relocate, Replicate, from_parts, to_parts
+from shoal.placement.messages import Owner, Relocate, Replicate, from_parts, tables_of, to_parts
 from shoal.wire import PROTOCOL_VERSION, Codec, Flag, Message, Op
 from shoal.wire.schema import PLACEMENT_KINDS, ROWS, SCHEMAS, ArrayRule, Moved
 
@@ -491,6 +491,19 @@ def test_a_batch_of_placement_messages_round_trips_in_order() -> None:
     assert [type(m) for m in got] == [Relocate, Owner, Replicate] and got[1].owner == 0
     np.testing.assert_array_equal(got[2].rows, sent[2].rows)
     assert to_parts(sent[:1])[0] == {"kind": "relocate", "to": 1}  # one message alone goes as itself
+    assert tables_of(msg.body, "t") == ["t", "t", "t"]  # all of the table the message names
+
+
+def test_a_batch_of_several_tables_names_each_messages_table_and_a_bad_list_is_refused() -> None:
+    sent = [Relocate(keys(0, 2), to=1), Relocate(keys(1, 1), to=1)]
+    body, arrays = to_parts(sent, ["a", "b"])
+    msg = Codec().decode(on_the_wire(Codec().encode(Message(Op.PLACEMENT, table="a", body=body, arrays=arrays))))
+    assert tables_of(msg.body, "a") == ["a", "b"]
+    assert "tables" not in to_parts(sent, ["a", "a"])[0]  # one table: nothing more to say
+    for bad in (["a"], ["a", 3], ["a", ""], "ab"):
+        frames = Codec().encode(Message(Op.PLACEMENT, table="a", body={**body, "tables": bad}, arrays=arrays))
+        with pytest.raises(ProtocolError, match="tables must name one table per message"):
+            Codec().decode(on_the_wire(frames))
 
 
 def test_absurd_dimensions_are_a_protocol_error_not_a_crash() -> None:

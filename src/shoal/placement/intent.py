@@ -87,7 +87,8 @@ class NodeIntents:
             self.announced[over] = False
             expired.append(over)
         empty = np.empty(0, dtype=np.int64)
-        return (np.concatenate(newly) if newly else empty), (self._distinct(np.concatenate(expired)) if expired else empty)
+        starting = np.concatenate(newly) if newly else empty
+        return starting, (self._distinct(np.concatenate(expired)) if expired else empty)
 
 
 @dataclass

@@ -129,7 +129,10 @@ class PlacementMachine:
         self._now = now
         self._act_on_intents(node_clock, clock_s)
         if now >= table.next_sync:
-            table.next_sync = now + table.spec.sync_ms / 1000.0
+            # On a grid of the period: the tables with one period sync in the same pass, and their
+            # syncs to a node go as one message.
+            period = table.spec.sync_ms / 1000.0
+            table.next_sync = (math.floor(now / period) + 1) * period
             self._sync()
         for answer in held.expire_held(table, now):
             self._answer(answer)

@@ -156,20 +156,35 @@ def node_fields(cls: type[PlacementMessage]) -> frozenset[str]:
 
 
 #: several messages to one node in one: body ``{"kind": BATCH, "messages": [each one's body]}``, the
-#: arrays of each in turn
+#: arrays of each in turn; ``"tables"``, each one's table, when they are not all the message's own
 BATCH = "batch"
 MAX_BATCH = 64  # messages in one batch: one event asks for a few per node
 
 
-def to_parts(messages: list[PlacementMessage]) -> tuple[dict[str, Any], list[np.ndarray]]:
+def to_parts(messages: list[PlacementMessage], tables: list[str] | None = None
+             ) -> tuple[dict[str, Any], list[np.ndarray]]:
     """The body (its kind included) and arrays ``messages``, all for one node, travel as: one message
-    alone, several as a batch (in order: what one node sends another arrives in the order sent)."""
+    alone, several as a batch (in order: what one node sends another arrives in the order sent).
+    ``tables``: each message's table, where they are not all of the table the message names (the
+    first one's): the tables' syncs of one timer pass to a node go as one message."""
     bodies, arrays = [], []
     for message in messages:
         cls = type(message)
         bodies.append({"kind": cls.kind, **{name: getattr(message, name) for name in body_fields(cls)}})
         arrays += [getattr(message, name) for name, _, _ in array_fields(cls)]
-    return (bodies[0] if len(bodies) == 1 else {"kind": BATCH, "messages": bodies}), arrays
+    if len(bodies) == 1:
+        return bodies[0], arrays
+    batch: dict[str, Any] = {"kind": BATCH, "messages": bodies}
+    if tables is not None and any(t != tables[0] for t in tables):
+        batch["tables"] = tables
+    return batch, arrays
+
+
+def tables_of(body: dict[str, Any], table: str) -> list[str]:
+    """The table of each message a body stands for (``table``: the one its message names)."""
+    if body["kind"] != BATCH:
+        return [table]
+    return body.get("tables") or [table] * len(body["messages"])
 
 
 def from_parts(body: dict[str, Any], arrays: list[np.ndarray]) -> list[PlacementMessage]:

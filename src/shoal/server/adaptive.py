@@ -23,9 +23,9 @@ from shoal.api.errors import CheckpointError, ProtocolError, TableError
 from shoal.api.ids import ADAPTIVE_SHARD, server_node
 from shoal.cluster.metrics import CpuAccount
 from shoal.consistency.clocks import ClockTable
-from shoal.placement.adaptive_table import AdaptiveTable, Effects
+from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.machine import PlacementMachine
-from shoal.placement.messages import MAX_BATCH, PlacementMessage, from_parts, to_parts
+from shoal.placement.messages import MAX_BATCH, from_parts, tables_of, to_parts
 from shoal.placement.ownership import home_of
 from shoal.server.peers import PeerDirectory
 from shoal.server.tables import table_bytes
@@ -143,9 +143,10 @@ class AdaptiveService:
                 raise ProtocolError(f"placement message from sender {msg.sender}, which is no server")
             effects = Effects()
             try:
-                for message in from_parts(msg.body, msg.arrays):
+                for table, message in zip(tables_of(msg.body, msg.table), from_parts(msg.body, msg.arrays),
+                                          strict=True):
                     started = time.thread_time()
-                    effects.extend(machine.receive(sender, message, self.now()))
+                    effects.extend(self._machine(table).receive(sender, message, self.now()))
                     self.cpu.charge(message.kind, time.thread_time() - started)
             finally:  # what the messages before a malformed one asked for is carried out all the same
                 self.carry_out(effects)
@@ -157,11 +158,11 @@ class AdaptiveService:
         answer to the request being handled (``ticket``) is returned, the others go through ``reply``."""
         if not effects.sends and not effects.answers:  # most timer passes: nothing to do
             return None
-        batches: dict[tuple[str, int], list[PlacementMessage]] = {}
-        for send in effects.sends:  # one message per table and node: a batch of what the event sends there
-            batches.setdefault((send.table, send.node), []).append(send.message)
-        for (table, node), batch in batches.items():
-            self._send(table, node, batch)
+        batches: dict[int, list[Send]] = {}
+        for send in effects.sends:  # one message per node: a batch of what the event sends there
+            batches.setdefault(send.node, []).append(send)
+        for node, batch in batches.items():
+            self._send(node, batch)
         answer_now = None
         for answer in effects.answers:
             peer, msg = answer.ticket
@@ -174,10 +175,11 @@ class AdaptiveService:
                 self.reply(peer, reply)
         return answer_now
 
-    def _send(self, table: str, node: int, batch: list[PlacementMessage]) -> None:
+    def _send(self, node: int, batch: list[Send]) -> None:
         for start in range(0, len(batch), MAX_BATCH):
-            body, arrays = to_parts(batch[start:start + MAX_BATCH])
-            msg = Message(Op.PLACEMENT, table=table, body=body, arrays=arrays)
+            part = batch[start:start + MAX_BATCH]
+            body, arrays = to_parts([s.message for s in part], [s.table for s in part])
+            msg = Message(Op.PLACEMENT, table=part[0].table, body=body, arrays=arrays)
             self._own_stats["placement_messages_sent"] += 1
             if node not in self.peers.addresses:
                 self._outbox[node].append(msg)
@@ -199,8 +201,10 @@ class AdaptiveService:
         per_node = self.cluster.workers_per_node
         local = self.clocks.clocks[self.node * per_node:(self.node + 1) * per_node]
         node_clock = int(local.min()) if local.size else 0
+        effects = Effects()  # every table's: what they send one node in this pass goes as one message
         for machine in list(self.machines.values()):
-            self.carry_out(machine.tick(now, node_clock, self._clock_s))
+            effects.extend(machine.tick(now, node_clock, self._clock_s))
+        self.carry_out(effects)
 
     def next_timer(self) -> float | None:
         return min((m.table.next_sync for m in self.machines.values()), default=None)

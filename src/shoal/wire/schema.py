@@ -189,6 +189,10 @@ def _check_batch(msg: Message) -> None:
         at += count
     if at != len(msg.arrays):
         raise ProtocolError(f"a placement batch carries {len(msg.arrays)} array(s), its messages {at}")
+    tables = msg.body.get("tables")
+    if tables is not None and not (isinstance(tables, list) and len(tables) == len(parts)
+                                   and all(isinstance(t, str) and t for t in tables)):
+        raise ProtocolError(f"a placement batch's tables must name one table per message, got {tables!r}")
 
 
 def _check(msg: Message, schema: OpSchema, what: str) -> None:
