@@ -354,7 +354,8 @@ class PlacementMachine:
         table = self.table
         with table.store.hold(None, exclusive=True):
             fresh = table.presence[keys] == ABSENT
-            keys, values = keys[fresh], values[fresh]
+            if not fresh.all():
+                keys, values = keys[fresh], values[fresh]
             table.store.values[keys] = values  # pending rows of absent keys are zero already
             table.presence[keys] = REPLICA
         table.replica_owner[keys] = owner
@@ -408,7 +409,8 @@ class PlacementMachine:
                     table.deferred_syncs.append((keys[part], deltas[part], drop[part], origin, target, hops))
                 else:
                     self._send(owner, Sync(keys[part], deltas[part], drop[part], origin, target, hops + 1))
-        keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
+        if rest.size:  # the usual sync finds every key owned here: no copy of its rows
+            keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
         with table.store.hold(None, exclusive=True):
             add_rows(table.store.values, keys, deltas, 1.0)
             values = _rows_of(table.store.values, keys)
