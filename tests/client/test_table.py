@@ -10,6 +10,7 @@ import pytest
 
 import shoal
 from shoal.api.config import Limits, TableSpec, Timeouts
+from shoal.client.ticks import TICK_QUIET_S
 from shoal.storage.initialize import fill_initial
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
@@ -286,6 +287,30 @@ def test_clock_ticks_of_a_fast_loop_are_spaced_when_no_read_waits_on_them(model)
     assert told == [100, 100]
 
 
+def test_ticks_an_asp_worker_sends_for_its_intents_go_to_its_nodes_server_alone():
+    """Intents starting every clock (KGE's batches): its node's server, which acts on them, hears
+    the clock every few ms; the other server only every ``TICK_QUIET_S``, and the last clock before
+    a wait."""
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(0)
+        t = w.table("t", 64, 1, techniques="auto")
+        told = [s.stats["op_clock"] for s in c.servers]
+        started = time.monotonic()
+        for clock in range(100):
+            t.intent(np.array([clock % 64]), clock + 3, clock + 4)
+            time.sleep(0.001)
+            w.advance_clock()
+        elapsed = time.monotonic() - started
+        w.wait_all()
+        deadline = time.monotonic() + 10
+        while (last := [int(s.clocks.clocks[0]) for s in c.servers]) != [100, 100] and time.monotonic() < deadline:
+            w.tracker.pump(0.01)
+        local, remote = (s.stats["op_clock"] - n for s, n in zip(c.servers, told, strict=True))
+    assert last == [100, 100]  # both know the last clock
+    assert remote <= elapsed / TICK_QUIET_S + 2, (local, remote)
+    assert local > 2 * remote, (local, remote)
+
+
 def test_an_asp_worker_ticks_rarely_but_near_the_clocks_its_intents_start_and_end():
     """A loop of about 1 ms a clock, every table ASP: a tick at most every ``TICK_QUIET_S`` (every
     5 ms before: 20 or more in 100 clocks), and one in the few clocks before an intent starts, by
@@ -296,9 +321,9 @@ def test_an_asp_worker_ticks_rarely_but_near_the_clocks_its_intents_start_and_en
         ticked: list[int] = []
         tick = w._tick
 
-        def recorded(now: float) -> None:
+        def recorded(now: float, everywhere: bool = True) -> None:
             ticked.append(w.clock)
-            tick(now)
+            tick(now, everywhere)
 
         w._tick = recorded  # type: ignore[method-assign]
         t.intent(np.arange(8), 60, 1000)

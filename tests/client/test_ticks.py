@@ -49,3 +49,16 @@ def test_before_any_clock_is_timed_the_lead_is_the_narrowest():
     ticks.note_intents([(50, 60)])
     ticks.ticked(1, 0.0)  # the first tick does not serve an intent 49 clocks away
     assert ticks.due(48, TICK_EVERY_S)
+
+
+def test_ticks_for_intents_go_to_the_nodes_server_and_every_server_hears_once_the_quiet_period_is_over():
+    ticks, now = clocked(0.001, 5)
+    ticks.ticked(5, now)
+    ticks.note_intents([(10, 11), (20, 21)])
+    later = now + TICK_EVERY_S * 1.1
+    assert ticks.due(6, later) and not ticks.everywhere(later)  # 10 is within the lead of 7 clocks
+    ticks.ticked(6, later, everywhere=False)  # the node's server alone
+    assert not ticks.due(14, later + TICK_EVERY_S * 0.5)  # the short spacing counts from that tick
+    assert ticks.due(14, later + TICK_EVERY_S * 1.1)  # the next boundary, 20, is near
+    # The node's ticks leave the quiet period counted from the last tick to every server.
+    assert not ticks.everywhere(now + TICK_QUIET_S * 0.9) and ticks.everywhere(now + TICK_QUIET_S * 1.01)

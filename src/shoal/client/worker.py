@@ -369,11 +369,13 @@ class Worker:
         self.clock += 1
         now = time.monotonic()  # real time, also where tests move the tracker's clock by hand
         self._ticks.advanced(now)
-        if self.tables and all(t.spec.consistency.bound is None for t in self.tables.values()) and \
-                not self._ticks.due(self.clock, now):
-            # No read waits on clocks: servers learn them from every request, and from the ticks
-            # intents need; the last one goes before any wait.
-            self._tick_due = True
+        if self.tables and all(t.spec.consistency.bound is None for t in self.tables.values()):
+            # No read waits on clocks: servers learn them from every request, the node's server
+            # from the ticks its intents need; the last one goes everywhere before any wait.
+            if not self._ticks.due(self.clock, now):
+                self._tick_due = True
+            else:
+                self._tick(now, everywhere=self._ticks.everywhere(now))
             return self.clock
         self._tick(now)
         return self.clock
@@ -383,16 +385,17 @@ class Worker:
         for table in self.tables.values():
             self._ticks.note_intents(table.access.on_clock())
 
-    def _tick(self, now: float) -> None:
-        """Tell every server this worker's clock."""
-        self._ticks.ticked(self.clock, now)
-        self._tick_due = False
+    def _tick(self, now: float, everywhere: bool = True) -> None:
+        """Tell every server this worker's clock (or only its node's: the others stay a tick due)."""
+        self._ticks.ticked(self.clock, now, everywhere)
+        self._tick_due = not everywhere
         # A request, not a one-way message: a lost clock would hold back every bounded read for good.
         # Nobody waits for the acknowledgement, and a newer clock supersedes an unanswered older one
         # (so a server that died costs nothing here).
         # In this worker's stream to each server, so counted there only after the pushes it follows.
         tick = bodies.Clock(self.rank, pushed=self._pushes_numbered())
-        for n in self.live_servers():
+        told = self.live_servers() if everywhere else [n for n in self.live_servers() if n == self.node]
+        for n in told:
             older = self._clock_requests.get(n)
             if older is not None:
                 self.tracker.forget(older)
