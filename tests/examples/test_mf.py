@@ -41,9 +41,11 @@ def test_mf_with_intents_on_two_nodes_reads_its_rows_locally_and_reaches_rmse_09
     stats.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--", sys.executable, str(TRAIN), "--quiet",
-         "--mode", "auto", "--epochs", "10", "--stats-dir", str(stats), "--out", str(out)],
+         "--mode", "auto", "--epochs", "15", "--stats-dir", str(stats), "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Still falling 0.003 an epoch at ten (0.937-0.941 there, one run in about eight above 0.94 with
+    # the same seed: the workers' timing decides the rest); 0.926-0.928 at fifteen.
     assert min(json.loads(out.read_text())["rmse"]) <= 0.94
     for rank in (0, 1):
         seen = json.loads((stats / f"rank{rank}.json").read_text())
