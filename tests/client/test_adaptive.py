@@ -195,6 +195,30 @@ def test_the_syncs_of_several_tables_to_one_node_go_as_one_message_and_every_pus
         assert owner.tables["b"].store.values[[0, 2], 0].tolist() == [2.0, 2.0]
 
 
+def test_what_a_timer_pass_decided_goes_out_even_when_another_tables_timer_fails(caplog):
+    with ThreadCluster(nodes=2) as c:
+        c.worker(0).table("a", 8, 2, techniques="replication", init=shoal.Constant(1.0))
+        c.worker(1).table("b", 8, 2, techniques="replication")
+        machines = c.servers[0].adaptive.machines
+        tick_a, tick_b = machines["a"].tick, machines["b"].tick
+        once = {"a": True, "b": True}
+
+        def decided(now: float, clock: int, clock_s: float) -> Effects:  # key 0 (homed here) copied to node 1
+            if once.pop("a", False):
+                return Effects(sends=[Send("a", 1, Replicate(np.array([0]), np.ones((1, 2), np.float32)))])
+            return tick_a(now, clock, clock_s)
+
+        def failing(now: float, clock: int, clock_s: float) -> Effects:  # a bug in the next table's timer
+            if once.pop("b", False):
+                raise RuntimeError("a timer's bug")
+            return tick_b(now, clock, clock_s)
+
+        machines["a"].tick, machines["b"].tick = decided, failing  # type: ignore[method-assign]
+        wait_until(lambda: not once)
+        wait_until(lambda: c.servers[1].adaptive.tables["a"].presence[0] == REPLICA)  # sent all the same
+    assert "a timer's bug" in caplog.text
+
+
 def test_adaptive_tables_check_their_settings():
     with pytest.raises(shoal.ConfigError, match="additive update rule"):
         shoal.TableSpec("x", 10, 1, techniques="auto", optimizer=shoal.optim.Adagrad())

@@ -377,3 +377,16 @@ def test_tables_with_one_sync_period_sync_in_the_same_pass_whenever_they_began(n
     first.machines[0].tick(0.052, 0, 0.0)
     second.machines[0].tick(0.052, 0, 0.0)
     assert first.tables[0].next_sync == second.tables[0].next_sync == pytest.approx(0.1)
+
+
+def test_a_node_clock_set_back_below_the_last_action_acts_on_intents_at_once(network_of):
+    net = network_of(2, "auto", 0)
+    machine = net.machines[0]
+    clock_s = 0.01  # five clocks per ACT_EVERY_S
+    for clock in range(30, 41):
+        machine.tick(clock * clock_s, clock, clock_s)
+    machine.intend(np.array([1]), 40, 60)
+    assert any(s.message.kind == "announce" for s in machine.tick(0.41, 41, clock_s).sends)  # acted: next in 5
+    machine.intend(np.array([3]), 16, 30)  # the node's clock went back (a worker that joined late, say)
+    sends = machine.tick(0.42, 12, clock_s).sends
+    assert [s.message.keys.tolist() for s in sends if s.message.kind == "announce" and s.message.active] == [[3]]

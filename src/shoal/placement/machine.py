@@ -466,8 +466,10 @@ class PlacementMachine:
         # not acted on yet is about to start.
         stride = max(1, math.ceil(ACT_EVERY_S / clock_s)) if clock_s > 0 else 1
         reach = table.window + stride - 1
-        if not table.intents.starts_within(clock, table.window) and (
-                clock < table.next_action or not table.intents.any_due(clock, reach)):  # most passes
+        acted_lately = table.next_action - stride <= clock < table.next_action  # (a clock set back: not)
+        if acted_lately and not table.intents.starts_within(clock, table.window):
+            return
+        if not table.intents.any_due(clock, reach):  # most passes: nothing to do
             return
         table.next_action = clock + stride
         start, stop = table.intents.due(clock, reach)

@@ -202,9 +202,11 @@ class AdaptiveService:
         local = self.clocks.clocks[self.node * per_node:(self.node + 1) * per_node]
         node_clock = int(local.min()) if local.size else 0
         effects = Effects()  # every table's: what they send one node in this pass goes as one message
-        for machine in list(self.machines.values()):
-            effects.extend(machine.tick(now, node_clock, self._clock_s))
-        self.carry_out(effects)
+        try:
+            for machine in list(self.machines.values()):
+                effects.extend(machine.tick(now, node_clock, self._clock_s))
+        finally:  # a state message is the only copy of its rows: what a table decided goes out regardless
+            self.carry_out(effects)
 
     def next_timer(self) -> float | None:
         return min((m.table.next_sync for m in self.machines.values()), default=None)
