@@ -84,8 +84,8 @@ class CpuAccount:
         self.counts: dict[str, int] = {}
 
     def charge(self, activity: str, seconds: float) -> None:
+        self.counts[activity] = self.counts.get(activity, 0) + 1  # first: a reader of seconds finds a count
         self.seconds[activity] = self.seconds.get(activity, 0.0) + seconds
-        self.counts[activity] = self.counts.get(activity, 0) + 1
 
     def describe(self) -> dict[str, list[float]]:
         """``{activity: [times run, CPU seconds]}``."""

@@ -597,7 +597,10 @@ class ParameterServer:
         """Where the request loop's CPU went: ``loop_s`` in all (the rest of it: waiting for and
         reading messages), each op's messages and each timer (``[times, seconds]``), and the part of
         the PLACEMENT messages' each kind of placement message took."""
-        loop_s = time.clock_gettime(self._loop_clock) if self._loop_clock is not None else 0.0
+        try:
+            loop_s = time.clock_gettime(self._loop_clock) if self._loop_clock is not None else 0.0
+        except OSError:  # the loop has ended: its thread's clock with it
+            loop_s = 0.0
         return {"loop_s": loop_s, "activities": self.cpu.describe(), "placement": self.adaptive.cpu.describe()}
 
     # --------------------------------------------------- shared-memory access
