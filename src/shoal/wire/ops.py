@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-PROTOCOL_VERSION = 2
+# 3: a placement batch may carry several tables' messages (an older peer would apply them to the first)
+PROTOCOL_VERSION = 3
 
 
 class Op(IntEnum):
