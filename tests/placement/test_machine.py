@@ -342,7 +342,6 @@ def test_nan_rows_from_a_peer_are_refused_before_anything_changes(network_of):
     assert net.tables[0].presence[1] == ABSENT
 
 
-
 def test_intents_are_acted_on_every_few_fast_clocks_with_notice_and_at_once_when_one_is_about_to_start(network_of):
     net = network_of(2, "auto", 0)
     machine, table = net.machines[0], net.tables[0]
