@@ -24,6 +24,7 @@ from shoal.api.config import TableSpec
 from shoal.api.errors import ProtocolError
 from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.held import HELD_S
+from shoal.placement.intent import ACT_EVERY_S
 from shoal.placement.machine import PlacementMachine
 from shoal.placement.messages import Announce, Handover, Owner, PlacementMessage, State, Sync, array_fields
 from shoal.placement.ownership import LocationCache
@@ -389,3 +390,24 @@ def test_a_node_clock_set_back_below_the_last_action_acts_on_intents_at_once(net
     machine.intend(np.array([3]), 16, 30)  # the node's clock went back (a worker that joined late, say)
     sends = machine.tick(0.42, 12, clock_s).sends
     assert [s.message.keys.tolist() for s in sends if s.message.kind == "announce" and s.message.active] == [[3]]
+
+
+def test_an_intent_that_ends_while_the_node_clock_stands_still_is_withdrawn_within_the_stride_time(network_of):
+    # Acting every few clocks on fast clocks left the withdrawals due since the last action waiting for
+    # the clock to reach the next one: when the workers stopped advancing it (the end of a phase, a
+    # barrier) replicas whose intents had ended stayed for good.
+    net = network_of(2, "auto", 0)
+    machine = net.machines[0]
+    clock_s = 0.002  # twenty-five clocks per ACT_EVERY_S
+    for clock in range(10):
+        machine.tick(clock * clock_s, clock, clock_s)
+    machine.intend(np.array([1]), 10, 12)
+    assert any(s.message.kind == "announce" and s.message.active for s in machine.tick(0.02, 10, clock_s).sends)
+    withdrawn = []
+    for step in range(1, 40):  # the clock reaches 12 and stays there; time goes on
+        now = 0.02 + step * 0.005
+        withdrawn += [s for s in machine.tick(now, min(10 + step, 12), clock_s).sends
+                      if s.message.kind == "announce" and not s.message.active]
+        if withdrawn:
+            break
+    assert withdrawn and now <= 0.02 + ACT_EVERY_S + 0.006

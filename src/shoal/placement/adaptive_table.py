@@ -110,6 +110,7 @@ class AdaptiveTable:
         self.acted_at = -1  # the node clock the window was last estimated at
         self.window_estimate = 1.0
         self.next_action = 0  # the node clock from which intents are acted on again (urgent ones at once)
+        self.next_action_s = 0.0  # ... or the time, whichever comes first (a clock may stand still)
         self.stats: Counter[str] = Counter()
 
     @property

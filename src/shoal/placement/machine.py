@@ -462,16 +462,18 @@ class PlacementMachine:
             table.window_estimate = smoothed_window(ACTION_S, clock_s, table.window_estimate)
             table.window = math.ceil(table.window_estimate)
         # Acting costs the servers per round more than per key: on fast clocks, act every few clocks on
-        # what comes into the window until the next time (withdrawals wait as long), unless an intent
+        # what comes into the window until the next time (withdrawals wait as long, and no longer than
+        # ACT_EVERY_S: a clock that stands still would keep them waiting for good), unless an intent
         # not acted on yet is about to start.
         stride = max(1, math.ceil(ACT_EVERY_S / clock_s)) if clock_s > 0 else 1
         reach = table.window + stride - 1
-        acted_lately = table.next_action - stride <= clock < table.next_action  # (a clock set back: not)
+        acted_lately = (table.next_action - stride <= clock < table.next_action  # (a clock set back: not)
+                        and self._now < table.next_action_s)
         if acted_lately and not table.intents.starts_within(clock, table.window):
             return
         if not table.intents.any_due(clock, reach):  # most passes: nothing to do
             return
-        table.next_action = clock + stride
+        table.next_action, table.next_action_s = clock + stride, self._now + ACT_EVERY_S
         start, stop = table.intents.due(clock, reach)
         if start.size:
             # Interest came back before a replica here sent its last change: keep the replica (the
