@@ -18,6 +18,7 @@ import numpy as np
 
 from shoal.api.consistency import Consistency
 from shoal.api.errors import ConfigError, TableError
+from shoal.client.in_place import InPlace
 from shoal.cluster.requests import Future
 from shoal.consistency.cache import RowCache
 from shoal.placement.layout import TableLayout
@@ -110,6 +111,10 @@ class TableAccess:
 
     def wait_local(self, keys: np.ndarray, timeout: float) -> int:
         raise TableError(f"table {self.name!r} is not adaptive: its keys do not move to where they are used")
+
+    def in_place(self, keys: np.ndarray) -> InPlace:
+        raise TableError(f"table {self.name!r} is not adaptive: rows in place are for tables whose rows come "
+                         "to the node that uses them (techniques='relocation', 'replication' or 'auto')")
 
     def intent(self, keys: np.ndarray, start: int, end: int) -> None:
         """Keys to be used in clocks ``[start, end)``: kinds that do not move keys ignore it."""

@@ -21,6 +21,7 @@ from shoal.api.errors import ConfigError, ShapeError, TableError
 from shoal.client.access import TableAccess
 from shoal.client.adaptive import AdaptiveAccess
 from shoal.client.context import WorkerContext
+from shoal.client.in_place import InPlace
 from shoal.client.replicated import ReplicatedAccess
 from shoal.client.sampling import Sampler, make_sampler
 from shoal.client.static import StaticAccess
@@ -178,6 +179,20 @@ class Table:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
             raise ConfigError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
         return self.access.wait_local(as_keys(keys, self.spec), float(timeout))
+
+    def in_place(self, keys: Any) -> InPlace:
+        """This node's rows of ``keys``, for a compiled kernel to read and update where they lie.
+
+        ``with table.in_place(keys) as rows:`` gives ``rows.values`` (the node's
+        rows, zero-copy) and ``rows.slots`` (each key's row in it, -1 for keys
+        on other nodes, whose positions are ``rows.absent``: pull and push those
+        after the block). The rows are locked during the block: none moves away
+        or changes under the kernel, and what it writes to a replica reaches
+        the key's owner. Writes in place bypass the update rule and the NaN/Inf
+        policy; keep the block to one small batch (the node's server waits for
+        the rows). Adaptive tables only.
+        """
+        return self.access.in_place(as_keys(keys, self.spec))
 
     # ------------------------------------------------------------- sampling
 

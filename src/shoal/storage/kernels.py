@@ -160,6 +160,42 @@ def apply_synced(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, p
     return went
 
 
+@kernel
+def slots_in_place(presence: np.ndarray, rows: np.ndarray, slots: np.ndarray, replica_at: np.ndarray) -> int:
+    """``slots[i] = rows[i]`` where that row is on this node, -1 where it is not; the positions of
+    replicas go to the front of ``replica_at``, and their count is returned."""
+    replicas = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        state = presence[r]
+        slots[i] = r if state != 0 else -1
+        if state == 2:
+            replica_at[replicas] = i
+            replicas += 1
+    return replicas
+
+
+@kernel
+def fold_in_place(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, rows: np.ndarray,
+                  before: np.ndarray) -> int:
+    """What was written in place to replica ``rows`` (distinct), whose values were ``before``, added to
+    their pending change for the owner, and the changed rows marked; returns how many changed."""
+    dim = values.shape[1]
+    count = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        moved = False
+        for j in range(dim):
+            d = values[r, j] - before[i, j]
+            if d != 0:
+                pending[r, j] += d
+                moved = True
+        if moved:
+            changed[r] = 1
+            count += 1
+    return count
+
+
 # ------------------------------------------------------------- key bookkeeping
 
 
@@ -426,6 +462,8 @@ def warm_up(dtype: Any = np.float32) -> None:
     add_present(rows.copy(), rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
     take_pending(rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
     apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), keys, rows, flags, absent_at.copy())
+    slots_in_place(flags, keys, absent_at.copy(), absent_at.copy())
+    fold_in_place(rows.copy(), rows.copy(), flags.copy(), keys, rows)
 
 
 def warm_up_meanwhile(dtype: Any = np.float32) -> threading.Thread:

@@ -1,0 +1,64 @@
+"""``Table.in_place``: a compiled kernel's zero-copy hold on the rows that are on this node.
+
+A worker that updates a few rows per example (AdaPM's way: one Adagrad step per
+triple) cannot pay a pull and a push per example; on the rows its node holds it
+needs none. ``with table.in_place(keys) as rows:`` gives ``rows.values`` (this
+node's rows of the table, in shared memory) and ``rows.slots`` (each key's row
+in it, -1 for a key elsewhere): the kernel reads and writes ``values[slots[i]]``
+directly, and the keys at ``rows.absent`` go through pull and push after the
+block. Until the block ends those rows are locked: none moves away, and no other
+writer (the node's server, its other workers) touches them, so nothing written
+in place is lost or written after its row left. Keep the block to one small
+batch: the node's server waits for the rows to apply other nodes' pushes or to
+move them. Writes in place are the update rule (the table's own applies to
+pushes); they are not checked for NaN or Inf.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from shoal.api.errors import TableError
+from shoal.storage.in_place import RowsInPlace
+from shoal.storage.shard import ShardStore
+
+
+class InPlace:
+    """The rows of some keys of one table on this node, locked for a ``with`` block."""
+
+    def __init__(self, name: str, store: ShardStore | None, keys: np.ndarray, dim: int, dtype: np.dtype,
+                 counters: Counter[str]) -> None:
+        self.name = name
+        self.keys = keys
+        self._rows = RowsInPlace(store, keys) if store is not None else None
+        self._counters = counters
+        self._open = False
+        #: this node's rows of the table (shared memory; empty where the node has none): valid in the block
+        self.values: np.ndarray = self._rows.values if self._rows is not None else np.empty((0, dim), dtype)
+        #: per key, its row in ``values``, or -1 where the key is not on this node
+        self.slots: np.ndarray = np.full(keys.shape[0], -1, dtype=np.int64)
+        #: positions (in ``keys``) of the keys not on this node: pull and push them after the block
+        self.absent: np.ndarray = np.arange(keys.shape[0])
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def __enter__(self) -> InPlace:
+        if self._open:
+            raise TableError(f"rows of {self.name!r} are already held in place by this block")
+        if self._rows is not None:
+            self._rows.open()
+            self.slots = self._rows.slots
+            self.absent = np.flatnonzero(self.slots < 0)
+        self._open = True
+        self._counters["rows_in_place"] += self.keys.shape[0] - self.absent.shape[0]
+        self._counters["in_place_blocks"] += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._open = False
+        if self._rows is not None:
+            self._counters["replica_rows_changed_in_place"] += self._rows.close()

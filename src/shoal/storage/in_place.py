@@ -1,0 +1,72 @@
+"""Rows a compiled kernel reads and writes where they lie: a node's shared memory, locked meanwhile.
+
+``RowsInPlace`` locks the row stripes of some keys in an adaptive table's store,
+exclusively, as every writer of the node does (the server relocating rows,
+syncing replicas and applying other nodes' pushes; the node's other workers), and
+gives each key's slot in the store's ``values``: a kernel then reads and updates
+those rows with no copy and no message, and none of them moves away or changes
+under it until the block ends. Keys not on this node get slot -1; the caller
+reaches them with pull and push, after the block.
+
+A replica's row must send what was written to it to its owner. Its values are
+copied when the block opens, and on close the difference is added to the row's
+pending change (one compiled pass over the replicas among the keys, usually the
+few hot ones), as a push to a replica does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shoal.storage import kernels
+from shoal.storage.shard import ShardStore
+
+
+class RowsInPlace:
+    """The rows of ``keys`` in ``store`` (adaptive: row = key), locked from ``open`` to ``close``."""
+
+    def __init__(self, store: ShardStore, keys: np.ndarray) -> None:
+        assert store.presence is not None  # adaptive stores only: they know which rows are here
+        self.store = store
+        self.keys = keys
+        #: the store's rows (a view of shared memory); index it with ``slots``
+        self.values = store.values
+        #: per key, its row in ``values``, or -1 if the key is not on this node
+        self.slots = np.empty(keys.shape[0], dtype=np.int64)
+        self._replicas = np.empty(0, dtype=np.int64)
+        self._before = np.empty((0, store.spec.dim), dtype=store.values.dtype)
+        self._lock: Any = None
+
+    def open(self) -> None:
+        store = self.store
+        assert store.presence is not None
+        lock = store.hold(self.keys, exclusive=True)
+        lock.__enter__()
+        try:
+            replica_at = np.empty(self.keys.shape[0], dtype=np.int64)
+            replicas = kernels.slots_in_place(store.presence, self.keys, self.slots, replica_at)
+            if replicas:
+                self._replicas = np.unique(self.keys[replica_at[:replicas]])
+                self._before = store.values[self._replicas]
+        except BaseException:
+            lock.__exit__(None, None, None)
+            raise
+        self._lock = lock
+
+    def close(self) -> int:
+        """Unlock, after adding what was written to replica rows to their pending changes; returns how
+        many replica rows changed."""
+        store = self.store
+        lock, self._lock = self._lock, None
+        if lock is None:
+            return 0
+        try:
+            if not self._replicas.size:
+                return 0
+            assert store.pending is not None and store.changed is not None
+            return int(kernels.fold_in_place(store.values, store.pending, store.changed, self._replicas,
+                                             self._before))
+        finally:
+            lock.__exit__(None, None, None)

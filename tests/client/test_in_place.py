@@ -1,0 +1,127 @@
+"""Rows held in place for a kernel (``Table.in_place``): zero-copy, locked, and nothing written lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shoal
+from shoal.storage.kernels import OWNED, REPLICA
+from tests.support.cluster import ThreadCluster
+from tests.support.waiting import wait_until
+
+
+def test_rows_in_place_are_this_nodes_rows_without_a_copy_and_the_rest_is_named():
+    with ThreadCluster(nodes=2) as c:
+        t0 = c.worker(0).table("p", 20, 3, techniques="relocation", init=shoal.Constant(1.0))
+        t1 = c.worker(1).table("p", 20, 3, techniques="relocation", init=shoal.Constant(1.0))
+        keys = np.array([4, 5, 6, 7, 6])  # even keys start at node 0, odd ones at node 1
+        requests = t0.counters["requests"]
+        with t0.in_place(keys) as rows:
+            np.testing.assert_array_equal(rows.slots, [4, -1, 6, -1, 6])
+            np.testing.assert_array_equal(rows.absent, [1, 3])
+            server_rows = c.servers[0].adaptive.tables["p"].store.values  # its own mapping of the segment
+            rows.values[8, 0] = 7.0
+            assert server_rows[8, 0] == 7.0  # the same memory, no copy
+            rows.values[8, 0] = 1.0
+            rows.values[[4, 6]] += 1.0
+        assert t0.counters["requests"] == requests  # no message
+        t0.push(keys[rows.absent], np.ones((2, 3), np.float32))
+        np.testing.assert_array_equal(t1.pull(keys)[:, 0], 2.0)
+        assert t0.counters["rows_in_place"] == 3
+
+
+def test_a_pull_or_push_of_the_table_inside_the_block_is_refused_not_left_waiting_on_its_locks():
+    with ThreadCluster(nodes=1) as c:
+        t = c.worker(0).table("p", 10, 1, techniques="auto")
+        other = c.worker(0).table("q", 10, 1, techniques="auto")
+        with t.in_place([1, 2]):
+            for call in (lambda: t.pull([3]), lambda: t.push([3], [[1.0]]), lambda: t.in_place([3])):
+                with pytest.raises(shoal.TableError, match="held in place"):
+                    call()
+            other.push([3], [[1.0]])  # another table's rows are not held
+        t.push([3], [[1.0]])
+        np.testing.assert_array_equal(t.pull([3, 1]), [[1.0], [0.0]])
+
+
+def test_in_place_is_for_adaptive_tables_and_checks_its_keys():
+    with ThreadCluster(nodes=1) as c:
+        w = c.worker(0)
+        with pytest.raises(shoal.TableError, match="not adaptive"):
+            w.table("s", 10, 1).in_place([1])
+        t = w.table("a", 10, 1, techniques="auto")
+        with pytest.raises(shoal.KeyRangeError):
+            t.in_place([10])
+
+
+def test_without_local_access_every_key_is_absent():
+    with ThreadCluster(nodes=1) as c:
+        t = c.worker(0, local_access=False).table("a", 10, 2, techniques="auto")
+        with t.in_place([1, 2]) as rows:
+            assert rows.values.shape == (0, 2)
+            np.testing.assert_array_equal(rows.slots, -1)
+            np.testing.assert_array_equal(rows.absent, [0, 1])
+
+
+def test_a_row_held_in_place_does_not_move_away_until_the_block_ends_and_what_was_written_goes_with_it():
+    with ThreadCluster(nodes=2) as c:
+        t0 = c.worker(0).table("m", 40, 2, techniques="relocation")
+        t1 = c.worker(1).table("m", 40, 2, techniques="relocation")
+        keys = np.arange(0, 40, 2)  # node 0's
+        asked = threading.Event()
+        with t0.in_place(keys) as rows:
+            mover = threading.Thread(target=lambda: (t1.localize(keys), asked.set()))
+            mover.start()
+            asked.wait(10)
+            time.sleep(0.3)  # node 1 asked for them meanwhile: they stay until the block ends
+            assert (c.servers[0].adaptive.tables["m"].presence[keys] == OWNED).all()
+            rows.values[rows.slots] += 5.0
+        mover.join()
+        wait_until(lambda: (c.servers[1].adaptive.tables["m"].presence[keys] == OWNED).all())
+        np.testing.assert_array_equal(t1.pull(keys), 5.0)
+
+
+def test_what_is_written_in_place_to_a_replica_reaches_its_owner_once():
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("r", 20, 1, techniques="replication", sync_ms=5)
+        t1 = w1.table("r", 20, 1, techniques="replication", sync_ms=5)
+        hot = np.arange(0, 20, 2)  # node 0's, wanted by node 1 too: node 1 holds replicas
+        for t, w in ((t0, w0), (t1, w1)):
+            t.intent(hot, w.clock, w.clock + 1000)
+        assert t1.wait_local(hot, timeout=20) == 0
+        assert (c.servers[1].adaptive.tables["r"].presence[hot] == REPLICA).all()
+        for _ in range(5):
+            with t1.in_place(hot) as rows:
+                rows.values[rows.slots] += 1.0
+            with t0.in_place(hot) as rows:
+                rows.values[rows.slots] += 10.0
+        assert t1.counters["replica_rows_changed_in_place"] == 50
+        wait_until(lambda: (c.servers[0].adaptive.tables["r"].store.values[hot, 0] == 55.0).all())
+        time.sleep(0.1)  # later syncs add nothing more
+        np.testing.assert_array_equal(c.servers[0].adaptive.tables["r"].store.values[hot, 0], 55.0)
+
+
+@pytest.mark.parametrize("technique", ["relocation", "auto"])
+def test_in_place_updates_from_four_processes_while_keys_move_and_replicate_land_exactly_once(tmp_path, technique):
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "in_place_worker.py")
+    rounds = 60
+    proc = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node",
+                           "2", "--", sys.executable, script, str(tmp_path), str(rounds), technique],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "counts.json").read_text())
+    np.testing.assert_array_equal(result["counts"], 4.0 * rounds)  # each worker added 1 to each key each round
+    workers = [json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in range(4)]
+    assert min(w["rows_in_place"] for w in workers) > 0
+    moved = sum(s["adaptive"]["moving"].get("keys_relocated_here", 0) for s in result["servers"])
+    assert moved > 100  # keys really moved while rows were written in place
+    if technique == "auto":
+        assert sum(w["replica_rows_changed_in_place"] for w in workers) > 0
