@@ -7,7 +7,16 @@ import json
 import time
 
 import numpy as np
-from complex_model import Hyper, adagrad_delta, complex_step, filtered_ranks, mrr_hits, row_width, warm_up
+from complex_model import (
+    Hyper,
+    adagrad_delta,
+    complex_step,
+    complex_steps_in_place,
+    filtered_ranks,
+    mrr_hits,
+    row_width,
+    warm_up,
+)
 from graphs import Graph, load
 
 from shoal.storage.kernels import add_rows, gather_rows
@@ -20,9 +29,12 @@ def init_rows(n: int, h: Hyper, rng: np.random.Generator) -> np.ndarray:
 
 
 def train(graph: Graph, h: Hyper, epochs: float = 1.0, seconds: float | None = None, seed: int = 0,
-          loss_target: float | None = None, eval_every: float | None = None) -> dict[str, object]:
+          loss_target: float | None = None, eval_every: float | None = None,
+          step_size: int | None = None) -> dict[str, object]:
     """Train for ``epochs`` (or ``seconds``); every ``eval_every`` epochs, the filtered MRR on the
-    validation triples, with the training seconds so far (evaluating is not counted)."""
+    validation triples, with the training seconds so far (evaluating is not counted). ``step_size``:
+    Adagrad steps of ``step_size`` triples each on the rows where they lie (no gather, no scatter), not
+    one step per batch on gathered rows."""
     warm_up(h)
     scratch = np.zeros((1, row_width(h)), np.float32)
     gather_rows(scratch, np.zeros(1, np.int64), scratch.copy())  # Shoal's kernels compile at their first call
@@ -31,6 +43,8 @@ def train(graph: Graph, h: Hyper, epochs: float = 1.0, seconds: float | None = N
     ent = init_rows(graph.num_entities, h, rng)
     rel = init_rows(graph.num_relations, h, rng)
     d, b = h.dim, h.batch
+    ent_map = np.full(graph.num_entities, -1, np.int64)  # scratch of the in-place steps
+    rel_map = np.full(graph.num_relations, -1, np.int64)
     n = graph.train.shape[0]
     steps = int(epochs * n / b)
     eval_steps = max(1, round(eval_every * n / b)) if eval_every else 0
@@ -48,24 +62,13 @@ def train(graph: Graph, h: Hyper, epochs: float = 1.0, seconds: float | None = N
         idx = rng.integers(0, n, b)
         heads, rels, tails = graph.train[idx].T
         negs = rng.integers(0, graph.num_entities, 2 * b * h.negatives)  # tails' corruptions, then heads'
-        keys, inv = np.unique(np.concatenate([heads, tails, negs]), return_inverse=True)
-        rkeys, rinv = np.unique(rels, return_inverse=True)
-        # Shoal's compiled row kernels (no parameter server): its shared-memory path uses the same.
-        e = np.empty((keys.shape[0], ent.shape[1]), ent.dtype)
-        gather_rows(ent, keys, e)
-        r = np.empty((rkeys.shape[0], rel.shape[1]), rel.dtype)
-        gather_rows(rel, rkeys, r)
-        g_e = np.zeros((keys.shape[0], 2 * d), np.float32)
-        g_r = np.zeros((rkeys.shape[0], 2 * d), np.float32)
-        corrupt = inv[2 * b:].reshape(2, b, h.negatives)
-        loss = complex_step(e, r, inv[:b], rinv, inv[b:2 * b], corrupt[0], corrupt[1],
-                            np.arange(keys.shape[0]), np.arange(rkeys.shape[0]), d, h.reg, g_e, g_r)
-        delta_e = np.empty_like(e)
-        adagrad_delta(e, g_e, h.lr, d, delta_e)
-        add_rows(ent, keys, delta_e, 1.0)
-        delta_r = np.empty_like(r)
-        adagrad_delta(r, g_r, h.lr, d, delta_r)
-        add_rows(rel, rkeys, delta_r, 1.0)
+        if step_size:
+            heads, rels, tails = (np.ascontiguousarray(x) for x in (heads, rels, tails))
+            corrupt = negs.reshape(2, b, h.negatives)
+            loss = complex_steps_in_place(ent, rel, heads, rels, tails, corrupt[0], corrupt[1], np.arange(b),
+                                          step_size, d, h.lr, h.reg, ent_map, rel_map)
+        else:
+            loss = _batch_step(ent, rel, heads, rels, tails, negs, h)
         done += b
         trained += time.perf_counter() - started
         if step % 20 == 0:
@@ -81,6 +84,31 @@ def train(graph: Graph, h: Hyper, epochs: float = 1.0, seconds: float | None = N
             "curve": curve, "ent": ent, "rel": rel}
 
 
+def _batch_step(ent: np.ndarray, rel: np.ndarray, heads: np.ndarray, rels: np.ndarray, tails: np.ndarray,
+                negs: np.ndarray, h: Hyper) -> float:
+    """One Adagrad step for a batch: its distinct rows gathered, their summed gradients, the change added."""
+    d, b = h.dim, heads.shape[0]
+    keys, inv = np.unique(np.concatenate([heads, tails, negs]), return_inverse=True)
+    rkeys, rinv = np.unique(rels, return_inverse=True)
+    # Shoal's compiled row kernels (no parameter server): its shared-memory path uses the same.
+    e = np.empty((keys.shape[0], ent.shape[1]), ent.dtype)
+    gather_rows(ent, keys, e)
+    r = np.empty((rkeys.shape[0], rel.shape[1]), rel.dtype)
+    gather_rows(rel, rkeys, r)
+    g_e = np.zeros((keys.shape[0], 2 * d), np.float32)
+    g_r = np.zeros((rkeys.shape[0], 2 * d), np.float32)
+    corrupt = inv[2 * b:].reshape(2, b, h.negatives)
+    loss = complex_step(e, r, inv[:b], rinv, inv[b:2 * b], corrupt[0], corrupt[1],
+                        np.arange(keys.shape[0]), np.arange(rkeys.shape[0]), d, h.reg, g_e, g_r)
+    delta_e = np.empty_like(e)
+    adagrad_delta(e, g_e, h.lr, d, delta_e)
+    add_rows(ent, keys, delta_e, 1.0)
+    delta_r = np.empty_like(r)
+    adagrad_delta(r, g_r, h.lr, d, delta_r)
+    add_rows(rel, rkeys, delta_r, 1.0)
+    return float(loss)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--data", default="kinships")
@@ -91,13 +119,16 @@ def main() -> None:
     p.add_argument("--reg", type=float, default=Hyper.reg)
     p.add_argument("--negatives", type=int, default=Hyper.negatives, help="corruptions per side")
     p.add_argument("--eval-every", type=float, default=None, help="epochs between validation MRRs")
+    p.add_argument("--step", type=int, default=None,
+                   help="Adagrad steps of this many triples on the rows where they lie (no gather or scatter)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     args = p.parse_args()
     graph = load(args.data)
     h = Hyper(dim=args.dim, batch=min(args.batch, graph.train.shape[0]), lr=args.lr, reg=args.reg,
               negatives=args.negatives)
-    result = train(graph, h, epochs=args.epochs, seed=args.seed, eval_every=args.eval_every)
+    result = train(graph, h, epochs=args.epochs, seed=args.seed, eval_every=args.eval_every,
+                   step_size=args.step)
     for epoch, seconds, valid_mrr in result["curve"]:  # type: ignore[attr-defined]
         print(f"epoch {epoch:7.1f}  {seconds:7.2f} s  validation filtered MRR {valid_mrr:.4f}")
     known = {tuple(t) for t in np.concatenate([graph.train, graph.valid, graph.test]).tolist()}

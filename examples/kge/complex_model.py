@@ -102,6 +102,60 @@ def adagrad_delta(rows: np.ndarray, grads: np.ndarray, lr: float, d: int, out: n
             out[i, 2 * d + k] = sq
 
 
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def complex_steps_in_place(ent: np.ndarray, rel: np.ndarray, heads: np.ndarray, rels: np.ndarray,
+                           tails: np.ndarray, tail_negs: np.ndarray, head_negs: np.ndarray, which: np.ndarray,
+                           step: int, d: int, lr: float, reg: float, ent_map: np.ndarray, rel_map: np.ndarray
+                           ) -> float:
+    """Adagrad steps of ``step`` triples each on the rows where they lie (``step=1``: one per triple,
+    as AdaPM's app trains): the triples ``which`` in turn, each step's gradients as ``complex_step``
+    sums them (rows of a key share one), then the step on each distinct row. Indices are rows of
+    ``ent`` and ``rel``; ``ent_map`` and ``rel_map`` (one entry per row, all -1) are scratch, left all
+    -1. Returns the mean loss per score."""
+    num_neg = tail_negs.shape[1]
+    total = 0.0
+    for first in range(0, which.shape[0], step):
+        chunk = which[first:first + step]
+        used_e = np.empty((2 + 2 * num_neg) * chunk.shape[0], np.int64)
+        used_r = np.empty(chunk.shape[0], np.int64)
+        ne = 0
+        nr = 0
+        for b in chunk:
+            r = rels[b]
+            if rel_map[r] < 0:
+                rel_map[r] = nr
+                used_r[nr] = r
+                nr += 1
+            for j in range(-2, 2 * num_neg):
+                e = heads[b] if j == -2 else tails[b] if j == -1 else (
+                    tail_negs[b, j] if j < num_neg else head_negs[b, j - num_neg])
+                if ent_map[e] < 0:
+                    ent_map[e] = ne
+                    used_e[ne] = e
+                    ne += 1
+        g_ent = np.zeros((ne, 2 * d), np.float32)
+        g_rel = np.zeros((nr, 2 * d), np.float32)
+        total += complex_step(ent, rel, heads[chunk], rels[chunk], tails[chunk], tail_negs[chunk],
+                              head_negs[chunk], ent_map, rel_map, d, reg, g_ent, g_rel) * chunk.shape[0]
+        for u in range(ne):
+            _adagrad_in_place(ent, used_e[u], g_ent[u], lr, d)
+            ent_map[used_e[u]] = -1
+        for u in range(nr):
+            _adagrad_in_place(rel, used_r[u], g_rel[u], lr, d)
+            rel_map[used_r[u]] = -1
+    return total / max(1, which.shape[0])
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True, inline="always")
+def _adagrad_in_place(table: np.ndarray, row: int, grad: np.ndarray, lr: float, d: int) -> None:
+    """The step ``adagrad_delta`` computes, applied to ``table[row]`` where it lies."""
+    for k in range(2 * d):
+        g = grad[k]
+        acc = table[row, 2 * d + k] + g * g
+        table[row, k] -= lr * g / (np.sqrt(acc) + 1e-10)
+        table[row, 2 * d + k] = acc
+
+
 def warm_up(h: Hyper) -> None:
     """Compile the step's kernels now (or load them from numba's cache), so no timed step does."""
     rows = np.zeros((2, row_width(h)), np.float32)
@@ -110,6 +164,9 @@ def warm_up(h: Hyper) -> None:
     negs = np.zeros((1, 1), np.int64)
     complex_step(rows, rows, one, one, one, negs, negs, np.arange(2), np.arange(2), h.dim, h.reg, grads, grads)
     adagrad_delta(rows, grads, h.lr, h.dim, np.empty_like(rows))
+    unmapped = np.full(2, -1, np.int64)
+    complex_steps_in_place(rows, rows, one, one, one, negs, negs, np.arange(1), 1, h.dim, h.lr, h.reg, unmapped,
+                           unmapped.copy())
 
 
 def filtered_ranks(ent: np.ndarray, rel: np.ndarray, triples: np.ndarray, known: set[tuple[int, int, int]],

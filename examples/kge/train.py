@@ -11,7 +11,9 @@ Modes:
   servers relocate or replicate rows in time; negatives are sampled locally.
 
 Each triple is scored against 6 corrupted tails and 6 corrupted heads, as filtered MRR ranks
-both sides (``complex_model``). Every worker draws its own batches; rank 0 reports triples/s,
+both sides (``complex_model``). With ``--step S`` (adaptive modes) a batch is trained as Adagrad
+steps of S triples on this node's rows where they lie (``Table.in_place``: no gather, no
+scatter, no message), and only the triples with a row on another node go through pull and push. Every worker draws its own batches; rank 0 reports triples/s,
 the loss over time and, for Kinships and UMLS, filtered MRR and Hits@10 on the test set
 (``--eval-every E``: also the validation MRR every E epochs, against seconds of training).
 """
@@ -23,7 +25,16 @@ import json
 import time
 
 import numpy as np
-from complex_model import Hyper, adagrad_delta, complex_step, filtered_ranks, mrr_hits, row_width, warm_up
+from complex_model import (
+    Hyper,
+    adagrad_delta,
+    complex_step,
+    complex_steps_in_place,
+    filtered_ranks,
+    mrr_hits,
+    row_width,
+    warm_up,
+)
 from graphs import load
 
 import shoal
@@ -39,6 +50,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
     p.add_argument("--dim", type=int, default=Hyper.dim)
     p.add_argument("--batch", type=int, default=Hyper.batch, help="triples per worker per step")
+    p.add_argument("--step", type=int, default=None,
+                   help="Adagrad steps of this many triples on the rows where they lie (Table.in_place; adaptive "
+                        "modes), triples with a row elsewhere through pull and push")
     p.add_argument("--lookahead", type=int, default=4, help="batches ahead declared as intent")
     p.add_argument("--sync-ms", type=float, default=50.0, help="how often replicas send their changes to the owner")
     p.add_argument("--loss-target", type=float, default=None)
@@ -53,6 +67,8 @@ def main() -> None:
     h = Hyper(dim=args.dim, batch=min(args.batch, graph.train.shape[0]))
     d = h.dim
     adaptive = args.mode in ("relocation", "replication", "auto")
+    if args.step and not adaptive:
+        p.error("--step updates rows in place: an adaptive mode (relocation, replication or auto) only")
     ps = shoal.init(local_access=args.mode != "classic")
     options = dict(init=shoal.Normal(std=h.init_std, columns=2 * d), optimizer=shoal.optim.Sum(), seed=args.seed,
                    techniques=args.mode if adaptive else "static", mapping="round_robin")
@@ -98,25 +114,16 @@ def main() -> None:
         """Seconds of training so far: evaluations are left out."""
         return time.perf_counter() - start
 
-    while step < budget and (args.seconds is None or trained() < args.seconds):
-        idx = schedule.pop(0)
-        if step + args.lookahead + 1 <= budget:  # the batch `lookahead` steps ahead, declared now
-            ahead = rng.integers(0, n, h.batch)
-            schedule.append(ahead)
-            if adaptive:
-                heads_a, rels_a, tails_a = graph.train[ahead].T
-                clock = ps.clock + args.lookahead + 1
-                ent.intent(np.concatenate([heads_a, tails_a]), clock, clock + 1)
-                rel.intent(rels_a, clock, clock + 1)
-        heads, rels, tails = graph.train[idx].T
-        # As the baseline does: one gather of the batch's distinct entities (heads, tails and the
-        # negatives, drawn among rows present here unless in classic mode) and one of its relations.
-        negatives = ent.sample_keys(2 * h.batch * h.negatives)  # tails' corruptions, then heads'
+    def step_through_messages(heads: np.ndarray, rels: np.ndarray, tails: np.ndarray, negatives: np.ndarray
+                              ) -> float:
+        """One Adagrad step for these triples, as the baseline does: one gather of their distinct entities
+        (heads, tails and negatives) and one of their relations, pulled; the change pushed."""
+        nonlocal pushes
+        b = heads.shape[0]
         keys_e, inv = np.unique(np.concatenate([heads, tails, negatives]), return_inverse=True)
         keys_r, inv_r = np.unique(rels, return_inverse=True)
         e_rows, r_rows = ent.pull_async(keys_e), rel.pull_async(keys_r)
         e, r = e_rows.wait(), r_rows.wait()
-        b = h.batch
         g_e = np.zeros((keys_e.shape[0], 2 * d), np.float32)
         g_r = np.zeros((keys_r.shape[0], 2 * d), np.float32)
         corrupt = inv[2 * b:].reshape(2, b, h.negatives)
@@ -129,6 +136,58 @@ def main() -> None:
         for f in pushes:  # the last step's updates of rows elsewhere are in: one step in flight at most
             f.wait()
         pushes = [ent.push_async(keys_e, delta_e), rel.push_async(keys_r, delta_r)]
+        return float(loss)
+
+    ent_map = np.full(graph.num_entities, -1, np.int64)  # scratch of the steps in place
+    rel_map = np.full(graph.num_relations, -1, np.int64)
+
+    def steps_in_place(heads: np.ndarray, rels: np.ndarray, tails: np.ndarray, negatives: np.ndarray
+                       ) -> tuple[float, np.ndarray]:
+        """Steps of ``--step`` triples on this node's rows where they lie, each step's rows held for that
+        step alone (the node's server waits for rows held), for the triples whose rows are all here;
+        the mean loss per score, and the positions of the other triples (for pull and push)."""
+        b = heads.shape[0]
+        negs = negatives.reshape(2, b, h.negatives)
+        total, done, rest = 0.0, 0, []
+        for first in range(0, b, args.step):
+            part = slice(first, first + args.step)
+            hs, rs, ts, tn, hn = heads[part], rels[part], tails[part], negs[0, part], negs[1, part]
+            keys_e, inv = np.unique(np.concatenate([hs, ts, tn.reshape(-1), hn.reshape(-1)]), return_inverse=True)
+            keys_r, inv_r = np.unique(rs, return_inverse=True)
+            m = hs.shape[0]
+            with ent.in_place(keys_e) as here_e, rel.in_place(keys_r) as here_r:  # always in this order
+                slots, rel_slots = here_e.slots[inv], here_r.slots[inv_r]
+                corrupt = slots[2 * m:].reshape(2, m, h.negatives)
+                whole = ((slots[:m] >= 0) & (slots[m:2 * m] >= 0) & (rel_slots >= 0)
+                         & (corrupt >= 0).all(axis=(0, 2)))
+                which = np.flatnonzero(whole)
+                loss = complex_steps_in_place(here_e.values, here_r.values, slots[:m], rel_slots, slots[m:2 * m],
+                                              corrupt[0], corrupt[1], which, m, d, h.lr, h.reg, ent_map, rel_map)
+            total += loss * which.size
+            done += which.size
+            rest.append(first + np.flatnonzero(~whole))
+        return total / max(1, done), np.concatenate(rest)
+
+    while step < budget and (args.seconds is None or trained() < args.seconds):
+        idx = schedule.pop(0)
+        if step + args.lookahead + 1 <= budget:  # the batch `lookahead` steps ahead, declared now
+            ahead = rng.integers(0, n, h.batch)
+            schedule.append(ahead)
+            if adaptive:
+                heads_a, rels_a, tails_a = graph.train[ahead].T
+                clock = ps.clock + args.lookahead + 1
+                ent.intent(np.concatenate([heads_a, tails_a]), clock, clock + 1)
+                rel.intent(rels_a, clock, clock + 1)
+        heads, rels, tails = (np.ascontiguousarray(x) for x in graph.train[idx].T)
+        negatives = ent.sample_keys(2 * h.batch * h.negatives)  # tails' corruptions, then heads'
+        loss = 0.0
+        if args.step:
+            loss, rest = steps_in_place(heads, rels, tails, negatives)
+            loss *= 1 - rest.size / h.batch  # the mean over the whole batch, with the rest's below
+            heads, rels, tails = heads[rest], rels[rest], tails[rest]
+            negatives = negatives.reshape(2, h.batch, h.negatives)[:, rest].reshape(-1)
+        if heads.size:
+            loss += step_through_messages(heads, rels, tails, negatives) * heads.size / h.batch
         ps.advance_clock()
         step += 1
         if step % 20 == 0:
