@@ -95,9 +95,9 @@ def main() -> None:
             for start in ("forked from the launcher", "fresh interpreters"):
                 jobs.setdefault(f"{name}, {start}", []).append(
                     whole_job(layout, seed, args.job_epochs, fresh=start == "fresh interpreters"))
-        for name, layout in IN_PLACE:  # to a quality the others reach in 20 epochs, in fewer
+        for name, layout in IN_PLACE:
             jobs.setdefault(f"{name}, forked from the launcher", []).append(
-                whole_job(layout, seed, args.job_epochs / 2, fresh=False, step=STEP))
+                whole_job(layout, seed, args.job_epochs, fresh=False, step=STEP))
     data = {"epochs": args.epochs, "seeds": args.seeds, "target": TARGET, "runs": runs, "jobs": jobs, "adapm": ADAPM}
     table_md = report(data)
     print("\n" + table_md)

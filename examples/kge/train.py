@@ -13,9 +13,10 @@ Modes:
 Each triple is scored against 6 corrupted tails and 6 corrupted heads, as filtered MRR ranks
 both sides (``complex_model``). With ``--step S`` (adaptive modes) a batch is trained as Adagrad
 steps of S triples on this node's rows where they lie (``Table.in_place``: no gather, no
-scatter, no message), and only the triples with a row on another node go through pull and push. Every worker draws its own batches; rank 0 reports triples/s,
-the loss over time and, for Kinships and UMLS, filtered MRR and Hits@10 on the test set
-(``--eval-every E``: also the validation MRR every E epochs, against seconds of training).
+scatter, no message), and only the triples with a row on another node go through pull and
+push. Every worker draws its own batches; rank 0 reports triples/s, the loss over time and, for
+Kinships and UMLS, filtered MRR and Hits@10 on the test set (``--eval-every E``: also the
+validation MRR every E epochs, against seconds of training).
 """
 
 from __future__ import annotations
@@ -143,30 +144,20 @@ def main() -> None:
 
     def steps_in_place(heads: np.ndarray, rels: np.ndarray, tails: np.ndarray, negatives: np.ndarray
                        ) -> tuple[float, np.ndarray]:
-        """Steps of ``--step`` triples on this node's rows where they lie, each step's rows held for that
-        step alone (the node's server waits for rows held), for the triples whose rows are all here;
-        the mean loss per score, and the positions of the other triples (for pull and push)."""
+        """Steps of ``--step`` triples on this node's rows where they lie, for the triples whose rows are
+        all here, the batch's rows held meanwhile (a batch takes a few milliseconds: the node's server
+        waits that long at most); the mean loss per score, and the positions of the other triples."""
         b = heads.shape[0]
-        negs = negatives.reshape(2, b, h.negatives)
-        total, done, rest = 0.0, 0, []
-        for first in range(0, b, args.step):
-            part = slice(first, first + args.step)
-            hs, rs, ts, tn, hn = heads[part], rels[part], tails[part], negs[0, part], negs[1, part]
-            keys_e, inv = np.unique(np.concatenate([hs, ts, tn.reshape(-1), hn.reshape(-1)]), return_inverse=True)
-            keys_r, inv_r = np.unique(rs, return_inverse=True)
-            m = hs.shape[0]
-            with ent.in_place(keys_e) as here_e, rel.in_place(keys_r) as here_r:  # always in this order
-                slots, rel_slots = here_e.slots[inv], here_r.slots[inv_r]
-                corrupt = slots[2 * m:].reshape(2, m, h.negatives)
-                whole = ((slots[:m] >= 0) & (slots[m:2 * m] >= 0) & (rel_slots >= 0)
-                         & (corrupt >= 0).all(axis=(0, 2)))
-                which = np.flatnonzero(whole)
-                loss = complex_steps_in_place(here_e.values, here_r.values, slots[:m], rel_slots, slots[m:2 * m],
-                                              corrupt[0], corrupt[1], which, m, d, h.lr, h.reg, ent_map, rel_map)
-            total += loss * which.size
-            done += which.size
-            rest.append(first + np.flatnonzero(~whole))
-        return total / max(1, done), np.concatenate(rest)
+        keys_e, inv = np.unique(np.concatenate([heads, tails, negatives]), return_inverse=True)
+        keys_r, inv_r = np.unique(rels, return_inverse=True)
+        with ent.in_place(keys_e) as here_e, rel.in_place(keys_r) as here_r:  # always in this order
+            slots, rel_slots = here_e.slots[inv], here_r.slots[inv_r]
+            negs = slots[2 * b:].reshape(2, b, h.negatives)
+            whole = (slots[:b] >= 0) & (slots[b:2 * b] >= 0) & (rel_slots >= 0) & (negs >= 0).all(axis=(0, 2))
+            which = np.flatnonzero(whole)
+            loss = complex_steps_in_place(here_e.values, here_r.values, slots[:b], rel_slots, slots[b:2 * b],
+                                          negs[0], negs[1], which, args.step, d, h.lr, h.reg, ent_map, rel_map)
+        return float(loss), np.flatnonzero(~whole)
 
     while step < budget and (args.seconds is None or trained() < args.seconds):
         idx = schedule.pop(0)

@@ -28,6 +28,8 @@ from shoal.storage.shard import ShardStore
 class InPlace:
     """The rows of some keys of one table on this node, locked for a ``with`` block."""
 
+    __slots__ = ("name", "keys", "values", "slots", "absent", "_rows", "_counters", "_open")
+
     def __init__(self, name: str, store: ShardStore | None, keys: np.ndarray, dim: int, dtype: np.dtype,
                  counters: Counter[str]) -> None:
         self.name = name
@@ -37,10 +39,10 @@ class InPlace:
         self._open = False
         #: this node's rows of the table (shared memory; empty where the node has none): valid in the block
         self.values: np.ndarray = self._rows.values if self._rows is not None else np.empty((0, dim), dtype)
-        #: per key, its row in ``values``, or -1 where the key is not on this node
-        self.slots: np.ndarray = np.full(keys.shape[0], -1, dtype=np.int64)
+        #: per key, its row in ``values``, or -1 where the key is not on this node (set on entering)
+        self.slots: np.ndarray = _NONE
         #: positions (in ``keys``) of the keys not on this node: pull and push them after the block
-        self.absent: np.ndarray = np.arange(keys.shape[0])
+        self.absent: np.ndarray = _NONE
 
     @property
     def is_open(self) -> bool:
@@ -49,16 +51,22 @@ class InPlace:
     def __enter__(self) -> InPlace:
         if self._open:
             raise TableError(f"rows of {self.name!r} are already held in place by this block")
-        if self._rows is not None:
-            self._rows.open()
-            self.slots = self._rows.slots
-            self.absent = np.flatnonzero(self.slots < 0)
+        rows = self._rows
+        if rows is not None:
+            rows.open()
+            self.slots, self.absent = rows.slots, rows.absent
+        else:  # no rows here (no local access, or this node's server died): every key is elsewhere
+            self.slots, self.absent = np.full(self.keys.shape[0], -1, dtype=np.int64), np.arange(self.keys.shape[0])
         self._open = True
         self._counters["rows_in_place"] += self.keys.shape[0] - self.absent.shape[0]
-        self._counters["in_place_blocks"] += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._open = False
         if self._rows is not None:
-            self._counters["replica_rows_changed_in_place"] += self._rows.close()
+            changed = self._rows.close()
+            if changed:
+                self._counters["replica_rows_changed_in_place"] += changed
+
+
+_NONE = np.empty(0, dtype=np.int64)

@@ -27,16 +27,20 @@ from shoal.storage.shard import ShardStore
 class RowsInPlace:
     """The rows of ``keys`` in ``store`` (adaptive: row = key), locked from ``open`` to ``close``."""
 
+    __slots__ = ("store", "keys", "values", "slots", "absent", "_replicas", "_before", "_lock")
+
     def __init__(self, store: ShardStore, keys: np.ndarray) -> None:
         assert store.presence is not None  # adaptive stores only: they know which rows are here
         self.store = store
         self.keys = keys
         #: the store's rows (a view of shared memory); index it with ``slots``
         self.values = store.values
-        #: per key, its row in ``values``, or -1 if the key is not on this node
-        self.slots = np.empty(keys.shape[0], dtype=np.int64)
-        self._replicas = np.empty(0, dtype=np.int64)
-        self._before = np.empty((0, store.spec.dim), dtype=store.values.dtype)
+        #: per key, its row in ``values``, or -1 if the key is not on this node (set by ``open``)
+        self.slots = _NONE
+        #: positions (in ``keys``) of the keys not on this node (set by ``open``)
+        self.absent = _NONE
+        self._replicas = _NONE
+        self._before: np.ndarray | None = None
         self._lock: Any = None
 
     def open(self) -> None:
@@ -45,8 +49,11 @@ class RowsInPlace:
         lock = store.hold(self.keys, exclusive=True)
         lock.__enter__()
         try:
-            replica_at = np.empty(self.keys.shape[0], dtype=np.int64)
-            replicas = kernels.slots_in_place(store.presence, self.keys, self.slots, replica_at)
+            n = self.keys.shape[0]
+            self.slots = np.empty(n, dtype=np.int64)
+            absent_at, replica_at = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+            absent, replicas = kernels.slots_in_place(store.presence, self.keys, self.slots, absent_at, replica_at)
+            self.absent = absent_at[:absent]
             if replicas:
                 self._replicas = np.unique(self.keys[replica_at[:replicas]])
                 self._before = store.values[self._replicas]
@@ -63,10 +70,14 @@ class RowsInPlace:
         if lock is None:
             return 0
         try:
-            if not self._replicas.size:
+            if self._before is None:
                 return 0
             assert store.pending is not None and store.changed is not None
             return int(kernels.fold_in_place(store.values, store.pending, store.changed, self._replicas,
                                              self._before))
         finally:
+            self._before = None
             lock.__exit__(None, None, None)
+
+
+_NONE = np.empty(0, dtype=np.int64)

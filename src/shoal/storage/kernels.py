@@ -161,18 +161,26 @@ def apply_synced(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, p
 
 
 @kernel
-def slots_in_place(presence: np.ndarray, rows: np.ndarray, slots: np.ndarray, replica_at: np.ndarray) -> int:
-    """``slots[i] = rows[i]`` where that row is on this node, -1 where it is not; the positions of
-    replicas go to the front of ``replica_at``, and their count is returned."""
+def slots_in_place(presence: np.ndarray, rows: np.ndarray, slots: np.ndarray, absent_at: np.ndarray,
+                   replica_at: np.ndarray) -> tuple[int, int]:
+    """``slots[i] = rows[i]`` where that row is on this node, -1 where it is not; the positions of the
+    absent rows go to the front of ``absent_at``, those of replicas to the front of ``replica_at``;
+    returns both counts."""
+    absent = 0
     replicas = 0
     for i in range(rows.shape[0]):
         r = rows[i]
         state = presence[r]
-        slots[i] = r if state != 0 else -1
+        if state == 0:
+            slots[i] = -1
+            absent_at[absent] = i
+            absent += 1
+            continue
+        slots[i] = r
         if state == 2:
             replica_at[replicas] = i
             replicas += 1
-    return replicas
+    return absent, replicas
 
 
 @kernel
@@ -462,7 +470,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     add_present(rows.copy(), rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
     take_pending(rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
     apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), keys, rows, flags, absent_at.copy())
-    slots_in_place(flags, keys, absent_at.copy(), absent_at.copy())
+    slots_in_place(flags, keys, absent_at.copy(), absent_at.copy(), absent_at.copy())
     fold_in_place(rows.copy(), rows.copy(), flags.copy(), keys, rows)
 
 
