@@ -45,6 +45,7 @@ from shoal.api.initializers import Constant, Normal, Uniform
 from shoal.api.replication import Dynamic
 
 if TYPE_CHECKING:
+    from shoal.client.in_place import InPlace
     from shoal.client.table import Table
     from shoal.client.worker import Worker
     from shoal.cluster.requests import Future
@@ -53,7 +54,8 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 #: names imported on first use: they bring the worker (and numba's kernels), which the launcher,
 #: the servers' start and ``shoal status`` do without
-_LAZY = {"Table": "shoal.client.table", "Worker": "shoal.client.worker", "Future": "shoal.cluster.requests"}
+_LAZY = {"Table": "shoal.client.table", "Worker": "shoal.client.worker", "Future": "shoal.cluster.requests",
+         "InPlace": "shoal.client.in_place"}
 
 
 def __getattr__(name: str) -> Any:
@@ -91,7 +93,7 @@ def init(local_access: bool | None = None) -> Worker:
 __all__ = [
     "ASP", "BSP", "Dynamic", "ESSP", "LazyPull", "SSP",
     "AuthError", "BudgetError", "CheckpointError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError",
-    "Constant", "DTypeError", "Future", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError",
+    "Constant", "DTypeError", "Future", "InPlace", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError",
     "Normal", "ProtocolError", "ReplayError", "RequestTimeoutError", "RoleError", "ServerError", "ShapeError",
     "ShoalError", "SliceMovedError", "Table", "TableError", "TableSpec", "Timeouts", "Uniform", "Worker",
     "WriteQuorumError", "init", "optim",
