@@ -51,6 +51,23 @@ def test_a_pull_or_push_of_the_table_inside_the_block_is_refused_not_left_waitin
         np.testing.assert_array_equal(t.pull([3, 1]), [[1.0], [0.0]])
 
 
+def test_an_error_inside_the_block_lets_the_rows_go_and_keeps_what_was_written_to_a_replica():
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("e", 20, 1, techniques="replication", sync_ms=5)
+        t1 = w1.table("e", 20, 1, techniques="replication", sync_ms=5)
+        hot = np.arange(0, 20, 2)
+        for t, w in ((t0, w0), (t1, w1)):
+            t.intent(hot, w.clock, w.clock + 1000)
+        assert t1.wait_local(hot, timeout=20) == 0
+        with pytest.raises(ZeroDivisionError):
+            with t1.in_place(hot) as rows:
+                rows.values[rows.slots] += 2.0
+                raise ZeroDivisionError  # the kernel failed halfway
+        t1.push(hot, np.ones((10, 1), np.float32))  # the rows are not held any more
+        wait_until(lambda: (c.servers[0].adaptive.tables["e"].store.values[hot, 0] == 3.0).all())
+
+
 def test_in_place_is_for_adaptive_tables_and_checks_its_keys():
     with ThreadCluster(nodes=1) as c:
         w = c.worker(0)

@@ -50,7 +50,7 @@ class AdaptiveAccess(RoutedAccess):
         scale = rule_for(self.spec.optimizer).scale
         assert scale is not None  # adaptive tables have additive rules (TableSpec checks)
         self.scale = scale
-        self._in_place: InPlace | None = None  # the last rows held in place (a pull or push waits for them)
+        self._in_place: InPlace | None = None  # the last rows held in place (no pull or push while open)
 
     # ----------------------------------------------------------------- calls
 
