@@ -68,14 +68,83 @@ def test_an_error_inside_the_block_lets_the_rows_go_and_keeps_what_was_written_t
         wait_until(lambda: (c.servers[0].adaptive.tables["e"].store.values[hot, 0] == 3.0).all())
 
 
-def test_in_place_is_for_adaptive_tables_and_checks_its_keys():
-    with ThreadCluster(nodes=1) as c:
+def test_in_place_refuses_what_it_cannot_hold_and_checks_its_keys():
+    with ThreadCluster(nodes=2) as c:
         w = c.worker(0)
-        with pytest.raises(shoal.TableError, match="not adaptive"):
-            w.table("s", 10, 1).in_place([1])
+        c.worker(1).table("r", 10, 1, replicas=2)
+        with pytest.raises(shoal.TableError, match="quorums"):
+            w.table("r", 10, 1, replicas=2).in_place([1])
+        c.worker(1).table("h", 10, 1, locking="hogwild")
+        c.worker(1).table("s", 10, 1, slices=4)
+        with pytest.raises(shoal.TableError, match="locking='exact'"):
+            w.table("h", 10, 1, locking="hogwild").in_place([1])
+        with pytest.raises(shoal.TableError, match="2 slices"):
+            w.table("s", 10, 1, slices=4).in_place([1])
         t = w.table("a", 10, 1, techniques="auto")
         with pytest.raises(shoal.KeyRangeError):
             t.in_place([10])
+
+
+def test_a_static_slices_rows_in_place_with_the_rules_state_and_the_rest_through_messages():
+    with ThreadCluster(nodes=2) as c:
+        options = dict(optimizer=shoal.optim.Adagrad(lr=0.1), init=shoal.Constant(1.0))
+        t0, t1 = c.worker(0).table("s", 40, 2, **options), c.worker(1).table("s", 40, 2, **options)
+        keys = np.array([3, 25, 7])  # range slices: 0..19 on node 0, 20..39 on node 1
+        with t0.in_place(keys) as rows:
+            np.testing.assert_array_equal(rows.slots >= 0, [True, False, True])
+            np.testing.assert_array_equal(rows.absent, [1])
+            assert set(rows.state) == {"accum"}
+            here = rows.slots[rows.slots >= 0]
+            rows.values[here] += 2.0
+            rows.state["accum"][here] += 4.0
+        t0.push(keys[rows.absent], np.ones((1, 2), np.float32))
+        np.testing.assert_array_equal(t1.pull([3, 7])[:, 0], 3.0)  # node 1 reads node 0's slice: the writes
+        assert t1.pull([25])[0, 0] < 1.0  # one Adagrad step by push
+        assert t0.counters["rows_in_place"] == 2
+
+
+def test_in_place_writes_to_a_static_slice_moving_back_and_forth_land_exactly_once():
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("m", 100, 1, optimizer=shoal.optim.Sum())
+        w1.table("m", 100, 1, optimizer=shoal.optim.Sum())
+        keys = np.arange(0, 50)  # slice 0, node 0's at first
+        ones = np.ones((50, 1), np.float32)
+        moved = threading.Event()
+
+        def mover() -> None:
+            for to in (1, 0, 1, 0):
+                w1.move_slice("m", 0, to=to)
+                time.sleep(0.02)
+            moved.set()
+
+        thread = threading.Thread(target=mover)
+        thread.start()
+        rounds = 0
+        deadline = time.monotonic() + 60
+        while (not moved.is_set() or rounds < 40) and time.monotonic() < deadline:
+            with t0.in_place(keys) as rows:
+                rows.values[rows.slots[rows.slots >= 0]] += 1.0
+            t0.push(keys[rows.absent], ones[rows.absent])
+            rounds += 1
+        thread.join()
+        assert 0 < t0.counters["rows_in_place"] < 50 * rounds  # some rounds found the slice away
+        np.testing.assert_array_equal(w1.table("m", 100, 1, optimizer=shoal.optim.Sum()).pull(keys)[:, 0], rounds)
+
+
+def test_what_is_written_in_place_to_an_essp_slice_reaches_its_readers_eagerly():
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        options = dict(optimizer=shoal.optim.Sum(), consistency=shoal.ESSP(2))
+        t0, t1 = w0.table("e", 40, 1, **options), w1.table("e", 40, 1, **options)
+        keys = np.arange(5)  # node 0's slice
+        assert (t1.pull(keys) == 0).all()  # node 1 caches them and hears of their changes
+        with t0.in_place(keys) as rows:
+            rows.values[rows.slots] += 5.0
+        for _ in range(3):
+            w0.advance_clock()
+            w1.advance_clock()
+        wait_until(lambda: (t1.pull(keys) == 5.0).all())
 
 
 def test_without_local_access_every_key_is_absent():

@@ -19,7 +19,7 @@ once by its kind -> local rows in shared memory, or requests to servers.
 - ``replica_view``: which servers this worker believes alive
 - ``replica_cache``: under ESSP, replicated rows kept current by the replicas they were read from
 - ``adaptive``: ``AdaptiveAccess``, rows that move and replicate, intents
-- ``in_place``: ``InPlace``, a kernel's zero-copy hold on this node's rows of an adaptive table
+- ``in_place``: ``InPlace``, a kernel's zero-copy hold on this node's rows of a table
 - ``sampling``: drawing keys from a distribution and getting their rows (NuPS schemes)
 - ``checkpoints``: collective checkpoint and restore
 - ``metrics``: what a worker exposes to Prometheus

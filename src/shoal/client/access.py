@@ -113,8 +113,9 @@ class TableAccess:
         raise TableError(f"table {self.name!r} is not adaptive: its keys do not move to where they are used")
 
     def in_place(self, keys: np.ndarray) -> InPlace:
-        raise TableError(f"table {self.name!r} is not adaptive: rows in place are for tables whose rows come "
-                         "to the node that uses them (techniques='relocation', 'replication' or 'auto')")
+        """The rows of ``keys`` on this node, to be held in place by a ``with`` block (``client.in_place``)."""
+        raise TableError(f"rows of table {self.name!r} are read and written through quorums of replicas: they "
+                         "cannot be held in place")
 
     def intent(self, keys: np.ndarray, start: int, end: int) -> None:
         """Keys to be used in clocks ``[start, end)``: kinds that do not move keys ignore it."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import CheckpointError, ShoalError, TableError
+from shoal.api.errors import CheckpointError, ShoalError
 from shoal.client.calls import READS, WRITES, Call, Part
 from shoal.client.context import TableView
 from shoal.client.in_place import InPlace
@@ -50,7 +50,6 @@ class AdaptiveAccess(RoutedAccess):
         scale = rule_for(self.spec.optimizer).scale
         assert scale is not None  # adaptive tables have additive rules (TableSpec checks)
         self.scale = scale
-        self._in_place: InPlace | None = None  # the last rows held in place (no pull or push while open)
 
     # ----------------------------------------------------------------- calls
 
@@ -63,7 +62,6 @@ class AdaptiveAccess(RoutedAccess):
         return True
 
     def pull(self, keys: np.ndarray, out: np.ndarray | None) -> Future[np.ndarray]:
-        self._check_not_in_place()
         rows = np.empty((keys.shape[0], self.spec.dim), dtype=self.spec.dtype) if out is None else out
         if self.store is not None:
             pos = self.store.read_present(keys, rows)
@@ -78,7 +76,6 @@ class AdaptiveAccess(RoutedAccess):
         return self._future(call)
 
     def push(self, keys: np.ndarray, values: np.ndarray) -> Future[None]:
-        self._check_not_in_place()
         if self.store is not None:
             pos = self.store.update_present(keys, values, self.scale)
             self.worker.check_local_server(f"a push to {self.spec.name!r}")
@@ -92,18 +89,9 @@ class AdaptiveAccess(RoutedAccess):
         return self._future(call)
 
     def in_place(self, keys: np.ndarray) -> InPlace:
-        """The rows of ``keys`` on this node, to be held in place by a ``with`` block (``client.in_place``)."""
-        self._check_not_in_place()
         if self.store is not None:
             self.worker.check_local_server(f"rows of {self.spec.name!r} in place")
-        self._in_place = InPlace(self.spec.name, self.store, keys, self.spec.dim, self.dtype, self.counters)
-        return self._in_place
-
-    def _check_not_in_place(self) -> None:
-        # The block holds the rows' locks, which a pull or push of this table would wait for forever.
-        if self._in_place is not None and self._in_place.is_open:
-            raise TableError(f"rows of {self.spec.name!r} are held in place: end the with block before a pull, "
-                             "push or another hold of that table")
+        return InPlace(self.spec.name, self.store, keys, self.spec.dim, self.dtype, self.counters)
 
     def localize(self, keys: np.ndarray) -> None:
         """Ask for ``keys`` to live on this worker's node (asynchronous)."""

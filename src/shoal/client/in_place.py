@@ -1,5 +1,8 @@
 """``Table.in_place``: a compiled kernel's zero-copy hold on the rows that are on this node.
 
+The rows are an adaptive table's (those present here, owned or replicated) or a
+static table's (this node's slice of it).
+
 A worker that updates a few rows per example (AdaPM's way: one Adagrad step per
 triple) cannot pay a pull and a push per example; on the rows its node holds it
 needs none. ``with table.in_place(keys) as rows:`` gives ``rows.values`` (this
@@ -28,17 +31,22 @@ from shoal.storage.shard import ShardStore
 class InPlace:
     """The rows of some keys of one table on this node, locked for a ``with`` block."""
 
-    __slots__ = ("name", "keys", "values", "slots", "absent", "_rows", "_counters", "_open")
+    __slots__ = ("name", "keys", "values", "state", "slots", "absent", "_rows", "_counters", "_open")
 
     def __init__(self, name: str, store: ShardStore | None, keys: np.ndarray, dim: int, dtype: np.dtype,
-                 counters: Counter[str]) -> None:
+                 counters: Counter[str], rows: np.ndarray | None = None, shards: np.ndarray | None = None
+                 ) -> None:
+        """``store``: this node's rows (None: it has none); ``rows`` and ``shards``: in a static slice,
+        each key's row and slice."""
         self.name = name
         self.keys = keys
-        self._rows = RowsInPlace(store, keys) if store is not None else None
+        self._rows = RowsInPlace(store, keys, rows, shards) if store is not None else None
         self._counters = counters
         self._open = False
         #: this node's rows of the table (shared memory; empty where the node has none): valid in the block
         self.values: np.ndarray = self._rows.values if self._rows is not None else np.empty((0, dim), dtype)
+        #: the update rule's per-row state beside ``values`` (a static table's Adagrad accumulators), by name
+        self.state: dict[str, np.ndarray] = self._rows.state if self._rows is not None else {}
         #: per key, its row in ``values``, or -1 where the key is not on this node (set on entering)
         self.slots: np.ndarray = _NONE
         #: positions (in ``keys``) of the keys not on this node: pull and push them after the block

@@ -36,10 +36,12 @@ from shoal.api.errors import (
     RequestTimeoutError,
     ShoalError,
     SliceMovedError,
+    TableError,
 )
 from shoal.client.calls import READS, WRITES, Call, Part, Positions
 from shoal.client.context import TableView
 from shoal.client.fences import Fences
+from shoal.client.in_place import InPlace
 from shoal.client.process_cache import PendingWrite, ProcessCache
 from shoal.client.routed import RoutedAccess
 from shoal.cluster.requests import Future
@@ -110,6 +112,22 @@ class StaticAccess(RoutedAccess):
         call = self._numbered(self._call(Op.PUSH_PULL, keys, values, self._rows(keys.shape[0], out)))
         self._run(call, _WHOLE)
         return self._future(call)
+
+    def in_place(self, keys: np.ndarray) -> InPlace:
+        """This node's slice's rows of ``keys``; a node holding several slices of the table has no one
+        array of its rows, and a table without row locks could have a slice move away under a kernel."""
+        if self.spec.locking != "exact":
+            raise TableError(f"rows of {self.spec.name!r} in place need locking='exact': a slice of a lock-free "
+                             "table could move away while a kernel writes it")
+        if len(self.local) > 1:
+            raise TableError(f"this node holds {len(self.local)} slices of {self.spec.name!r}; rows in place are "
+                             "one slice's (create it with one slice per server)")
+        if not self.local:  # no slice here (or no local access): every key is elsewhere
+            return InPlace(self.spec.name, None, keys, self.spec.dim, self.dtype, self.counters)
+        self.worker.check_local_server(f"rows of {self.spec.name!r} in place")
+        store = next(iter(self.local.values()))
+        shards, rows = self.layout.mapping.locate(keys)
+        return InPlace(self.spec.name, store, keys, self.spec.dim, self.dtype, self.counters, rows, shards)
 
     def set_consistency(self, model: Consistency, slices: list[int] | None) -> None:
         """Read ``slices`` (all: None) under ``model`` from now on. Requests in flight finish first: a

@@ -47,6 +47,7 @@ class Table:
         self.counters: Counter[str] = Counter()
         self.access = self._access_for(current)
         self._sampler: Sampler | None = None
+        self._held: InPlace | None = None  # the last rows held in place (no pull or push while open)
 
     def _access_for(self, current: Mapping[str, Any]) -> TableAccess:
         """The one place that looks at the table's kind."""
@@ -103,17 +104,20 @@ class Table:
         return self.push_pull_async(keys, values, out).wait()
 
     def pull_async(self, keys: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
+        self._check_not_held()
         keys = as_keys(keys, self.spec)
         return self.access.pull(keys, self._checked_out(keys.shape[0], out))
 
     def push_async(self, keys: Any, values: Any) -> Future[None]:
         """Start a push. ``values`` must not be modified until the future is done."""
+        self._check_not_held()
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
         keys, values, _ = drop_nonfinite(keys, values, self.spec)  # the policy applies before any row lands
         return self.access.push(keys, values)
 
     def push_pull_async(self, keys: Any, values: Any, out: np.ndarray | None = None) -> Future[np.ndarray]:
+        self._check_not_held()
         keys = as_keys(keys, self.spec)
         values = as_rows(values, keys.shape[0], self.spec)
         out = self._checked_out(keys.shape[0], out)
@@ -190,9 +194,14 @@ class Table:
         or changes under the kernel, and what it writes to a replica reaches
         the key's owner. Writes in place bypass the update rule and the NaN/Inf
         policy; keep the block to one small batch (the node's server waits for
-        the rows). Adaptive tables only.
+        the rows). The rows of an adaptive table present here (owned or
+        replicated), or of a static table's slice on this node (one slice per
+        node, ``locking="exact"``; a stateful rule's per-row state is in
+        ``rows.state``, for the kernel to update too).
         """
-        return self.access.in_place(as_keys(keys, self.spec))
+        self._check_not_held()
+        self._held = self.access.in_place(as_keys(keys, self.spec))
+        return self._held
 
     # ------------------------------------------------------------- sampling
 
@@ -225,6 +234,12 @@ class Table:
         return self._sampler.pull(handle)
 
     # ------------------------------------------------------------- internals
+
+    def _check_not_held(self) -> None:
+        # The block holds the rows' locks, which a pull or push of this table would wait for forever.
+        if self._held is not None and self._held.is_open:
+            raise TableError(f"rows of {self.name!r} are held in place: end the with block before a pull, push "
+                             "or another hold of that table")
 
     def _checked_out(self, n: int, out: np.ndarray | None) -> np.ndarray | None:
         if out is not None and (out.shape != (n, self.dim) or out.dtype != self.dtype

@@ -2,7 +2,7 @@
 
 - ``segment``: memfd segments and striped row locks
 - ``shard``: ``ShardStore`` (values + optimiser state of one shard)
-- ``in_place``: an adaptive store's rows locked for a kernel that updates them where they lie
+- ``in_place``: a store's rows locked for a kernel that updates them where they lie
 - ``rules``: Sum, SGD, Adagrad, Adam as update rules
 - ``state``: the per-row state each optimiser keeps (what a row weighs, without the kernels)
 - ``initialize``: per-key seeded initial values

@@ -204,6 +204,22 @@ def fold_in_place(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, 
     return count
 
 
+@kernel
+def slice_slots_in_place(shards: np.ndarray, rows: np.ndarray, shard: int, slots: np.ndarray,
+                         absent_at: np.ndarray) -> int:
+    """``slots[i] = rows[i]`` where key ``i`` lies in slice ``shard``, -1 where it does not; the
+    positions of the others go to the front of ``absent_at``, and their count is returned."""
+    absent = 0
+    for i in range(rows.shape[0]):
+        if shards[i] == shard:
+            slots[i] = rows[i]
+        else:
+            slots[i] = -1
+            absent_at[absent] = i
+            absent += 1
+    return absent
+
+
 # ------------------------------------------------------------- key bookkeeping
 
 
@@ -472,6 +488,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), keys, rows, flags, absent_at.copy())
     slots_in_place(flags, keys, absent_at.copy(), absent_at.copy(), absent_at.copy())
     fold_in_place(rows.copy(), rows.copy(), flags.copy(), keys, rows)
+    slice_slots_in_place(keys, keys, 0, absent_at.copy(), absent_at.copy())
 
 
 def warm_up_meanwhile(dtype: Any = np.float32) -> threading.Thread:
