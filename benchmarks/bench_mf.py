@@ -13,6 +13,13 @@ Ten epochs train for about 0.3 s here, so a run's speed moves with the
 machine's from second to second: the last column divides each configuration's
 ratings/s by the baseline's of the same round (run seconds before it) and gives
 the median and range of those ratios.
+
+Two baselines: the batch's gradients in numpy added to gathered rows (what the
+configurations through pull and push compute), and one compiled SGD step per
+rating on the rows where they lie (``--in-place``, what the configurations that
+hold their node's rows in place compute: ``Table.in_place``); each configuration
+is divided by the baseline that computes as it does, and both by the first in
+the "vs baseline" column.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ CONFIGS: dict[str, tuple[dict[str, Any], list[str]]] = {
     "Shoal 2 nodes x 1 worker, auto (intents as long as the use)": (dict(nodes=2, workers_per_node=1),
                                                                      ["--mode", "auto"]),
     "classic PS 2 nodes x 1 worker (no local access)": (dict(nodes=2, workers_per_node=1, local_access=False), []),
+    "Shoal 2 nodes x 1 worker, auto, SGD in place": (dict(nodes=2, workers_per_node=1),
+                                                     ["--mode", "auto", "--in-place"]),
+    "Shoal 2 nodes x 1 worker, auto, SGD in place, batches of 10,000": (
+        dict(nodes=2, workers_per_node=1), ["--mode", "auto", "--in-place", "--batch", "10000"]),
 }
 
 
@@ -51,6 +62,7 @@ def run_cluster(epochs: int, options: dict[str, Any], args: list[str]) -> dict[s
 
 
 BASELINE = "single-process baseline (compiled row updates)"
+IN_PLACE = "single-process baseline, SGD in place (one compiled step per rating)"
 
 
 def main() -> None:
@@ -60,17 +72,21 @@ def main() -> None:
     args = p.parse_args()
     data = load_movielens()
     train_baseline(data, Hyper(epochs=1))  # compile its kernels first
-    rates: dict[str, list[float]] = {BASELINE: [], **{k: [] for k in CONFIGS}}
+    train_baseline(data, Hyper(epochs=1), in_place=True)
+    rates: dict[str, list[float]] = {BASELINE: [], IN_PLACE: [], **{k: [] for k in CONFIGS}}
     paired: dict[str, list[float]] = {k: [] for k in CONFIGS}  # over the baseline of the same round
     placement: dict[str, list[float]] = {k: [] for k in CONFIGS}
     rmse: dict[str, float] = {}
     for r in range(args.rounds):
-        base = train_baseline(data, Hyper(epochs=args.epochs))
-        rates[BASELINE].append(base["ratings_per_s"])  # type: ignore[arg-type]
-        rmse[BASELINE] = base["rmse"][-1]  # type: ignore[index]
+        bases = {}
+        for name, in_place in ((BASELINE, False), (IN_PLACE, True)):
+            bases[in_place] = train_baseline(data, Hyper(epochs=args.epochs), in_place=in_place)
+            rates[name].append(bases[in_place]["ratings_per_s"])  # type: ignore[arg-type]
+            rmse[name] = bases[in_place]["rmse"][-1]  # type: ignore[index]
         for name, (options, train_args) in CONFIGS.items():
             result = run_cluster(args.epochs, options, train_args)
             rates[name].append(result["ratings_per_s"])  # type: ignore[arg-type]
+            base = bases["--in-place" in train_args]
             paired[name].append(result["ratings_per_s"] / base["ratings_per_s"])  # type: ignore[operator]
             placement[name].append(result["placement_s"])  # type: ignore[arg-type]
             rmse[name] = result["rmse"][-1]  # type: ignore[index]

@@ -2,13 +2,16 @@
 
 A user's row is ``[p_u, b_u]`` and an item's row is ``[q_i, b_i]``; both live in
 tables of width ``rank + 1``. The gradient of one rating's squared error plus
-L2 regularisation is computed for a whole batch at once.
+L2 regularisation is computed for a whole batch at once (``gradients``: pushed,
+or added to gathered rows), or the SGD step taken rating after rating on the
+rows where they lie (``sgd_in_place``: no gather, no scatter).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 
@@ -48,3 +51,27 @@ def rmse(user_table: np.ndarray, item_table: np.ndarray, users: np.ndarray, item
          ratings: np.ndarray, mu: float) -> float:
     pred = np.clip(predict(user_table[users], item_table[items], mu), 1.0, 5.0)
     return float(np.sqrt(np.mean((ratings - pred) ** 2)))
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def sgd_in_place(users: np.ndarray, items: np.ndarray, user_rows: np.ndarray, item_rows: np.ndarray,
+                 ratings: np.ndarray, which: np.ndarray, mu: float, lr: float, reg: float) -> float:
+    """One SGD step per rating ``n`` in ``which``, in turn, on rows ``user_rows[n]`` of ``users`` and
+    ``item_rows[n]`` of ``items`` where they lie (``gradients``' gradient, scaled by ``lr``); returns
+    the squared error sum, each rating's before its step."""
+    k = users.shape[1] - 1
+    squared = 0.0
+    for n in which:
+        u, i = user_rows[n], item_rows[n]
+        pred = mu + users[u, k] + items[i, k]
+        for j in range(k):
+            pred += users[u, j] * items[i, j]
+        err = ratings[n] - pred
+        squared += err * err
+        for j in range(k):
+            pu, qi = users[u, j], items[i, j]
+            users[u, j] = pu - lr * (reg * pu - err * qi)
+            items[i, j] = qi - lr * (reg * qi - err * pu)
+        users[u, k] -= lr * (reg * users[u, k] - err)
+        items[i, k] -= lr * (reg * items[i, k] - err)
+    return squared

@@ -26,6 +26,10 @@ keep ``--staleness``: a tight bound where rows change every clock, a loose one
 where they rarely do. ``--uniform-after E`` sets every slice back to
 ``--staleness`` from epoch ``E`` on, during training.
 
+``--in-place`` takes the SGD step rating after rating on the rows on the
+worker's node where they lie (``Table.in_place``: no gather, no scatter, no
+message), and pulls and pushes only the ratings with a row on another node.
+
 ``--replicas N`` replicates both tables (``--write-quorum``, ``--read-quorum``
 an int or ``dynamic`` with ``--dynamic P,K,LATENCY_MS``); ``--gossip-at E:MS``
 changes the gossip period from epoch ``E`` on, and ``--record DIR`` writes what
@@ -41,7 +45,7 @@ import time
 
 import numpy as np
 from data import by_popularity, load
-from model import Hyper, gradients, rmse
+from model import Hyper, gradients, rmse, sgd_in_place
 from progress import Progress
 from replicas import dynamic, gossip_schedule, note_epoch, record, write_records
 
@@ -79,6 +83,8 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
                    help="every rank sleeps a random time per batch (exponential, this mean)")
     p.add_argument("--users-by-worker", action="store_true",
                    help="each worker trains its own users' ratings (as in the adaptive modes): item rows are re-read")
+    p.add_argument("--in-place", action="store_true",
+                   help="SGD steps on this node's rows where they lie (Table.in_place), the rest through messages")
     p.add_argument("--seed", type=int, default=0, help="of batch order and random delays")
     p.add_argument("--free-running", action="store_true", help="no barrier between epochs")
     p.add_argument("--replicas", type=int, default=1, help="replicas of every shard (>1: replicated store)")
@@ -96,6 +102,8 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
     p.add_argument("--stats-dir", help="every rank writes its staleness and counters here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args()
+    if args.in_place and (args.replicas > 1 or args.optimizer != "sgd"):
+        p.error("--in-place takes SGD steps itself on rows held in place: --optimizer sgd, no --replicas")
     return Hyper(rank=args.rank, lr=args.lr, reg=args.reg, batch=args.batch, epochs=args.epochs), args
 
 
@@ -192,6 +200,13 @@ def main() -> None:
         for _ in range(batches_per_epoch):
             idx = schedule[step]
             step += 1
+            if idx.size and args.in_place:
+                u, i = mine.users[idx], mine.items[idx]
+                with users.in_place(u) as held_u, items.in_place(i) as held_i:  # always in this order
+                    here = (held_u.slots >= 0) & (held_i.slots >= 0)
+                    squared_error += sgd_in_place(held_u.values, held_i.values, held_u.slots, held_i.slots,
+                                                  mine.values[idx], np.flatnonzero(here), mu, hyper.lr, hyper.reg)
+                idx = idx[~here]  # ratings with a row on another node: through messages
             if idx.size:
                 u, i = mine.users[idx], mine.items[idx]
                 user_rows = users.pull_async(u)

@@ -60,3 +60,21 @@ def test_mf_with_intents_on_two_nodes_reads_its_rows_locally_and_reaches_rmse_09
     # Rank 1 does not evaluate: every row it used was here from its first batch on, since the set-up
     # waited for the rows its intents declared (its first batches asked node 0 while they moved).
     assert (requests, remote) == (0, 0)
+
+
+def test_mf_sgd_in_place_on_two_nodes_steps_on_its_nodes_rows_and_reaches_rmse_094(tmp_path):
+    """``--in-place``: one SGD step per rating on the rows of the worker's node where they lie; only the
+    ratings with a row elsewhere go through messages."""
+    out, stats = tmp_path / "mf-in-place.json", tmp_path / "stats"
+    stats.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--", sys.executable, str(TRAIN), "--quiet",
+         "--mode", "auto", "--in-place", "--epochs", "15", "--stats-dir", str(stats), "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert min(json.loads(out.read_text())["rmse"]) <= 0.94
+    for rank in (0, 1):
+        counters = [t["counters"] for t in json.loads((stats / f"rank{rank}.json").read_text())["tables"].values()]
+        in_place = sum(c.get("rows_in_place", 0) for c in counters)
+        other = sum(c.get("rows_local", 0) + c.get("rows_remote", 0) for c in counters)
+        assert in_place > 20 * other, (rank, in_place, other)
