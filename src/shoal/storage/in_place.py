@@ -64,12 +64,13 @@ class RowsInPlace:
             absent_at = np.empty(n, dtype=np.int64)
             if rows is None:
                 assert store.presence is not None
-                replica_at = np.empty(n, dtype=np.int64)
+                replica_rows = np.empty(n, dtype=np.int64)
                 absent, replicas = kernels.slots_in_place(store.presence, self.keys, self.slots, absent_at,
-                                                          replica_at)
+                                                          replica_rows, _seen(store))
                 if replicas:
-                    self._replicas = np.unique(self.keys[replica_at[:replicas]])
-                    self._before = store.values[self._replicas]
+                    self._replicas = replica_rows[:replicas]
+                    self._before = np.empty((replicas, store.values.shape[1]), dtype=store.values.dtype)
+                    kernels.gather_rows(store.values, self._replicas, self._before)
             elif store.retired:  # the slice moved away before the block: every key is elsewhere
                 self.slots[:] = -1
                 absent_at[:] = np.arange(n)
@@ -104,3 +105,11 @@ class RowsInPlace:
 
 
 _NONE = np.empty(0, dtype=np.int64)
+
+
+def _seen(store: ShardStore) -> np.ndarray:
+    """A zero byte per row of ``store``, scratch of the compiled pass that finds the distinct replicas
+    among a hold's keys (used under the store's locks, so by one thread of the process at a time)."""
+    if store.scratch is None:
+        store.scratch = np.zeros(store.num_rows, dtype=np.uint8)
+    return store.scratch

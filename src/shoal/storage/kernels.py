@@ -162,10 +162,10 @@ def apply_synced(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, p
 
 @kernel
 def slots_in_place(presence: np.ndarray, rows: np.ndarray, slots: np.ndarray, absent_at: np.ndarray,
-                   replica_at: np.ndarray) -> tuple[int, int]:
+                   replica_rows: np.ndarray, seen: np.ndarray) -> tuple[int, int]:
     """``slots[i] = rows[i]`` where that row is on this node, -1 where it is not; the positions of the
-    absent rows go to the front of ``absent_at``, those of replicas to the front of ``replica_at``;
-    returns both counts."""
+    absent rows go to the front of ``absent_at``, the distinct replica rows to the front of
+    ``replica_rows`` (``seen``: a zero byte per row, left zero); returns both counts."""
     absent = 0
     replicas = 0
     for i in range(rows.shape[0]):
@@ -177,9 +177,12 @@ def slots_in_place(presence: np.ndarray, rows: np.ndarray, slots: np.ndarray, ab
             absent += 1
             continue
         slots[i] = r
-        if state == 2:
-            replica_at[replicas] = i
+        if state == 2 and seen[r] == 0:
+            seen[r] = 1
+            replica_rows[replicas] = r
             replicas += 1
+    for k in range(replicas):
+        seen[replica_rows[k]] = 0
     return absent, replicas
 
 
@@ -486,7 +489,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     add_present(rows.copy(), rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
     take_pending(rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
     apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), keys, rows, flags, absent_at.copy())
-    slots_in_place(flags, keys, absent_at.copy(), absent_at.copy(), absent_at.copy())
+    slots_in_place(flags, keys, absent_at.copy(), absent_at.copy(), absent_at.copy(), flags.copy())
     fold_in_place(rows.copy(), rows.copy(), flags.copy(), keys, rows)
     slice_slots_in_place(keys, keys, 0, absent_at.copy(), absent_at.copy())
 

@@ -92,6 +92,8 @@ class ShardStore:
         self.pending: np.ndarray | None = arrays.pop("pending", None)
         self.changed: np.ndarray | None = arrays.pop("changed", None)
         self.state = arrays
+        #: a zero byte per row, private to this process (``in_place``'s compiled passes), made on first use
+        self.scratch: np.ndarray | None = None
         self._locks = StripedLocks(segment.fd) if spec.locking == "exact" else None
 
     @classmethod
