@@ -13,6 +13,12 @@ small machine, what bounds the speed-up). On Kinships it compares the filtered
 MRR of auto on 2 nodes with the baseline's after the same number of epochs
 (100), over three seeds each (runs of one seed differ by about 0.01). Writes
 ``results/kge.{json,md,png}``.
+
+Two baselines: the batch's distinct rows gathered, one step, its change added
+(what the contenders through pull and push compute), and the same step on the
+rows where they lie (``--step 1000``: no gather, no scatter; what auto with
+``--step 1000`` computes on its node's rows, ``Table.in_place``). Every contender
+is divided by both.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from graphs import load  # noqa: E402
 from common import RESULTS, run_example, shmem_huge_pages, write_results  # noqa: E402
 
 LOSS_TARGET = 0.40  # mean logistic loss per score (6 + 6 corruptions per triple)
-CONTENDERS = [("classic PS", "classic", 2), ("static", "static", 1), ("static", "static", 2),
-              ("relocation only", "relocation", 2), ("replication only", "replication", 2),
-              ("auto", "auto", 1), ("auto", "auto", 2)]
+IN_PLACE = ["--step", "1000"]  # the batch's step on the rows where they lie
+CONTENDERS = [("classic PS", "classic", 2, []), ("static", "static", 1, []), ("static", "static", 2, []),
+              ("relocation only", "relocation", 2, []), ("replication only", "replication", 2, []),
+              ("auto", "auto", 1, []), ("auto", "auto", 2, []), ("auto, steps in place", "auto", 2, IN_PLACE)]
+BASELINE_IN_PLACE = "single-process baseline, steps in place"
 
 
 def run_cluster(mode: str, nodes: int, extra: list[str]) -> dict[str, Any]:
@@ -67,13 +75,15 @@ def main() -> None:
 
     graph = load("zipf")
     train_baseline(graph, Hyper(), seconds=2)  # compile and warm up
-    base = train_baseline(graph, Hyper(), seconds=args.seconds)
-    rows: list[dict[str, Any]] = [{"name": "single-process baseline", "nodes": 1,
-                                   "triples_per_s": base["triples_per_s"], "losses": base["losses"],
-                                   "worker_cores": base["cpu_s"] / base["seconds"], "server_cores": 0.0}]
-    print(f"baseline: {base['triples_per_s']:,.0f} triples/s", flush=True)
-    for name, mode, nodes in CONTENDERS:
-        r = run_cluster(mode, nodes, ["--data", "zipf", "--seconds", str(args.seconds)])
+    train_baseline(graph, Hyper(), seconds=2, step_size=1000)
+    rows: list[dict[str, Any]] = []
+    for name, step in (("single-process baseline", None), (BASELINE_IN_PLACE, 1000)):
+        base = train_baseline(graph, Hyper(), seconds=args.seconds, step_size=step)
+        rows.append({"name": name, "nodes": 1, "triples_per_s": base["triples_per_s"], "losses": base["losses"],
+                     "worker_cores": base["cpu_s"] / base["seconds"], "server_cores": 0.0})
+        print(f"{name}: {base['triples_per_s']:,.0f} triples/s", flush=True)
+    for name, mode, nodes, extra in CONTENDERS:
+        r = run_cluster(mode, nodes, ["--data", "zipf", "--seconds", str(args.seconds), *extra])
         rows.append({"name": name, "mode": mode, "nodes": nodes, "triples_per_s": r["triples_per_s"],
                      "losses": r["losses"], "worker_cores": r["worker_cores"], "server_cores": r["server_cores"],
                      "servers": [s.get("adaptive", {}) for s in r["servers"]]})
@@ -85,8 +95,12 @@ def main() -> None:
     for _ in range(args.rounds):
         b = train_baseline(graph, Hyper(), seconds=args.seconds)["triples_per_s"]
         a = run_cluster("auto", 2, ["--data", "zipf", "--seconds", str(args.seconds)])["triples_per_s"]
-        rounds.append({"baseline": b, "auto_2_nodes": a, "ratio": a / b})
-        print(f"round: baseline {b:,.0f}, auto on 2 nodes {a:,.0f} triples/s ({a / b:.2f}x)", flush=True)
+        bi = train_baseline(graph, Hyper(), seconds=args.seconds, step_size=1000)["triples_per_s"]
+        ai = run_cluster("auto", 2, ["--data", "zipf", "--seconds", str(args.seconds), *IN_PLACE])["triples_per_s"]
+        rounds.append({"baseline": b, "auto_2_nodes": a, "ratio": a / b, "baseline_in_place": bi,
+                       "auto_2_nodes_in_place": ai, "ratio_in_place": ai / bi})
+        print(f"round: baseline {b:,.0f}, auto on 2 nodes {a:,.0f} triples/s ({a / b:.2f}x); in place "
+              f"{bi:,.0f} and {ai:,.0f} ({ai / bi:.2f}x)", flush=True)
 
     kin = load("kinships")
     h = Hyper(batch=min(Hyper.batch, kin.train.shape[0]))
@@ -115,25 +129,36 @@ def report(data: dict[str, Any]) -> str:
     rows, rounds = data["zipf"], data["rounds"]
     base_runs = [rows[0]["triples_per_s"]] + [r["baseline"] for r in rounds]
     base_rate = float(np.median(base_runs))
+    in_place_runs = [r["triples_per_s"] for r in rows if r["name"] == BASELINE_IN_PLACE] + \
+        [r["baseline_in_place"] for r in rounds if "baseline_in_place" in r]
+    in_place_rate = float(np.median(in_place_runs)) if in_place_runs else float("nan")
     classic2 = next(r for r in rows if r["name"] == "classic PS")["triples_per_s"]
     lines = [f"Synthetic Zipf(1.1) graph, ComplEx d=100, 6 + 6 negatives, {data['seconds']:.0f} s per contender; "
              f"time to a training loss of {data['loss_target']} (mean of the last 5 readings). Huge pages for "
              f"shared memory: {data.get('shmem_huge_pages', shmem_huge_pages())} (the baseline's private arrays "
              f"have them). \"vs baseline\" divides by {base_rate:,.0f} triples/s, the median of the baseline's "
-             f"{len(base_runs)} runs in this benchmark ({', '.join(f'{b:,.0f}' for b in base_runs)}).", "",
-             "| contender | nodes | triples/s | vs baseline | vs classic PS (2 nodes) | time to loss s "
+             f"{len(base_runs)} runs in this benchmark ({', '.join(f'{b:,.0f}' for b in base_runs)}); "
+             f"\"vs in place\" by {in_place_rate:,.0f}, the median of the baseline's runs in place "
+             f"({', '.join(f'{b:,.0f}' for b in in_place_runs)}).", "",
+             "| contender | nodes | triples/s | vs baseline | vs in place | vs classic PS (2 nodes) | time to loss s "
              "| cores busy: workers | servers |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         t = time_to(r["losses"], data["loss_target"])
         r["time_to_target"] = t
         lines.append(f"| {r['name']} | {r['nodes']} | {r['triples_per_s']:,.0f} | {r['triples_per_s'] / base_rate:.2f} "
-                     f"| {r['triples_per_s'] / classic2:.2f} | {'-' if t is None else f'{t:.1f}'} "
+                     f"| {r['triples_per_s'] / in_place_rate:.2f} | {r['triples_per_s'] / classic2:.2f} "
+                     f"| {'-' if t is None else f'{t:.1f}'} "
                      f"| {r['worker_cores']:.2f} | {r['server_cores']:.2f} |")
     if rounds:
         ratios = [r["ratio"] for r in rounds]
         lines += ["", f"Back-to-back rounds, auto (2 nodes) / the baseline run just before it: "
                       f"{', '.join(f'{r:.2f}' for r in ratios)}; median {float(np.median(ratios)):.2f}."]
+        in_place = [r["ratio_in_place"] for r in rounds if "ratio_in_place" in r]
+        if in_place:
+            lines += ["", f"In place, back to back: auto (2 nodes, steps in place) / the baseline in place run just "
+                          f"before it: {', '.join(f'{r:.2f}' for r in in_place)}; median "
+                          f"{float(np.median(in_place)):.2f}."]
     k = data["kinships"]
     each = "; ".join(f"seed {i}: {b[0]:.4f} vs {a[0]:.4f}"
                      for i, (b, a) in enumerate(zip(k["runs"]["baseline"], k["runs"]["auto"], strict=True)))
