@@ -38,6 +38,8 @@ def main() -> int:
     data = load_movielens()
     train_baseline(data, Hyper(epochs=1))  # compile its kernels before timing
     base = train_baseline(data, Hyper(epochs=args.epochs))
+    train_baseline(data, Hyper(epochs=1), in_place=True)
+    in_place = train_baseline(data, Hyper(epochs=args.epochs), in_place=True)  # its fastest form
 
     print(f"2/2  Shoal: {args.nodes} node(s) x {args.workers_per_node} worker(s), {args.mode} ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,6 +64,9 @@ def main() -> int:
     print(f"\n{shoal_label:<36}{ps['ratings_per_s']:>12,.0f} ratings/s")
     print(f"{'single-process baseline:':<36}{base['ratings_per_s']:>12,.0f} ratings/s")
     print(f"{'ratio Shoal / baseline:':<36}{ratio:12.2f}x")
+    print(f"{'baseline, SGD in place:':<36}{in_place['ratings_per_s']:>12,.0f} ratings/s  (one compiled step per "
+          "rating on its rows;\n  Shoal's `train.py --in-place` takes the same steps on its node's rows: on 2 nodes "
+          "0.5-0.8x of it)")
     if args.nodes > 1:
         print("  (a batch of MovieLens 100k is about 0.2 ms of compute, so what Shoal spends per batch decides:\n"
               "   with --mode static rows are fetched from the other node, with auto they are read on the\n"
