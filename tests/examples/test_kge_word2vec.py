@@ -66,8 +66,12 @@ def test_word2vec_words_stay_put_while_intents_last_the_pass(tmp_path):
         vocab = sum(server[table]["owned"] for server in r["placement"])
         moves = sum(server[table].get("keys_relocated_away", 0) for server in r["placement"])
         assert moves <= vocab, (table, moves, vocab)  # batch-long intents: about 17 moves per word
+        # The first pass's words are waited for before the first batch: without that wait 0.3-4.5% of
+        # rows were read remotely beside CPU hogs, 16% on a CI run (the first batches ran while the
+        # words came); with it 0-0.5% beside three hogs (a batch at a pass's start, words still coming).
         counters = r["counters"][table]
-        assert counters["rows_remote"] < 0.05 * (counters["rows_local"] + counters["rows_remote"]), counters
+        remote = counters.get("rows_remote", 0)
+        assert remote < 0.05 * (counters["rows_local"] + remote), counters
 
 
 def test_word2vec_learns_the_planted_clusters(tmp_path):
