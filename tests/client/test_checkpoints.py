@@ -144,8 +144,8 @@ def test_an_adaptive_table_is_saved_with_every_replica_change_and_restored_at_ho
             t.push(everything, np.full((40, 2), w.rank + 1.0, np.float32))
             w.barrier()
             if w.rank == 0:
-                pending = [a.tables["ad"].store.pending[a.tables["ad"].presence == REPLICA] for a in adaptive]
-                assert any(part.any() for part in pending), "no replica change was left to settle"
+                unsent = [a.tables["ad"].store.changed[a.tables["ad"].presence == REPLICA] for a in adaptive]
+                assert any(part.any() for part in unsent), "no replica change was left to settle"
             return w.checkpoint(tmp_path)
 
         cluster.run_workers(save)

@@ -189,7 +189,7 @@ def test_what_is_written_in_place_to_a_replica_reaches_its_owner_once():
                 rows.values[rows.slots] += 1.0
             with t0.in_place(hot) as rows:
                 rows.values[rows.slots] += 10.0
-        assert t1.counters["replica_rows_changed_in_place"] == 50
+        assert t1.counters["replica_rows_in_place"] == 50
         wait_until(lambda: (c.servers[0].adaptive.tables["r"].store.values[hot, 0] == 55.0).all())
         time.sleep(0.1)  # later syncs add nothing more
         np.testing.assert_array_equal(c.servers[0].adaptive.tables["r"].store.values[hot, 0], 55.0)
@@ -210,4 +210,4 @@ def test_in_place_updates_from_four_processes_while_keys_move_and_replicate_land
     moved = sum(s["adaptive"]["moving"].get("keys_relocated_here", 0) for s in result["servers"])
     assert moved > 100  # keys really moved while rows were written in place
     if technique == "auto":
-        assert sum(w["replica_rows_changed_in_place"] for w in workers) > 0
+        assert sum(w["replica_rows_in_place"] for w in workers) > 0

@@ -47,7 +47,7 @@ def main() -> None:
         ps.advance_clock()
         time.sleep(0.01)
     with open(os.path.join(out_dir, f"worker{ps.rank}.json"), "w") as fh:
-        json.dump({name: table.counters[name] for name in ("rows_in_place", "replica_rows_changed_in_place")}, fh)
+        json.dump({name: table.counters[name] for name in ("rows_in_place", "replica_rows_in_place")}, fh)
     ps.barrier()
     if ps.rank == 0:
         # The intents have ended: replicas send their last changes to the owners and go.

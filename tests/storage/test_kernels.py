@@ -62,31 +62,33 @@ def test_partition_by_owner_is_a_stable_grouping(owners):
 def test_take_pending_returns_and_clears_exactly_the_changed_or_marked_rows(rows, seed):
     rng = np.random.default_rng(seed)
     changed = (rng.random(20) < 0.3).astype(np.uint8)
-    pending = np.where(changed[:, None] == 1, rng.standard_normal((20, 3)), 0.0).astype(np.float32)
-    pending[np.flatnonzero(changed)[:1]] = 0  # a row changed by zero is taken all the same
+    base = rng.integers(-8, 8, (20, 3)).astype(np.float32)  # each row as of its last sync
+    values = base + np.where(changed[:, None] == 1, rng.integers(-4, 4, (20, 3)), 0).astype(np.float32)
+    values[np.flatnonzero(changed)[:1]] = base[np.flatnonzero(changed)[:1]]  # changed by zero: taken all the same
     marked = rng.random(len(rows)) < 0.2
-    before, changed_before = pending.copy(), changed.copy()
+    base_before, values_before, changed_before = base.copy(), values.copy(), changed.copy()
     want = rows[(changed_before[rows] == 1) | marked]
-    taken, deltas = kernels.take_pending(pending, changed, rows, marked)
+    taken, deltas = kernels.take_pending(values, base, changed, rows, marked)
     np.testing.assert_array_equal(taken, want)
-    np.testing.assert_array_equal(deltas, before[want])
-    assert not pending[rows].any() and not changed[rows].any()
+    np.testing.assert_array_equal(deltas, values_before[want] - base_before[want])
+    np.testing.assert_array_equal(values, values_before)  # a sync leaves the replica's rows as they are
+    np.testing.assert_array_equal(base[want], values[want])  # ... and sends each change once
+    assert not changed[rows].any()
+    kept = np.setdiff1d(np.arange(20), want)
+    np.testing.assert_array_equal(base[kept], base_before[kept])
     untouched = np.setdiff1d(np.arange(20), rows)
-    np.testing.assert_array_equal(pending[untouched], before[untouched])
     np.testing.assert_array_equal(changed[untouched], changed_before[untouched])
 
 
 def test_add_present_marks_the_replica_rows_it_changes_and_no_others():
     values = np.zeros((4, 2), np.float32)
-    pending = np.zeros((4, 2), np.float32)
     changed = np.zeros(4, np.uint8)
     presence = np.array([kernels.OWNED, kernels.REPLICA, kernels.ABSENT, kernels.REPLICA], np.uint8)
     absent_at = np.full(3, -1, np.int64)
-    absent = kernels.add_present(values, pending, changed, presence, np.array([0, 1, 2]), np.ones((3, 2), np.float32),
-                                 0.5, absent_at)
+    absent = kernels.add_present(values, changed, presence, np.array([0, 1, 2]), np.ones((3, 2), np.float32), 0.5,
+                                 absent_at)
     assert absent == 1 and absent_at[0] == 2
     np.testing.assert_array_equal(changed, [0, 1, 0, 0])
-    np.testing.assert_array_equal(pending, [[0, 0], [0.5, 0.5], [0, 0], [0, 0]])
     np.testing.assert_array_equal(values, [[0.5, 0.5], [0.5, 0.5], [0, 0], [0, 0]])
 
 
@@ -225,15 +227,16 @@ assert "scipy.linalg" in sys.modules
 
 
 def test_apply_synced_sets_replicas_to_the_owners_rows_plus_their_pending_change_and_drops_the_unchanged():
-    values = np.zeros((4, 2), np.float32)
-    pending = np.array([[0, 0], [1, 1], [0, 0], [2, 2]], np.float32)  # changes made since the sync left
+    base = np.array([[5, 5], [5, 5], [7, 7], [3, 3]], np.float32)  # the rows as the sync left
+    values = base + np.array([[0, 0], [1, 1], [0, 0], [2, 2]], np.float32)  # changes made since
     changed = np.array([0, 1, 0, 0], np.uint8)
     presence = np.array([kernels.REPLICA, kernels.REPLICA, kernels.OWNED, kernels.REPLICA], np.uint8)
     owner_rows = np.array([[10, 10], [20, 20], [30, 30], [40, 40]], np.float32)
     drop = np.array([1, 1, 1, 0], np.uint8)
     gone = np.full(4, -1, np.int64)
-    went = kernels.apply_synced(values, pending, changed, presence, np.array([0, 1, 2, 3]), owner_rows, drop, gone)
+    went = kernels.apply_synced(values, base, changed, presence, np.array([0, 1, 2, 3]), owner_rows, drop, gone)
     # row 2 is owned here (no longer a replica): untouched; row 1 changed since: kept for the next sync
-    np.testing.assert_array_equal(values, [[10, 10], [21, 21], [0, 0], [42, 42]])
+    np.testing.assert_array_equal(values, [[10, 10], [21, 21], [7, 7], [42, 42]])
+    np.testing.assert_array_equal(base[[1, 3]], owner_rows[[1, 3]])  # what the next sync's change is counted from
     assert went == 1 and gone[0] == 0
     np.testing.assert_array_equal(presence, [kernels.ABSENT, kernels.REPLICA, kernels.OWNED, kernels.REPLICA])

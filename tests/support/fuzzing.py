@@ -105,7 +105,7 @@ TABLE_NAMES = st.one_of(*[_KNOWN] * 6, st.sampled_from(NEW_TABLES),
 _OPEN = st.sampled_from([s.name for s in OPEN_TABLES])
 FUZZED_TABLES = TABLE_NAMES | _OPEN
 
-STATE_NAMES = ["values", "accum", "first", "second", "steps", "dirty", "presence", "pending", "header"]
+STATE_NAMES = ["values", "accum", "first", "second", "steps", "dirty", "presence", "base", "header"]
 PLACEMENT_KINDS = ["relocate", "handover", "state", "owner", "announce", "replicate", "sync", "synced"]
 
 SPEC_FIELDS = st.fixed_dictionaries({

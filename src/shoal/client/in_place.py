@@ -72,9 +72,9 @@ class InPlace:
     def __exit__(self, *exc: object) -> None:
         self._open = False
         if self._rows is not None:
-            changed = self._rows.close()
-            if changed:
-                self._counters["replica_rows_changed_in_place"] += changed
+            replicas = self._rows.close()
+            if replicas:
+                self._counters["replica_rows_in_place"] += replicas
 
 
 _NONE = np.empty(0, dtype=np.int64)

@@ -83,7 +83,7 @@ class AdaptiveTable:
         self.num_nodes = num_nodes
         keys = np.arange(spec.num_keys, dtype=np.int64)
         self.store = ShardStore.create(spec, ADAPTIVE_SHARD, keys, cluster_id)
-        assert self.store.presence is not None and self.store.pending is not None
+        assert self.store.presence is not None and self.store.base is not None
         assert self.store.location is not None
         self.presence = self.store.presence
         self.presence[node::num_nodes] = OWNED  # keys start at home

@@ -147,10 +147,10 @@ class PlacementMachine:
 
     def unsettled(self) -> list[str]:
         table = self.table
-        assert table.store.pending is not None
+        assert table.store.changed is not None
         why = []
         replicas = np.flatnonzero(table.presence == REPLICA)
-        if replicas.size and table.store.pending[replicas].any():
+        if replicas.size and table.store.changed[replicas].any():
             why.append("replicas have changes not yet sent to their owners")
         unanswered = sum(table.syncs_unanswered.values())
         if unanswered:
@@ -285,15 +285,14 @@ class PlacementMachine:
                        epochs: np.ndarray, steps: np.ndarray) -> None:
         table = self.table
         store = table.store
-        assert store.pending is not None and store.changed is not None
+        assert store.base is not None and store.changed is not None
         with store.hold(None, exclusive=True):
-            # A replica here becomes the row: its changes not yet synced stay in. Only a replica's
-            # pending row can be non-zero; the others are left untouched (a first write to a page of
-            # shared memory costs a page fault: 2 ms for 250 rows here).
+            # A replica here becomes the row: its changes not yet synced (what its value moved from its
+            # base) stay in.
             replica_keys = keys[table.presence[keys] == REPLICA]
+            unsynced = store.values[replica_keys] - store.base[replica_keys]
             store.values[keys] = values
-            store.values[replica_keys] += store.pending[replica_keys]
-            store.pending[replica_keys] = 0
+            store.values[replica_keys] += unsynced
             store.changed[replica_keys] = 0
             table.presence[keys] = OWNED
         table.epoch[keys], table.step[keys] = epochs, steps
@@ -352,11 +351,14 @@ class PlacementMachine:
 
     def _receive_replica(self, keys: np.ndarray, values: np.ndarray, owner: int) -> None:
         table = self.table
-        with table.store.hold(None, exclusive=True):
+        store = table.store
+        assert store.base is not None
+        with store.hold(None, exclusive=True):
             fresh = table.presence[keys] == ABSENT
             if not fresh.all():
                 keys, values = keys[fresh], values[fresh]
-            table.store.values[keys] = values  # pending rows of absent keys are zero already
+            store.values[keys] = values
+            store.base[keys] = values  # no change made here yet
             table.presence[keys] = REPLICA
         table.replica_owner[keys] = owner
         # Made for interest this node has withdrawn meanwhile: it goes with its first sync.
@@ -369,7 +371,7 @@ class PlacementMachine:
         """Send each owner the change its replicas here saw since the last sync (one sync in flight per owner)."""
         table = self.table
         store = table.store
-        assert store.pending is not None and store.changed is not None
+        assert store.base is not None and store.changed is not None
         replicas = np.flatnonzero(table.presence == REPLICA)
         if not replicas.size:
             return
@@ -377,7 +379,7 @@ class PlacementMachine:
             if table.syncs_unanswered[owner]:
                 continue
             with store.hold(None, exclusive=True):
-                changed, deltas = take_pending(store.pending, store.changed, keys, table.dropping[keys])
+                changed, deltas = take_pending(store.values, store.base, store.changed, keys, table.dropping[keys])
             if not changed.size:
                 continue
             table.syncs_unanswered[owner] = 1
@@ -420,12 +422,12 @@ class PlacementMachine:
     def _synced(self, keys: np.ndarray, values: np.ndarray, drop: np.ndarray, target: int, parts: int) -> None:
         table = self.table
         store = table.store
-        assert store.pending is not None and store.changed is not None
+        assert store.base is not None and store.changed is not None
         table.syncs_unanswered[target] = max(0, table.syncs_unanswered[target] + parts - 1)
         gone = np.empty(keys.shape[0], dtype=np.int64)
         with store.hold(None, exclusive=True):
             # A replica goes once its last change is in; changes made meanwhile go in the next sync.
-            gone = gone[:apply_synced(store.values, store.pending, store.changed, table.presence, keys, values, drop,
+            gone = gone[:apply_synced(store.values, store.base, store.changed, table.presence, keys, values, drop,
                                       gone)]
         table.dropping[gone] = False
         table.replica_owner[gone] = -1

@@ -12,10 +12,10 @@ gives each key's row (-1 for keys of other slices), and the slice may have moved
 away since (then every key is elsewhere). Rows of a static slice read under ESSP
 are marked changed on close, so the server sends them to the slice's readers.
 
-A replica's row must send what was written to it to its owner. Its values are
-copied when the block opens, and on close the difference is added to the row's
-pending change (one compiled pass over the replicas among the keys, usually the
-few hot ones), as a push to a replica does.
+A replica's row must send what was written to it to its owner. The store keeps
+each replica's row as of its last sync (``ShardStore.base``), so what a kernel
+writes there is the change the next sync sends, with no copy: on close the
+replicas among the keys are marked changed, as a push to a replica marks them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from shoal.storage.shard import ShardStore
 class RowsInPlace:
     """The rows of ``keys`` in ``store``, locked from ``open`` to ``close``."""
 
-    __slots__ = ("store", "keys", "rows", "values", "state", "slots", "absent", "_replicas", "_before", "_lock")
+    __slots__ = ("store", "keys", "rows", "values", "state", "slots", "absent", "_replicas", "_lock")
 
     def __init__(self, store: ShardStore, keys: np.ndarray, rows: np.ndarray | None = None,
                  shards: np.ndarray | None = None) -> None:
@@ -50,7 +50,6 @@ class RowsInPlace:
         #: positions (in ``keys``) of the keys not on this node (set by ``open``)
         self.absent = _NONE
         self._replicas = _NONE
-        self._before: np.ndarray | None = None
         self._lock: Any = None
 
     def open(self) -> None:
@@ -67,10 +66,7 @@ class RowsInPlace:
                 replica_rows = np.empty(n, dtype=np.int64)
                 absent, replicas = kernels.slots_in_place(store.presence, self.keys, self.slots, absent_at,
                                                           replica_rows, _seen(store))
-                if replicas:
-                    self._replicas = replica_rows[:replicas]
-                    self._before = np.empty((replicas, store.values.shape[1]), dtype=store.values.dtype)
-                    kernels.gather_rows(store.values, self._replicas, self._before)
+                self._replicas = replica_rows[:replicas]
             elif store.retired:  # the slice moved away before the block: every key is elsewhere
                 self.slots[:] = -1
                 absent_at[:] = np.arange(n)
@@ -85,8 +81,8 @@ class RowsInPlace:
         self._lock = lock
 
     def close(self) -> int:
-        """Unlock, after adding what was written to replica rows to their pending changes (and marking a
-        static slice's rows changed for its ESSP readers); returns how many replica rows changed."""
+        """Unlock, after marking the replica rows changed, for the next sync to send what was written to
+        them (and a static slice's rows, for its ESSP readers); returns how many replica rows were held."""
         store = self.store
         lock, self._lock = self._lock, None
         if lock is None:
@@ -94,13 +90,11 @@ class RowsInPlace:
         try:
             if store.dirty is not None and self.absent.shape[0] < self.slots.shape[0]:
                 store.dirty[self.slots[self.slots >= 0]] = 1
-            if self._before is None:
-                return 0
-            assert store.pending is not None and store.changed is not None
-            return int(kernels.fold_in_place(store.values, store.pending, store.changed, self._replicas,
-                                             self._before))
+            if self._replicas.shape[0]:
+                assert store.changed is not None
+                store.changed[self._replicas] = 1
+            return int(self._replicas.shape[0])
         finally:
-            self._before = None
             lock.__exit__(None, None, None)
 
 

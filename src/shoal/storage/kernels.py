@@ -84,11 +84,11 @@ def read_present(values: np.ndarray, presence: np.ndarray, rows: np.ndarray, out
 
 
 @kernel
-def add_present(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, presence: np.ndarray,
-                rows: np.ndarray, grads: np.ndarray, scale: float, absent_at: np.ndarray) -> int:
-    """Additive update of present rows; a replica also records the change as pending for its owner
-    and marks the row changed. The positions of absent rows go to the front of ``absent_at``; returns
-    their count."""
+def add_present(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, rows: np.ndarray,
+                grads: np.ndarray, scale: float, absent_at: np.ndarray) -> int:
+    """Additive update of present rows; a replica's row is also marked changed (its change for the
+    owner is what its value moved since its last sync). The positions of absent rows go to the front
+    of ``absent_at``; returns their count."""
     dim = values.shape[1]
     a = values.dtype.type(scale)
     absent = 0
@@ -101,22 +101,18 @@ def add_present(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, pr
             continue
         if state == 2:
             changed[r] = 1
-            for j in range(dim):
-                d = a * grads[i, j]
-                values[r, j] += d
-                pending[r, j] += d
-        else:
-            for j in range(dim):
-                values[r, j] += a * grads[i, j]
+        for j in range(dim):
+            values[r, j] += a * grads[i, j]
     return absent
 
 
 @kernel
-def take_pending(pending: np.ndarray, changed: np.ndarray, rows: np.ndarray, also: np.ndarray
+def take_pending(values: np.ndarray, base: np.ndarray, changed: np.ndarray, rows: np.ndarray, also: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """A replica sync's payload: the rows among ``rows`` marked changed (or marked in ``also``) and
-    their changes, which are reset to zero with their marks. No row-sized temporaries."""
-    dim = pending.shape[1]
+    their changes since the last sync (``values - base``); their ``base`` becomes their value and
+    their marks are cleared. No row-sized temporaries."""
+    dim = values.shape[1]
     chosen = np.zeros(rows.shape[0], dtype=np.bool_)
     count = 0
     for i in range(rows.shape[0]):
@@ -124,25 +120,27 @@ def take_pending(pending: np.ndarray, changed: np.ndarray, rows: np.ndarray, als
         chosen[i] = take
         count += take
     taken = np.empty(count, dtype=np.int64)
-    deltas = np.empty((count, dim), dtype=pending.dtype)
+    deltas = np.empty((count, dim), dtype=values.dtype)
     k = 0
     for i in range(rows.shape[0]):
         if chosen[i]:
             r = rows[i]
             taken[k] = r
             for j in range(dim):
-                deltas[k, j] = pending[r, j]
-                pending[r, j] = 0
+                v = values[r, j]
+                deltas[k, j] = v - base[r, j]
+                base[r, j] = v
             changed[r] = 0
             k += 1
     return taken, deltas
 
 
 @kernel
-def apply_synced(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, presence: np.ndarray,
+def apply_synced(values: np.ndarray, base: np.ndarray, changed: np.ndarray, presence: np.ndarray,
                  rows: np.ndarray, owner_rows: np.ndarray, drop: np.ndarray, gone: np.ndarray) -> int:
     """An owner's answer to a replica's sync, in one pass: each row still a replica here becomes the
-    owner's row plus the change made here since the sync left (still pending); a row whose replica
+    owner's row plus the change made here since the sync left (what its value moved from ``base``
+    since), and the owner's row its new ``base``; a row whose replica
     was to go (``drop``) and saw no change since goes now (absent). The rows that went are written to
     the front of ``gone``; returns how many."""
     dim = values.shape[1]
@@ -152,7 +150,9 @@ def apply_synced(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, p
         if presence[r] != 2:
             continue
         for j in range(dim):
-            values[r, j] = owner_rows[i, j] + pending[r, j]
+            o = owner_rows[i, j]
+            values[r, j] = o + (values[r, j] - base[r, j])
+            base[r, j] = o
         if drop[i] != 0 and changed[r] == 0:
             presence[r] = 0
             gone[went] = r
@@ -184,27 +184,6 @@ def slots_in_place(presence: np.ndarray, rows: np.ndarray, slots: np.ndarray, ab
     for k in range(replicas):
         seen[replica_rows[k]] = 0
     return absent, replicas
-
-
-@kernel
-def fold_in_place(values: np.ndarray, pending: np.ndarray, changed: np.ndarray, rows: np.ndarray,
-                  before: np.ndarray) -> int:
-    """What was written in place to replica ``rows`` (distinct), whose values were ``before``, added to
-    their pending change for the owner, and the changed rows marked; returns how many changed."""
-    dim = values.shape[1]
-    count = 0
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        moved = False
-        for j in range(dim):
-            d = values[r, j] - before[i, j]
-            if d != 0:
-                pending[r, j] += d
-                moved = True
-        if moved:
-            changed[r] = 1
-            count += 1
-    return count
 
 
 @kernel
@@ -486,11 +465,10 @@ def warm_up(dtype: Any = np.float32) -> None:
     place_rows(rows.copy(), keys, rows)
     add_rows(rows.copy(), keys, rows, 1.0)
     read_present(rows, flags, keys, rows.copy(), absent_at)
-    add_present(rows.copy(), rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
-    take_pending(rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
+    add_present(rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
+    take_pending(rows.copy(), rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
     apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), keys, rows, flags, absent_at.copy())
     slots_in_place(flags, keys, absent_at.copy(), absent_at.copy(), absent_at.copy(), flags.copy())
-    fold_in_place(rows.copy(), rows.copy(), flags.copy(), keys, rows)
     slice_slots_in_place(keys, keys, 0, absent_at.copy(), absent_at.copy())
 
 

@@ -56,13 +56,15 @@ class ShardLayout:
         if spec.adaptive:
             # Whether this node owns a row, holds a replica of it, or neither; where the node's
             # server believes an absent row lives (its location cache, read by its workers);
-            # and, for replicas, the change made here since the owner last heard of it, with a mark
-            # per changed row (a sync then looks at a byte per replica, not at its whole row).
+            # and, for replicas, the row as of its last sync with the owner (the change made here
+            # since is the difference: a write to a replica, a push or in place, writes its value
+            # alone), with a mark per changed row (a sync then looks at a byte per replica, not at
+            # its whole row).
             slots["presence"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
             slots["location"] = ArraySlot(offset, (num_rows,), "int8")
             offset = align(offset + num_rows)
-            slots["pending"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
+            slots["base"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
             offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
             slots["changed"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
@@ -89,7 +91,7 @@ class ShardStore:
         self.dirty: np.ndarray | None = arrays.pop("dirty", None)
         self.presence: np.ndarray | None = arrays.pop("presence", None)
         self.location: np.ndarray | None = arrays.pop("location", None)
-        self.pending: np.ndarray | None = arrays.pop("pending", None)
+        self.base: np.ndarray | None = arrays.pop("base", None)
         self.changed: np.ndarray | None = arrays.pop("changed", None)
         self.state = arrays
         #: a zero byte per row, private to this process (``in_place``'s compiled passes), made on first use
@@ -219,12 +221,12 @@ class ShardStore:
         return absent_at[:absent]
 
     def update_present(self, rows: np.ndarray, grads: np.ndarray, scale: float) -> np.ndarray:
-        """Add ``scale * grads`` to the rows present here (and to a replica's pending change);
-        returns the positions of the absent rows, which the caller must send to their owner."""
-        assert self.presence is not None and self.pending is not None and self.changed is not None
+        """Add ``scale * grads`` to the rows present here (a replica's marked changed); returns the
+        positions of the absent rows, which the caller must send to their owner."""
+        assert self.presence is not None and self.changed is not None
         absent_at = np.empty(rows.shape[0], dtype=np.int64)
         with self._hold(rows, exclusive=True):
-            absent = kernels.add_present(self.values, self.pending, self.changed, self.presence, rows, grads, scale,
+            absent = kernels.add_present(self.values, self.changed, self.presence, rows, grads, scale,
                                          absent_at)
         return absent_at[:absent]
 
