@@ -226,6 +226,17 @@ assert "scipy.linalg" in sys.modules
     assert done.returncode == 0, done.stderr
 
 
+def test_slots_in_place_gives_each_present_row_and_marks_the_replicas_changed():
+    presence = np.array([kernels.OWNED, kernels.REPLICA, kernels.ABSENT, kernels.REPLICA], np.uint8)
+    changed = np.zeros(4, np.uint8)
+    rows = np.array([1, 0, 2, 1, 3])
+    slots, absent_at = np.full(5, 99, np.int64), np.full(5, 99, np.int64)
+    absent, replicas = kernels.slots_in_place(presence, changed, rows, slots, absent_at)
+    assert (absent, replicas) == (1, 3) and absent_at[0] == 2
+    np.testing.assert_array_equal(slots, [1, 0, -1, 1, 3])
+    np.testing.assert_array_equal(changed, [0, 1, 0, 1])  # written in place or not: synced next time
+
+
 def test_apply_synced_sets_replicas_to_the_owners_rows_plus_their_pending_change_and_drops_the_unchanged():
     base = np.array([[5, 5], [5, 5], [7, 7], [3, 3]], np.float32)  # the rows as the sync left
     values = base + np.array([[0, 0], [1, 1], [0, 0], [2, 2]], np.float32)  # changes made since

@@ -14,8 +14,9 @@ are marked changed on close, so the server sends them to the slice's readers.
 
 A replica's row must send what was written to it to its owner. The store keeps
 each replica's row as of its last sync (``ShardStore.base``), so what a kernel
-writes there is the change the next sync sends, with no copy: on close the
-replicas among the keys are marked changed, as a push to a replica marks them.
+writes there is the change the next sync sends, with no copy: the replicas among
+the keys are marked changed when the block opens (no sync reads them before it
+ends), as a push to a replica marks them.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class RowsInPlace:
         self.slots = _NONE
         #: positions (in ``keys``) of the keys not on this node (set by ``open``)
         self.absent = _NONE
-        self._replicas = _NONE
+        self._replicas = 0  # keys held at a replica row (set by ``open``)
         self._lock: Any = None
 
     def open(self) -> None:
@@ -62,11 +63,9 @@ class RowsInPlace:
             self.slots = np.empty(n, dtype=np.int64)
             absent_at = np.empty(n, dtype=np.int64)
             if rows is None:
-                assert store.presence is not None
-                replica_rows = np.empty(n, dtype=np.int64)
-                absent, replicas = kernels.slots_in_place(store.presence, self.keys, self.slots, absent_at,
-                                                          replica_rows, _seen(store))
-                self._replicas = replica_rows[:replicas]
+                assert store.presence is not None and store.changed is not None
+                absent, self._replicas = kernels.slots_in_place(store.presence, store.changed, self.keys, self.slots,
+                                                                absent_at)
             elif store.retired:  # the slice moved away before the block: every key is elsewhere
                 self.slots[:] = -1
                 absent_at[:] = np.arange(n)
@@ -81,8 +80,8 @@ class RowsInPlace:
         self._lock = lock
 
     def close(self) -> int:
-        """Unlock, after marking the replica rows changed, for the next sync to send what was written to
-        them (and a static slice's rows, for its ESSP readers); returns how many replica rows were held."""
+        """Unlock, after marking a static slice's rows changed for its ESSP readers; returns how many
+        keys were held at a replica row."""
         store = self.store
         lock, self._lock = self._lock, None
         if lock is None:
@@ -90,20 +89,10 @@ class RowsInPlace:
         try:
             if store.dirty is not None and self.absent.shape[0] < self.slots.shape[0]:
                 store.dirty[self.slots[self.slots >= 0]] = 1
-            if self._replicas.shape[0]:
-                assert store.changed is not None
-                store.changed[self._replicas] = 1
-            return int(self._replicas.shape[0])
+            return int(self._replicas)
         finally:
             lock.__exit__(None, None, None)
 
 
 _NONE = np.empty(0, dtype=np.int64)
 
-
-def _seen(store: ShardStore) -> np.ndarray:
-    """A zero byte per row of ``store``, scratch of the compiled pass that finds the distinct replicas
-    among a hold's keys (used under the store's locks, so by one thread of the process at a time)."""
-    if store.scratch is None:
-        store.scratch = np.zeros(store.num_rows, dtype=np.uint8)
-    return store.scratch

@@ -161,11 +161,12 @@ def apply_synced(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pres
 
 
 @kernel
-def slots_in_place(presence: np.ndarray, rows: np.ndarray, slots: np.ndarray, absent_at: np.ndarray,
-                   replica_rows: np.ndarray, seen: np.ndarray) -> tuple[int, int]:
+def slots_in_place(presence: np.ndarray, changed: np.ndarray, rows: np.ndarray, slots: np.ndarray,
+                   absent_at: np.ndarray) -> tuple[int, int]:
     """``slots[i] = rows[i]`` where that row is on this node, -1 where it is not; the positions of the
-    absent rows go to the front of ``absent_at``, the distinct replica rows to the front of
-    ``replica_rows`` (``seen``: a zero byte per row, left zero); returns both counts."""
+    absent rows go to the front of ``absent_at``; replica rows are marked changed (what is written to
+    them in place is their next sync's change). Returns how many rows are absent and how many are
+    replicas."""
     absent = 0
     replicas = 0
     for i in range(rows.shape[0]):
@@ -177,12 +178,9 @@ def slots_in_place(presence: np.ndarray, rows: np.ndarray, slots: np.ndarray, ab
             absent += 1
             continue
         slots[i] = r
-        if state == 2 and seen[r] == 0:
-            seen[r] = 1
-            replica_rows[replicas] = r
+        if state == 2:
+            changed[r] = 1
             replicas += 1
-    for k in range(replicas):
-        seen[replica_rows[k]] = 0
     return absent, replicas
 
 
@@ -468,7 +466,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     add_present(rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
     take_pending(rows.copy(), rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
     apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), keys, rows, flags, absent_at.copy())
-    slots_in_place(flags, keys, absent_at.copy(), absent_at.copy(), absent_at.copy(), flags.copy())
+    slots_in_place(flags, flags.copy(), keys, absent_at.copy(), absent_at.copy())
     slice_slots_in_place(keys, keys, 0, absent_at.copy(), absent_at.copy())
 
 

@@ -94,8 +94,6 @@ class ShardStore:
         self.base: np.ndarray | None = arrays.pop("base", None)
         self.changed: np.ndarray | None = arrays.pop("changed", None)
         self.state = arrays
-        #: a zero byte per row, private to this process (``in_place``'s compiled passes), made on first use
-        self.scratch: np.ndarray | None = None
         self._locks = StripedLocks(segment.fd) if spec.locking == "exact" else None
 
     @classmethod
