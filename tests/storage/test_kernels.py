@@ -59,7 +59,7 @@ def test_partition_by_owner_is_a_stable_grouping(owners):
 
 
 @given(arrays(np.int64, st.integers(0, 20), elements=st.integers(0, 19), unique=True), st.integers(0, 2**20))
-def test_take_pending_returns_and_clears_exactly_the_changed_or_marked_rows(rows, seed):
+def test_take_changes_returns_and_clears_exactly_the_changed_or_marked_rows(rows, seed):
     rng = np.random.default_rng(seed)
     changed = (rng.random(20) < 0.3).astype(np.uint8)
     base = rng.integers(-8, 8, (20, 3)).astype(np.float32)  # each row as of its last sync
@@ -68,7 +68,7 @@ def test_take_pending_returns_and_clears_exactly_the_changed_or_marked_rows(rows
     marked = rng.random(len(rows)) < 0.2
     base_before, values_before, changed_before = base.copy(), values.copy(), changed.copy()
     want = rows[(changed_before[rows] == 1) | marked]
-    taken, deltas = kernels.take_pending(values, base, changed, rows, marked)
+    taken, deltas = kernels.take_changes(values, base, changed, rows, marked)
     np.testing.assert_array_equal(taken, want)
     np.testing.assert_array_equal(deltas, values_before[want] - base_before[want])
     np.testing.assert_array_equal(values, values_before)  # a sync leaves the replica's rows as they are

@@ -61,7 +61,7 @@ from shoal.storage.kernels import (
     any_nonfinite,
     apply_synced,
     gather_rows,
-    take_pending,
+    take_changes,
 )
 from shoal.storage.validate import as_keys, as_rows
 
@@ -379,7 +379,7 @@ class PlacementMachine:
             if table.syncs_unanswered[owner]:
                 continue
             with store.hold(None, exclusive=True):
-                changed, deltas = take_pending(store.values, store.base, store.changed, keys, table.dropping[keys])
+                changed, deltas = take_changes(store.values, store.base, store.changed, keys, table.dropping[keys])
             if not changed.size:
                 continue
             table.syncs_unanswered[owner] = 1

@@ -107,7 +107,7 @@ def add_present(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, r
 
 
 @kernel
-def take_pending(values: np.ndarray, base: np.ndarray, changed: np.ndarray, rows: np.ndarray, also: np.ndarray
+def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, rows: np.ndarray, also: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """A replica sync's payload: the rows among ``rows`` marked changed (or marked in ``also``) and
     their changes since the last sync (``values - base``); their ``base`` becomes their value and
@@ -140,9 +140,9 @@ def apply_synced(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pres
                  rows: np.ndarray, owner_rows: np.ndarray, drop: np.ndarray, gone: np.ndarray) -> int:
     """An owner's answer to a replica's sync, in one pass: each row still a replica here becomes the
     owner's row plus the change made here since the sync left (what its value moved from ``base``
-    since), and the owner's row its new ``base``; a row whose replica
-    was to go (``drop``) and saw no change since goes now (absent). The rows that went are written to
-    the front of ``gone``; returns how many."""
+    since), and the owner's row its new ``base``; a row whose replica was to go (``drop``) and saw no
+    change since goes now (absent). The rows that went are written to the front of ``gone``; returns
+    how many."""
     dim = values.shape[1]
     went = 0
     for i in range(rows.shape[0]):
@@ -464,7 +464,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     add_rows(rows.copy(), keys, rows, 1.0)
     read_present(rows, flags, keys, rows.copy(), absent_at)
     add_present(rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
-    take_pending(rows.copy(), rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
+    take_changes(rows.copy(), rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
     apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), keys, rows, flags, absent_at.copy())
     slots_in_place(flags, flags.copy(), keys, absent_at.copy(), absent_at.copy())
     slice_slots_in_place(keys, keys, 0, absent_at.copy(), absent_at.copy())
