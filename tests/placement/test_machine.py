@@ -196,6 +196,35 @@ def test_every_push_lands_once_while_keys_relocate_in_any_order(network_of, seed
     assert moved > 0
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_every_push_lands_once_while_keys_move_on_requests_and_on_intents_in_any_order(network_of, seed):
+    net = network_of(3, "relocation", seed)
+    rng = np.random.default_rng(3000 + seed)
+    for _ in range(80):
+        node = int(rng.integers(3))
+        keys = np.unique(rng.integers(0, NUM_KEYS, size=int(rng.integers(1, 8))))
+        action = rng.random()
+        if action < 0.3:
+            net.carry_out(node, net.machines[node].localize(keys))
+        elif action < 0.5:  # owners move the keys to a node that alone wants them
+            net.machines[node].intend(keys, net.clock + 1, net.clock + 3)
+        else:
+            net.push(node, keys)
+        if rng.random() < 0.2:
+            net.clock += 1
+            net.tick(ACT_EVERY_S)
+        for _ in range(int(rng.integers(0, 6))):
+            net.deliver_one()
+    net.clock += 10  # every intent over
+    net.tick(ACT_EVERY_S)
+    net.settle()
+
+    assert not net.unanswered
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)
+    assert sum(t.stats["handovers_lost"] for t in net.tables) == 0
+    assert sum(t.stats["keys_relocated_here"] for t in net.tables) > 0
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_replicas_made_from_intents_sync_every_change_once_and_go(network_of, seed):
     net = network_of(3, "auto", seed, sync_ms=10.0)
@@ -257,8 +286,9 @@ def test_a_handover_older_than_the_move_that_brought_a_key_here_does_not_move_it
     # The first decision's handover, had it come the long way round, is older than the key's version here.
     effects = net.machines[2].receive(0, Handover(key, epochs=np.array([1]), to=0, hops=1), net.now)
 
-    assert effects.sends == [] and net.tables[2].presence[1] == OWNED
-    assert net.tables[2].stats["handovers_stale"] == 1
+    assert net.tables[2].presence[1] == OWNED and net.tables[2].stats["handovers_stale"] == 1
+    (send,) = effects.sends  # the node it was for learns where the key is instead of waiting for it
+    assert send.node == 0 and isinstance(send.message, Owner) and send.message.owner == 2
 
 
 def test_reports_of_moves_reaching_the_home_out_of_order_leave_it_knowing_the_owner(network_of):
@@ -411,3 +441,30 @@ def test_an_intent_that_ends_while_the_node_clock_stands_still_is_withdrawn_with
         if withdrawn:
             break
     assert withdrawn and now <= 0.02 + ACT_EVERY_S + 0.006
+
+
+def test_a_handover_chases_a_key_its_owner_moved_on_intent_past_the_homes_newer_decision(network_of):
+    # Key 0 (homed on node 0) goes to node 1 (relocate), and node 0 asks for it back (its handover
+    # follows the rows to node 1). Node 1 sends it back on intent first, and node 0 sends it on to
+    # node 1 on intent again before that handover, passed back to node 0, arrives; node 0's reports
+    # of the moves are older than its decision and change nothing. Node 0 asks for the key once more:
+    # the home's handovers must follow the key to node 1, where it is, not wait at node 0 (which
+    # believed the key on its way there) for rows that never come.
+    net = network_of(2, "relocation", 0)
+    key = np.array([0])
+    net.carry_out(1, net.machines[1].localize(key))
+    net.deliver(1, 0)  # relocate: the home gives the key to node 1 (the rows on channel 0 -> 1)
+    net.carry_out(0, net.machines[0].localize(key))  # handover (epoch 2) to node 1, behind the rows
+    net.deliver(0, 1)  # the rows: node 1 owns the key
+    net.carry_out(1, net.machines[1].receive(0, Announce(key, active=True, node=0, hops=3), net.now))
+    net.deliver(0, 1)  # the handover, before node 1's rows reached node 0: passed on to node 0
+    net.deliver(1, 0)  # the rows: node 0 owns the key
+    net.deliver(1, 0)  # node 1's report of its move: older than the home's decision
+    net.carry_out(0, net.machines[0].receive(1, Announce(key, active=True, node=1, hops=3), net.now))
+    assert net.tables[1].presence[0] == ABSENT and net.tables[0].presence[0] == ABSENT  # rows on 0 -> 1
+    net.carry_out(0, net.machines[0].localize(key))
+
+    net.settle()
+
+    assert net.tables[0].presence[0] == OWNED and not net.tables[0].incoming.any()
+    assert sum(t.stats["handovers_lost"] for t in net.tables) == 0

@@ -91,6 +91,9 @@ class AdaptiveTable:
         # In shared memory: this node's workers read where the keys that left went.
         self.hints = LocationCache(spec.num_keys, num_nodes, shared=self.store.location)
         self.incoming = np.zeros(spec.num_keys, dtype=np.bool_)
+        #: where this node last sent each key's rows (-1: never): a handover for a key that left follows
+        #: it there, behind its rows on the same channel (the location cache may say otherwise by then)
+        self.sent_to = np.full(spec.num_keys, -1, dtype=np.int8)
         #: the version (``placement.ownership.Directory``) of each key this node owns, as it came
         self.epoch = np.zeros(spec.num_keys, dtype=np.int64)
         self.step = np.zeros(spec.num_keys, dtype=np.int64)

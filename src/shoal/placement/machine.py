@@ -230,7 +230,10 @@ class PlacementMachine:
 
     def _relocate_at_home(self, keys: np.ndarray, to: int) -> None:
         table = self.table
-        table.hints.learn(keys[table.directory.is_home(keys)], to)
+        home = keys[table.directory.is_home(keys)]
+        table.hints.learn(home, to)
+        if to != self.node:  # a request of this node's for them, if any, is superseded
+            table.incoming[home[table.presence[home] != OWNED]] = False
         for owner, (part, epochs) in table.directory.move(keys, to).items():
             self._send(owner, Handover(part, epochs, to))
 
@@ -238,23 +241,36 @@ class PlacementMachine:
         """Give owned keys to ``to`` unless a newer move brought them here; chase the others.
 
         A key not here is on its way here (the handover waits for it), or moved on: the handover
-        follows the hints, each of which was set when the key left by the same channel, so it arrives
-        behind the key. When ``to`` is this node, the key is to come back here from wherever it went.
+        follows it to where this node sent its rows, by the same channel, so it arrives behind the key
+        (the location cache may name another node by then: a home's own decision, a report of a later
+        move); a key that never was here goes by the hints. When ``to`` is this node, the key is to come
+        back here from wherever it went. A handover older than the key's version here is dropped, and
+        the node it was for told where the key is (it would wait for it otherwise).
         """
         table = self.table
         owned = table.presence[keys] == OWNED
         here, here_epochs = keys[owned], epochs[owned]
         newer = here_epochs > table.epoch[here]
-        table.stats["handovers_stale"] += int((~newer).sum())
+        if not newer.all():
+            table.stats["handovers_stale"] += int((~newer).sum())
+            stale = here[~newer]
+            if to != self.node:  # the node it was for waits for the key no longer: tell it where it is
+                self._send(to, Owner(stale, table.epoch[stale], table.step[stale], self.node))
         here = here[newer]
         table.epoch[here], table.step[here] = here_epochs[newer], 0
         self._give(here, to)
         rest, rest_epochs = keys[~owned], epochs[~owned]
         where = table.hints.route(rest, hops)
         where[where == self.node] = table.where(rest[where == self.node])  # a home: the owner it knows
-        wait = (where == self.node) | (table.incoming[rest] & (to != self.node))
+        sent_to = table.sent_to[rest]
+        where = np.where(sent_to >= 0, sent_to, where)
+        # A key asked for (``incoming``) that never left here is on its way: wait for it. One that left
+        # may have gone on since the request (the home decided on a later one): follow it.
+        wait = (where == self.node) | (table.incoming[rest] & (to != self.node) & (sent_to < 0))
         if wait.any():
             table.deferred_handovers.append((rest[wait], rest_epochs[wait], to))
+        if to != self.node:  # followed elsewhere: this node's request for them was superseded
+            table.incoming[rest[~wait]] = False
         rest, rest_epochs, where = rest[~wait], rest_epochs[~wait], where[~wait]
         if rest.size and hops >= HANDOVER_HOPS:
             table.stats["handovers_lost"] += int(rest.size)
@@ -274,6 +290,7 @@ class PlacementMachine:
             values = _rows_of(table.store.values, keys)
             table.presence[keys] = ABSENT
         table.hints.learn(keys, to)
+        table.sent_to[keys] = to
         interest = table.interest.interest[keys]  # indexing by an array copies
         replicas = table.interest.replicas[keys]
         table.interest.interest[keys] = 0
@@ -307,23 +324,33 @@ class PlacementMachine:
         for holder in _bits(np.bitwise_or.reduce(replicas) if replicas.size else 0):
             mine = keys[(replicas >> holder) & 1 == 1]
             self._send(holder, Owner(mine, table.epoch[mine], table.step[mine], self.node))
-        deferred, table.deferred_handovers = table.deferred_handovers, []
-        for k, e, to in deferred:
-            self._handover(k, e, to, 0)
+        self._retry_deferred_handovers()
         syncs, table.deferred_syncs = table.deferred_syncs, []
         for k, deltas, drop, origin, target, hops in syncs:
             self._sync_at_owner(k, deltas, drop, origin, target, hops)
         for answer in held.replay_held(table, self._now):
             self._answer(answer)
 
+    def _retry_deferred_handovers(self) -> None:
+        deferred, self.table.deferred_handovers = self.table.deferred_handovers, []
+        for keys, epochs, to in deferred:
+            self._handover(keys, epochs, to, 0)
+
     def _learn_owner(self, keys: np.ndarray, owner: int, epochs: np.ndarray, steps: np.ndarray) -> None:
         """Keys moved to ``owner`` without this node asking: as their home (the newest report wins),
-        or as a replica's holder."""
+        as a replica's holder, or as the node a superseded move was for."""
         table = self.table
         home = table.directory.is_home(keys)
         table.hints.learn(table.directory.record(keys, owner, epochs, steps), owner)
         table.hints.learn(keys[~home], owner)
         table.replica_owner[keys[table.presence[keys] == REPLICA]] = owner
+        # As the node a superseded move was for: the key will not come; what waited for it goes on.
+        awaited = keys[table.incoming[keys] & (table.presence[keys] != OWNED)]
+        if awaited.size and owner != self.node:
+            table.incoming[awaited] = False
+            self._retry_deferred_handovers()
+            for answer in held.replay_held(table, self._now):
+                self._answer(answer)
 
     def _move_on_intent(self, keys: np.ndarray, to: int) -> None:
         """Move owned keys to a node that alone wants them, and tell their homes (one step later
