@@ -174,6 +174,48 @@ def test_a_row_held_in_place_does_not_move_away_until_the_block_ends_and_what_wa
         np.testing.assert_array_equal(t1.pull(keys), 5.0)
 
 
+def test_a_nodes_server_goes_on_serving_rows_held_in_place_and_what_it_adds_meanwhile_lands_once():
+    with ThreadCluster(nodes=2) as c:
+        t0 = c.worker(0).table("m", 40, 1, techniques="relocation")
+        t1 = c.worker(1).table("m", 40, 1, techniques="relocation")
+        keys = np.arange(0, 40, 2)  # node 0's
+        seen: list[np.ndarray] = []
+        served = threading.Event()
+
+        def other_node() -> None:
+            t1.push(keys, np.ones((20, 1), np.float32))  # to rows held on node 0
+            seen.append(t1.pull(keys))
+            served.set()
+
+        with t0.in_place(keys) as rows:
+            rows.values[rows.slots] += 5.0
+            thread = threading.Thread(target=other_node)
+            thread.start()
+            answered_while_held = served.wait(10)  # node 0's server must not wait for the block
+            rows.values[rows.slots] += 5.0
+        thread.join()
+        assert answered_while_held
+        np.testing.assert_array_equal(seen[0], 6.0)  # the row as held, and the push beside it
+        np.testing.assert_array_equal(t1.pull(keys), 11.0)
+        np.testing.assert_array_equal(c.servers[0].adaptive.tables["m"].store.values[keys, 0], 11.0)
+
+
+def test_a_row_another_worker_holds_is_elsewhere_for_a_block_and_its_pushes_wait_beside_it():
+    with ThreadCluster(nodes=1, workers_per_node=2) as c:
+        t0 = c.worker(0).table("m", 10, 1, techniques="auto")
+        t1 = c.worker(1).table("m", 10, 1, techniques="auto")
+        keys = np.arange(10)
+        with t0.in_place(keys[:6]) as rows:
+            with t1.in_place(keys) as other:
+                np.testing.assert_array_equal(other.absent, np.arange(6))  # held by the first block
+                other.values[other.slots[6:]] += 1.0
+            t1.push(keys[other.absent], np.full((6, 1), 2.0, np.float32))  # no message: beside the rows
+            np.testing.assert_array_equal(t1.pull(keys[:6]), 2.0)  # what it pushed, with the held rows
+            rows.values[rows.slots] += 3.0
+        np.testing.assert_array_equal(t0.pull(keys), [[5.0]] * 6 + [[1.0]] * 4)
+        assert t1.counters["requests"] == 0
+
+
 def test_what_is_written_in_place_to_a_replica_reaches_its_owner_once():
     with ThreadCluster(nodes=2) as c:
         w0, w1 = c.worker(0), c.worker(1)

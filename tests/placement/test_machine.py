@@ -12,6 +12,8 @@ in its key's row exactly once, wherever the key went.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ from shoal.placement.intent import ACT_EVERY_S
 from shoal.placement.machine import PlacementMachine
 from shoal.placement.messages import Announce, Handover, Owner, PlacementMessage, State, Sync, array_fields
 from shoal.placement.ownership import LocationCache
-from shoal.storage.kernels import ABSENT, OWNED, REPLICA
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA, TOKEN_PID_SHIFT, pin_in_place
 
 NUM_KEYS = 24
 
@@ -468,3 +470,26 @@ def test_a_handover_chases_a_key_its_owner_moved_on_intent_past_the_homes_newer_
 
     assert net.tables[0].presence[0] == OWNED and not net.tables[0].incoming.any()
     assert sum(t.stats["handovers_lost"] for t in net.tables) == 0
+
+
+def test_rows_a_dead_process_held_in_place_are_let_go_with_what_came_in_for_them(network_of):
+    net = network_of(2, "relocation", 0)
+    table, store = net.tables[0], net.tables[0].store
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    token = int(dead.stdout) << TOKEN_PID_SHIFT
+    keys = np.array([0, 2])  # node 0's
+    slots, absent_at = np.empty(2, np.int64), np.empty(2, np.int64)
+    pin_in_place(table.presence, store.changed, store.pinned, store.holders, token, keys, slots, absent_at)
+    net.push(1, keys)  # from node 1: beside the held rows
+    net.deliver_all()
+    net.carry_out(1, net.machines[1].localize(keys))
+    net.deliver_all()
+    assert (table.presence[keys] == OWNED).all()  # held: they stay
+
+    net.tick(1.0)  # the server looks for holds of processes that died
+    net.deliver_all()
+
+    assert not store.pinned.any() and table.stats["holds_of_dead_processes_ended"] == 1
+    assert (net.tables[1].presence[keys] == OWNED).all()  # moved once let go
+    np.testing.assert_array_equal(net.owned_values()[keys], 1.0)

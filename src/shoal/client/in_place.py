@@ -9,12 +9,16 @@ needs none. ``with table.in_place(keys) as rows:`` gives ``rows.values`` (this
 node's rows of the table, in shared memory) and ``rows.slots`` (each key's row
 in it, -1 for a key elsewhere): the kernel reads and writes ``values[slots[i]]``
 directly, and the keys at ``rows.absent`` go through pull and push after the
-block. Until the block ends those rows are locked: none moves away, and no other
-writer (the node's server, its other workers) touches them, so nothing written
-in place is lost or written after its row left. Keep the block to one small
-batch: the node's server waits for the rows to apply other nodes' pushes or to
-move them. Writes in place are the update rule (the table's own applies to
-pushes); they are not checked for NaN or Inf.
+block. Until the block ends none of those rows moves away, and no other writer
+touches their values, so nothing written in place is lost or written after its
+row left. An adaptive table's rows are pinned, not locked (``storage.in_place``):
+the node's server goes on serving meanwhile, and what other writers add to a
+held row (other nodes' pushes, replicas' changes, the node's other workers)
+waits beside it and goes in when the block ends; a row another block holds is
+elsewhere for this one. A static slice's rows are locked for the block: keep it
+to one small batch, as the node's server waits for them. Writes in place are the
+update rule (the table's own applies to pushes); they are not checked for NaN or
+Inf.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from shoal.storage.shard import ShardStore
 
 
 class InPlace:
-    """The rows of some keys of one table on this node, locked for a ``with`` block."""
+    """The rows of some keys of one table on this node, held for a ``with`` block."""
 
     __slots__ = ("name", "keys", "values", "state", "slots", "absent", "_rows", "_counters", "_open")
 

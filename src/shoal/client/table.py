@@ -190,13 +190,16 @@ class Table:
         ``with table.in_place(keys) as rows:`` gives ``rows.values`` (the node's
         rows, zero-copy) and ``rows.slots`` (each key's row in it, -1 for keys
         on other nodes, whose positions are ``rows.absent``: pull and push those
-        after the block). The rows are locked during the block: none moves away
-        or changes under the kernel, and what it writes to a replica reaches
-        the key's owner. Writes in place bypass the update rule and the NaN/Inf
-        policy; keep the block to one small batch (the node's server waits for
-        the rows). The rows of an adaptive table present here (owned or
-        replicated), or of a static table's slice on this node (one slice per
-        node, ``locking="exact"``; a stateful rule's per-row state is in
+        after the block). During the block none of the rows moves away or
+        changes under the kernel, and what it writes to a replica reaches the
+        key's owner. An adaptive table's rows are held without a lock: the
+        node's server goes on serving, and what others write to them meanwhile
+        goes in when the block ends. A static slice's rows are locked: keep the
+        block to one small batch (the node's server waits for them). Writes in
+        place bypass the update rule and the NaN/Inf policy. The rows of an
+        adaptive table present here (owned or replicated, and not held by
+        another block), or of a static table's slice on this node (one slice
+        per node, ``locking="exact"``; a stateful rule's per-row state is in
         ``rows.state``, for the kernel to update too).
         """
         self._check_not_held()

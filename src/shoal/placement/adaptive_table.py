@@ -100,6 +100,10 @@ class AdaptiveTable:
         self.held: list[Held] = []
         #: handovers (keys, epochs, to) of keys on their way here: carried out when the keys arrive
         self.deferred_handovers: list[tuple[np.ndarray, np.ndarray, int]] = []
+        #: keys to give away that a worker here held in place: (keys, the handover's epochs or None for
+        #: a move on intent, to); given once their holds end
+        self.held_back: list[tuple[np.ndarray, np.ndarray | None, int]] = []
+        self.next_hold_check = 0.0  # when to look next for holds of processes that died
         self.interest = OwnerInterest(spec.num_keys)
         self.intents = NodeIntents(spec.num_keys)
         self.replica_owner = np.full(spec.num_keys, -1, dtype=np.int64)

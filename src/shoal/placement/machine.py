@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -55,20 +56,27 @@ from shoal.placement.messages import (
 from shoal.placement.ownership import MAX_HOPS, home_of
 from shoal.storage.kernels import (
     ABSENT,
+    HELD,
     OWNED,
     REPLICA,
-    add_rows,
+    TOKEN_PID_SHIFT,
+    add_present,
     any_nonfinite,
     apply_synced,
-    gather_rows,
+    give_unheld,
+    read_present,
+    receive_rows,
     take_changes,
+    unpin,
 )
+from shoal.storage.shard import ShardStore
 from shoal.storage.validate import as_keys, as_rows
 
 log = logging.getLogger(__name__)
 
 SYNC_HOPS = 16  # a replica's change chasing a key that keeps moving: after this many hops it is logged and lost
 HANDOVER_HOPS = 16  # the same for a handover
+HOLD_CHECK_S = 1.0  # how often a server looks for rows held in place by a process that died
 
 
 class PlacementMachine:
@@ -128,6 +136,11 @@ class PlacementMachine:
         table = self.table
         self._now = now
         self._act_on_intents(node_clock, clock_s)
+        if now >= table.next_hold_check:
+            table.next_hold_check = now + HOLD_CHECK_S
+            self._let_go_of_the_dead()
+        if table.held_back:
+            self.give_held_later()
         if now >= table.next_sync:
             # On a grid of the period: the tables with one period sync in the same pass, and their
             # syncs to a node go as one message.
@@ -159,7 +172,29 @@ class PlacementMachine:
             why.append(f"{int(table.incoming.sum())} key(s) on their way here")
         if table.held:
             why.append(f"{len(table.held)} request(s) waiting for keys")
+        assert table.store.pinned is not None
+        if table.held_back or table.store.pinned.any():
+            why.append("rows are held in place by a worker")
         return why
+
+    def _let_go_of_the_dead(self) -> None:
+        """Let go of the rows a process pinned (``Table.in_place``) if it died holding them, so that
+        they can move again and what came in for them is in their value."""
+        store = self.table.store
+        assert store.pinned is not None and store.holders is not None
+        assert store.incoming is not None and store.changed is not None
+        held = np.flatnonzero(store.pinned & HELD)
+        if not held.size:
+            return
+        holders = store.holders[held]
+        for token in np.unique(holders).tolist():
+            if not _process_alive(token >> TOKEN_PID_SHIFT):
+                with store.hold(None, exclusive=True):
+                    unpin(store.values, store.changed, self.table.presence, store.pinned, store.incoming,
+                          held[holders == token])
+                self.table.stats["holds_of_dead_processes_ended"] += 1
+                log.warning("server %d: a process that died held rows of %r in place: let go",
+                            self.node, self.table.spec.name)
 
     def _take(self) -> Effects:
         effects, self._effects = self._effects, Effects()
@@ -245,7 +280,8 @@ class PlacementMachine:
         (the location cache may name another node by then: a home's own decision, a report of a later
         move); a key that never was here goes by the hints. When ``to`` is this node, the key is to come
         back here from wherever it went. A handover older than the key's version here is dropped, and
-        the node it was for told where the key is (it would wait for it otherwise).
+        the node it was for told where the key is (it would wait for it otherwise). A key held in
+        place here goes when its hold ends (``give_held_later``).
         """
         table = self.table
         owned = table.presence[keys] == OWNED
@@ -256,9 +292,10 @@ class PlacementMachine:
             stale = here[~newer]
             if to != self.node:  # the node it was for waits for the key no longer: tell it where it is
                 self._send(to, Owner(stale, table.epoch[stale], table.step[stale], self.node))
-        here = here[newer]
-        table.epoch[here], table.step[here] = here_epochs[newer], 0
-        self._give(here, to)
+        here, here_epochs = here[newer], here_epochs[newer]
+        kept = self._give(here, to, here_epochs, np.zeros_like(here_epochs))
+        if kept.size:
+            table.held_back.append((here[kept], here_epochs[kept], to))
         rest, rest_epochs = keys[~owned], epochs[~owned]
         where = table.hints.route(rest, hops)
         where[where == self.node] = table.where(rest[where == self.node])  # a home: the owner it knows
@@ -280,38 +317,62 @@ class PlacementMachine:
             for node, part in _group(where, np.arange(rest.size)):
                 self._send(node, Handover(rest[part], rest_epochs[part], to, hops + 1))
 
-    def _give(self, keys: np.ndarray, to: int) -> None:
-        """Hand owned keys, their interest and their version to ``to``; from now on requests for them
-        are redirected."""
+    def _give(self, keys: np.ndarray, to: int, epochs: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Hand owned keys, their interest and their version (``epochs``, ``steps``: from now on theirs)
+        to ``to``; from now on requests for them are redirected. Keys a worker here holds in place stay
+        until the hold ends: returns their positions in ``keys``."""
         table = self.table
         if to == self.node or not keys.size:
-            return
-        with table.store.hold(None, exclusive=True):
-            values = _rows_of(table.store.values, keys)
-            table.presence[keys] = ABSENT
-        table.hints.learn(keys, to)
-        table.sent_to[keys] = to
-        interest = table.interest.interest[keys]  # indexing by an array copies
-        replicas = table.interest.replicas[keys]
-        table.interest.interest[keys] = 0
-        table.interest.replicas[keys] = 0
-        table.stats["keys_relocated_away"] += int(keys.size)
-        self._send(to, State(keys, values, interest, replicas, table.epoch[keys], table.step[keys]))
+            table.epoch[keys], table.step[keys] = epochs, steps
+            return _NO_KEYS
+        store = table.store
+        assert store.pinned is not None
+        values = np.empty((keys.shape[0], table.spec.dim), dtype=table.spec.dtype)
+        kept_at = np.empty(keys.shape[0], dtype=np.int64)
+        with store.hold(None, exclusive=True):
+            kept_at = kept_at[:give_unheld(store.values, table.presence, store.pinned, keys, values, kept_at)]
+        if kept_at.size:
+            table.stats["keys_held_back"] += int(kept_at.size)
+            given = np.ones(keys.shape[0], dtype=np.bool_)
+            given[kept_at] = False
+            keys, values, epochs, steps = keys[given], values[given], epochs[given], steps[given]
+        if keys.size:
+            table.epoch[keys], table.step[keys] = epochs, steps
+            table.hints.learn(keys, to)
+            table.sent_to[keys] = to
+            interest = table.interest.interest[keys]  # indexing by an array copies
+            replicas = table.interest.replicas[keys]
+            table.interest.interest[keys] = 0
+            table.interest.replicas[keys] = 0
+            table.stats["keys_relocated_away"] += int(keys.size)
+            self._send(to, State(keys, values, interest, replicas, epochs, steps))
+        return kept_at
+
+    def give_held_later(self) -> None:
+        """Give the keys that were held in place when they were to go, where their holds have ended (a
+        move on intent only while the node it was for still alone wants the key)."""
+        table = self.table
+        waiting, table.held_back = table.held_back, []
+        for keys, epochs, to in waiting:
+            if epochs is not None:
+                self._handover(keys, epochs, to, 0)
+                continue
+            keys = keys[table.presence[keys] == OWNED]
+            wanted = keys[(table.interest.interest[keys] >> to) & 1 == 1]
+            self._move_on_intent(table.interest.decide(table.spec.techniques, wanted, to, self.node)
+                                 .get(Action.RELOCATE, _NO_KEYS), to)
 
     def _receive_state(self, keys: np.ndarray, values: np.ndarray, interest: np.ndarray, replicas: np.ndarray,
                        epochs: np.ndarray, steps: np.ndarray) -> None:
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
+        assert store.pinned is not None and store.incoming is not None
         with store.hold(None, exclusive=True):
             # A replica here becomes the row: its changes not yet synced (what its value moved from its
             # base) stay in.
-            replica_keys = keys[table.presence[keys] == REPLICA]
-            unsynced = store.values[replica_keys] - store.base[replica_keys]
-            store.values[keys] = values
-            store.values[replica_keys] += unsynced
-            store.changed[replica_keys] = 0
-            table.presence[keys] = OWNED
+            receive_rows(store.values, store.base, store.changed, table.presence, store.pinned, store.incoming, keys,
+                         values)
         table.epoch[keys], table.step[keys] = epochs, steps
         table.replica_owner[keys] = -1
         table.dropping[keys] = False
@@ -356,8 +417,14 @@ class PlacementMachine:
         """Move owned keys to a node that alone wants them, and tell their homes (one step later
         than the version they had, so that the homes order such reports)."""
         table = self.table
-        table.step[keys] += 1
-        self._give(keys, to)
+        if not keys.size:
+            return
+        kept = self._give(keys, to, table.epoch[keys], table.step[keys] + 1)
+        if kept.size:
+            table.held_back.append((keys[kept], None, to))
+            given = np.ones(keys.shape[0], dtype=np.bool_)
+            given[kept] = False
+            keys = keys[given]
         homes = home_of(keys, table.num_nodes)
         for home in np.unique(homes):
             part = keys[homes == home]
@@ -371,7 +438,7 @@ class PlacementMachine:
         if not keys.size:
             return
         with table.store.hold(None, exclusive=False):
-            values = _rows_of(table.store.values, keys)
+            values = _rows_of(table.store, keys)
         table.interest.replicas[keys] |= 1 << node
         table.stats["replicas_made"] += int(keys.size)
         self._send(node, Replicate(keys, values))
@@ -399,6 +466,7 @@ class PlacementMachine:
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
+        assert store.pinned is not None and store.incoming is not None
         replicas = np.flatnonzero(table.presence == REPLICA)
         if not replicas.size:
             return
@@ -406,7 +474,8 @@ class PlacementMachine:
             if table.syncs_unanswered[owner]:
                 continue
             with store.hold(None, exclusive=True):
-                changed, deltas = take_changes(store.values, store.base, store.changed, keys, table.dropping[keys])
+                changed, deltas = take_changes(store.values, store.base, store.changed, store.pinned, store.incoming,
+                                               keys, table.dropping[keys])
             if not changed.size:
                 continue
             table.syncs_unanswered[owner] = 1
@@ -440,9 +509,12 @@ class PlacementMachine:
                     self._send(owner, Sync(keys[part], deltas[part], drop[part], origin, target, hops + 1))
         if rest.size:  # the usual sync finds every key owned here: no copy of its rows
             keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
-        with table.store.hold(None, exclusive=True):
-            add_rows(table.store.values, keys, deltas, 1.0)
-            values = _rows_of(table.store.values, keys)
+        store = table.store
+        assert store.changed is not None and store.pinned is not None and store.incoming is not None
+        with store.hold(None, exclusive=True):
+            add_present(store.values, store.changed, table.presence, store.pinned, store.incoming, keys, deltas, 1.0,
+                        np.empty(keys.shape[0], dtype=np.int64))
+            values = _rows_of(store, keys)
         table.interest.replicas[keys[drop.astype(bool)]] &= ~(1 << origin)
         self._send(origin, Synced(keys, values, drop, target, parts))
 
@@ -450,12 +522,13 @@ class PlacementMachine:
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
+        assert store.pinned is not None and store.incoming is not None
         table.syncs_unanswered[target] = max(0, table.syncs_unanswered[target] + parts - 1)
         gone = np.empty(keys.shape[0], dtype=np.int64)
         with store.hold(None, exclusive=True):
             # A replica goes once its last change is in; changes made meanwhile go in the next sync.
-            gone = gone[:apply_synced(store.values, store.base, store.changed, table.presence, keys, values, drop,
-                                      gone)]
+            gone = gone[:apply_synced(store.values, store.base, store.changed, table.presence, store.pinned,
+                                      store.incoming, keys, values, drop, gone)]
         table.dropping[gone] = False
         table.replica_owner[gone] = -1
         table.stats["replicas_dropped"] += int(gone.size)
@@ -516,12 +589,29 @@ class PlacementMachine:
             self._announce(stop, False, self.node, 0)
 
 
-def _rows_of(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """A copy of the rows of ``keys``: the compiled gather, about twice as fast as indexing by an
-    array (rows of KGE's tables are 1.6 KB, and a relocation copies a thousand at once)."""
-    out = np.empty((keys.shape[0], values.shape[1]), dtype=values.dtype)
-    gather_rows(values, keys, out)
+def _rows_of(store: ShardStore, keys: np.ndarray) -> np.ndarray:
+    """A copy of the rows of ``keys`` (with what came in for a row held in place): the compiled
+    gather, about twice as fast as indexing by an array (rows of KGE's tables are 1.6 KB, and a
+    relocation copies a thousand at once)."""
+    assert store.presence is not None and store.pinned is not None and store.incoming is not None
+    out = np.empty((keys.shape[0], store.values.shape[1]), dtype=store.values.dtype)
+    absent = read_present(store.values, store.presence, store.pinned, store.incoming, keys, out,
+                          np.empty(keys.shape[0], dtype=np.int64))
+    assert absent == 0, "rows of keys owned here"
     return out
+
+
+_NO_KEYS = np.empty(0, dtype=np.int64)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _group(where: np.ndarray, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:

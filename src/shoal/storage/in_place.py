@@ -1,26 +1,38 @@
-"""Rows a compiled kernel reads and writes where they lie: a node's shared memory, locked meanwhile.
+"""Rows a compiled kernel reads and writes where they lie: a node's shared memory.
 
-``RowsInPlace`` locks the row stripes of some keys in a store, exclusively, as
-every writer of the node does (the server relocating rows, syncing replicas,
-moving a slice away and applying other nodes' pushes; the node's other workers),
-and gives each key's slot in the store's ``values``: a kernel then reads and
-updates those rows with no copy and no message, and none of them moves away or
-changes under it until the block ends. Keys not on this node get slot -1; the
-caller reaches them with pull and push, after the block. In an adaptive table's
-store a key's row is the key, present or not; in a static slice the caller
-gives each key's row (-1 for keys of other slices), and the slice may have moved
-away since (then every key is elsewhere). Rows of a static slice read under ESSP
-are marked changed on close, so the server sends them to the slice's readers.
+``RowsInPlace`` gives each key's slot in a store's ``values``: a kernel then
+reads and updates those rows with no copy and no message, and none of them
+moves away until the block ends. Keys not on this node get slot -1; the caller
+reaches them with pull and push, after the block.
+
+In an adaptive table's store a key's row is the key, present or not. Its rows
+are pinned, not locked (``storage.kernels``: pinned rows): the row locks are
+taken only while the hold marks its rows and while it lets them go, so the
+node's server goes on serving meanwhile, other nodes' pulls and pushes
+included. A writer that finds a row pinned (the server adding another node's
+push or a replica's change, syncing or making a replica the owner; another
+worker's push) adds its change beside the row, and the hold folds it in when it
+lets go; a row pinned does not move away or stop being a replica until then. A
+row another hold has pinned is elsewhere for this one (slot -1: its pull and
+push go through the server).
 
 A replica's row must send what was written to it to its owner. The store keeps
 each replica's row as of its last sync (``ShardStore.base``), so what a kernel
 writes there is the change the next sync sends, with no copy: the replicas among
-the keys are marked changed when the block opens (no sync reads them before it
-ends), as a push to a replica marks them.
+the keys are marked changed when the hold begins and again when it ends (a sync
+meanwhile may have taken part of it).
+
+In a static slice the caller gives each key's row (-1 for keys of other
+slices), and the slice may have moved away since (then every key is elsewhere).
+Its rows stay locked, exclusively, from ``open`` to ``close``, as every writer of
+the node locks them. Rows of a static slice read under ESSP are marked changed
+on close, so the server sends them to the slice's readers.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Any
 
 import numpy as np
@@ -28,11 +40,19 @@ import numpy as np
 from shoal.storage import kernels
 from shoal.storage.shard import ShardStore
 
+_holds = itertools.count(1)
+
+
+def _token() -> int:
+    """A hold's mark on the rows it pins: unique among the node's holds, this process's id above
+    ``TOKEN_PID_SHIFT`` (the server lets go of the rows of a process that died holding them)."""
+    return (os.getpid() << kernels.TOKEN_PID_SHIFT) | (next(_holds) & ((1 << kernels.TOKEN_PID_SHIFT) - 1))
+
 
 class RowsInPlace:
-    """The rows of ``keys`` in ``store``, locked from ``open`` to ``close``."""
+    """The rows of ``keys`` in ``store``, held from ``open`` to ``close``."""
 
-    __slots__ = ("store", "keys", "rows", "values", "state", "slots", "absent", "_replicas", "_lock")
+    __slots__ = ("store", "keys", "rows", "values", "state", "slots", "absent", "_replicas", "_lock", "_token")
 
     def __init__(self, store: ShardStore, keys: np.ndarray, rows: np.ndarray | None = None,
                  shards: np.ndarray | None = None) -> None:
@@ -51,22 +71,29 @@ class RowsInPlace:
         #: positions (in ``keys``) of the keys not on this node (set by ``open``)
         self.absent = _NONE
         self._replicas = 0  # keys held at a replica row (set by ``open``)
-        self._lock: Any = None
+        self._lock: Any = None  # a static slice's locks, taken for the whole block
+        self._token = 0  # an adaptive store's pins, set for the whole block
 
     def open(self) -> None:
         store = self.store
         rows, shards = self.rows
-        lock = store.hold(self.keys if rows is None else rows, exclusive=True)
+        n = self.keys.shape[0]
+        self.slots = np.empty(n, dtype=np.int64)
+        absent_at = np.empty(n, dtype=np.int64)
+        if rows is None:
+            assert store.presence is not None and store.changed is not None
+            assert store.pinned is not None and store.holders is not None
+            token = _token()
+            with store.hold(self.keys, exclusive=True):
+                absent, self._replicas = kernels.pin_in_place(store.presence, store.changed, store.pinned,
+                                                              store.holders, token, self.keys, self.slots, absent_at)
+            self._token = token
+            self.absent = absent_at[:absent]
+            return
+        lock = store.hold(rows, exclusive=True)
         lock.__enter__()
         try:
-            n = self.keys.shape[0]
-            self.slots = np.empty(n, dtype=np.int64)
-            absent_at = np.empty(n, dtype=np.int64)
-            if rows is None:
-                assert store.presence is not None and store.changed is not None
-                absent, self._replicas = kernels.slots_in_place(store.presence, store.changed, self.keys, self.slots,
-                                                                absent_at)
-            elif store.retired:  # the slice moved away before the block: every key is elsewhere
+            if store.retired:  # the slice moved away before the block: every key is elsewhere
                 self.slots[:] = -1
                 absent_at[:] = np.arange(n)
                 absent = n
@@ -80,16 +107,23 @@ class RowsInPlace:
         self._lock = lock
 
     def close(self) -> int:
-        """Unlock, after marking a static slice's rows changed for its ESSP readers; returns how many
-        keys were held at a replica row."""
+        """Let the rows go (an adaptive store's with what came in for them meanwhile; a static slice's
+        marked changed for its ESSP readers); returns how many keys were held at a replica row."""
         store = self.store
+        token, self._token = self._token, 0
+        if token:
+            assert store.presence is not None and store.changed is not None
+            assert store.pinned is not None and store.incoming is not None
+            with store.hold(self.keys, exclusive=True):
+                kernels.unpin(store.values, store.changed, store.presence, store.pinned, store.incoming, self.slots)
+            return int(self._replicas)
         lock, self._lock = self._lock, None
         if lock is None:
             return 0
         try:
             if store.dirty is not None and self.absent.shape[0] < self.slots.shape[0]:
                 store.dirty[self.slots[self.slots >= 0]] = 1
-            return int(self._replicas)
+            return 0
         finally:
             lock.__exit__(None, None, None)
 

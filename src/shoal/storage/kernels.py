@@ -64,12 +64,24 @@ def add_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, alpha: float) -
 
 ABSENT, OWNED, REPLICA = 0, 1, 2
 
+# A row held in place by a worker's kernel is pinned: ``HELD`` is set in ``pinned[r]`` (a byte per
+# row, read beside every row a pull or push touches) and ``holders[r]`` names the hold (a token, its
+# process id above ``TOKEN_PID_SHIFT``). The kernel writes a pinned row with no lock, so every other
+# writer (the node's server, its other workers) leaves its value alone and adds what it would write
+# to ``incoming[r]`` instead (and sets ``ARRIVED``); the hold folds that into the row when it lets
+# go, and readers meanwhile read value plus incoming. So no writer waits for a hold, and nothing
+# written to a held row is lost.
+HELD, ARRIVED = 1, 2
+TOKEN_PID_SHIFT = 24
+
 
 @kernel
-def read_present(values: np.ndarray, presence: np.ndarray, rows: np.ndarray, out: np.ndarray,
-                 absent_at: np.ndarray) -> int:
-    """``out[i] = values[rows[i]]`` for present rows; the positions of the others go to the front of
-    ``absent_at``, and their count is returned (a call that finds every row here allocates nothing more)."""
+def read_present(values: np.ndarray, presence: np.ndarray, pinned: np.ndarray, incoming: np.ndarray,
+                 rows: np.ndarray, out: np.ndarray, absent_at: np.ndarray) -> int:
+    """``out[i] = values[rows[i]]`` (plus what came in for it while held) for present rows; the
+    positions of the others go to the front of ``absent_at``, and their count is returned (a call that
+    finds every row here allocates nothing more). The row copy is written out here, not in a helper
+    kernel: numba does not inline one, and the call costs a gather three times its time."""
     dim = values.shape[1]
     absent = 0
     for i in range(rows.shape[0]):
@@ -78,17 +90,23 @@ def read_present(values: np.ndarray, presence: np.ndarray, rows: np.ndarray, out
             absent_at[absent] = i
             absent += 1
             continue
-        for j in range(dim):
-            out[i, j] = values[r, j]
+        if pinned[r] & ARRIVED:
+            for j in range(dim):
+                out[i, j] = values[r, j] + incoming[r, j]
+        else:
+            for j in range(dim):
+                out[i, j] = values[r, j]
     return absent
 
 
 @kernel
-def add_present(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, rows: np.ndarray,
-                grads: np.ndarray, scale: float, absent_at: np.ndarray) -> int:
-    """Additive update of present rows; a replica's row is also marked changed (its change for the
-    owner is what its value moved since its last sync). The positions of absent rows go to the front
-    of ``absent_at``; returns their count."""
+def add_present(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, pinned: np.ndarray,
+                incoming: np.ndarray, rows: np.ndarray, grads: np.ndarray, scale: float, absent_at: np.ndarray
+                ) -> int:
+    """Additive update of present rows (of a held row: into what comes in for it); a replica's row is
+    also marked changed (its change for the owner is what its value moved since its last sync). The
+    positions of absent rows go to the front of ``absent_at``; returns their count. Written out in
+    one kernel, as ``read_present`` is."""
     dim = values.shape[1]
     a = values.dtype.type(scale)
     absent = 0
@@ -101,17 +119,27 @@ def add_present(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, r
             continue
         if state == 2:
             changed[r] = 1
-        for j in range(dim):
-            values[r, j] += a * grads[i, j]
+        if pinned[r] == 0:
+            for j in range(dim):
+                values[r, j] += a * grads[i, j]
+        elif pinned[r] & ARRIVED:
+            for j in range(dim):
+                incoming[r, j] += a * grads[i, j]
+        else:
+            pinned[r] |= ARRIVED
+            for j in range(dim):
+                incoming[r, j] = a * grads[i, j]
     return absent
 
 
 @kernel
-def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, rows: np.ndarray, also: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pinned: np.ndarray,
+                 incoming: np.ndarray, rows: np.ndarray, also: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A replica sync's payload: the rows among ``rows`` marked changed (or marked in ``also``) and
-    their changes since the last sync (``values - base``); their ``base`` becomes their value and
-    their marks are cleared. No row-sized temporaries."""
+    their changes since the last sync (``values - base``, what came in for a held row included);
+    their ``base`` becomes that value and their marks are cleared. A held row's kernel may write it
+    meanwhile: each value is read once, so a write lands either in this change or in the next (the
+    hold marks the row changed again when it lets go). No row-sized temporaries."""
     dim = values.shape[1]
     chosen = np.zeros(rows.shape[0], dtype=np.bool_)
     count = 0
@@ -126,28 +154,43 @@ def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, rows
         if chosen[i]:
             r = rows[i]
             taken[k] = r
+            changed[r] = 0
+            arrived = pinned[r] & ARRIVED
             for j in range(dim):
                 v = values[r, j]
+                if arrived:
+                    v += incoming[r, j]
                 deltas[k, j] = v - base[r, j]
                 base[r, j] = v
-            changed[r] = 0
             k += 1
     return taken, deltas
 
 
 @kernel
 def apply_synced(values: np.ndarray, base: np.ndarray, changed: np.ndarray, presence: np.ndarray,
-                 rows: np.ndarray, owner_rows: np.ndarray, drop: np.ndarray, gone: np.ndarray) -> int:
+                 pinned: np.ndarray, incoming: np.ndarray, rows: np.ndarray, owner_rows: np.ndarray,
+                 drop: np.ndarray, gone: np.ndarray) -> int:
     """An owner's answer to a replica's sync, in one pass: each row still a replica here becomes the
     owner's row plus the change made here since the sync left (what its value moved from ``base``
     since), and the owner's row its new ``base``; a row whose replica was to go (``drop``) and saw no
-    change since goes now (absent). The rows that went are written to the front of ``gone``; returns
-    how many."""
+    change since goes now (absent), unless it is held in place (it goes with a later sync). A held
+    row's value is left to its kernel: the owner's part comes in for it. The rows that went are
+    written to the front of ``gone``; returns how many."""
     dim = values.shape[1]
     went = 0
     for i in range(rows.shape[0]):
         r = rows[i]
         if presence[r] != 2:
+            continue
+        held = pinned[r] != 0
+        if held:
+            arrived = pinned[r] & ARRIVED
+            pinned[r] |= ARRIVED
+            for j in range(dim):
+                o = owner_rows[i, j]
+                came = o - base[r, j]
+                incoming[r, j] = incoming[r, j] + came if arrived else came
+                base[r, j] = o
             continue
         for j in range(dim):
             o = owner_rows[i, j]
@@ -161,27 +204,97 @@ def apply_synced(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pres
 
 
 @kernel
-def slots_in_place(presence: np.ndarray, changed: np.ndarray, rows: np.ndarray, slots: np.ndarray,
-                   absent_at: np.ndarray) -> tuple[int, int]:
-    """``slots[i] = rows[i]`` where that row is on this node, -1 where it is not; the positions of the
-    absent rows go to the front of ``absent_at``; replica rows are marked changed (what is written to
-    them in place is their next sync's change). Returns how many rows are absent and how many are
-    replicas."""
+def receive_rows(values: np.ndarray, base: np.ndarray, changed: np.ndarray, presence: np.ndarray,
+                 pinned: np.ndarray, incoming: np.ndarray, rows: np.ndarray, new_rows: np.ndarray) -> None:
+    """Rows that come to be owned here (a relocation's state): each becomes the row that came, plus,
+    where a replica was here, the change made to it since its last sync (what its value moved from
+    ``base``: not sent yet, so it stays in). A held replica's value is left to its kernel: the
+    difference comes in for it."""
+    dim = values.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        replica = presence[r] == 2
+        if pinned[r] != 0:
+            arrived = pinned[r] & ARRIVED
+            pinned[r] |= ARRIVED
+            for j in range(dim):
+                # a held replica keeps its change; a held row that was not one (not a move's way) takes the new row
+                came = new_rows[i, j] - (base[r, j] if replica else values[r, j] + (incoming[r, j] if arrived else 0))
+                incoming[r, j] = incoming[r, j] + came if arrived else came
+        elif replica:
+            for j in range(dim):
+                values[r, j] = new_rows[i, j] + (values[r, j] - base[r, j])
+        else:
+            for j in range(dim):
+                values[r, j] = new_rows[i, j]
+        changed[r] = 0
+        presence[r] = 1
+
+
+@kernel
+def give_unheld(values: np.ndarray, presence: np.ndarray, pinned: np.ndarray, rows: np.ndarray, out: np.ndarray,
+                kept_at: np.ndarray) -> int:
+    """Rows leaving this node: each not held in place is copied to ``out[i]`` and marked absent; the
+    positions of the held ones (they stay until their hold ends) go to the front of ``kept_at``, and
+    their count is returned."""
+    dim = values.shape[1]
+    kept = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if pinned[r] != 0:
+            kept_at[kept] = i
+            kept += 1
+            continue
+        for j in range(dim):
+            out[i, j] = values[r, j]
+        presence[r] = 0
+    return kept
+
+
+@kernel
+def pin_in_place(presence: np.ndarray, changed: np.ndarray, pinned: np.ndarray, holders: np.ndarray, token: int,
+                 rows: np.ndarray, slots: np.ndarray, absent_at: np.ndarray) -> tuple[int, int]:
+    """Hold rows for a kernel: ``slots[i] = rows[i]`` where that row is on this node and no other hold
+    has it (it is pinned for ``token``), -1 where not; the positions of the others go to the front of
+    ``absent_at``; replica rows are marked changed (what is written to them in place is their next
+    sync's change). Returns how many rows are elsewhere or held, and how many are replicas."""
     absent = 0
     replicas = 0
     for i in range(rows.shape[0]):
         r = rows[i]
         state = presence[r]
-        if state == 0:
+        if state == 0 or (pinned[r] & HELD and holders[r] != token):
             slots[i] = -1
             absent_at[absent] = i
             absent += 1
             continue
+        if not pinned[r] & HELD:
+            pinned[r] |= HELD
+            holders[r] = token
         slots[i] = r
         if state == 2:
             changed[r] = 1
             replicas += 1
     return absent, replicas
+
+
+@kernel
+def unpin(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, pinned: np.ndarray,
+          incoming: np.ndarray, rows: np.ndarray) -> None:
+    """Let go of the held rows among ``rows`` (-1: none; the caller's own, or a dead process's): what
+    came in for each meanwhile is added to its value, and a replica's row is marked changed again (a
+    sync during the hold may have taken its change halfway)."""
+    dim = values.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0 or not pinned[r] & HELD:  # not held, or a key twice in one hold: let go already
+            continue
+        if pinned[r] & ARRIVED:
+            for j in range(dim):
+                values[r, j] += incoming[r, j]
+        pinned[r] = 0
+        if presence[r] == 2:
+            changed[r] = 1
 
 
 @kernel
@@ -462,11 +575,16 @@ def warm_up(dtype: Any = np.float32) -> None:
     gather_place(rows, keys, keys, rows.copy())
     place_rows(rows.copy(), keys, rows)
     add_rows(rows.copy(), keys, rows, 1.0)
-    read_present(rows, flags, keys, rows.copy(), absent_at)
-    add_present(rows.copy(), flags.copy(), flags, keys, rows, 1.0, absent_at)
-    take_changes(rows.copy(), rows.copy(), flags.copy(), keys, np.zeros(1, dtype=np.bool_))
-    apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), keys, rows, flags, absent_at.copy())
-    slots_in_place(flags, flags.copy(), keys, absent_at.copy(), absent_at.copy())
+    pins = np.zeros(1, dtype=np.uint8)
+    read_present(rows, flags, pins, rows, keys, rows.copy(), absent_at)
+    add_present(rows.copy(), flags.copy(), flags, pins, rows.copy(), keys, rows, 1.0, absent_at)
+    take_changes(rows.copy(), rows.copy(), flags.copy(), pins, rows, keys, np.zeros(1, dtype=np.bool_))
+    apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, rows.copy(), keys, rows, flags,
+                 absent_at.copy())
+    receive_rows(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, rows.copy(), keys, rows)
+    give_unheld(rows, flags.copy(), pins, keys, rows.copy(), absent_at.copy())
+    pin_in_place(flags, flags.copy(), pins.copy(), keys.copy(), 1, keys, absent_at.copy(), absent_at.copy())
+    unpin(rows.copy(), flags.copy(), flags, pins.copy(), rows, keys)
     slice_slots_in_place(keys, keys, 0, absent_at.copy(), absent_at.copy())
 
 

@@ -68,6 +68,15 @@ class ShardLayout:
             offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
             slots["changed"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
+            # Rows a worker's kernel holds in place (a byte per row, and the hold's token), and what
+            # other writers added to them meanwhile (``storage.kernels``: pinned rows); pages of
+            # ``incoming`` take memory only once a held row is written to.
+            slots["pinned"] = ArraySlot(offset, (num_rows,), "uint8")
+            offset = align(offset + num_rows)
+            slots["holders"] = ArraySlot(offset, (num_rows,), "int64")
+            offset = align(offset + num_rows * 8)
+            slots["incoming"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
+            offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
         return cls(slots, max(offset, 1))
 
 
@@ -93,6 +102,9 @@ class ShardStore:
         self.location: np.ndarray | None = arrays.pop("location", None)
         self.base: np.ndarray | None = arrays.pop("base", None)
         self.changed: np.ndarray | None = arrays.pop("changed", None)
+        self.pinned: np.ndarray | None = arrays.pop("pinned", None)
+        self.holders: np.ndarray | None = arrays.pop("holders", None)
+        self.incoming: np.ndarray | None = arrays.pop("incoming", None)
         self.state = arrays
         self._locks = StripedLocks(segment.fd) if spec.locking == "exact" else None
 
@@ -212,20 +224,23 @@ class ShardStore:
         Presence is checked under the same lock that a relocation takes, so a
         row is read here or found absent, never read after it moved away.
         """
-        assert self.presence is not None
+        assert self.presence is not None and self.pinned is not None and self.incoming is not None
         absent_at = np.empty(rows.shape[0], dtype=np.int64)
         with self._hold(rows, exclusive=False):
-            absent = kernels.read_present(self.values, self.presence, rows, out, absent_at)
+            absent = kernels.read_present(self.values, self.presence, self.pinned, self.incoming, rows, out,
+                                          absent_at)
         return absent_at[:absent]
 
     def update_present(self, rows: np.ndarray, grads: np.ndarray, scale: float) -> np.ndarray:
-        """Add ``scale * grads`` to the rows present here (a replica's marked changed); returns the
-        positions of the absent rows, which the caller must send to their owner."""
+        """Add ``scale * grads`` to the rows present here (a replica's marked changed; a row held in
+        place gets it when its hold ends); returns the positions of the absent rows, which the caller
+        must send to their owner."""
         assert self.presence is not None and self.changed is not None
+        assert self.pinned is not None and self.incoming is not None
         absent_at = np.empty(rows.shape[0], dtype=np.int64)
         with self._hold(rows, exclusive=True):
-            absent = kernels.add_present(self.values, self.changed, self.presence, rows, grads, scale,
-                                         absent_at)
+            absent = kernels.add_present(self.values, self.changed, self.presence, self.pinned, self.incoming,
+                                         rows, grads, scale, absent_at)
         return absent_at[:absent]
 
     def take_dirty(self) -> np.ndarray:
