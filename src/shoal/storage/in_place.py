@@ -41,12 +41,21 @@ from shoal.storage import kernels
 from shoal.storage.shard import ShardStore
 
 _holds = itertools.count(1)
+_pid_bits = os.getpid() << kernels.TOKEN_PID_SHIFT  # os.getpid is a system call: once per process
+
+
+def _new_process() -> None:
+    global _pid_bits
+    _pid_bits = os.getpid() << kernels.TOKEN_PID_SHIFT
+
+
+os.register_at_fork(after_in_child=_new_process)
 
 
 def _token() -> int:
     """A hold's mark on the rows it pins: unique among the node's holds, this process's id above
     ``TOKEN_PID_SHIFT`` (the server lets go of the rows of a process that died holding them)."""
-    return (os.getpid() << kernels.TOKEN_PID_SHIFT) | (next(_holds) & ((1 << kernels.TOKEN_PID_SHIFT) - 1))
+    return _pid_bits | (next(_holds) & ((1 << kernels.TOKEN_PID_SHIFT) - 1))
 
 
 class RowsInPlace:
