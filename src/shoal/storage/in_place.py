@@ -13,8 +13,8 @@ included. A writer that finds a row pinned (the server adding another node's
 push or a replica's change, syncing or making a replica the owner; another
 worker's push) adds its change beside the row, and the hold folds it in when it
 lets go; a row pinned does not move away or stop being a replica until then. A
-row another hold has pinned is elsewhere for this one (slot -1: its pull and
-push go through the server).
+row another hold has pinned is elsewhere for this one (slot -1: its pull reads
+it with what came in for it, its push adds beside it, with no message).
 
 A replica's row must send what was written to it to its owner. The store keeps
 each replica's row as of its last sync (``ShardStore.base``), so what a kernel

@@ -81,7 +81,7 @@ def read_present(values: np.ndarray, presence: np.ndarray, pinned: np.ndarray, i
     """``out[i] = values[rows[i]]`` (plus what came in for it while held) for present rows; the
     positions of the others go to the front of ``absent_at``, and their count is returned (a call that
     finds every row here allocates nothing more). The row copy is written out here, not in a helper
-    kernel: numba does not inline one, and the call costs a gather three times its time."""
+    kernel: numba does not inline one, and calling it tripled the time of a 10,000-row read."""
     dim = values.shape[1]
     absent = 0
     for i in range(rows.shape[0]):
