@@ -140,7 +140,7 @@ class PlacementMachine:
             table.next_hold_check = now + HOLD_CHECK_S
             self._let_go_of_the_dead()
         if table.held_back:
-            self.give_held_later()
+            self._give_held_later()
         if now >= table.next_sync:
             # On a grid of the period: the tables with one period sync in the same pass, and their
             # syncs to a node go as one message.
@@ -281,7 +281,7 @@ class PlacementMachine:
         move); a key that never was here goes by the hints. When ``to`` is this node, the key is to come
         back here from wherever it went. A handover older than the key's version here is dropped, and
         the node it was for told where the key is (it would wait for it otherwise). A key held in
-        place here goes when its hold ends (``give_held_later``).
+        place here goes when its hold ends (``_give_held_later``).
         """
         table = self.table
         owned = table.presence[keys] == OWNED
@@ -348,7 +348,7 @@ class PlacementMachine:
             self._send(to, State(keys, values, interest, replicas, epochs, steps))
         return kept_at
 
-    def give_held_later(self) -> None:
+    def _give_held_later(self) -> None:
         """Give the keys that were held in place when they were to go, where their holds have ended (a
         move on intent only while the node it was for still alone wants the key)."""
         table = self.table
