@@ -472,7 +472,7 @@ def test_a_handover_chases_a_key_its_owner_moved_on_intent_past_the_homes_newer_
     assert sum(t.stats["handovers_lost"] for t in net.tables) == 0
 
 
-def test_rows_a_dead_process_held_in_place_are_let_go_with_what_came_in_for_them(network_of):
+def test_rows_a_dead_process_held_in_place_are_let_go_with_what_arrived_beside_them(network_of):
     net = network_of(2, "relocation", 0)
     table, store = net.tables[0], net.tables[0].store
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
@@ -480,7 +480,8 @@ def test_rows_a_dead_process_held_in_place_are_let_go_with_what_came_in_for_them
     token = int(dead.stdout) << TOKEN_PID_SHIFT
     keys = np.array([0, 2])  # node 0's
     slots, absent_at = np.empty(2, np.int64), np.empty(2, np.int64)
-    pin_in_place(table.presence, store.changed, store.pinned, store.holders, token, keys, slots, absent_at)
+    pin_in_place(store.values, table.presence, store.changed, store.pinned, store.holders, store.arrived,
+                 store.incoming, token, keys, slots, absent_at)
     net.push(1, keys)  # from node 1: beside the held rows
     net.deliver_all()
     net.carry_out(1, net.machines[1].localize(keys))

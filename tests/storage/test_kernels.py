@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -68,7 +69,8 @@ def test_take_changes_returns_and_clears_exactly_the_changed_or_marked_rows(rows
     marked = rng.random(len(rows)) < 0.2
     base_before, values_before, changed_before = base.copy(), values.copy(), changed.copy()
     want = rows[(changed_before[rows] == 1) | marked]
-    taken, deltas = kernels.take_changes(values, base, changed, _unpinned(20), np.zeros_like(values), rows, marked)
+    taken, deltas = kernels.take_changes(values, base, changed, _unpinned(20), _unpinned(20),
+                                         np.zeros_like(values), rows, marked)
     np.testing.assert_array_equal(taken, want)
     np.testing.assert_array_equal(deltas, values_before[want] - base_before[want])
     np.testing.assert_array_equal(values, values_before)  # a sync leaves the replica's rows as they are
@@ -85,8 +87,8 @@ def test_add_present_marks_the_replica_rows_it_changes_and_no_others():
     changed = np.zeros(4, np.uint8)
     presence = np.array([kernels.OWNED, kernels.REPLICA, kernels.ABSENT, kernels.REPLICA], np.uint8)
     absent_at = np.full(3, -1, np.int64)
-    absent = kernels.add_present(values, changed, presence, _unpinned(4), np.zeros_like(values), np.array([0, 1, 2]),
-                                 np.ones((3, 2), np.float32), 0.5, absent_at)
+    absent = kernels.add_present(values, changed, presence, _unpinned(4), _unpinned(4), np.zeros_like(values),
+                                 np.array([0, 1, 2]), np.ones((3, 2), np.float32), 0.5, absent_at)
     assert absent == 1 and absent_at[0] == 2
     np.testing.assert_array_equal(changed, [0, 1, 0, 0])
     np.testing.assert_array_equal(values, [[0.5, 0.5], [0.5, 0.5], [0, 0], [0, 0]])
@@ -230,41 +232,69 @@ assert "scipy.linalg" in sys.modules
 def test_pin_in_place_gives_each_present_row_not_held_elsewhere_and_marks_the_replicas_changed():
     presence = np.array([kernels.OWNED, kernels.REPLICA, kernels.ABSENT, kernels.REPLICA, kernels.OWNED], np.uint8)
     changed = np.zeros(5, np.uint8)
-    pinned = np.array([0, 0, 0, 0, kernels.HELD], np.uint8)
+    pinned = np.array([0, 0, 0, 0, 1], np.uint8)
     holders = np.array([0, 0, 0, 0, 77], np.int64)  # row 4: another hold's
+    arrived = np.array([1, 0, 0, 0, 1], np.uint8)  # row 0: a change beside it, from a hold that ended
+    values = np.ones((5, 2), np.float32)
+    incoming = np.full((5, 2), 2.0, np.float32)
     rows = np.array([1, 0, 2, 1, 3, 4])
     slots, absent_at = np.full(6, 99, np.int64), np.full(6, 99, np.int64)
-    absent, replicas = kernels.pin_in_place(presence, changed, pinned, holders, 5, rows, slots, absent_at)
+    absent, replicas = kernels.pin_in_place(values, presence, changed, pinned, holders, arrived, incoming, 5, rows,
+                                            slots, absent_at)
     assert (absent, replicas) == (2, 3)
     np.testing.assert_array_equal(absent_at[:absent], [2, 5])
     np.testing.assert_array_equal(slots, [1, 0, -1, 1, 3, -1])
-    np.testing.assert_array_equal(pinned, [kernels.HELD, kernels.HELD, 0, kernels.HELD, kernels.HELD])
+    np.testing.assert_array_equal(pinned, [1, 1, 0, 1, 1])
     np.testing.assert_array_equal(holders, [5, 5, 0, 5, 77])
     np.testing.assert_array_equal(changed, [0, 1, 0, 1, 0])  # written in place or not: synced next time
+    np.testing.assert_array_equal(values[:, 0], [3, 1, 1, 1, 1])  # the kernel reads the row with what arrived
+    np.testing.assert_array_equal(arrived, [0, 0, 0, 0, 1])  # another hold's row: left beside it
 
 
-def test_writes_to_a_held_row_wait_beside_it_are_read_with_it_and_folded_in_when_the_hold_ends():
+def test_writes_to_a_held_row_wait_beside_it_are_read_with_it_and_go_in_with_its_next_write():
     presence = np.array([kernels.OWNED, kernels.REPLICA, kernels.OWNED], np.uint8)
     changed = np.zeros(3, np.uint8)
-    pinned, holders = np.zeros(3, np.uint8), np.zeros(3, np.int64)
+    pinned, holders, arrived = np.zeros(3, np.uint8), np.zeros(3, np.int64), np.zeros(3, np.uint8)
     values = np.ones((3, 2), np.float32)
-    incoming = np.full((3, 2), np.nan, np.float32)  # never read where nothing came in
+    incoming = np.full((3, 2), np.nan, np.float32)  # never read where nothing arrived
     slots, absent_at = np.empty(2, np.int64), np.empty(2, np.int64)
-    kernels.pin_in_place(presence, changed, pinned, holders, 9, np.array([0, 1]), slots, absent_at)
+    kernels.pin_in_place(values, presence, changed, pinned, holders, arrived, incoming, 9, np.array([0, 1]), slots,
+                         absent_at)
     values[[0, 1]] += 10.0  # the kernel's writes, with no lock
-    kernels.add_present(values, changed, presence, pinned, incoming, np.array([0, 2, 0]),
+    kernels.add_present(values, changed, presence, pinned, arrived, incoming, np.array([0, 2, 0]),
                         np.ones((3, 2), np.float32), 1.0, absent_at)  # another writer: rows 0 (twice) and 2
-    kernels.add_present(values, changed, presence, pinned, incoming, np.array([0]), np.full((1, 2), 0.5, np.float32),
-                        1.0, absent_at)
+    kernels.add_present(values, changed, presence, pinned, arrived, incoming, np.array([0]),
+                        np.full((1, 2), 0.5, np.float32), 1.0, absent_at)
     np.testing.assert_array_equal(values, [[11, 11], [11, 11], [2, 2]])  # the held value untouched
     out = np.empty((3, 2), np.float32)
-    kernels.read_present(values, presence, pinned, incoming, np.array([0, 1, 2]), out, absent_at)
+    kernels.read_present(values, presence, arrived, incoming, np.array([0, 1, 2]), out, absent_at)
     np.testing.assert_array_equal(out, [[13.5, 13.5], [11, 11], [2, 2]])
-    changed[1] = 0  # a sync took the replica's change meanwhile
-    kernels.unpin(values, changed, presence, pinned, incoming, np.array([0, 1, -1, 0]))  # key 0 twice
-    np.testing.assert_array_equal(values, [[13.5, 13.5], [11, 11], [2, 2]])
+    kernels.release(pinned, holders, 8, np.array([0, 1]))  # another hold's token lets go of nothing
+    np.testing.assert_array_equal(pinned, [1, 1, 0])
+    kernels.release(pinned, holders, 9, np.array([0, 1, -1, 0]))  # key 0 twice
     np.testing.assert_array_equal(pinned, 0)
-    np.testing.assert_array_equal(changed, [0, 1, 0])  # marked again: writes after that sync go in the next
+    np.testing.assert_array_equal(values[0], [11, 11])  # letting go (with no lock) writes nothing but the pins
+    kernels.read_present(values, presence, arrived, incoming, np.array([0, 1, 2]), out, absent_at)
+    np.testing.assert_array_equal(out, [[13.5, 13.5], [11, 11], [2, 2]])  # let go: what arrived is still read
+    kernels.add_present(values, changed, presence, pinned, arrived, incoming, np.array([0]),
+                        np.ones((1, 2), np.float32), 1.0, absent_at)
+    np.testing.assert_array_equal(values[0], [14.5, 14.5])  # the next write folded it in, once
+    assert arrived[0] == 0
+
+
+def test_a_sync_leaves_a_held_replica_marked_changed_and_folds_what_arrived_beside_a_let_go_one():
+    base = np.zeros((2, 2), np.float32)
+    values = np.ones((2, 2), np.float32)
+    changed = np.ones(2, np.uint8)
+    pinned, arrived = np.array([1, 0], np.uint8), np.array([0, 1], np.uint8)
+    incoming = np.full((2, 2), 3.0, np.float32)  # row 1: a local push while it was held, now let go
+    taken, deltas = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0, 1]),
+                                         np.zeros(2, np.bool_))
+    np.testing.assert_array_equal(deltas, [[1, 1], [4, 4]])
+    np.testing.assert_array_equal(changed, [1, 0])  # the held row's kernel writes on: its rest goes next time
+    np.testing.assert_array_equal(values[1], [4, 4])
+    np.testing.assert_array_equal(arrived, [0, 0])
+    np.testing.assert_array_equal(base, values)
 
 
 def test_a_held_replica_takes_its_owners_answer_and_its_sync_beside_its_value():
@@ -272,40 +302,88 @@ def test_a_held_replica_takes_its_owners_answer_and_its_sync_beside_its_value():
     base = np.full((1, 2), 5.0, np.float32)
     values = base + 1.0  # a change since the last sync
     changed = np.ones(1, np.uint8)
-    pinned = np.array([kernels.HELD], np.uint8)
+    pinned, holders, arrived = np.ones(1, np.uint8), np.full(1, 3, np.int64), np.zeros(1, np.uint8)
     incoming = np.zeros((1, 2), np.float32)
-    taken, deltas = kernels.take_changes(values, base, changed, pinned, incoming, np.array([0]), np.zeros(1, np.bool_))
+    taken, deltas = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0]),
+                                         np.zeros(1, np.bool_))
     np.testing.assert_array_equal(deltas, [[1, 1]])
     values += 2.0  # the kernel writes on
     gone = np.empty(1, np.int64)
-    went = kernels.apply_synced(values, base, changed, presence, pinned, incoming, np.array([0]),
+    went = kernels.apply_synced(values, base, changed, presence, pinned, arrived, incoming, np.array([0]),
                                 np.full((1, 2), 20.0, np.float32), np.ones(1, np.uint8), gone)
     assert went == 0 and presence[0] == kernels.REPLICA  # a held replica does not go
     np.testing.assert_array_equal(values, [[8, 8]])  # left to the kernel
     np.testing.assert_array_equal(base, [[20, 20]])
     out = np.empty((1, 2), np.float32)
-    kernels.read_present(values, presence, pinned, incoming, np.array([0]), out, gone)
+    kernels.read_present(values, presence, arrived, incoming, np.array([0]), out, gone)
     np.testing.assert_array_equal(out, [[22, 22]])  # the owner's row plus the change since the sync
-    taken, deltas = kernels.take_changes(values, base, changed, pinned, incoming, np.array([0]), np.ones(1, np.bool_))
+    taken, deltas = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0]),
+                                         np.ones(1, np.bool_))
     np.testing.assert_array_equal(deltas, [[2, 2]])
-    kernels.receive_rows(values, base, changed, presence, pinned, incoming, np.array([0]),
+    kernels.receive_rows(values, base, changed, presence, pinned, arrived, incoming, np.array([0]),
                          np.full((1, 2), 30.0, np.float32))  # it comes to be owned here, still held
-    assert presence[0] == kernels.OWNED
-    kernels.unpin(values, changed, presence, pinned, incoming, np.array([0]))
+    assert presence[0] == kernels.OWNED and changed[0] == 0
+    kernels.release(pinned, holders, 3, np.array([0]))
+    assert kernels.fold_arrived(values, pinned, arrived, incoming) == 0
     np.testing.assert_array_equal(values, [[30, 30]])  # every change was sent in a sync before
-    assert changed[0] == 0
 
 
 def test_give_unheld_copies_and_lets_go_of_the_rows_not_held_and_keeps_the_held():
     values = np.arange(6, dtype=np.float32).reshape(3, 2)
     presence = np.full(3, kernels.OWNED, np.uint8)
-    pinned = np.array([0, kernels.HELD, 0], np.uint8)
+    pinned, arrived = np.array([0, 1, 0], np.uint8), np.array([1, 1, 0], np.uint8)
+    incoming = np.full((3, 2), 10.0, np.float32)
     out = np.zeros((3, 2), np.float32)
     kept_at = np.empty(3, np.int64)
-    kept = kernels.give_unheld(values, presence, pinned, np.array([2, 1, 0]), out, kept_at)
+    kept = kernels.give_unheld(values, presence, pinned, arrived, incoming, np.array([2, 1, 0]), out, kept_at)
     assert kept == 1 and kept_at[0] == 1
-    np.testing.assert_array_equal(out[[0, 2]], [[4, 5], [0, 1]])
+    np.testing.assert_array_equal(out[[0, 2]], [[4, 5], [10, 11]])  # row 0 with what arrived beside it
     np.testing.assert_array_equal(presence, [kernels.ABSENT, kernels.OWNED, kernels.ABSENT])
+    np.testing.assert_array_equal(arrived, [0, 1, 0])  # nothing left beside a row that went
+
+
+def test_a_hold_letting_go_without_the_lock_loses_no_write_of_a_writer_that_takes_it():
+    """A hold pins under the row lock, writes with none and lets go with none, over and over, while a
+    writer on another thread adds to the same rows under the lock (the server's path, which finds each
+    row pinned or not): every add of either lands once. (A release that folded what arrived, racing
+    the writer, lost or doubled an add in most runs of this test.)"""
+    num_rows, dim, rounds, repeat = 256, 32, 4000, 8
+    values = np.zeros((num_rows, dim), np.float32)
+    incoming = np.zeros_like(values)
+    presence = np.full(num_rows, kernels.OWNED, np.uint8)
+    changed, pinned, arrived = (np.zeros(num_rows, np.uint8) for _ in range(3))
+    holders = np.zeros(num_rows, np.int64)
+    rows = np.arange(num_rows, dtype=np.int64)
+    lock = threading.Lock()
+    ones = np.ones((repeat * num_rows, dim), np.float32)  # long kernels on both sides: they overlap more
+
+    def holder() -> None:
+        slots, absent_at = np.empty(num_rows, np.int64), np.empty(num_rows, np.int64)
+        for token in range(1, rounds + 1):
+            with lock:
+                kernels.pin_in_place(values, presence, changed, pinned, holders, arrived, incoming, token, rows,
+                                     slots, absent_at)
+            kernels.add_rows(values, np.tile(slots, repeat), ones, 1.0)  # no row is held elsewhere: all valid
+            kernels.release(pinned, holders, token, slots)
+
+    def writer() -> None:
+        absent_at = np.empty(repeat * num_rows, np.int64)
+        for _ in range(rounds):
+            with lock:
+                kernels.add_present(values, changed, presence, pinned, arrived, incoming, np.tile(rows, repeat), ones,
+                                    1.0, absent_at)
+
+    threads = [threading.Thread(target=holder), threading.Thread(target=writer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    out = np.empty_like(values)
+    kernels.read_present(values, presence, arrived, incoming, rows, out, np.empty(num_rows, np.int64))
+    np.testing.assert_array_equal(out, np.full_like(out, 2 * repeat * rounds))
+    assert kernels.fold_arrived(values, pinned, arrived, incoming) == 0
+    np.testing.assert_array_equal(values, out)
 
 
 def test_apply_synced_sets_replicas_to_the_owners_rows_plus_their_pending_change_and_drops_the_unchanged():
@@ -316,7 +394,7 @@ def test_apply_synced_sets_replicas_to_the_owners_rows_plus_their_pending_change
     owner_rows = np.array([[10, 10], [20, 20], [30, 30], [40, 40]], np.float32)
     drop = np.array([1, 1, 1, 0], np.uint8)
     gone = np.full(4, -1, np.int64)
-    went = kernels.apply_synced(values, base, changed, presence, _unpinned(4), np.zeros_like(values),
+    went = kernels.apply_synced(values, base, changed, presence, _unpinned(4), _unpinned(4), np.zeros_like(values),
                                 np.array([0, 1, 2, 3]), owner_rows, drop, gone)
     # row 2 is owned here (no longer a replica): untouched; row 1 changed since: kept for the next sync
     np.testing.assert_array_equal(values, [[10, 10], [21, 21], [7, 7], [42, 42]])

@@ -56,7 +56,6 @@ from shoal.placement.messages import (
 from shoal.placement.ownership import MAX_HOPS, home_of
 from shoal.storage.kernels import (
     ABSENT,
-    HELD,
     OWNED,
     REPLICA,
     TOKEN_PID_SHIFT,
@@ -66,8 +65,8 @@ from shoal.storage.kernels import (
     give_unheld,
     read_present,
     receive_rows,
+    release,
     take_changes,
-    unpin,
 )
 from shoal.storage.shard import ShardStore
 from shoal.storage.validate import as_keys, as_rows
@@ -179,19 +178,17 @@ class PlacementMachine:
 
     def _let_go_of_the_dead(self) -> None:
         """Let go of the rows a process pinned (``Table.in_place``) if it died holding them, so that
-        they can move again and what came in for them is in their value."""
+        they can move again (what arrived beside them goes in with their next write)."""
         store = self.table.store
         assert store.pinned is not None and store.holders is not None
-        assert store.incoming is not None and store.changed is not None
-        held = np.flatnonzero(store.pinned & HELD)
+        held = np.flatnonzero(store.pinned != 0)  # a copy first: holds change the pins meanwhile
         if not held.size:
             return
         holders = store.holders[held]
         for token in np.unique(holders).tolist():
             if not _process_alive(token >> TOKEN_PID_SHIFT):
                 with store.hold(None, exclusive=True):
-                    unpin(store.values, store.changed, self.table.presence, store.pinned, store.incoming,
-                          held[holders == token])
+                    release(store.pinned, store.holders, token, held[holders == token])
                 self.table.stats["holds_of_dead_processes_ended"] += 1
                 log.warning("server %d: a process that died held rows of %r in place: let go",
                             self.node, self.table.spec.name)
@@ -326,11 +323,12 @@ class PlacementMachine:
             table.epoch[keys], table.step[keys] = epochs, steps
             return _NO_KEYS
         store = table.store
-        assert store.pinned is not None
+        assert store.pinned is not None and store.arrived is not None and store.incoming is not None
         values = np.empty((keys.shape[0], table.spec.dim), dtype=table.spec.dtype)
         kept_at = np.empty(keys.shape[0], dtype=np.int64)
         with store.hold(None, exclusive=True):
-            kept_at = kept_at[:give_unheld(store.values, table.presence, store.pinned, keys, values, kept_at)]
+            kept_at = kept_at[:give_unheld(store.values, table.presence, store.pinned, store.arrived, store.incoming,
+                                           keys, values, kept_at)]
         if kept_at.size:
             table.stats["keys_held_back"] += int(kept_at.size)
             given = np.ones(keys.shape[0], dtype=np.bool_)
@@ -367,12 +365,12 @@ class PlacementMachine:
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
-        assert store.pinned is not None and store.incoming is not None
+        assert store.pinned is not None and store.arrived is not None and store.incoming is not None
         with store.hold(None, exclusive=True):
             # A replica here becomes the row: its changes not yet synced (what its value moved from its
             # base) stay in.
-            receive_rows(store.values, store.base, store.changed, table.presence, store.pinned, store.incoming, keys,
-                         values)
+            receive_rows(store.values, store.base, store.changed, table.presence, store.pinned, store.arrived,
+                         store.incoming, keys, values)
         table.epoch[keys], table.step[keys] = epochs, steps
         table.replica_owner[keys] = -1
         table.dropping[keys] = False
@@ -466,7 +464,7 @@ class PlacementMachine:
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
-        assert store.pinned is not None and store.incoming is not None
+        assert store.pinned is not None and store.arrived is not None and store.incoming is not None
         replicas = np.flatnonzero(table.presence == REPLICA)
         if not replicas.size:
             return
@@ -474,8 +472,8 @@ class PlacementMachine:
             if table.syncs_unanswered[owner]:
                 continue
             with store.hold(None, exclusive=True):
-                changed, deltas = take_changes(store.values, store.base, store.changed, store.pinned, store.incoming,
-                                               keys, table.dropping[keys])
+                changed, deltas = take_changes(store.values, store.base, store.changed, store.pinned, store.arrived,
+                                               store.incoming, keys, table.dropping[keys])
             if not changed.size:
                 continue
             table.syncs_unanswered[owner] = 1
@@ -510,10 +508,11 @@ class PlacementMachine:
         if rest.size:  # the usual sync finds every key owned here: no copy of its rows
             keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
         store = table.store
-        assert store.changed is not None and store.pinned is not None and store.incoming is not None
+        assert store.changed is not None and store.pinned is not None
+        assert store.arrived is not None and store.incoming is not None
         with store.hold(None, exclusive=True):
-            add_present(store.values, store.changed, table.presence, store.pinned, store.incoming, keys, deltas, 1.0,
-                        np.empty(keys.shape[0], dtype=np.int64))
+            add_present(store.values, store.changed, table.presence, store.pinned, store.arrived, store.incoming, keys,
+                        deltas, 1.0, np.empty(keys.shape[0], dtype=np.int64))
             values = _rows_of(store, keys)
         table.interest.replicas[keys[drop.astype(bool)]] &= ~(1 << origin)
         self._send(origin, Synced(keys, values, drop, target, parts))
@@ -522,13 +521,13 @@ class PlacementMachine:
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
-        assert store.pinned is not None and store.incoming is not None
+        assert store.pinned is not None and store.arrived is not None and store.incoming is not None
         table.syncs_unanswered[target] = max(0, table.syncs_unanswered[target] + parts - 1)
         gone = np.empty(keys.shape[0], dtype=np.int64)
         with store.hold(None, exclusive=True):
             # A replica goes once its last change is in; changes made meanwhile go in the next sync.
             gone = gone[:apply_synced(store.values, store.base, store.changed, table.presence, store.pinned,
-                                      store.incoming, keys, values, drop, gone)]
+                                      store.arrived, store.incoming, keys, values, drop, gone)]
         table.dropping[gone] = False
         table.replica_owner[gone] = -1
         table.stats["replicas_dropped"] += int(gone.size)
@@ -590,12 +589,12 @@ class PlacementMachine:
 
 
 def _rows_of(store: ShardStore, keys: np.ndarray) -> np.ndarray:
-    """A copy of the rows of ``keys`` (with what came in for a row held in place): the compiled
+    """A copy of the rows of ``keys`` (with what arrived beside a row held in place): the compiled
     gather, about twice as fast as indexing by an array (rows of KGE's tables are 1.6 KB, and a
     relocation copies a thousand at once)."""
-    assert store.presence is not None and store.pinned is not None and store.incoming is not None
+    assert store.presence is not None and store.arrived is not None and store.incoming is not None
     out = np.empty((keys.shape[0], store.values.shape[1]), dtype=store.values.dtype)
-    absent = read_present(store.values, store.presence, store.pinned, store.incoming, keys, out,
+    absent = read_present(store.values, store.presence, store.arrived, store.incoming, keys, out,
                           np.empty(keys.shape[0], dtype=np.int64))
     assert absent == 0, "rows of keys owned here"
     return out

@@ -31,7 +31,7 @@ from shoal.server.peers import PeerDirectory
 from shoal.server.tables import table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.checkpoint import place_saved
-from shoal.storage.kernels import OWNED, REPLICA
+from shoal.storage.kernels import OWNED, REPLICA, fold_arrived
 from shoal.storage.validate import as_keys, as_rows, zero_nonfinite
 from shoal.wire import bodies
 from shoal.wire.message import Message
@@ -234,7 +234,11 @@ class AdaptiveService:
         if why:
             raise CheckpointError(f"placement of {name!r} is still settling ({'; '.join(why)}); try again")
         store = table.store
-        with store.hold(None, exclusive=False):
+        assert store.pinned is not None and store.arrived is not None and store.incoming is not None
+        with store.hold(None, exclusive=True):
+            # What arrived beside rows while they were held goes into their values, which are read here.
+            if fold_arrived(store.values, store.pinned, store.arrived, store.incoming):
+                raise CheckpointError(f"rows of {name!r} are held in place by a worker; try again")
             keys = np.flatnonzero(table.presence == OWNED)
             arrays = {key: array[keys] for key, array in store.state_arrays().items()}
         return [{**checkpoint.write_part(staging, index, f"n{self.node}-owned", keys, arrays), "node": self.node}]
@@ -254,8 +258,12 @@ class AdaptiveService:
             raise CheckpointError(f"adaptive table {table.spec.name!r} has moved or replicated keys already: "
                                   "restore right after creating the tables, before training")
         mine = np.flatnonzero(home_of(keys, table.num_nodes) == self.node)
-        with table.store.hold(None, exclusive=True):
-            place_saved(table.store.state_arrays(), keys[mine], arrays, mine, table.spec.name, write)
+        store = table.store
+        assert store.arrived is not None
+        with store.hold(None, exclusive=True):
+            place_saved(store.state_arrays(), keys[mine], arrays, mine, table.spec.name, write)
+            if write:  # the rows are as saved: nothing added beside them before goes in
+                store.arrived[keys[mine]] = 0
         return int(mine.size)
 
     def describe(self) -> dict[str, Any]:

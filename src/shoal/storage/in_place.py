@@ -7,20 +7,21 @@ reaches them with pull and push, after the block.
 
 In an adaptive table's store a key's row is the key, present or not. Its rows
 are pinned, not locked (``storage.kernels``: pinned rows): the row locks are
-taken only while the hold marks its rows and while it lets them go, so the
+taken only while the hold marks its rows; it lets them go with no lock, so the
 node's server goes on serving meanwhile, other nodes' pulls and pushes
-included. A writer that finds a row pinned (the server adding another node's
-push or a replica's change, syncing or making a replica the owner; another
-worker's push) adds its change beside the row, and the hold folds it in when it
-lets go; a row pinned does not move away or stop being a replica until then. A
-row another hold has pinned is elsewhere for this one (slot -1: its pull reads
-it with what came in for it, its push adds beside it, with no message).
+included, and a hold costs one lock round. A writer that finds a row pinned
+(the server adding another node's push or a replica's change, syncing or making
+a replica the owner; another worker's push) adds its change beside the row, and
+the row's next writer or hold folds it in once the hold let go; a row pinned
+does not move away or stop being a replica until then. A row another hold has
+pinned is elsewhere for this one (slot -1: its pull reads it with what arrived
+beside it, its push adds beside it, with no message).
 
 A replica's row must send what was written to it to its owner. The store keeps
 each replica's row as of its last sync (``ShardStore.base``), so what a kernel
 writes there is the change the next sync sends, with no copy: the replicas among
-the keys are marked changed when the hold begins and again when it ends (a sync
-meanwhile may have taken part of it).
+the keys are marked changed when the hold begins, and a sync meanwhile (which
+may take part of it) leaves a held row marked.
 
 In a static slice the caller gives each key's row (-1 for keys of other
 slices), and the slice may have moved away since (then every key is elsewhere).
@@ -92,10 +93,12 @@ class RowsInPlace:
         if rows is None:
             assert store.presence is not None and store.changed is not None
             assert store.pinned is not None and store.holders is not None
+            assert store.arrived is not None and store.incoming is not None
             token = _token()
             with store.hold(self.keys, exclusive=True):
-                absent, self._replicas = kernels.pin_in_place(store.presence, store.changed, store.pinned,
-                                                              store.holders, token, self.keys, self.slots, absent_at)
+                absent, self._replicas = kernels.pin_in_place(store.values, store.presence, store.changed,
+                                                              store.pinned, store.holders, store.arrived,
+                                                              store.incoming, token, self.keys, self.slots, absent_at)
             self._token = token
             self.absent = absent_at[:absent]
             return
@@ -116,15 +119,13 @@ class RowsInPlace:
         self._lock = lock
 
     def close(self) -> int:
-        """Let the rows go (an adaptive store's with what came in for them meanwhile; a static slice's
-        marked changed for its ESSP readers); returns how many keys were held at a replica row."""
+        """Let the rows go (an adaptive store's with no lock; a static slice's marked changed for its ESSP
+        readers); returns how many keys were held at a replica row."""
         store = self.store
         token, self._token = self._token, 0
         if token:
-            assert store.presence is not None and store.changed is not None
-            assert store.pinned is not None and store.incoming is not None
-            with store.hold(self.keys, exclusive=True):
-                kernels.unpin(store.values, store.changed, store.presence, store.pinned, store.incoming, self.slots)
+            assert store.pinned is not None and store.holders is not None
+            kernels.release(store.pinned, store.holders, token, self.slots)
             return int(self._replicas)
         lock, self._lock = self._lock, None
         if lock is None:

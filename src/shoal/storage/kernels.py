@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from shoal.storage.fences import acquire_fence, release_fence
 from shoal.storage.jit import kernel
 
 # ---------------------------------------------------------------- row movement
@@ -64,24 +65,25 @@ def add_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, alpha: float) -
 
 ABSENT, OWNED, REPLICA = 0, 1, 2
 
-# A row held in place by a worker's kernel is pinned: ``HELD`` is set in ``pinned[r]`` (a byte per
-# row, read beside every row a pull or push touches) and ``holders[r]`` names the hold (a token, its
-# process id above ``TOKEN_PID_SHIFT``). The kernel writes a pinned row with no lock, so every other
-# writer (the node's server, its other workers) leaves its value alone and adds what it would write
-# to ``incoming[r]`` instead (and sets ``ARRIVED``); the hold folds that into the row when it lets
-# go, and readers meanwhile read value plus incoming. So no writer waits for a hold, and nothing
-# written to a held row is lost.
-HELD, ARRIVED = 1, 2
+# A row held in place by a worker's kernel is pinned: ``pinned[r]`` is set (a byte per row, read
+# beside every row a push touches) and ``holders[r]`` names the hold (a token, its process id above
+# ``TOKEN_PID_SHIFT``). The kernel writes a pinned row with no lock, so every other writer (the
+# node's server, its other workers) leaves its value alone and adds what it would write to
+# ``incoming[r]`` instead, marking ``arrived[r]``. What arrived is part of the row: readers read
+# value plus incoming, and the first writer that finds the row no longer pinned (under the row
+# lock, as every writer) folds it into the value, as does the next hold. A hold pins under the row
+# lock and lets go without it (``release``: one store per row, fenced after its kernel's writes), so
+# no writer waits for a hold and a hold pays one lock round; nothing written to a held row is lost.
 TOKEN_PID_SHIFT = 24
 
 
 @kernel
-def read_present(values: np.ndarray, presence: np.ndarray, pinned: np.ndarray, incoming: np.ndarray,
+def read_present(values: np.ndarray, presence: np.ndarray, arrived: np.ndarray, incoming: np.ndarray,
                  rows: np.ndarray, out: np.ndarray, absent_at: np.ndarray) -> int:
-    """``out[i] = values[rows[i]]`` (plus what came in for it while held) for present rows; the
-    positions of the others go to the front of ``absent_at``, and their count is returned (a call that
-    finds every row here allocates nothing more). The row copy is written out here, not in a helper
-    kernel: numba does not inline one, and calling it tripled the time of a 10,000-row read."""
+    """``out[i] = values[rows[i]]`` (plus what arrived for it beside) for present rows; the positions
+    of the others go to the front of ``absent_at``, and their count is returned (a call that finds
+    every row here allocates nothing more). The row copy is written out here, not in a helper kernel:
+    numba does not inline one, and calling it tripled the time of a 10,000-row read."""
     dim = values.shape[1]
     absent = 0
     for i in range(rows.shape[0]):
@@ -90,7 +92,7 @@ def read_present(values: np.ndarray, presence: np.ndarray, pinned: np.ndarray, i
             absent_at[absent] = i
             absent += 1
             continue
-        if pinned[r] & ARRIVED:
+        if arrived[r]:
             for j in range(dim):
                 out[i, j] = values[r, j] + incoming[r, j]
         else:
@@ -101,12 +103,12 @@ def read_present(values: np.ndarray, presence: np.ndarray, pinned: np.ndarray, i
 
 @kernel
 def add_present(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, pinned: np.ndarray,
-                incoming: np.ndarray, rows: np.ndarray, grads: np.ndarray, scale: float, absent_at: np.ndarray
-                ) -> int:
-    """Additive update of present rows (of a held row: into what comes in for it); a replica's row is
-    also marked changed (its change for the owner is what its value moved since its last sync). The
-    positions of absent rows go to the front of ``absent_at``; returns their count. Written out in
-    one kernel, as ``read_present`` is."""
+                arrived: np.ndarray, incoming: np.ndarray, rows: np.ndarray, grads: np.ndarray, scale: float,
+                absent_at: np.ndarray) -> int:
+    """Additive update of present rows (of a held row: beside it, in what arrived for it); a replica's
+    row is also marked changed (its change for the owner is what its value moved since its last
+    sync). The positions of absent rows go to the front of ``absent_at``; returns their count. Written
+    out in one kernel, as ``read_present`` is."""
     dim = values.shape[1]
     a = values.dtype.type(scale)
     absent = 0
@@ -119,27 +121,35 @@ def add_present(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, p
             continue
         if state == 2:
             changed[r] = 1
-        if pinned[r] == 0:
+        if pinned[r]:
+            if arrived[r]:
+                for j in range(dim):
+                    incoming[r, j] += a * grads[i, j]
+            else:
+                arrived[r] = 1
+                for j in range(dim):
+                    incoming[r, j] = a * grads[i, j]
+            continue
+        acquire_fence()  # a hold that let go of the row: its writes first
+        if arrived[r]:
+            arrived[r] = 0
+            for j in range(dim):
+                values[r, j] += incoming[r, j] + a * grads[i, j]
+        else:
             for j in range(dim):
                 values[r, j] += a * grads[i, j]
-        elif pinned[r] & ARRIVED:
-            for j in range(dim):
-                incoming[r, j] += a * grads[i, j]
-        else:
-            pinned[r] |= ARRIVED
-            for j in range(dim):
-                incoming[r, j] = a * grads[i, j]
     return absent
 
 
 @kernel
 def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pinned: np.ndarray,
-                 incoming: np.ndarray, rows: np.ndarray, also: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 arrived: np.ndarray, incoming: np.ndarray, rows: np.ndarray, also: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """A replica sync's payload: the rows among ``rows`` marked changed (or marked in ``also``) and
-    their changes since the last sync (``values - base``, what came in for a held row included);
-    their ``base`` becomes that value and their marks are cleared. A held row's kernel may write it
-    meanwhile: each value is read once, so a write lands either in this change or in the next (the
-    hold marks the row changed again when it lets go). No row-sized temporaries."""
+    their changes since the last sync (``values - base``, what arrived beside included); their
+    ``base`` becomes that value and their marks are cleared. A held row's kernel may write it
+    meanwhile: each value is read once, so a write lands either in this change or in the next (a held
+    row stays marked changed). No row-sized temporaries."""
     dim = values.shape[1]
     chosen = np.zeros(rows.shape[0], dtype=np.bool_)
     count = 0
@@ -154,27 +164,36 @@ def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pinn
         if chosen[i]:
             r = rows[i]
             taken[k] = r
-            changed[r] = 0
-            arrived = pinned[r] & ARRIVED
+            held = pinned[r] != 0
+            if not held:
+                acquire_fence()
+            changed[r] = held
+            fold = arrived[r] != 0 and not held
+            beside = arrived[r] != 0 and held
             for j in range(dim):
                 v = values[r, j]
-                if arrived:
+                if fold:
+                    v += incoming[r, j]
+                    values[r, j] = v
+                elif beside:
                     v += incoming[r, j]
                 deltas[k, j] = v - base[r, j]
                 base[r, j] = v
+            if fold:
+                arrived[r] = 0
             k += 1
     return taken, deltas
 
 
 @kernel
 def apply_synced(values: np.ndarray, base: np.ndarray, changed: np.ndarray, presence: np.ndarray,
-                 pinned: np.ndarray, incoming: np.ndarray, rows: np.ndarray, owner_rows: np.ndarray,
-                 drop: np.ndarray, gone: np.ndarray) -> int:
+                 pinned: np.ndarray, arrived: np.ndarray, incoming: np.ndarray, rows: np.ndarray,
+                 owner_rows: np.ndarray, drop: np.ndarray, gone: np.ndarray) -> int:
     """An owner's answer to a replica's sync, in one pass: each row still a replica here becomes the
     owner's row plus the change made here since the sync left (what its value moved from ``base``
     since), and the owner's row its new ``base``; a row whose replica was to go (``drop``) and saw no
     change since goes now (absent), unless it is held in place (it goes with a later sync). A held
-    row's value is left to its kernel: the owner's part comes in for it. The rows that went are
+    row's value is left to its kernel: the owner's part arrives beside it. The rows that went are
     written to the front of ``gone``; returns how many."""
     dim = values.shape[1]
     went = 0
@@ -182,20 +201,23 @@ def apply_synced(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pres
         r = rows[i]
         if presence[r] != 2:
             continue
-        held = pinned[r] != 0
-        if held:
-            arrived = pinned[r] & ARRIVED
-            pinned[r] |= ARRIVED
+        if pinned[r]:
+            more = arrived[r] != 0
+            arrived[r] = 1
             for j in range(dim):
                 o = owner_rows[i, j]
                 came = o - base[r, j]
-                incoming[r, j] = incoming[r, j] + came if arrived else came
+                incoming[r, j] = incoming[r, j] + came if more else came
                 base[r, j] = o
             continue
+        acquire_fence()
+        fold = arrived[r] != 0
         for j in range(dim):
             o = owner_rows[i, j]
-            values[r, j] = o + (values[r, j] - base[r, j])
+            v = values[r, j] + incoming[r, j] if fold else values[r, j]
+            values[r, j] = o + (v - base[r, j])
             base[r, j] = o
+        arrived[r] = 0
         if drop[i] != 0 and changed[r] == 0:
             presence[r] = 0
             gone[went] = r
@@ -205,96 +227,131 @@ def apply_synced(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pres
 
 @kernel
 def receive_rows(values: np.ndarray, base: np.ndarray, changed: np.ndarray, presence: np.ndarray,
-                 pinned: np.ndarray, incoming: np.ndarray, rows: np.ndarray, new_rows: np.ndarray) -> None:
+                 pinned: np.ndarray, arrived: np.ndarray, incoming: np.ndarray, rows: np.ndarray,
+                 new_rows: np.ndarray) -> None:
     """Rows that come to be owned here (a relocation's state): each becomes the row that came, plus,
     where a replica was here, the change made to it since its last sync (what its value moved from
     ``base``: not sent yet, so it stays in). A held replica's value is left to its kernel: the
-    difference comes in for it."""
+    difference arrives beside it."""
     dim = values.shape[1]
     for i in range(rows.shape[0]):
         r = rows[i]
         replica = presence[r] == 2
-        if pinned[r] != 0:
-            arrived = pinned[r] & ARRIVED
-            pinned[r] |= ARRIVED
+        if pinned[r]:
+            more = arrived[r] != 0
+            arrived[r] = 1
             for j in range(dim):
                 # a held replica keeps its change; a held row that was not one (not a move's way) takes the new row
-                came = new_rows[i, j] - (base[r, j] if replica else values[r, j] + (incoming[r, j] if arrived else 0))
-                incoming[r, j] = incoming[r, j] + came if arrived else came
-        elif replica:
-            for j in range(dim):
-                values[r, j] = new_rows[i, j] + (values[r, j] - base[r, j])
+                came = new_rows[i, j] - (base[r, j] if replica else values[r, j] + (incoming[r, j] if more else 0))
+                incoming[r, j] = incoming[r, j] + came if more else came
         else:
-            for j in range(dim):
-                values[r, j] = new_rows[i, j]
+            acquire_fence()
+            fold = arrived[r] != 0
+            if replica:
+                for j in range(dim):
+                    v = values[r, j] + incoming[r, j] if fold else values[r, j]
+                    values[r, j] = new_rows[i, j] + (v - base[r, j])
+            else:
+                for j in range(dim):
+                    values[r, j] = new_rows[i, j]
+            arrived[r] = 0
         changed[r] = 0
         presence[r] = 1
 
 
 @kernel
-def give_unheld(values: np.ndarray, presence: np.ndarray, pinned: np.ndarray, rows: np.ndarray, out: np.ndarray,
-                kept_at: np.ndarray) -> int:
-    """Rows leaving this node: each not held in place is copied to ``out[i]`` and marked absent; the
-    positions of the held ones (they stay until their hold ends) go to the front of ``kept_at``, and
-    their count is returned."""
+def give_unheld(values: np.ndarray, presence: np.ndarray, pinned: np.ndarray, arrived: np.ndarray,
+                incoming: np.ndarray, rows: np.ndarray, out: np.ndarray, kept_at: np.ndarray) -> int:
+    """Rows leaving this node: each not held in place is copied to ``out[i]`` (with what arrived beside
+    it) and marked absent; the positions of the held ones (they stay until their hold ends) go to the
+    front of ``kept_at``, and their count is returned."""
     dim = values.shape[1]
     kept = 0
     for i in range(rows.shape[0]):
         r = rows[i]
-        if pinned[r] != 0:
+        if pinned[r]:
             kept_at[kept] = i
             kept += 1
             continue
-        for j in range(dim):
-            out[i, j] = values[r, j]
+        acquire_fence()
+        if arrived[r]:
+            for j in range(dim):
+                out[i, j] = values[r, j] + incoming[r, j]
+            arrived[r] = 0
+        else:
+            for j in range(dim):
+                out[i, j] = values[r, j]
         presence[r] = 0
     return kept
 
 
 @kernel
-def pin_in_place(presence: np.ndarray, changed: np.ndarray, pinned: np.ndarray, holders: np.ndarray, token: int,
-                 rows: np.ndarray, slots: np.ndarray, absent_at: np.ndarray) -> tuple[int, int]:
-    """Hold rows for a kernel: ``slots[i] = rows[i]`` where that row is on this node and no other hold
-    has it (it is pinned for ``token``), -1 where not; the positions of the others go to the front of
-    ``absent_at``; replica rows are marked changed (what is written to them in place is their next
-    sync's change). Returns how many rows are elsewhere or held, and how many are replicas."""
+def fold_arrived(values: np.ndarray, pinned: np.ndarray, arrived: np.ndarray, incoming: np.ndarray) -> int:
+    """Fold what arrived beside each row no longer held into its value (before reading values
+    directly: a checkpoint); returns how many rows are still held."""
+    held = 0
+    for r in range(values.shape[0]):
+        if pinned[r]:
+            held += 1
+            continue
+        if arrived[r]:
+            acquire_fence()
+            for j in range(values.shape[1]):
+                values[r, j] += incoming[r, j]
+            arrived[r] = 0
+    return held
+
+
+@kernel
+def pin_in_place(values: np.ndarray, presence: np.ndarray, changed: np.ndarray, pinned: np.ndarray,
+                 holders: np.ndarray, arrived: np.ndarray, incoming: np.ndarray, token: int, rows: np.ndarray,
+                 slots: np.ndarray, absent_at: np.ndarray) -> tuple[int, int]:
+    """Hold rows for a kernel (under the row lock): ``slots[i] = rows[i]`` where that row is on this
+    node and no other hold has it (it is pinned for ``token``, with what arrived beside it folded
+    in), -1 where not; the positions of the others go to the front of ``absent_at``; replica rows are
+    marked changed (what is written to them in place is their next sync's change). Returns how many
+    rows are elsewhere or held, and how many are replicas."""
     absent = 0
     replicas = 0
+    fold = False
     for i in range(rows.shape[0]):
         r = rows[i]
         state = presence[r]
-        if state == 0 or (pinned[r] & HELD and holders[r] != token):
+        if state == 0 or (pinned[r] and holders[r] != token):
             slots[i] = -1
             absent_at[absent] = i
             absent += 1
             continue
-        if not pinned[r] & HELD:
-            pinned[r] |= HELD
+        if not pinned[r]:
+            pinned[r] = 1
             holders[r] = token
+            if arrived[r]:
+                fold = True
         slots[i] = r
         if state == 2:
             changed[r] = 1
             replicas += 1
+    acquire_fence()  # the last hold of a row let go without the lock: its writes come first
+    if fold:  # in a pass of its own: checking for it in the pass above cost that pass a third more
+        for i in range(rows.shape[0]):
+            r = slots[i]
+            if r >= 0 and arrived[r]:
+                for j in range(values.shape[1]):
+                    values[r, j] += incoming[r, j]
+                arrived[r] = 0
     return absent, replicas
 
 
 @kernel
-def unpin(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, pinned: np.ndarray,
-          incoming: np.ndarray, rows: np.ndarray) -> None:
-    """Let go of the held rows among ``rows`` (-1: none; the caller's own, or a dead process's): what
-    came in for each meanwhile is added to its value, and a replica's row is marked changed again (a
-    sync during the hold may have taken its change halfway)."""
-    dim = values.shape[1]
+def release(pinned: np.ndarray, holders: np.ndarray, token: int, rows: np.ndarray) -> None:
+    """Let go of the rows among ``rows`` that hold ``token`` pinned (-1: none), with no row lock: the
+    row's next writer folds in what arrived beside it. The fence first: the hold's writes to the rows
+    are seen before the rows are let go."""
+    release_fence()
     for i in range(rows.shape[0]):
         r = rows[i]
-        if r < 0 or not pinned[r] & HELD:  # not held, or a key twice in one hold: let go already
-            continue
-        if pinned[r] & ARRIVED:
-            for j in range(dim):
-                values[r, j] += incoming[r, j]
-        pinned[r] = 0
-        if presence[r] == 2:
-            changed[r] = 1
+        if r >= 0 and pinned[r] and holders[r] == token:
+            pinned[r] = 0
 
 
 @kernel
@@ -576,15 +633,18 @@ def warm_up(dtype: Any = np.float32) -> None:
     place_rows(rows.copy(), keys, rows)
     add_rows(rows.copy(), keys, rows, 1.0)
     pins = np.zeros(1, dtype=np.uint8)
+    holders = np.zeros(1, dtype=np.int64)
     read_present(rows, flags, pins, rows, keys, rows.copy(), absent_at)
-    add_present(rows.copy(), flags.copy(), flags, pins, rows.copy(), keys, rows, 1.0, absent_at)
-    take_changes(rows.copy(), rows.copy(), flags.copy(), pins, rows, keys, np.zeros(1, dtype=np.bool_))
-    apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, rows.copy(), keys, rows, flags,
-                 absent_at.copy())
-    receive_rows(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, rows.copy(), keys, rows)
-    give_unheld(rows, flags.copy(), pins, keys, rows.copy(), absent_at.copy())
-    pin_in_place(flags, flags.copy(), pins.copy(), keys.copy(), 1, keys, absent_at.copy(), absent_at.copy())
-    unpin(rows.copy(), flags.copy(), flags, pins.copy(), rows, keys)
+    add_present(rows.copy(), flags.copy(), flags, pins, flags.copy(), rows.copy(), keys, rows, 1.0, absent_at)
+    take_changes(rows.copy(), rows.copy(), flags.copy(), pins, flags.copy(), rows, keys, np.zeros(1, dtype=np.bool_))
+    apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, flags.copy(), rows.copy(), keys, rows,
+                 flags, absent_at.copy())
+    receive_rows(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, flags.copy(), rows.copy(), keys, rows)
+    give_unheld(rows, flags.copy(), pins, flags.copy(), rows, keys, rows.copy(), absent_at.copy())
+    pin_in_place(rows.copy(), flags, flags.copy(), pins.copy(), holders.copy(), flags.copy(), rows, 1, keys,
+                 absent_at.copy(), absent_at.copy())
+    release(pins.copy(), holders, 1, keys)
+    fold_arrived(rows.copy(), pins, flags.copy(), rows)
     slice_slots_in_place(keys, keys, 0, absent_at.copy(), absent_at.copy())
 
 

@@ -69,12 +69,14 @@ class ShardLayout:
             slots["changed"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
             # Rows a worker's kernel holds in place (a byte per row, and the hold's token), and what
-            # other writers added to them meanwhile (``storage.kernels``: pinned rows); pages of
-            # ``incoming`` take memory only once a held row is written to.
+            # other writers added beside them meanwhile (a byte per row, and the rows: ``storage.kernels``,
+            # pinned rows); pages of ``incoming`` take memory only once a held row is written to.
             slots["pinned"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
             slots["holders"] = ArraySlot(offset, (num_rows,), "int64")
             offset = align(offset + num_rows * 8)
+            slots["arrived"] = ArraySlot(offset, (num_rows,), "uint8")
+            offset = align(offset + num_rows)
             slots["incoming"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
             offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
         return cls(slots, max(offset, 1))
@@ -104,6 +106,7 @@ class ShardStore:
         self.changed: np.ndarray | None = arrays.pop("changed", None)
         self.pinned: np.ndarray | None = arrays.pop("pinned", None)
         self.holders: np.ndarray | None = arrays.pop("holders", None)
+        self.arrived: np.ndarray | None = arrays.pop("arrived", None)
         self.incoming: np.ndarray | None = arrays.pop("incoming", None)
         self.state = arrays
         self._locks = StripedLocks(segment.fd) if spec.locking == "exact" else None
@@ -224,10 +227,10 @@ class ShardStore:
         Presence is checked under the same lock that a relocation takes, so a
         row is read here or found absent, never read after it moved away.
         """
-        assert self.presence is not None and self.pinned is not None and self.incoming is not None
+        assert self.presence is not None and self.arrived is not None and self.incoming is not None
         absent_at = np.empty(rows.shape[0], dtype=np.int64)
         with self._hold(rows, exclusive=False):
-            absent = kernels.read_present(self.values, self.presence, self.pinned, self.incoming, rows, out,
+            absent = kernels.read_present(self.values, self.presence, self.arrived, self.incoming, rows, out,
                                           absent_at)
         return absent_at[:absent]
 
@@ -236,11 +239,11 @@ class ShardStore:
         place gets it when its hold ends); returns the positions of the absent rows, which the caller
         must send to their owner."""
         assert self.presence is not None and self.changed is not None
-        assert self.pinned is not None and self.incoming is not None
+        assert self.pinned is not None and self.arrived is not None and self.incoming is not None
         absent_at = np.empty(rows.shape[0], dtype=np.int64)
         with self._hold(rows, exclusive=True):
-            absent = kernels.add_present(self.values, self.changed, self.presence, self.pinned, self.incoming,
-                                         rows, grads, scale, absent_at)
+            absent = kernels.add_present(self.values, self.changed, self.presence, self.pinned, self.arrived,
+                                         self.incoming, rows, grads, scale, absent_at)
         return absent_at[:absent]
 
     def take_dirty(self) -> np.ndarray:
