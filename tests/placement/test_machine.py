@@ -30,7 +30,7 @@ from shoal.placement.intent import ACT_EVERY_S
 from shoal.placement.machine import PlacementMachine
 from shoal.placement.messages import Announce, Handover, Owner, PlacementMessage, State, Sync, array_fields
 from shoal.placement.ownership import LocationCache
-from shoal.storage.kernels import ABSENT, OWNED, REPLICA, TOKEN_PID_SHIFT, pin_in_place
+from shoal.storage.kernels import ABSENT, OWNED, REPLICA, pin_in_place
 
 NUM_KEYS = 24
 
@@ -477,11 +477,11 @@ def test_rows_a_dead_process_held_in_place_are_let_go_with_what_arrived_beside_t
     table, store = net.tables[0], net.tables[0].store
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
-    token = int(dead.stdout) << TOKEN_PID_SHIFT
     keys = np.array([0, 2])  # node 0's
     slots, absent_at = np.empty(2, np.int64), np.empty(2, np.int64)
-    pin_in_place(store.values, table.presence, store.changed, store.pinned, store.holders, store.arrived,
-                 store.incoming, token, keys, slots, absent_at)
+    *_, hold = pin_in_place(store.values, table.presence, store.changed, store.pinned, store.holds, store.arrived,
+                            store.incoming, int(dead.stdout), keys, slots, absent_at)
+    assert hold == 1
     net.push(1, keys)  # from node 1: beside the held rows
     net.deliver_all()
     net.carry_out(1, net.machines[1].localize(keys))
@@ -491,6 +491,6 @@ def test_rows_a_dead_process_held_in_place_are_let_go_with_what_arrived_beside_t
     net.tick(1.0)  # the server looks for holds of processes that died
     net.deliver_all()
 
-    assert not store.pinned.any() and table.stats["holds_of_dead_processes_ended"] == 1
+    assert not store.pinned.any() and not store.holds.any() and table.stats["holds_of_dead_processes_ended"] == 1
     assert (net.tables[1].presence[keys] == OWNED).all()  # moved once let go
     np.testing.assert_array_equal(net.owned_values()[keys], 1.0)

@@ -232,34 +232,47 @@ assert "scipy.linalg" in sys.modules
 def test_pin_in_place_gives_each_present_row_not_held_elsewhere_and_marks_the_replicas_changed():
     presence = np.array([kernels.OWNED, kernels.REPLICA, kernels.ABSENT, kernels.REPLICA, kernels.OWNED], np.uint8)
     changed = np.zeros(5, np.uint8)
-    pinned = np.array([0, 0, 0, 0, 1], np.uint8)
-    holders = np.array([0, 0, 0, 0, 77], np.int64)  # row 4: another hold's
+    pinned = np.array([0, 0, 0, 0, 1], np.uint8)  # row 4: another hold's, in place 1
+    holds = np.array([0, 77, 0, 0], np.int64)
     arrived = np.array([1, 0, 0, 0, 1], np.uint8)  # row 0: a change beside it, from a hold that ended
     values = np.ones((5, 2), np.float32)
     incoming = np.full((5, 2), 2.0, np.float32)
     rows = np.array([1, 0, 2, 1, 3, 4])
     slots, absent_at = np.full(6, 99, np.int64), np.full(6, 99, np.int64)
-    absent, replicas = kernels.pin_in_place(values, presence, changed, pinned, holders, arrived, incoming, 5, rows,
-                                            slots, absent_at)
-    assert (absent, replicas) == (2, 3)
+    absent, replicas, hold = kernels.pin_in_place(values, presence, changed, pinned, holds, arrived, incoming, 5,
+                                                  rows, slots, absent_at)
+    assert (absent, replicas, hold) == (2, 3, 2)
+    np.testing.assert_array_equal(holds, [0, 77, 5, 0])
     np.testing.assert_array_equal(absent_at[:absent], [2, 5])
     np.testing.assert_array_equal(slots, [1, 0, -1, 1, 3, -1])
-    np.testing.assert_array_equal(pinned, [1, 1, 0, 1, 1])
-    np.testing.assert_array_equal(holders, [5, 5, 0, 5, 77])
+    np.testing.assert_array_equal(pinned, [2, 2, 0, 2, 1])
     np.testing.assert_array_equal(changed, [0, 1, 0, 1, 0])  # written in place or not: synced next time
     np.testing.assert_array_equal(values[:, 0], [3, 1, 1, 1, 1])  # the kernel reads the row with what arrived
     np.testing.assert_array_equal(arrived, [0, 0, 0, 0, 1])  # another hold's row: left beside it
+    kernels.release(pinned, holds, 2, slots)
+    np.testing.assert_array_equal(pinned, [0, 0, 0, 0, 1])
+    np.testing.assert_array_equal(holds, [0, 77, 0, 0])
+
+
+def test_pin_in_place_pins_nothing_when_every_place_for_a_hold_is_taken():
+    pinned, holds = np.zeros(2, np.uint8), np.array([0, 7, 8], np.int64)
+    slots, absent_at = np.full(2, 99, np.int64), np.full(2, 99, np.int64)
+    got = kernels.pin_in_place(np.zeros((2, 1), np.float32), np.ones(2, np.uint8), np.zeros(2, np.uint8), pinned,
+                               holds, np.zeros(2, np.uint8), np.zeros((2, 1), np.float32), 5, np.arange(2), slots,
+                               absent_at)
+    assert got[2] == 0 and not pinned.any()
+    np.testing.assert_array_equal(holds, [0, 7, 8])
 
 
 def test_writes_to_a_held_row_wait_beside_it_are_read_with_it_and_go_in_with_its_next_write():
     presence = np.array([kernels.OWNED, kernels.REPLICA, kernels.OWNED], np.uint8)
     changed = np.zeros(3, np.uint8)
-    pinned, holders, arrived = np.zeros(3, np.uint8), np.zeros(3, np.int64), np.zeros(3, np.uint8)
+    pinned, holds, arrived = np.zeros(3, np.uint8), np.zeros(3, np.int64), np.zeros(3, np.uint8)
     values = np.ones((3, 2), np.float32)
     incoming = np.full((3, 2), np.nan, np.float32)  # never read where nothing arrived
     slots, absent_at = np.empty(2, np.int64), np.empty(2, np.int64)
-    kernels.pin_in_place(values, presence, changed, pinned, holders, arrived, incoming, 9, np.array([0, 1]), slots,
-                         absent_at)
+    *_, hold = kernels.pin_in_place(values, presence, changed, pinned, holds, arrived, incoming, 9, np.array([0, 1]),
+                                    slots, absent_at)
     values[[0, 1]] += 10.0  # the kernel's writes, with no lock
     kernels.add_present(values, changed, presence, pinned, arrived, incoming, np.array([0, 2, 0]),
                         np.ones((3, 2), np.float32), 1.0, absent_at)  # another writer: rows 0 (twice) and 2
@@ -269,9 +282,9 @@ def test_writes_to_a_held_row_wait_beside_it_are_read_with_it_and_go_in_with_its
     out = np.empty((3, 2), np.float32)
     kernels.read_present(values, presence, arrived, incoming, np.array([0, 1, 2]), out, absent_at)
     np.testing.assert_array_equal(out, [[13.5, 13.5], [11, 11], [2, 2]])
-    kernels.release(pinned, holders, 8, np.array([0, 1]))  # another hold's token lets go of nothing
-    np.testing.assert_array_equal(pinned, [1, 1, 0])
-    kernels.release(pinned, holders, 9, np.array([0, 1, -1, 0]))  # key 0 twice
+    kernels.release(pinned, holds, hold + 1, np.array([0, 1]))  # another hold lets go of nothing of this one
+    np.testing.assert_array_equal(pinned, [hold, hold, 0])
+    kernels.release(pinned, holds, hold, np.array([0, 1, -1, 0]))  # key 0 twice
     np.testing.assert_array_equal(pinned, 0)
     np.testing.assert_array_equal(values[0], [11, 11])  # letting go (with no lock) writes nothing but the pins
     kernels.read_present(values, presence, arrived, incoming, np.array([0, 1, 2]), out, absent_at)
@@ -302,7 +315,7 @@ def test_a_held_replica_takes_its_owners_answer_and_its_sync_beside_its_value():
     base = np.full((1, 2), 5.0, np.float32)
     values = base + 1.0  # a change since the last sync
     changed = np.ones(1, np.uint8)
-    pinned, holders, arrived = np.ones(1, np.uint8), np.full(1, 3, np.int64), np.zeros(1, np.uint8)
+    pinned, holds, arrived = np.ones(1, np.uint8), np.array([0, 3], np.int64), np.zeros(1, np.uint8)
     incoming = np.zeros((1, 2), np.float32)
     taken, deltas = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0]),
                                          np.zeros(1, np.bool_))
@@ -323,7 +336,7 @@ def test_a_held_replica_takes_its_owners_answer_and_its_sync_beside_its_value():
     kernels.receive_rows(values, base, changed, presence, pinned, arrived, incoming, np.array([0]),
                          np.full((1, 2), 30.0, np.float32))  # it comes to be owned here, still held
     assert presence[0] == kernels.OWNED and changed[0] == 0
-    kernels.release(pinned, holders, 3, np.array([0]))
+    kernels.release(pinned, holds, 1, np.array([0]))
     assert kernels.fold_arrived(values, pinned, arrived, incoming) == 0
     np.testing.assert_array_equal(values, [[30, 30]])  # every change was sent in a sync before
 
@@ -352,19 +365,19 @@ def test_a_hold_letting_go_without_the_lock_loses_no_write_of_a_writer_that_take
     incoming = np.zeros_like(values)
     presence = np.full(num_rows, kernels.OWNED, np.uint8)
     changed, pinned, arrived = (np.zeros(num_rows, np.uint8) for _ in range(3))
-    holders = np.zeros(num_rows, np.int64)
+    holds = np.zeros(4, np.int64)
     rows = np.arange(num_rows, dtype=np.int64)
     lock = threading.Lock()
     ones = np.ones((repeat * num_rows, dim), np.float32)  # long kernels on both sides: they overlap more
 
     def holder() -> None:
         slots, absent_at = np.empty(num_rows, np.int64), np.empty(num_rows, np.int64)
-        for token in range(1, rounds + 1):
+        for _ in range(rounds):
             with lock:
-                kernels.pin_in_place(values, presence, changed, pinned, holders, arrived, incoming, token, rows,
-                                     slots, absent_at)
+                *_, hold = kernels.pin_in_place(values, presence, changed, pinned, holds, arrived, incoming, 1, rows,
+                                                slots, absent_at)
             kernels.add_rows(values, np.tile(slots, repeat), ones, 1.0)  # no row is held elsewhere: all valid
-            kernels.release(pinned, holders, token, slots)
+            kernels.release(pinned, holds, hold, slots)
 
     def writer() -> None:
         absent_at = np.empty(repeat * num_rows, np.int64)

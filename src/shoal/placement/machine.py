@@ -58,7 +58,6 @@ from shoal.storage.kernels import (
     ABSENT,
     OWNED,
     REPLICA,
-    TOKEN_PID_SHIFT,
     add_present,
     any_nonfinite,
     apply_synced,
@@ -180,15 +179,12 @@ class PlacementMachine:
         """Let go of the rows a process pinned (``Table.in_place``) if it died holding them, so that
         they can move again (what arrived beside them goes in with their next write)."""
         store = self.table.store
-        assert store.pinned is not None and store.holders is not None
-        held = np.flatnonzero(store.pinned != 0)  # a copy first: holds change the pins meanwhile
-        if not held.size:
-            return
-        holders = store.holders[held]
-        for token in np.unique(holders).tolist():
-            if not _process_alive(token >> TOKEN_PID_SHIFT):
+        assert store.pinned is not None and store.holds is not None
+        for hold in np.flatnonzero(store.holds != 0).tolist():  # a copy first: holds begin and end meanwhile
+            pid = int(store.holds[hold])
+            if pid and not _process_alive(pid):
                 with store.hold(None, exclusive=True):
-                    release(store.pinned, store.holders, token, held[holders == token])
+                    release(store.pinned, store.holds, hold, np.flatnonzero(store.pinned == hold))
                 self.table.stats["holds_of_dead_processes_ended"] += 1
                 log.warning("server %d: a process that died held rows of %r in place: let go",
                             self.node, self.table.spec.name)

@@ -32,37 +32,32 @@ on close, so the server sends them to the slice's readers.
 
 from __future__ import annotations
 
-import itertools
 import os
 from typing import Any
 
 import numpy as np
 
+from shoal.api.errors import TableError
 from shoal.storage import kernels
-from shoal.storage.shard import ShardStore
+from shoal.storage.shard import MAX_HOLDS, ShardStore
 
-_holds = itertools.count(1)
-_pid_bits = os.getpid() << kernels.TOKEN_PID_SHIFT  # os.getpid is a system call: once per process
+# A hold's process, kept in the store's table of holds: the server lets go of the rows of a process
+# that died holding them. os.getpid is a system call: once per process (and once in a forked child).
+_pid = os.getpid()
 
 
 def _new_process() -> None:
-    global _pid_bits
-    _pid_bits = os.getpid() << kernels.TOKEN_PID_SHIFT
+    global _pid
+    _pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_new_process)
 
 
-def _token() -> int:
-    """A hold's mark on the rows it pins: unique among the node's holds, this process's id above
-    ``TOKEN_PID_SHIFT`` (the server lets go of the rows of a process that died holding them)."""
-    return _pid_bits | (next(_holds) & ((1 << kernels.TOKEN_PID_SHIFT) - 1))
-
-
 class RowsInPlace:
     """The rows of ``keys`` in ``store``, held from ``open`` to ``close``."""
 
-    __slots__ = ("store", "keys", "rows", "values", "state", "slots", "absent", "_replicas", "_lock", "_token")
+    __slots__ = ("store", "keys", "rows", "values", "state", "slots", "absent", "_replicas", "_lock", "_hold")
 
     def __init__(self, store: ShardStore, keys: np.ndarray, rows: np.ndarray | None = None,
                  shards: np.ndarray | None = None) -> None:
@@ -82,7 +77,7 @@ class RowsInPlace:
         self.absent = _NONE
         self._replicas = 0  # keys held at a replica row (set by ``open``)
         self._lock: Any = None  # a static slice's locks, taken for the whole block
-        self._token = 0  # an adaptive store's pins, set for the whole block
+        self._hold = 0  # an adaptive store's hold (its place in the store's table of holds) for the whole block
 
     def open(self) -> None:
         store = self.store
@@ -92,14 +87,15 @@ class RowsInPlace:
         absent_at = np.empty(n, dtype=np.int64)
         if rows is None:
             assert store.presence is not None and store.changed is not None
-            assert store.pinned is not None and store.holders is not None
+            assert store.pinned is not None and store.holds is not None
             assert store.arrived is not None and store.incoming is not None
-            token = _token()
             with store.hold(self.keys, exclusive=True):
-                absent, self._replicas = kernels.pin_in_place(store.values, store.presence, store.changed,
-                                                              store.pinned, store.holders, store.arrived,
-                                                              store.incoming, token, self.keys, self.slots, absent_at)
-            self._token = token
+                absent, self._replicas, self._hold = kernels.pin_in_place(
+                    store.values, store.presence, store.changed, store.pinned, store.holds, store.arrived,
+                    store.incoming, _pid, self.keys, self.slots, absent_at)
+            if not self._hold:
+                raise TableError(f"more than {MAX_HOLDS} blocks hold rows of {store.spec.name!r} in place on this "
+                                 "node at once")
             self.absent = absent_at[:absent]
             return
         lock = store.hold(rows, exclusive=True)
@@ -122,10 +118,10 @@ class RowsInPlace:
         """Let the rows go (an adaptive store's with no lock; a static slice's marked changed for its ESSP
         readers); returns how many keys were held at a replica row."""
         store = self.store
-        token, self._token = self._token, 0
-        if token:
-            assert store.pinned is not None and store.holders is not None
-            kernels.release(store.pinned, store.holders, token, self.slots)
+        hold, self._hold = self._hold, 0
+        if hold:
+            assert store.pinned is not None and store.holds is not None
+            kernels.release(store.pinned, store.holds, hold, self.slots)
             return int(self._replicas)
         lock, self._lock = self._lock, None
         if lock is None:

@@ -65,16 +65,16 @@ def add_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, alpha: float) -
 
 ABSENT, OWNED, REPLICA = 0, 1, 2
 
-# A row held in place by a worker's kernel is pinned: ``pinned[r]`` is set (a byte per row, read
-# beside every row a push touches) and ``holders[r]`` names the hold (a token, its process id above
-# ``TOKEN_PID_SHIFT``). The kernel writes a pinned row with no lock, so every other writer (the
-# node's server, its other workers) leaves its value alone and adds what it would write to
-# ``incoming[r]`` instead, marking ``arrived[r]``. What arrived is part of the row: readers read
-# value plus incoming, and the first writer that finds the row no longer pinned (under the row
-# lock, as every writer) folds it into the value, as does the next hold. A hold pins under the row
-# lock and lets go without it (``release``: one store per row, fenced after its kernel's writes), so
-# no writer waits for a hold and a hold pays one lock round; nothing written to a held row is lost.
-TOKEN_PID_SHIFT = 24
+# A row held in place by a worker's kernel is pinned: ``pinned[r]`` names the hold (a byte per row,
+# read beside every row a push touches: 0 for none, else the hold's place in the store's table of
+# holds, ``holds``, which keeps each hold's process id, 0 for a free place). The
+# kernel writes a pinned row with no lock, so every other writer (the node's server, its other
+# workers) leaves its value alone and adds what it would write to ``incoming[r]`` instead, marking
+# ``arrived[r]``. What arrived is part of the row: readers read value plus incoming, and the first
+# writer that finds the row no longer pinned (under the row lock, as every writer) folds it into
+# the value, as does the next hold. A hold pins under the row lock and lets go without it
+# (``release``: one store per row, fenced after its kernel's writes), so no writer waits for a hold
+# and a hold pays one lock round; nothing written to a held row is lost.
 
 
 @kernel
@@ -304,27 +304,37 @@ def fold_arrived(values: np.ndarray, pinned: np.ndarray, arrived: np.ndarray, in
 
 @kernel
 def pin_in_place(values: np.ndarray, presence: np.ndarray, changed: np.ndarray, pinned: np.ndarray,
-                 holders: np.ndarray, arrived: np.ndarray, incoming: np.ndarray, token: int, rows: np.ndarray,
-                 slots: np.ndarray, absent_at: np.ndarray) -> tuple[int, int]:
-    """Hold rows for a kernel (under the row lock): ``slots[i] = rows[i]`` where that row is on this
-    node and no other hold has it (it is pinned for ``token``, with what arrived beside it folded
-    in), -1 where not; the positions of the others go to the front of ``absent_at``; replica rows are
-    marked changed (what is written to them in place is their next sync's change). Returns how many
-    rows are elsewhere or held, and how many are replicas."""
+                 holds: np.ndarray, arrived: np.ndarray, incoming: np.ndarray, pid: int, rows: np.ndarray,
+                 slots: np.ndarray, absent_at: np.ndarray) -> tuple[int, int, int]:
+    """Hold rows for a kernel (under the row lock): takes a free place in ``holds`` for process ``pid``, and
+    ``slots[i] = rows[i]`` where that row is on this node and no other hold has it (it is pinned for
+    this hold, with what arrived beside it folded in), -1 where not; the positions of the others go to
+    the front of ``absent_at``; replica rows are marked changed (what is written to them in place is
+    their next sync's change). Returns how many rows are elsewhere or held, how many are replicas,
+    and the hold's place (0: every place is taken, and nothing is pinned)."""
+    hold = 0
+    for h in range(1, holds.shape[0]):
+        if holds[h] == 0:
+            hold = h
+            break
+    if hold == 0:
+        return 0, 0, 0
+    holds[hold] = pid
+    acquire_fence()  # the place's last hold let go of its rows before the place: those stores first
     absent = 0
     replicas = 0
     fold = False
     for i in range(rows.shape[0]):
         r = rows[i]
         state = presence[r]
-        if state == 0 or (pinned[r] and holders[r] != token):
+        pin = pinned[r]
+        if state == 0 or (pin != 0 and pin != hold):
             slots[i] = -1
             absent_at[absent] = i
             absent += 1
             continue
-        if not pinned[r]:
-            pinned[r] = 1
-            holders[r] = token
+        if pin == 0:
+            pinned[r] = hold
             if arrived[r]:
                 fold = True
         slots[i] = r
@@ -339,19 +349,21 @@ def pin_in_place(values: np.ndarray, presence: np.ndarray, changed: np.ndarray, 
                 for j in range(values.shape[1]):
                     values[r, j] += incoming[r, j]
                 arrived[r] = 0
-    return absent, replicas
+    return absent, replicas, hold
 
 
 @kernel
-def release(pinned: np.ndarray, holders: np.ndarray, token: int, rows: np.ndarray) -> None:
-    """Let go of the rows among ``rows`` that hold ``token`` pinned (-1: none), with no row lock: the
-    row's next writer folds in what arrived beside it. The fence first: the hold's writes to the rows
-    are seen before the rows are let go."""
+def release(pinned: np.ndarray, holds: np.ndarray, hold: int, rows: np.ndarray) -> None:
+    """Let go of the rows among ``rows`` (-1: none) that hold ``hold`` pinned, then of its place in
+    ``holds``, with no row lock: a row's next writer folds in what arrived beside it. Fenced: the
+    hold's writes to the rows are seen before the rows are let go, and the rows before the place."""
     release_fence()
     for i in range(rows.shape[0]):
         r = rows[i]
-        if r >= 0 and pinned[r] and holders[r] == token:
+        if r >= 0 and pinned[r] == hold:
             pinned[r] = 0
+    release_fence()
+    holds[hold] = 0
 
 
 @kernel
@@ -633,7 +645,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     place_rows(rows.copy(), keys, rows)
     add_rows(rows.copy(), keys, rows, 1.0)
     pins = np.zeros(1, dtype=np.uint8)
-    holders = np.zeros(1, dtype=np.int64)
+    holds = np.zeros(2, dtype=np.int64)
     read_present(rows, flags, pins, rows, keys, rows.copy(), absent_at)
     add_present(rows.copy(), flags.copy(), flags, pins, flags.copy(), rows.copy(), keys, rows, 1.0, absent_at)
     take_changes(rows.copy(), rows.copy(), flags.copy(), pins, flags.copy(), rows, keys, np.zeros(1, dtype=np.bool_))
@@ -641,9 +653,9 @@ def warm_up(dtype: Any = np.float32) -> None:
                  flags, absent_at.copy())
     receive_rows(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, flags.copy(), rows.copy(), keys, rows)
     give_unheld(rows, flags.copy(), pins, flags.copy(), rows, keys, rows.copy(), absent_at.copy())
-    pin_in_place(rows.copy(), flags, flags.copy(), pins.copy(), holders.copy(), flags.copy(), rows, 1, keys,
+    pin_in_place(rows.copy(), flags, flags.copy(), pins.copy(), holds.copy(), flags.copy(), rows, 1, keys,
                  absent_at.copy(), absent_at.copy())
-    release(pins.copy(), holders, 1, keys)
+    release(pins.copy(), holds, 1, keys)
     fold_arrived(rows.copy(), pins, flags.copy(), rows)
     slice_slots_in_place(keys, keys, 0, absent_at.copy(), absent_at.copy())
 

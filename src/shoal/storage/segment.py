@@ -112,15 +112,19 @@ class StripedLocks:
         self.fd = fd
         self.num_stripes = num_stripes
         self._threads = _thread_lock(fd)
+        # Every stripe, the hold of most calls of more than a few rows: made once and shared, as what it
+        # keeps between its enter and exit (how many ranges it locked) changes only under the thread lock.
+        self._every = {exclusive: _Held(self, [(0, num_stripes)], fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+                       for exclusive in (True, False)}
 
     def hold(self, rows: np.ndarray | None, exclusive: bool) -> _Held:
         """Lock the stripes that ``rows`` touch (all stripes if ``rows`` is None)."""
+        if rows is None or rows.shape[0] * 4 >= self.num_stripes:
+            return self._every[exclusive]
         return _Held(self, self._runs(rows), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
 
-    def _runs(self, rows: np.ndarray | None) -> list[tuple[int, int]]:
+    def _runs(self, rows: np.ndarray) -> list[tuple[int, int]]:
         """Contiguous byte ranges to lock, as (start, length)."""
-        if rows is None or rows.shape[0] * 4 >= self.num_stripes:
-            return [(0, self.num_stripes)]
         if rows.shape[0] == 1:  # the most frequent request of all: no array work
             return [(int(rows[0]) % self.num_stripes, 1)]
         stripes = np.unique(rows % self.num_stripes)

@@ -19,6 +19,8 @@ from shoal.storage.initialize import fill_initial
 from shoal.storage.rules import UpdateRule, rule_for
 from shoal.storage.segment import Segment, StripedLocks, align
 
+MAX_HOLDS = 255  # blocks in place open at once on one node's rows of a table (a row's pin is a byte)
+
 
 @dataclass(frozen=True)
 class ArraySlot:
@@ -68,13 +70,14 @@ class ShardLayout:
             offset = align(offset + num_rows * spec.dim * np.dtype(spec.dtype).itemsize)
             slots["changed"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
-            # Rows a worker's kernel holds in place (a byte per row, and the hold's token), and what
-            # other writers added beside them meanwhile (a byte per row, and the rows: ``storage.kernels``,
-            # pinned rows); pages of ``incoming`` take memory only once a held row is written to.
+            # Rows a worker's kernel holds in place (a byte per row: its hold's place in the table of
+            # holds, which keeps each hold's token), and what other writers added beside them meanwhile
+            # (a byte per row, and the rows: ``storage.kernels``, pinned rows); pages of ``incoming``
+            # take memory only once a held row is written to.
             slots["pinned"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
-            slots["holders"] = ArraySlot(offset, (num_rows,), "int64")
-            offset = align(offset + num_rows * 8)
+            slots["holds"] = ArraySlot(offset, (MAX_HOLDS + 1,), "int64")
+            offset = align(offset + (MAX_HOLDS + 1) * 8)
             slots["arrived"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
             slots["incoming"] = ArraySlot(offset, (num_rows, spec.dim), spec.dtype)
@@ -105,7 +108,7 @@ class ShardStore:
         self.base: np.ndarray | None = arrays.pop("base", None)
         self.changed: np.ndarray | None = arrays.pop("changed", None)
         self.pinned: np.ndarray | None = arrays.pop("pinned", None)
-        self.holders: np.ndarray | None = arrays.pop("holders", None)
+        self.holds: np.ndarray | None = arrays.pop("holds", None)
         self.arrived: np.ndarray | None = arrays.pop("arrived", None)
         self.incoming: np.ndarray | None = arrays.pop("incoming", None)
         self.state = arrays
