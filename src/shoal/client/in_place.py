@@ -14,11 +14,11 @@ touches their values, so nothing written in place is lost or written after its
 row left. An adaptive table's rows are pinned, not locked (``storage.in_place``):
 the node's server goes on serving meanwhile, and what other writers add to a
 held row (other nodes' pushes, replicas' changes, the node's other workers)
-waits beside it and goes in when the block ends; a row another block holds is
-elsewhere for this one. A static slice's rows are locked for the block: keep it
-to one small batch, as the node's server waits for them. Writes in place are the
-update rule (the table's own applies to pushes); they are not checked for NaN or
-Inf.
+waits beside it (read with it) and goes in after the block; a row another block
+holds is elsewhere for this one. A static slice's rows are locked for the block:
+keep it to one small batch, as the node's server waits for them. Writes in place
+are the update rule (the table's own applies to pushes); they are not checked for
+NaN or Inf.
 """
 
 from __future__ import annotations

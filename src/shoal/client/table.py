@@ -194,7 +194,7 @@ class Table:
         changes under the kernel, and what it writes to a replica reaches the
         key's owner. An adaptive table's rows are held without a lock: the
         node's server goes on serving, and what others write to them meanwhile
-        goes in when the block ends. A static slice's rows are locked: keep the
+        goes in after the block. A static slice's rows are locked: keep the
         block to one small batch (the node's server waits for them). Writes in
         place bypass the update rule and the NaN/Inf policy. The rows of an
         adaptive table present here (owned or replicated, and not held by
