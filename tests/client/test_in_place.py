@@ -254,3 +254,38 @@ def test_in_place_updates_from_four_processes_while_keys_move_and_replicate_land
     assert moved > 100  # keys really moved while rows were written in place
     if technique == "auto":
         assert sum(w["replica_rows_in_place"] for w in workers) > 0
+
+
+def test_a_checkpoint_holds_what_was_pushed_beside_rows_held_in_place_once(tmp_path):
+    """A push to rows another worker holds waits beside them after the block (no writer took them
+    since); the checkpoint reads the rows with it, once."""
+    ready, pushed = threading.Event(), threading.Event()
+    keys = np.arange(10)
+    with ThreadCluster(nodes=1, workers_per_node=2) as c:
+        store = []
+
+        def body(w):
+            t = w.table("m", 10, 1, techniques="auto", init=shoal.Constant(0.0))
+            w.barrier()
+            if w.rank == 0:
+                with t.in_place(keys[:6]) as rows:
+                    ready.set()
+                    assert pushed.wait(10)
+                    rows.values[rows.slots] += 3.0
+            else:
+                assert ready.wait(10)
+                t.push(keys[:6], np.full((6, 1), 2.0, np.float32))  # beside the held rows
+                pushed.set()
+            w.barrier()
+            if w.rank == 0:
+                store.append(c.servers[0].adaptive.tables["m"].store)
+                assert store[0].arrived[:6].all() and store[0].values[0, 0] == 3.0  # still beside
+            w.barrier()
+            w.checkpoint(tmp_path)
+
+        c.run_workers(body)
+    with ThreadCluster(nodes=1) as fresh:
+        w = fresh.worker(0)
+        t = w.table("m", 10, 1, techniques="auto", init=shoal.Constant(0.0))
+        w.restore(tmp_path)
+        np.testing.assert_array_equal(t.pull(keys)[:, 0], [5.0] * 6 + [0.0] * 4)
