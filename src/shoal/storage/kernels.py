@@ -67,14 +67,14 @@ ABSENT, OWNED, REPLICA = 0, 1, 2
 
 # A row held in place by a worker's kernel is pinned: ``pinned[r]`` names the hold (a byte per row,
 # read beside every row a push touches: 0 for none, else the hold's place in the store's table of
-# holds, ``holds``, which keeps each hold's process id, 0 for a free place). The
-# kernel writes a pinned row with no lock, so every other writer (the node's server, its other
-# workers) leaves its value alone and adds what it would write to ``incoming[r]`` instead, marking
-# ``arrived[r]``. What arrived is part of the row: readers read value plus incoming, and the first
-# writer that finds the row no longer pinned (under the row lock, as every writer) folds it into
-# the value, as does the next hold. A hold pins under the row lock and lets go without it
-# (``release``: one store per row, fenced after its kernel's writes), so no writer waits for a hold
-# and a hold pays one lock round; nothing written to a held row is lost.
+# holds, ``holds``, which keeps each hold's process id, 0 for a free place). The kernel writes a
+# pinned row with no lock, so every other writer (the node's server, its other workers) leaves its
+# value alone and adds what it would write to ``incoming[r]`` instead, marking ``arrived[r]``. What
+# arrived is part of the row: readers read value plus incoming, and the first writer that finds the
+# row no longer pinned (under the row lock, as every writer) folds it into the value, as does the
+# next hold. A hold pins under the row lock and lets go without it (``release``: one store per row,
+# fenced after its kernel's writes), so no writer waits for a hold and a hold pays one lock round;
+# nothing written to a held row is lost.
 
 
 @kernel
