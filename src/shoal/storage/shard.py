@@ -71,7 +71,7 @@ class ShardLayout:
             slots["changed"] = ArraySlot(offset, (num_rows,), "uint8")
             offset = align(offset + num_rows)
             # Rows a worker's kernel holds in place (a byte per row: its hold's place in the table of
-            # holds, which keeps each hold's token), and what other writers added beside them meanwhile
+            # holds, which keeps each hold's process id), and what other writers added beside them meanwhile
             # (a byte per row, and the rows: ``storage.kernels``, pinned rows); pages of ``incoming``
             # take memory only once a held row is written to.
             slots["pinned"] = ArraySlot(offset, (num_rows,), "uint8")
@@ -239,7 +239,7 @@ class ShardStore:
 
     def update_present(self, rows: np.ndarray, grads: np.ndarray, scale: float) -> np.ndarray:
         """Add ``scale * grads`` to the rows present here (a replica's marked changed; a row held in
-        place gets it when its hold ends); returns the positions of the absent rows, which the caller
+        place gets it beside, read with it); returns the positions of the absent rows, which the caller
         must send to their owner."""
         assert self.presence is not None and self.changed is not None
         assert self.pinned is not None and self.arrived is not None and self.incoming is not None
