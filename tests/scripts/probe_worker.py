@@ -32,12 +32,15 @@ def main() -> None:
             "server_pids": [s["pid"] for s in servers], "server_addresses": [s["address"] for s in servers],
             "rendezvous": os.environ["SHOAL_RENDEZVOUS"], "secret_file": os.environ.get("SHOAL_SECRET_FILE"),
             "secret_in_environment": "SHOAL_SECRET" in os.environ}
-    with open(os.path.join(info_dir, f"w{ps.rank}.json"), "w") as fh:
+    path = os.path.join(info_dir, f"w{ps.rank}.json")
+    with open(path + ".part", "w") as fh:  # whole or not there: a worker torn down mid-write leaves no half file
         json.dump(info, fh)
+    os.replace(path + ".part", path)
     print(f"worker {ps.rank} ready", flush=True)
     if mode == "ok":
         ps.barrier()
     elif mode == "crash":
+        ps.barrier()  # every worker has written its info before one crashes and the job is torn down
         if ps.rank == 1:
             sys.exit(3)
         ps.barrier()
