@@ -1,7 +1,9 @@
 """The single-process baseline: skip-gram with negative sampling on numpy arrays, the same compiled step.
 
 Rows are gathered and updated, and negatives drawn, with Shoal's compiled kernels (no parameter server): numpy's
-fancy indexing is several times slower, and the baseline should be as efficient as Shoal's local path.
+fancy indexing is several times slower, and the baseline should be as efficient as Shoal's local path. With
+``--step S`` each batch is trained as SGD steps of S pairs on the arrays where they lie (no gather, no
+scatter; ``--step 1`` is word2vec's own update, pair by pair), as ``train.py --step S`` does on a node's rows.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import time
 
 import numpy as np
 from corpus import load
-from sgns import Hyper, distinct, evaluate, noise_weights, pairs, sgns_step
+from sgns import Hyper, distinct, evaluate, noise_weights, pairs, sgns_step, sgns_steps_in_place
 
 from shoal.storage.kernels import add_rows, alias_draw, alias_table, gather_rows
 
 
-def train(epochs: int, h: Hyper, seed: int = 0, corpus_name: str = "lee") -> dict[str, object]:
+def train(epochs: int, h: Hyper, seed: int = 0, corpus_name: str = "lee", step: int | None = None
+          ) -> dict[str, object]:
     corpus = load(corpus_name)
     rng = np.random.default_rng(seed)
     vin = ((rng.random((corpus.vocab, h.dim)) - 0.5) / h.dim).astype(np.float32)
@@ -32,6 +35,11 @@ def train(epochs: int, h: Hyper, seed: int = 0, corpus_name: str = "lee") -> dic
             batch = batches[s : s + h.batch]
             n = batch.shape[0]
             negs = alias_draw(*noise, rng.random(n * h.negatives))
+            if step:
+                sgns_steps_in_place(vin, vout, batch[:, 0], batch[:, 1], negs.reshape(n, h.negatives),
+                                    np.arange(n), step, lr)
+                done += n
+                continue
             ins, in_slot = distinct(batch[:, 0], scratch)
             outs, out_slot = distinct(np.concatenate([batch[:, 1], negs]), scratch)
             in_rows = np.empty((ins.shape[0], h.dim), np.float32)
@@ -52,9 +60,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--corpus", default="lee", choices=("lee", "planted"))
+    p.add_argument("--step", type=int, default=None, help="SGD steps of this many pairs on the arrays in place")
     p.add_argument("--out")
     args = p.parse_args()
-    result = train(args.epochs, Hyper(), corpus_name=args.corpus)
+    result = train(args.epochs, Hyper(), corpus_name=args.corpus, step=args.step)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as fh:

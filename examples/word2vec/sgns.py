@@ -25,10 +25,15 @@ def noise_weights(counts: np.ndarray) -> np.ndarray:
     return w / w.sum()
 
 
+def keep_probability(corpus: Corpus, h: Hyper) -> np.ndarray:
+    """Per word, the chance that one of its tokens is kept in a pass (frequent words are subsampled)."""
+    freq = corpus.counts / corpus.counts.sum()
+    return np.minimum(1.0, np.sqrt(h.subsample / freq) + h.subsample / freq)  # type: ignore[no-any-return]
+
+
 def pairs(corpus: Corpus, h: Hyper, rng: np.random.Generator) -> np.ndarray:
     """All (centre, context) pairs of one pass, with frequent words subsampled and random window sizes."""
-    freq = corpus.counts / corpus.counts.sum()
-    keep_p = np.minimum(1.0, np.sqrt(h.subsample / freq) + h.subsample / freq)
+    keep_p = keep_probability(corpus, h)
     tokens = corpus.tokens[rng.random(corpus.tokens.shape[0]) < keep_p[corpus.tokens]]
     out = []
     for offset in range(1, h.window + 1):
@@ -38,6 +43,18 @@ def pairs(corpus: Corpus, h: Hyper, rng: np.random.Generator) -> np.ndarray:
         out.append(np.stack([right, left], axis=1))
     all_pairs = np.concatenate(out)
     return all_pairs[rng.permutation(all_pairs.shape[0])]
+
+
+def centres_by_worker(corpus: Corpus, h: Hyper, workers: int) -> np.ndarray:
+    """Per word, the worker that trains the pairs it is the centre of: the words' expected pairs
+    balanced over the workers (each word in turn, most frequent first, to the least loaded)."""
+    expected = corpus.counts * keep_probability(corpus, h)
+    worker_of = np.empty(corpus.vocab, np.int64)
+    load = np.zeros(workers)
+    for word in np.argsort(-expected, kind="stable"):
+        worker_of[word] = int(np.argmin(load))
+        load[worker_of[word]] += expected[word]
+    return worker_of
 
 
 @numba.njit(nogil=True, cache=True)
@@ -62,6 +79,22 @@ def distinct(words: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.nda
     return uniq[:m], slots
 
 
+@numba.njit(nogil=True, fastmath=True, cache=True, inline="always")
+def _changes(vin: np.ndarray, c: int, vout: np.ndarray, o: int, positive: bool, lr: float, d_in: np.ndarray,
+             at_in: int, d_out: np.ndarray, at_out: int) -> None:
+    """One score (centre row ``c`` of ``vin``, output row ``o`` of ``vout``; a context if ``positive``, else
+    a negative): its SGD changes to both rows added to ``d_in[at_in]`` and ``d_out[at_out]``."""
+    dim = vin.shape[1]
+    s = np.float32(0.0)
+    for k in range(dim):
+        s += vin[c, k] * vout[o, k]
+    label = 1.0 if positive else 0.0
+    g = np.float32(lr * (label - 1.0 / (1.0 + np.exp(-s))))
+    for k in range(dim):
+        d_in[at_in, k] += g * vout[o, k]
+        d_out[at_out, k] += g * vin[c, k]
+
+
 @numba.njit(nogil=True, fastmath=True, cache=True)
 def sgns_step(in_rows: np.ndarray, out_rows: np.ndarray, centres: np.ndarray, contexts: np.ndarray,
               negs: np.ndarray, lr: float, d_in: np.ndarray, d_out: np.ndarray) -> None:
@@ -69,19 +102,47 @@ def sgns_step(in_rows: np.ndarray, out_rows: np.ndarray, centres: np.ndarray, co
     ``contexts`` and ``negs`` are slots of ``in_rows``/``out_rows``, and each row's changes are
     summed into the same slot of ``d_in``/``d_out``. (The loss is not computed: a logarithm per
     score, no use in training.)"""
-    dim = in_rows.shape[1]
     for b in range(centres.shape[0]):
         c = centres[b]
         for j in range(negs.shape[1] + 1):
             o = contexts[b] if j == 0 else negs[b, j - 1]
-            s = np.float32(0.0)
+            _changes(in_rows, c, out_rows, o, j == 0, lr, d_in, c, d_out, o)
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def sgns_steps_in_place(vin: np.ndarray, vout: np.ndarray, centres: np.ndarray, contexts: np.ndarray,
+                        negs: np.ndarray, which: np.ndarray, step: int, lr: float) -> None:
+    """SGD steps of ``step`` pairs each on the rows where they lie: the pairs ``which`` in turn, each
+    step's changes computed from the rows as they were before it (as ``sgns_step`` computes a batch's)
+    and added to them after it. ``step=1`` is word2vec's own update, pair by pair. ``centres``,
+    ``contexts`` and ``negs`` are rows of ``vin`` and ``vout``."""
+    dim = vin.shape[1]
+    size = min(step, which.shape[0])
+    d_in = np.zeros((size, dim), np.float32)
+    d_out = np.zeros((size * (negs.shape[1] + 1), dim), np.float32)
+    for first in range(0, which.shape[0], step):
+        chunk = which[first:first + step]
+        n_out = 0
+        for i in range(chunk.shape[0]):
+            b = chunk[i]
+            c = centres[b]
+            for j in range(negs.shape[1] + 1):
+                o = contexts[b] if j == 0 else negs[b, j - 1]
+                _changes(vin, c, vout, o, j == 0, lr, d_in, i, d_out, n_out)
+                n_out += 1
+        n_out = 0
+        for i in range(chunk.shape[0]):
+            b = chunk[i]
+            c = centres[b]
             for k in range(dim):
-                s += in_rows[c, k] * out_rows[o, k]
-            label = 1.0 if j == 0 else 0.0
-            g = np.float32(lr * (label - 1.0 / (1.0 + np.exp(-s))))
-            for k in range(dim):
-                d_in[c, k] += g * out_rows[o, k]
-                d_out[o, k] += g * in_rows[c, k]
+                vin[c, k] += d_in[i, k]
+                d_in[i, k] = 0.0
+            for j in range(negs.shape[1] + 1):
+                o = contexts[b] if j == 0 else negs[b, j - 1]
+                for k in range(dim):
+                    vout[o, k] += d_out[n_out, k]
+                    d_out[n_out, k] = 0.0
+                n_out += 1
 
 
 def evaluate(vin: np.ndarray, corpus: Corpus) -> dict[str, float]:

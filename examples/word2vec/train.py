@@ -8,8 +8,12 @@ Modes as in the KGE example: ``classic``, ``static``, ``relocation``,
 distribution). ``--intents epoch`` (the default) declares each pass's words for
 the whole pass, as long as they are used, so a word every worker uses is
 replicated for the pass; ``--intents batch`` declares each batch's words
-``--lookahead`` batches ahead, one clock long, and words come and go. Rank 0
-reports pairs/s and the WordSim-353 and analogy scores.
+``--lookahead`` batches ahead, one clock long, and words come and go. With
+``--step S`` (adaptive modes) a batch is trained as SGD steps of S pairs on the
+node's rows where they lie (``Table.in_place``: no gather, no scatter, no message
+for them; ``--step 1`` is word2vec's own update, pair by pair), and only the
+pairs with a row on another node go through pull and push. Rank 0 reports
+pairs/s and the WordSim-353 and analogy scores.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 
 import numpy as np
 from corpus import load
-from sgns import Hyper, distinct, evaluate, noise_weights, pairs, sgns_step
+from sgns import Hyper, centres_by_worker, distinct, evaluate, noise_weights, pairs, sgns_step, sgns_steps_in_place
 
 import shoal
 
@@ -38,11 +42,17 @@ def main() -> None:
                    help="the Lee corpus, or planted word clusters (quality: cluster purity)")
     p.add_argument("--sync-ms", type=float, default=50.0,
                    help="adaptive modes: how often a replica sends its change to the word's owner and gets its rows")
+    p.add_argument("--step", type=int, default=None,
+                   help="SGD steps of this many pairs on the rows where they lie (Table.in_place; adaptive modes)")
+    p.add_argument("--split", default="pairs", choices=("pairs", "centre"),
+                   help="each worker's share of a pass: every n-th pair, or the pairs of its centre words")
     p.add_argument("--out")
     args = p.parse_args()
     h = Hyper()
     corpus = load(args.corpus)
     adaptive = args.mode in ("relocation", "replication", "auto")
+    if args.step and not adaptive:
+        p.error("--step updates rows in place: an adaptive mode (relocation, replication or auto) only")
     ps = shoal.init(local_access=args.mode != "classic")
     common = dict(optimizer=shoal.optim.Sum(), techniques=args.mode if adaptive else "static", mapping="round_robin",
                   seed=args.seed)
@@ -53,10 +63,14 @@ def main() -> None:
     vout.register_sampling(noise_weights(corpus.counts), scheme="local" if adaptive else "naive",
                            seed=args.seed * 1000 + ps.rank)
     scratch = np.full(corpus.vocab, -1, np.int64)  # for `distinct`
-    done = 0
     pushes: list[shoal.Future[None]] = []
-    passes = [pairs(corpus, h, np.random.default_rng([args.seed, epoch]))[ps.rank::ps.num_workers]
-              for epoch in range(args.epochs)]
+    passes = [pairs(corpus, h, np.random.default_rng([args.seed, epoch])) for epoch in range(args.epochs)]
+    total = sum(all_pairs.shape[0] for all_pairs in passes)  # every worker's, together
+    if args.split == "centre":  # a word's input row is used by one worker only
+        worker_of = centres_by_worker(corpus, h, ps.num_workers)
+        passes = [all_pairs[worker_of[all_pairs[:, 0]] == ps.rank] for all_pairs in passes]
+    else:
+        passes = [all_pairs[ps.rank::ps.num_workers] for all_pairs in passes]
     if adaptive and args.intents == "epoch":
         clock = ps.clock
         for mine in passes:
@@ -68,6 +82,36 @@ def main() -> None:
         # they come (the later passes' words come while the one before runs).
         vin.wait_local(np.unique(passes[0][:, 0]), timeout=10)
         vout.wait_local(np.unique(passes[0][:, 1]), timeout=10)
+
+    def steps_in_place(batch: np.ndarray, negatives: np.ndarray, lr: float) -> np.ndarray:
+        """Steps of ``--step`` pairs on this node's rows where they lie, for the pairs whose rows are all
+        here, the batch's rows held meanwhile; the positions of the other pairs."""
+        ins, in_slot = distinct(batch[:, 0], scratch)
+        outs, out_slot = distinct(np.concatenate([batch[:, 1], negatives.reshape(-1)]), scratch)
+        with vin.in_place(ins) as here_in, vout.in_place(outs) as here_out:  # always in this order
+            centres, outputs = here_in.slots[in_slot], here_out.slots[out_slot]
+            n = batch.shape[0]
+            contexts, negs = outputs[:n], outputs[n:].reshape(negatives.shape)
+            whole = (centres >= 0) & (contexts >= 0) & (negs >= 0).all(axis=1)
+            sgns_steps_in_place(here_in.values, here_out.values, centres, contexts, negs, np.flatnonzero(whole),
+                                args.step, lr)
+        return np.flatnonzero(~whole)
+
+    def step_through_messages(batch: np.ndarray, negatives: np.ndarray, lr: float) -> None:
+        """One SGD step for these pairs, as the baseline does: one gather of the batch's centres and one of
+        its distinct output words (contexts and negatives), the changes pushed."""
+        n = batch.shape[0]
+        ins, in_slot = distinct(batch[:, 0], scratch)
+        outs, out_slot = distinct(np.concatenate([batch[:, 1], negatives]), scratch)
+        in_rows, out_rows = vin.pull_async(ins), vout.pull_async(outs)
+        d_in = np.zeros((ins.shape[0], h.dim), np.float32)
+        d_out = np.zeros((outs.shape[0], h.dim), np.float32)
+        sgns_step(in_rows.wait(), out_rows.wait(), in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives), lr,
+                  d_in, d_out)
+        for f in pushes:  # the last step's updates of rows elsewhere are in: one step in flight at most
+            f.wait()
+        pushes[:] = [vin.push_async(ins, d_in), vout.push_async(outs, d_out)]
+
     ps.barrier()
     start = time.perf_counter()
     for epoch, mine in enumerate(passes):
@@ -79,27 +123,19 @@ def main() -> None:
                 vin.intent(ahead[:, 0], clock, clock + 1)
                 vout.intent(ahead[:, 1], clock, clock + 1)
             n = batch.shape[0]
-            # As the baseline does: one gather of the batch's centres and one of its distinct output
-            # words (contexts and negatives, drawn among rows present here unless in classic mode).
-            negatives = vout.sample_keys(n * h.negatives)
-            ins, in_slot = distinct(batch[:, 0], scratch)
-            outs, out_slot = distinct(np.concatenate([batch[:, 1], negatives]), scratch)
-            in_rows, out_rows = vin.pull_async(ins), vout.pull_async(outs)
-            d_in = np.zeros((ins.shape[0], h.dim), np.float32)
-            d_out = np.zeros((outs.shape[0], h.dim), np.float32)
-            sgns_step(in_rows.wait(), out_rows.wait(), in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives), lr,
-                      d_in, d_out)
-            for f in pushes:  # the last step's updates of rows elsewhere are in: one step in flight at most
-                f.wait()
-            pushes = [vin.push_async(ins, d_in), vout.push_async(outs, d_out)]
+            negatives = vout.sample_keys(n * h.negatives)  # among rows present here unless in classic mode
+            if args.step:
+                rest = steps_in_place(batch, negatives.reshape(n, h.negatives), lr)
+                batch, negatives = batch[rest], negatives.reshape(n, h.negatives)[rest].reshape(-1)
+            if batch.shape[0]:
+                step_through_messages(batch, negatives, lr)
             ps.advance_clock()
-            done += n
     for f in pushes:
         f.wait()
+    ps.barrier()  # the time until the last worker is done: shares of a pass split by centre words differ
     elapsed = time.perf_counter() - start
-    ps.barrier()
     if ps.rank == 0:
-        result = {"mode": args.mode, "nodes": ps.num_nodes, "pairs_per_s": done * ps.num_workers / elapsed,
+        result = {"mode": args.mode, "nodes": ps.num_nodes, "pairs_per_s": total / elapsed,
                   **evaluate(vin.pull(np.arange(corpus.vocab)), corpus)}
         print(json.dumps(result))
         # What placement did, for the benchmark's notes: rank 0's table counters and every server's moves.
