@@ -3,10 +3,13 @@
     python benchmarks/bench_word2vec.py [--epochs 10] [--seeds 3]
 
 Every contender trains the same number of passes over gensim's Lee corpus, over
-several seeds: the baseline (numpy rows, compiled step and row kernels), then
-Shoal in classic (no shared memory, no intent), static, relocation-only and
-replication-only modes on 2 nodes and auto on 1 and 2 (intents a pass long),
-and auto on 2 nodes with intents a batch long; and what a word2vec user would
+several seeds: the baseline (numpy rows, compiled step and row kernels; batches
+of 2,048 pairs, and pair by pair on its arrays in place), then Shoal in classic
+(no shared memory, no intent), static, relocation-only and replication-only
+modes on 2 nodes and auto on 1 and 2 (intents a pass long), auto on 2 nodes with
+intents a batch long, and auto on 2 nodes pair by pair on the node's rows in
+place (``--step 1``), also with each worker training the pairs of its own centre
+words (``--split centre``); and what a word2vec user would
 pick instead, gensim's ``Word2Vec`` with 1 and 2 threads (same hyperparameters;
 ``pip install smart_open`` lets gensim import). Throughput in words/s (corpus
 tokens per second, as gensim reports it) and pairs/s. It records pairs/s and
@@ -38,18 +41,30 @@ from sgns import Hyper, evaluate, pairs  # noqa: E402
 
 from common import run_example, write_results  # noqa: E402
 
+#: SGD pair by pair on the rows where they lie (``Table.in_place``), as word2vec itself updates
+IN_PLACE = ["--step", "1"]
+#: each worker trains the pairs of its own centre words: a word's input row is used on one node only
+BY_CENTRE = ["--split", "centre"]
+
 #: (name, mode, nodes, more arguments); the adaptive modes declare each pass's words for the pass
 CONTENDERS: list[tuple[str, str, int, list[str]]] = [
     ("classic PS", "classic", 2, []), ("static", "static", 2, []), ("relocation only", "relocation", 2, []),
     ("replication only", "replication", 2, []), ("auto", "auto", 1, []), ("auto", "auto", 2, []),
-    ("auto, batch-long intents", "auto", 2, ["--intents", "batch"])]
+    ("auto, batch-long intents", "auto", 2, ["--intents", "batch"]),
+    ("auto, pair by pair in place", "auto", 2, IN_PLACE),
+    ("auto, pair by pair in place, pairs by centre word", "auto", 2, [*IN_PLACE, *BY_CENTRE]),
+    ("auto, pair by pair in place, pairs by centre word, synced every 10 ms", "auto", 2,
+     [*IN_PLACE, *BY_CENTRE, "--sync-ms", "10"])]
 
 
 #: quality where it can be seen: on the planted-cluster corpus, these contenders (name, mode, nodes, more
 #: arguments); replicas that sync more often read fresher rows, at a cost in servers' CPU
 PLANTED: list[tuple[str, str, int, list[str]]] = [
     ("static", "static", 2, []), ("auto", "auto", 2, []),
-    ("auto, replicas synced every 10 ms", "auto", 2, ["--sync-ms", "10"])]
+    ("auto, replicas synced every 10 ms", "auto", 2, ["--sync-ms", "10"]),
+    ("auto, pair by pair in place, pairs by centre word", "auto", 2, [*IN_PLACE, *BY_CENTRE]),
+    ("auto, pair by pair in place, pairs by centre word, synced every 10 ms", "auto", 2,
+     [*IN_PLACE, *BY_CENTRE, "--sync-ms", "10"])]
 
 
 def run_cluster(mode: str, nodes: int, epochs: int, seed: int, more: list[str]) -> dict[str, Any]:
@@ -82,9 +97,10 @@ def planted_quality(epochs: int, seeds: int) -> list[tuple[str, int, tuple[float
         return sum(values) / len(values), min(values), max(values)
 
     rows = []
-    base = [train_baseline(epochs, h, seed=s, corpus_name="planted") for s in range(seeds)]
-    rows.append(("single-process baseline", 1, spread([float(r["cluster_purity"]) for r in base]),
-                 sum(float(r["pairs_per_s"]) for r in base) / seeds))
+    for name, step in (("single-process baseline", None), ("single-process baseline, pair by pair in place", 1)):
+        base = [train_baseline(epochs, h, seed=s, corpus_name="planted", step=step) for s in range(seeds)]
+        rows.append((name, 1, spread([float(r["cluster_purity"]) for r in base]),
+                     sum(float(r["pairs_per_s"]) for r in base) / seeds))
     try:
         import gensim.models  # noqa: F401
     except ImportError:
@@ -125,9 +141,12 @@ def main() -> None:
         return {**run, "words_per_s": run["pairs_per_s"] / per_word}
 
     train_baseline(1, h)  # compile and warm up
+    train_baseline(1, h, step=1)
     rows = [summary("single-process baseline", 1, [with_words(train_baseline(args.epochs, h, seed=s))
                                                    for s in range(args.seeds)])]
-    print(f"baseline: {rows[0]['pairs_per_s']:,.0f} pairs/s", flush=True)
+    rows.append(summary("single-process baseline, pair by pair in place", 1,
+                        [with_words(train_baseline(args.epochs, h, seed=s, step=1)) for s in range(args.seeds)]))
+    print(f"baseline: {rows[0]['pairs_per_s']:,.0f} pairs/s, in place {rows[1]['pairs_per_s']:,.0f}", flush=True)
     try:
         import gensim.models  # noqa: F401
     except ImportError as exc:  # the corpus needs only gensim's files; its models need smart_open too
@@ -143,20 +162,21 @@ def main() -> None:
                                           for s in range(args.seeds)]))
         print(f"{name} on {nodes} node(s): {rows[-1]['pairs_per_s']:,.0f} pairs/s", flush=True)
 
-    base = rows[0]["pairs_per_s"]
+    base, in_place = rows[0]["pairs_per_s"], rows[1]["pairs_per_s"]
     classic = next(r for r in rows if r["name"] == "classic PS")["pairs_per_s"]
     gensim2 = next((r["words_per_s"] for r in rows if r["name"] == "gensim Word2Vec, 2 thread(s)"), float("nan"))
     lines = [f"Lee corpus (gensim's test data), skip-gram d=100, window 5, 5 negatives, batches of 2,048 pairs, "
              f"{args.epochs} passes; mean (and range) over {args.seeds} seeds. Words/s: corpus tokens per "
              f"second, as gensim counts them (a pass makes {per_word:.2f} pairs per token here; gensim's figure "
              "is its own).", "",
-             "| contender | nodes | words/s | pairs/s | vs baseline | vs gensim, 2 threads | vs classic PS (2 nodes) "
-             "| WordSim-353 Spearman | analogy accuracy |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| contender | nodes | words/s | pairs/s | vs baseline | vs baseline in place | vs gensim, 2 threads "
+             "| vs classic PS (2 nodes) | WordSim-353 Spearman | analogy accuracy |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ws, an = r["wordsim"], r["analogy"]
         lines.append(f"| {r['name']} | {r['nodes']} | {r['words_per_s']:,.0f} | {r['pairs_per_s']:,.0f} "
-                     f"| {r['pairs_per_s'] / base:.2f} | {r['words_per_s'] / gensim2:.2f} "
+                     f"| {r['pairs_per_s'] / base:.2f} | {r['pairs_per_s'] / in_place:.2f} "
+                     f"| {r['words_per_s'] / gensim2:.2f} "
                      f"| {r['pairs_per_s'] / classic:.2f} | {ws[0]:.3f} ({ws[1]:.3f}-{ws[2]:.3f}) "
                      f"| {an[0]:.4f} ({an[1]:.4f}-{an[2]:.4f}) |")
     planted_rows = planted_quality(args.epochs, args.seeds)
