@@ -27,10 +27,17 @@ from shoal.api.errors import ShoalError
 from shoal.launch.status import StatusClient
 
 SAMPLE_S = 0.25
+# The first second is sampled faster: a job that short (a small model on a warm machine) would
+# otherwise end with one sample or none, and its report with no throughput curve.
+FIRST_SAMPLE_S, FIRST_SECOND_S = 0.05, 1.0
+# A sample asks every server; one that has just exited at the job's end is waited for this long
+# (a sample is dropped, not the job held: 2 s held every short job's exit by 2-4 s).
+SAMPLE_TIMEOUT_S = 0.5
 
 
 class LoadSampler:
-    """Samples every server's counters every ``SAMPLE_S`` seconds in a thread, until stopped."""
+    """Samples every server's counters every ``SAMPLE_S`` seconds (``FIRST_SAMPLE_S`` in the first
+    second) in a thread, until stopped."""
 
     def __init__(self, rendezvous: str, secret: bytes | None, run_dir: Path) -> None:
         self.rendezvous, self.secret, self.run_dir = rendezvous, secret, run_dir
@@ -41,17 +48,19 @@ class LoadSampler:
         self._thread.start()
 
     def _run(self) -> None:
-        client = StatusClient(self.rendezvous, self.secret, timeout=2.0)
+        client = StatusClient(self.rendezvous, self.secret, timeout=SAMPLE_TIMEOUT_S)
         self.started = time.time()  # workers log wall-clock times: plots count both from here
         start = time.monotonic()
         try:
-            while not self._stop.wait(SAMPLE_S):
+            while not self._stop.wait(FIRST_SAMPLE_S if time.monotonic() - start < FIRST_SECOND_S else SAMPLE_S):
                 try:
                     snap = client.snapshot()
                 except ShoalError:
                     continue  # the job is starting or ending
                 self.samples.append({"t": snap.at - start,
                                      "servers": {str(n): _sample(info) for n, info in snap.servers.items()}})
+                if snap.status.get("finished"):  # the servers are leaving: nothing more to see
+                    break
         finally:
             client.close()
 
