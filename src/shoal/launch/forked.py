@@ -103,17 +103,19 @@ def safe_to_fork() -> bool:
 
 
 def preload() -> None:
-    """Load what every job process needs: the worker's and the server's modules, numba and the row
-    kernels of float32 and float64 tables; then keep it all out of the cyclic collector's walks
-    (which would also write to every shared page of every child)."""
+    """Load what every job process needs: the worker's and the server's modules, numba, the row
+    kernels of float32 and float64 tables and the routing kernels; then keep it all out of the cyclic
+    collector's walks (which would also write to every shared page of every child)."""
     import numpy as np
 
     import shoal.client.worker  # noqa: F401
     import shoal.launch.server_main  # noqa: F401
+    from shoal.placement import kernels as routing
     from shoal.storage import kernels
 
     kernels.warm_up(np.float32)
     kernels.warm_up(np.float64)
+    routing.warm_up()
     gc.freeze()
 
 

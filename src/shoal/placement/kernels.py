@@ -94,3 +94,22 @@ def distinct(keys: np.ndarray, seen: np.ndarray, out: np.ndarray) -> int:
     for i in range(n):
         seen[out[i]] = False
     return n
+
+
+def warm_up() -> None:
+    """Load the routing kernels now (as ``storage.kernels.warm_up`` does the row kernels), each for keys
+    a process made and for keys read from the wire: those are read-only, a form numba compiles apart,
+    which a server would otherwise compile (a fresh install) or load at its first request."""
+    mine = np.zeros(1, dtype=np.int64)
+    wire = mine.copy()
+    wire.flags.writeable = False
+    out = np.zeros(1, dtype=np.int64)
+    bounds = np.array([0, 1], dtype=np.int64)
+    for keys in (mine, wire):
+        range_locate(keys, bounds, out, out.copy())
+        lookup_locate(keys, out, out, out.copy(), out.copy())
+        rows_in_range(keys, 0, 1, out)
+        rows_in_stride(keys, 0, 1, out)
+        rows_in_lookup(keys, 0, out, out, out.copy())
+        distinct(keys, np.zeros(1, dtype=np.bool_), out)
+    owners_of(out, out.copy(), out.copy(), 1)

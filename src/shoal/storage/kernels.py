@@ -633,7 +633,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     """Load numba and the kernels rows of ``dtype`` go through now: numba's import and first call cost
     a process about 0.5 s even from the cache and each kernel after that 3-20 ms, which would
     otherwise land on a job's first batches (the row paths of every table kind: checks, gathers,
-    adds, present rows, a replica's changes)."""
+    adds, present rows, a replica's changes; the initial rows)."""
     keys = np.zeros(1, dtype=np.int64)
     rows = np.zeros((1, 1), dtype=dtype)
     flags = np.zeros(1, dtype=np.uint8)
@@ -658,6 +658,8 @@ def warm_up(dtype: Any = np.float32) -> None:
     release(pins.copy(), holds, 1, keys)
     fold_arrived(rows.copy(), pins, flags.copy(), rows)
     slice_slots_in_place(keys, keys, 0, absent_at.copy(), absent_at.copy())
+    seeded_uniform(np.uint64(0), keys, rows.copy(), 0.0, 1.0)  # a table's initial rows, at its build
+    seeded_normal(np.uint64(0), keys, rows.copy(), 0.0, 1.0)
 
 
 def warm_up_meanwhile(dtype: Any = np.float32) -> threading.Thread:
