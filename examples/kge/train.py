@@ -78,7 +78,7 @@ def main() -> None:
     if adaptive:
         # On the small graphs every entity is in nearly every batch, so each node holds replicas of the
         # whole (small) table: a sync is cheap, and at 50 ms a replica lagged the other node by more than
-        # an epoch (2-node test MRR after 100 epochs 0.77-0.79 against 0.81-0.82 synced every 10 ms, at
+        # an epoch (2-node test MRR after 100 epochs 0.77-0.79 against 0.80-0.82 synced every 10 ms, at
         # the same speed). On the Zipf graph 10 ms cost the servers a tenth of a core for no gain.
         options["sync_ms"] = args.sync_ms if args.sync_ms is not None else 50.0 if args.data == "zipf" else 10.0
     ent = ps.table("kge.entities", graph.num_entities, row_width(h), **options)

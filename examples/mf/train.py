@@ -126,8 +126,8 @@ def main() -> None:
     if adaptive:
         # Hot items are replicas on every node. An epoch of MovieLens 100k takes 15-50 ms here: synced
         # every 50 ms (the tables' default) a replica missed the other node's updates of a whole epoch
-        # (test RMSE after 10 epochs 0.940-0.942 on 2 nodes against the baseline's 0.936; 0.936-0.937
-        # synced every 10 ms, the items' rows a few hundred KB a sync).
+        # (test RMSE after 10 epochs 0.938-0.950 on 2 nodes against the baseline's 0.936; 0.936-0.938
+        # synced every 10 ms, about a tenth slower; the items' rows are a few hundred KB a sync).
         options["techniques"], options["sync_ms"] = args.mode, args.sync_ms
     users = ps.table("mf.users", data.num_users, hyper.rank + 1, **options)
     items = ps.table("mf.items", data.num_items, hyper.rank + 1, **options,

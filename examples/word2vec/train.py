@@ -12,8 +12,10 @@ replicated for the pass; ``--intents batch`` declares each batch's words
 ``--step S`` (adaptive modes) a batch is trained as SGD steps of S pairs on the
 node's rows where they lie (``Table.in_place``: no gather, no scatter, no message
 for them; ``--step 1`` is word2vec's own update, pair by pair), and only the
-pairs with a row on another node go through pull and push. Rank 0 reports
-pairs/s and the WordSim-353 and analogy scores.
+pairs with a row on another node go through pull and push. With ``--split
+centre`` each worker trains the pairs of its own centre words, so a word's input
+row is used on one node only and never copied. Rank 0 reports pairs/s and the
+WordSim-353 and analogy scores.
 """
 
 from __future__ import annotations
