@@ -66,7 +66,7 @@ def main() -> int:
     print(f"{'ratio Shoal / baseline:':<36}{ratio:12.2f}x")
     print(f"{'baseline, SGD in place:':<36}{in_place['ratings_per_s']:>12,.0f} ratings/s  (one compiled step per "
           "rating on its rows;\n  Shoal's `train.py --in-place` takes the same steps on its node's rows: on 2 nodes "
-          "0.5-0.8x of it)")
+          "0.35-0.7x of it,\n  by the machine's hour; see benchmarks/results/mf_movielens.md)")
     if args.nodes > 1:
         print("  (a batch of MovieLens 100k is about 0.2 ms of compute, so what Shoal spends per batch decides:\n"
               "   with --mode static rows are fetched from the other node, with auto they are read on the\n"
