@@ -85,8 +85,9 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
                    help="each worker trains its own users' ratings (as in the adaptive modes): item rows are re-read")
     p.add_argument("--in-place", action="store_true",
                    help="SGD steps on this node's rows where they lie (Table.in_place), the rest through messages")
-    p.add_argument("--sync-ms", type=float, default=10.0,
-                   help="adaptive modes: how often a replica sends its change to the owner")
+    p.add_argument("--sync-ms", type=float, default=None,
+                   help="adaptive modes: how often a replica sends its change to the owner (default: the tables' "
+                        "own, at each clock, at most every 10 ms)")
     p.add_argument("--seed", type=int, default=0, help="of batch order and random delays")
     p.add_argument("--free-running", action="store_true", help="no barrier between epochs")
     p.add_argument("--replicas", type=int, default=1, help="replicas of every shard (>1: replicated store)")
@@ -125,10 +126,12 @@ def main() -> None:
     adaptive = args.mode != "static"
     if adaptive:
         # Hot items are replicas on every node. An epoch of MovieLens 100k takes 15-50 ms here: synced
-        # every 50 ms (the tables' default) a replica missed the other node's updates of a whole epoch
-        # (test RMSE after 10 epochs 0.938-0.950 on 2 nodes against the baseline's 0.936; 0.936-0.938
-        # synced every 10 ms, about a tenth slower; the items' rows are a few hundred KB a sync).
-        options["techniques"], options["sync_ms"] = args.mode, args.sync_ms
+        # every 50 ms a replica missed the other node's updates of a whole epoch (test RMSE after 10
+        # epochs 0.938-0.950 on 2 nodes against the baseline's 0.936; 0.936-0.938 synced every 10 ms,
+        # as the tables' default now does on clocks this fast, about a tenth slower).
+        options["techniques"] = args.mode
+        if args.sync_ms is not None:
+            options["sync_ms"] = args.sync_ms
     users = ps.table("mf.users", data.num_users, hyper.rank + 1, **options)
     items = ps.table("mf.items", data.num_items, hyper.rank + 1, **options,
                      **({"slices": args.item_slices} if args.item_slices else {}))

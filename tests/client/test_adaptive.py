@@ -173,6 +173,38 @@ def test_a_replica_wanted_again_before_its_last_sync_is_kept():
         assert t.counters["requests"] == requests
 
 
+@pytest.mark.parametrize("sync_ms", [None, 1000.0])
+def test_replicas_without_a_sync_period_of_their_own_sync_at_each_clock_of_their_node(sync_ms):
+    """Without ``sync_ms`` a replica's change goes to its owner once the node's workers have moved on a
+    clock, no sooner than 10 ms after the last sync (a fast job on a small hot table read rows an epoch
+    old with syncs every 50 ms); with a period of its own, at that period only."""
+    clock = ManualClock()  # the servers' syncs run when the test moves it
+    with ThreadCluster(nodes=2, now=clock) as c:
+        w1 = c.worker(1)
+        period = {} if sync_ms is None else {"sync_ms": sync_ms}  # None: the tables' default
+        t = w1.table("r", 10, 1, techniques="replication", init=shoal.Constant(0.0), **period)
+        owner, here = c.servers[0].adaptive.tables["r"], c.servers[1].adaptive.tables["r"]
+        t.intent([0], 1, 1000)  # key 0 lives on node 0; node 1 wants it from clock 1 on
+        w1.advance_clock()
+        wait_until(lambda: here.presence[0] == REPLICA)
+        t.push([0], np.ones((1, 1), np.float32))
+        clock.advance(1.1)  # a sync by the period: the node's clock as of now is synced
+        wait_until(lambda: owner.store.values[0, 0] == 1.0 and not here.syncs_unanswered[0])
+        t.push([0], np.ones((1, 1), np.float32))  # into the replica
+        clock.advance(0.011)
+        time.sleep(0.2)  # timer passes: no clock has moved since the last sync
+        assert owner.store.values[0, 0] == 1.0
+        w1.advance_clock()
+        w1.wait_all()  # the clock reaches the server
+        if sync_ms is None:
+            wait_until(lambda: owner.store.values[0, 0] == 2.0)
+        else:
+            time.sleep(0.2)
+            assert owner.store.values[0, 0] == 1.0
+            clock.advance(1.0)
+            wait_until(lambda: owner.store.values[0, 0] == 2.0)
+
+
 def test_the_syncs_of_several_tables_to_one_node_go_as_one_message_and_every_push_lands_once():
     clock = ManualClock()  # the servers' syncs run when the test moves it
     with ThreadCluster(nodes=2, now=clock) as c:

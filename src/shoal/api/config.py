@@ -73,7 +73,9 @@ class TableSpec:
     read_quorum: ReadQuorum = 1
     gossip_ms: float = 50.0
     techniques: str = "static"
-    sync_ms: float = 50.0
+    #: how often a replica sends its change to the key's owner and reads the owner's row: a period in
+    #: ms, or None: at every clock of the node's workers, at most every 10 ms and at least every 50
+    sync_ms: float | None = None
     slices: int = 0
     slice_bytes: int = 4 << 20
     placement: str = "spread"
@@ -116,8 +118,9 @@ class TableSpec:
 
     def _check_adaptivity(self) -> None:
         _one_of("techniques", self.techniques, TECHNIQUES)
-        if not isinstance(self.sync_ms, (int, float)) or not 1 <= self.sync_ms <= 60_000:
-            raise ConfigError(f"sync_ms must lie in [1, 60000], got {self.sync_ms!r}")
+        if self.sync_ms is not None and (isinstance(self.sync_ms, bool) or not isinstance(self.sync_ms, (int, float))
+                                         or not 1 <= self.sync_ms <= 60_000):
+            raise ConfigError(f"sync_ms must be None or lie in [1, 60000], got {self.sync_ms!r}")
         if not self.adaptive:
             return
         if not isinstance(self.optimizer, (Sum, SGD)):

@@ -112,7 +112,9 @@ class AdaptiveTable:
         self.syncs_unanswered: Counter[int] = Counter()
         #: parts of replicas' syncs for keys on their way here: added when the keys arrive
         self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]] = []
-        self.next_sync = 0.0
+        self.next_sync = 0.0  # when replicas sync at the latest
+        self.synced_at = 0.0  # when they last did
+        self.synced_clock = -1  # the node clock they last did at
         self.window = 1  # clocks ahead that intents are acted on
         self.acted_at = -1  # the node clock the window was last estimated at
         self.window_estimate = 1.0
