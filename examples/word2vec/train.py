@@ -59,6 +59,9 @@ def main() -> None:
     common = dict(optimizer=shoal.optim.Sum(), techniques=args.mode if adaptive else "static", mapping="round_robin",
                   seed=args.seed)
     if adaptive:
+        # Not the tables' default (a sync at each clock, here every 10 ms): every word is a replica on
+        # both nodes, and syncing it that often cost the Lee corpus's job a quarter of its speed; on the
+        # planted clusters it buys the baseline's quality (word2vec.md).
         common["sync_ms"] = args.sync_ms
     vin = ps.table("w2v.in", corpus.vocab, h.dim, init=shoal.Uniform(-0.5 / h.dim, 0.5 / h.dim), **common)
     vout = ps.table("w2v.out", corpus.vocab, h.dim, **common)
