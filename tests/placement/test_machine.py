@@ -411,6 +411,44 @@ def test_tables_with_one_sync_period_sync_in_the_same_pass_whenever_they_began(n
     assert first.tables[0].next_sync == second.tables[0].next_sync == pytest.approx(0.1)
 
 
+def test_a_round_of_intents_goes_to_the_owner_with_the_replicas_sync_in_one_message(network_of):
+    # Rounds of intents (every ACT_EVERY_S or few clocks) and replica syncs (every sync_ms) went on
+    # their own timers: most rounds went to a peer in one message and the sync in another, each
+    # answered in one more (KGE on 2 nodes: twice the placement messages). Clocks of 28 ms, passes
+    # of the loop every 2 ms; node 0 uses its keys all along, node 1 keys 0 and 2 all along (it holds
+    # replicas of them and pushes to them) and another of node 0's keys at each clock, declared five
+    # clocks ahead (replicated to node 1 for that clock, then dropped).
+    net = network_of(2, "auto", 0, sync_ms=50.0)
+    clock_s, pass_s = 0.028, 0.002
+    hot = np.array([0, 2])
+    net.machines[0].intend(np.arange(0, NUM_KEYS, 2), 0, 1000)
+    net.machines[1].intend(hot, 0, 1000)
+    kinds_sent: list[set[str]] = []  # per pass that node 1 sent node 0 something: the kinds it sent
+    declared = -1
+    for step in range(750):  # 1.5 s of passes
+        now = step * pass_s
+        clock = int(now / clock_s)
+        while declared < clock:
+            declared += 1
+            net.machines[1].intend(np.array([4 + 2 * (declared % 10)]), declared + 5, declared + 6)
+            net.push(1, hot)
+        for node in (0, 1):
+            effects = net.machines[node].tick(now, clock, clock_s)
+            if node == 1 and now > 0.3 and effects.sends:
+                kinds_sent.append({s.message.kind for s in effects.sends})
+            net.carry_out(node, effects)
+        net.deliver_all()
+    rounds = sum("announce" in kinds for kinds in kinds_sent)
+    syncs = sum("sync" in kinds for kinds in kinds_sent)
+    assert rounds >= 20 and syncs >= 20  # 1.2 s of 28-ms clocks and 50-ms syncs
+    apart = sum(kinds in ({"announce"}, {"sync"}) for kinds in kinds_sent)
+    assert apart <= 0.1 * len(kinds_sent), f"{apart} of {len(kinds_sent)} messages carried a round or a sync alone"
+    net.clock = 2000
+    net.tick(0.05)
+    net.settle()
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)  # every push in once, replicas or not
+
+
 def test_a_node_clock_set_back_below_the_last_action_acts_on_intents_at_once(network_of):
     net = network_of(2, "auto", 0)
     machine = net.machines[0]

@@ -79,6 +79,7 @@ HOLD_CHECK_S = 1.0  # how often a server looks for rows held in place by a proce
 # most this often (a sync costs a server about a millisecond of CPU per 800 KB of changed rows) ...
 SYNC_MIN_MS = 10.0
 SYNC_MAX_MS = 50.0  # ... and at least this often (clocks that stand still)
+ROUND_SLACK_S = 0.01  # a round of intents waits this long at most for the replicas' sync to go with it
 
 
 class PlacementMachine:
@@ -137,22 +138,50 @@ class PlacementMachine:
         that waited too long."""
         table = self.table
         self._now = now
-        self._act_on_intents(node_clock, clock_s)
+        syncing = self._sync_due(now, node_clock)
+        self._act_on_intents(node_clock, clock_s, syncing)
         if now >= table.next_hold_check:
             table.next_hold_check = now + HOLD_CHECK_S
             self._let_go_of_the_dead()
         if table.held_back:
             self._give_held_later()
-        if self._sync_due(now, node_clock):
-            # On a grid of the period: the tables with one period sync in the same pass, and their
-            # syncs to a node go as one message.
-            period = (table.spec.sync_ms or SYNC_MAX_MS) / 1000.0
-            table.next_sync = (math.floor(now / period) + 1) * period
+        if syncing:
+            table.next_sync = self._next_on_grid(now)
             table.synced_at, table.synced_clock = now, node_clock
             self._sync()
         for answer in held.expire_held(table, now):
             self._answer(answer)
         return self._take()
+
+    def _round_due(self, clock: int, clock_s: float, stride: int, syncing: bool) -> bool:
+        """Whether a round of intents is due: every ``stride`` clocks or ``ACT_EVERY_S``, whichever comes
+        first. It goes with the last sync of the replicas before it is due, so that the announcements
+        and the sync travel to a peer in one message and come back answered in one; alone only when
+        no sync comes within ``ROUND_SLACK_S`` of it."""
+        table, now = self.table, self._now
+        if table.next_action - stride <= clock < table.next_action:
+            due_s = min(table.next_action_s, now + (table.next_action - clock) * clock_s)
+        else:  # a stride of clocks passed (or a clock was set back)
+            due_s = now
+        if syncing:
+            return due_s < self._sync_after(now, clock_s)  # the next sync would come after it
+        return due_s <= now and self._sync_after(table.synced_at, clock_s) > now + ROUND_SLACK_S
+
+    def _sync_after(self, then: float, clock_s: float) -> float:
+        """About when the replicas sync next after a sync at ``then``: on the grid of the table's period;
+        with none, a clock of the node's workers later (``SYNC_MIN_MS`` at the soonest) or on the grid of
+        ``SYNC_MAX_MS``, whichever comes first."""
+        grid = self._next_on_grid(then)
+        if self.table.spec.sync_ms is not None:
+            return grid
+        return min(grid, then + max(clock_s, SYNC_MIN_MS / 1000.0))
+
+    def _next_on_grid(self, then: float) -> float:
+        """The sync after ``then`` at the latest, on a grid of the table's period (``SYNC_MAX_MS`` without
+        one): the tables with one period sync in the same pass, and their syncs to a node go as one
+        message."""
+        period = (self.table.spec.sync_ms or SYNC_MAX_MS) / 1000.0
+        return (math.floor(then / period) + 1) * period
 
     def _sync_due(self, now: float, node_clock: int) -> bool:
         """A table's own period is due; with none, a clock of the node's workers since the last sync
@@ -575,7 +604,7 @@ class PlacementMachine:
                 if owner != self.node:
                     self._send(owner, Announce(part, active, node, hops + 1))
 
-    def _act_on_intents(self, clock: int, clock_s: float) -> None:
+    def _act_on_intents(self, clock: int, clock_s: float, syncing: bool) -> None:
         table = self.table
         if table.spec.techniques == "static":
             return
@@ -584,15 +613,16 @@ class PlacementMachine:
             table.window_estimate = smoothed_window(ACTION_S, clock_s, table.window_estimate)
             table.window = math.ceil(table.window_estimate)
         # Acting costs the servers per round more than per key: on fast clocks, act every few clocks on
-        # what comes into the window until the next time (withdrawals wait as long, and no longer than
+        # what comes into the window until the next round (withdrawals wait as long, and no longer than
         # ACT_EVERY_S: a clock that stands still would keep them waiting for good), unless an intent
         # not acted on yet is about to start.
         stride = max(1, math.ceil(ACT_EVERY_S / clock_s)) if clock_s > 0 else 1
-        reach = table.window + stride - 1
-        acted_lately = (table.next_action - stride <= clock < table.next_action  # (a clock set back: not)
-                        and self._now < table.next_action_s)
-        if acted_lately and not table.intents.starts_within(clock, table.window):
+        if not table.intents.starts_within(clock, table.window) and not self._round_due(clock, clock_s, stride,
+                                                                                         syncing):
             return
+        if syncing and clock_s > 0:  # this round reaches past the next sync, which takes the next round
+            stride = max(stride, math.ceil((self._sync_after(self._now, clock_s) - self._now) / clock_s) + 1)
+        reach = table.window + stride - 1
         if not table.intents.any_due(clock, reach):  # most passes: nothing to do
             return
         table.next_action, table.next_action_s = clock + stride, self._now + ACT_EVERY_S
