@@ -241,3 +241,36 @@ def test_the_preload_leaves_a_server_no_kernel_to_compile_or_load_at_its_first_b
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = json.loads(done.stdout.strip().splitlines()[-1])
     assert after == before, (before, after)
+
+
+#: every dtype a table may have, in a forked job: the preload loads the float32 kernels only
+DTYPES = """
+import sys
+import numpy as np
+import shoal
+ps = shoal.init()
+for dtype in ("float32", "float64"):
+    for techniques in ("static", "auto"):
+        t = ps.table(f"{dtype}_{techniques}", 100, 3, dtype=dtype, techniques=techniques, init=shoal.Constant(0.0),
+                     optimizer=shoal.optim.Sum())
+        keys = np.arange(ps.rank, 100, 7)
+        if techniques == "auto":
+            t.intent(keys, ps.clock + 1, ps.clock + 3)
+        ps.advance_clock()
+        t.push(keys, np.ones((keys.size, 3), dtype=dtype))
+        ps.barrier()
+        values = t.pull(np.arange(100))
+        assert values.dtype == np.dtype(dtype), values.dtype
+        expected = np.zeros(100)
+        for rank in range(ps.num_workers):
+            expected[rank::7] += 1
+        assert (values == expected[:, None]).all(), (dtype, techniques, values[:, 0])
+        ps.barrier()
+ps.shutdown()
+"""
+
+
+def test_tables_of_either_dtype_serve_in_a_forked_job(tmp_path):
+    (tmp_path / "job.py").write_text(DTYPES)
+    done = shoal_run("--nodes", "2", "--", PYTHON, "job.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
