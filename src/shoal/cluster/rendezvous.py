@@ -118,7 +118,8 @@ class Rendezvous:
                 for node in self.last_seen:
                     self.last_seen[node] += stalled
             last = now
-            item = self.listener.recv(0.02 if self._polls else 0.1)
+            # Once the job is finished, look often: held polls are answered and ``stop`` joins at once.
+            item = self.listener.recv(0.002 if self.finished else 0.02 if self._polls else 0.1)
             try:
                 if item is not None:
                     self._handle(*item)
