@@ -186,3 +186,41 @@ def test_a_server_hears_of_a_server_that_registers_while_its_heartbeat_is_held(t
             if t.is_alive() or t.ident is not None:
                 t.join(timeout=5)
         rendezvous.stop()
+
+
+def test_a_held_heartbeat_from_a_server_that_missed_a_registration_is_answered_at_once(transport, monkeypatch):
+    # A server's first long poll reached the rendezvous after another server had registered, but
+    # after the answer it had read: held, it left the server without that server's address (and
+    # its placement messages for it queued) until the poll ran out. One Kinships job in three on
+    # 2 nodes spent 0.45 s setting up instead of 0.08.
+    from shoal.api.ids import server_sender
+    from shoal.cluster import rendezvous as rendezvous_module
+    from shoal.cluster.requests import RequestTracker
+    from shoal.wire import bodies
+
+    monkeypatch.setattr(rendezvous_module, "_POLL_S", 60.0)
+    rendezvous = Rendezvous(transport, Codec(), "tcp://127.0.0.1:0", "behind", 2, 1).start()
+    trackers = [RequestTracker(transport, Codec(), sender=server_sender(n)) for n in range(2)]
+    try:
+        for tracker in trackers:
+            tracker.connect(RENDEZVOUS, rendezvous.address)
+        seen = membership.register(trackers[0], "server", 0, 0, "tcp://127.0.0.1:1", 10)["incarnations"]
+        membership.register(trackers[1], "server", 1, 1, "tcp://127.0.0.1:2", 10)  # after server 0 read its status
+
+        poll = bodies.ClusterStatus("server", 0, poll=True, registered=sum(seen)).to_message()
+        start = time.monotonic()
+        status = membership.call(trackers[0], RENDEZVOUS, poll, 10).body
+        assert time.monotonic() - start < 5  # not held for _POLL_S
+        assert status["servers"] == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+
+        # Knowing every registration, its poll is held as before.
+        poll = bodies.ClusterStatus("server", 0, poll=True, registered=sum(status["incarnations"])).to_message()
+        req = trackers[0].request(RENDEZVOUS, poll, lambda reply: None, "a held poll")
+        deadline = time.monotonic() + 10
+        while 0 not in rendezvous._polls and time.monotonic() < deadline:
+            trackers[0].pump(0.01)
+        assert 0 in rendezvous._polls and not trackers[0].done({req})
+    finally:
+        for tracker in trackers:
+            tracker.close()
+        rendezvous.stop()

@@ -250,7 +250,8 @@ class Rendezvous:
                 self.last_seen[node] = self.now()
                 if report.load is not None:
                     self.slices.on_load(node, report.load)
-                if report.poll and not self.slices.commands(node) and not self.finished:
+                behind = report.registered is not None and report.registered < sum(self.incarnations.values())
+                if report.poll and not behind and not self.slices.commands(node) and not self.finished:
                     # Long poll: answer when there is a move for this server, or in a moment anyway.
                     self._polls[node] = (peer, msg, time.monotonic() + _POLL_S)
                     return

@@ -77,6 +77,11 @@ _TABLE_OPS = _DATA_OPS | {Op.GOSSIP, Op.REPLICA_STATS, Op.PLACEMENT, Op.GOSSIP_P
 _OP_COUNTERS = {op: f"op_{name.lower()}" for op, name in OP_NAMES.items()}
 
 
+def _registrations(status: dict[str, Any]) -> int:
+    """How many times servers have registered, by a status of the rendezvous."""
+    return sum(int(n) for n in status.get("incarnations") or [])
+
+
 class ParameterServer:
     """Serves the shards of node ``node`` of ``cluster``."""
 
@@ -138,6 +143,7 @@ class ParameterServer:
         self._last_heartbeat = time.monotonic()  # last answer from the rendezvous
         self._next_heartbeat = 0.0  # the first one right away: peers' addresses come with it
         self._heartbeat_sent = 0.0
+        self._registered_seen: int | None = None  # server registrations the last status counted
         self.slicing = SliceService(node, cluster, self.peers, self.tables, self.sync, self._rendezvous,
                                     self._serve_held)
         self.sync.hold_for_move = self.slicing.hold
@@ -248,6 +254,7 @@ class ParameterServer:
         started again (its node registered before) recreates them, but only replicated tables get
         their rows back (by gossip): the rows of the others went with its previous process."""
         self.roles.num_nodes = max(self.roles.num_nodes, len(status.get("servers") or []))
+        self._registered_seen = _registrations(status)
         self.peers.on_status(status)
         self.replication.on_status(status)
         incarnations = status.get("incarnations") or []
@@ -295,7 +302,7 @@ class ParameterServer:
         if self._heartbeat_req is None and (hurry or now >= self._next_heartbeat):
             self._heartbeat_sent, self._next_heartbeat = now, now + _HEARTBEAT_S
             body = bodies.ClusterStatus("server", self.node, self.slicing.take_load(), self._backlog,
-                                        poll=not hurry)
+                                        poll=not hurry, registered=self._registered_seen)
             self.queue_length, self._backlog = self._backlog, 0
             self._heartbeat_req = tracker.request(RENDEZVOUS, body.to_message(), self._on_status, "heartbeat")
         elif self._heartbeat_req is not None and now - self._last_heartbeat > self.cluster.timeouts.connect_s:
@@ -304,6 +311,7 @@ class ParameterServer:
 
     def _on_status(self, msg: Message) -> None:
         self._last_heartbeat = time.monotonic()
+        self._registered_seen = _registrations(msg.body)
         if msg.body.get("poll_again"):  # a poll cut short (a server registered): hold the next one now
             self._next_heartbeat = self._last_heartbeat
         self.roles.num_nodes = max(self.roles.num_nodes, len(msg.body.get("servers") or []))  # servers joined

@@ -118,6 +118,9 @@ class ClusterStatus(Body):
     load: dict[str, Any] | None = None
     queue: int | None = None
     poll: bool | None = None
+    #: server registrations counted by the last status the sender read: a long poll from a server
+    #: that missed one is answered at once (it would not know that server's address for the hold)
+    registered: int | None = None
 
 
 @dataclass(frozen=True)
