@@ -105,7 +105,7 @@ def safe_to_fork() -> bool:
 def preload() -> None:
     """Load what every job process needs: the worker's and the server's modules, numba, the row
     kernels of float32 tables (the default; a float64 table's load when it is built, off the
-    requests' path, 0.06-0.08 s of every job's start otherwise) and the routing kernels; then keep it
+    requests' path: they made every job's start about 0.14 s later) and the routing kernels; then keep it
     all out of the cyclic collector's walks (which would also write to every shared page of every
     child)."""
     import numpy as np
