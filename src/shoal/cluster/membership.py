@@ -54,7 +54,7 @@ def status(tracker: RequestTracker, timeout: float) -> dict[str, Any]:
 def wait_for_servers(tracker: RequestTracker, num_nodes: int, timeout: float) -> list[str | None]:
     """Addresses of all servers (None for one that has left), once every one has registered."""
     deadline = time.monotonic() + timeout
-    delay = 0.02
+    delay = 0.002  # forked at once, the servers register within milliseconds of the workers' first look
     while True:
         remaining = deadline - time.monotonic()
         st = status(tracker, max(remaining, 1.0))
