@@ -205,6 +205,8 @@ class LocalCluster:
             for child in self.children:
                 self._start_pump(child)
             status = self._watch(rendezvous)
+            if status == 0:  # servers that joined the job (not this launcher's children) hear it ended too
+                rendezvous.linger(host_node=-1, timeout_s=2 * rendezvous.dead_after_s)
             if sampler is not None:
                 sampler.stop()
                 sampler = None
