@@ -212,6 +212,7 @@ def test_a_held_heartbeat_from_a_server_that_missed_a_registration_is_answered_a
         status = membership.call(trackers[0], RENDEZVOUS, poll, 10).body
         assert time.monotonic() - start < 5  # not held for _POLL_S
         assert status["servers"] == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+        assert status["poll_again"]  # and it polls again at once: a job ending meanwhile answers that poll
 
         # Knowing every registration, its poll is held as before.
         poll = bodies.ClusterStatus("server", 0, poll=True, registered=sum(status["incarnations"])).to_message()

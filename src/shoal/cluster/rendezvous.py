@@ -255,7 +255,9 @@ class Rendezvous:
                     # Long poll: answer when there is a move for this server, or in a moment anyway.
                     self._polls[node] = (peer, msg, time.monotonic() + _POLL_S)
                     return
-                self._answer_server(node, peer, msg)
+                # A poll answered for news it missed is held again at once (the job's end, a move for
+                # it, come as the answer of a held poll).
+                self._answer_server(node, peer, msg, early=bool(report.poll and behind))
                 return
             self._reply(peer, msg.reply(Op.OK, self.status()))
         elif msg.op == Op.CREATE_TABLE:
