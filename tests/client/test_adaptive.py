@@ -279,6 +279,40 @@ def test_on_one_node_intents_send_nothing():
         assert c.servers[0].adaptive.describe()["one"].get("intents_announced", 0) == 0
 
 
+def test_a_workers_intents_for_every_table_go_to_its_server_in_one_message_per_clock():
+    # Each table's intents went to the node's server in a message of their own at each clock: with
+    # a few tables (KGE: entities and relations) the most frequent message a server received.
+    names = ("e", "r", "x")
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(1)
+        tables = [w.table(name, 40, 1, techniques="auto") for name in names]
+        for name in names:
+            c.worker(0).table(name, 40, 1, techniques="auto")
+        received: list[tuple[str, list[int], int, int]] = []
+        for name in names:  # what the server's machines are told, in order
+            machine = c.servers[1].adaptive.machines[name]
+            intend = machine.intend
+
+            def recording(keys, start, end, name=name, intend=intend):
+                received.append((name, keys.tolist(), start, end))
+                intend(keys, start, end)
+
+            machine.intend = recording  # type: ignore[method-assign]
+        before = c.servers[1].stats["op_intent"]
+        declared = []
+        for clock in range(5):
+            for i, t in enumerate(tables):  # keys homed on node 0, one per table and clock
+                declared.append((names[i], [2 * (clock + 5 * i)], w.clock + 2, w.clock + 3))
+                t.intent(declared[-1][1], declared[-1][2], declared[-1][3])
+            declared.append(("e", [30 + clock], w.clock + 2, w.clock + 4))  # a second intent of one table
+            tables[0].intent(declared[-1][1], declared[-1][2], declared[-1][3])
+            w.advance_clock()
+        wait_until(lambda: len(received) >= len(declared))
+        assert sorted(received) == sorted(declared)  # every intent, once
+        assert c.servers[1].stats["op_intent"] - before == 5  # in one message per clock
+        assert [t.counters["intents_sent"] for t in tables] == [10, 5, 5]
+
+
 def test_wait_local_sends_the_intents_and_returns_once_their_keys_are_here():
     # Intents waited in the worker for its next clock tick, and nothing told a worker when the rows
     # it declared had arrived: its first batches asked other nodes while they moved.

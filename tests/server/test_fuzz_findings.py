@@ -57,7 +57,7 @@ FINDINGS = [
                  id="worker clock past 64 bits"),
     pytest.param([Message(Op.PUSH, req=9, table="fz_plain", sender=0, clock=2**64 - 2,
                           arrays=[np.array([1]), rows(1)])], ProtocolError, id="push at a clock past 64 bits"),
-    pytest.param([Message(Op.INTENT, req=9, table="fz_adapt", body={"start": 0, "end": 2**64 - 1},
+    pytest.param([Message(Op.INTENT, req=9, table="fz_adapt", body={"starts": [0], "ends": [2**64 - 1]},
                           arrays=[np.array([1, 2])])], ProtocolError, id="intent ending past 64 bits"),
     pytest.param([restore("list")], CheckpointError, id="restore: manifest is a list"),
     pytest.param([restore("tables-list")], CheckpointError, id="restore: manifest tables are a list"),

@@ -120,9 +120,9 @@ class TableAccess:
     def intent(self, keys: np.ndarray, start: int, end: int) -> None:
         """Keys to be used in clocks ``[start, end)``: kinds that do not move keys ignore it."""
 
-    def on_clock(self) -> list[tuple[int, int]]:
-        """The worker is about to advance its clock; the intents (start and end clocks) this table
-        told its node's server of now, which acts on them by clock."""
+    def take_intents(self) -> list[tuple[np.ndarray, int, int]]:
+        """The intents (keys, start and end clocks) declared since the worker's last clock, for its
+        node's server, which acts on them by clock; kinds that do not move keys have none."""
         return []
 
     def pushes_numbered(self) -> list[int] | None:

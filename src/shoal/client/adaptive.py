@@ -31,7 +31,6 @@ from shoal.storage import checkpoint
 from shoal.storage.kernels import ABSENT
 from shoal.storage.rules import rule_for
 from shoal.storage.shard import ShardStore
-from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
@@ -126,17 +125,13 @@ class AdaptiveAccess(RoutedAccess):
     def lose_local(self) -> None:
         self.store = self.node_hints = None
 
-    def on_clock(self) -> list[tuple[int, int]]:
-        """Send the intents declared since the last clock to this node's server."""
+    def take_intents(self) -> list[tuple[np.ndarray, int, int]]:
         intents, self._intents = self._intents, []
         if self.worker.num_nodes == 1:  # every key lives here already: nothing to act on
             self.counters["intents_skipped"] += len(intents)
             return []
-        for keys, start, end in intents:
-            self.worker.tracker.notify(self.worker.node, bodies.Intent(start, end).to_message(table=self.spec.name,
-                                                                                            arrays=[keys]))
         self.counters["intents_sent"] += len(intents)
-        return [(start, end) for _, start, end in intents]
+        return intents
 
     # --------------------------------------------------------- checkpoints
 

@@ -33,10 +33,9 @@ from shoal.storage import checkpoint
 from shoal.storage.checkpoint import place_saved
 from shoal.storage.kernels import OWNED, REPLICA, fold_arrived
 from shoal.storage.validate import as_keys, as_rows, zero_nonfinite
-from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
-from shoal.wire.schema import Moved
+from shoal.wire.schema import Moved, intents_of
 
 
 class AdaptiveService:
@@ -133,9 +132,10 @@ class AdaptiveService:
         if msg.op == Op.LOCALIZE:
             self.carry_out(machine.localize(as_keys(msg.arrays[0], spec)))
             return msg.reply(Op.OK)
-        if msg.op == Op.INTENT:
-            intent = bodies.Intent.of(msg)
-            machine.intend(as_keys(msg.arrays[0], spec), intent.start, intent.end)
+        if msg.op == Op.INTENT:  # every table's since the worker's last clock: all checked before any is taken
+            checked = [(self._machine(table), keys, start, end) for table, keys, start, end in intents_of(msg)]
+            for target, keys, start, end in [(m, as_keys(k, m.table.spec), s, e) for m, k, s, e in checked]:
+                target.intend(keys, start, end)
             return msg.reply(Op.OK)
         if msg.op == Op.PLACEMENT:
             sender = server_node(msg.sender, self.cluster.num_nodes)

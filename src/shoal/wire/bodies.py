@@ -243,11 +243,14 @@ class ReplicaStats(Body):
 
 @dataclass(frozen=True)
 class Intent(Body):
-    """The keys sent will be used in clocks ``[start, end)``."""
+    """The keys of the i-th array sent will be used in clocks ``[starts[i], ends[i])``, in table
+    ``tables[i]`` (the message's own table when left out): what a worker declared for every table
+    since its last clock, in one message."""
 
     op = Op.INTENT
-    start: int
-    end: int
+    starts: list[int]
+    ends: list[int]
+    tables: list[str] | None = None
 
 
 @dataclass(frozen=True)

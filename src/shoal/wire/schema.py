@@ -74,7 +74,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.TOTALS: _schema(Op.TOTALS, arrays=(ArrayRule("i", 1), ArrayRule("i", 1), ArrayRule("f", 3))),
     Op.REPLICA_STATS: _schema(Op.REPLICA_STATS, needs_table=True),
     Op.LOCALIZE: _schema(Op.LOCALIZE, arrays=(KEYS,), needs_table=True),
-    Op.INTENT: _schema(Op.INTENT, arrays=(KEYS,), needs_table=True),
+    Op.INTENT: _schema(Op.INTENT, needs_table=True, variadic=True),
     Op.PLACEMENT: _schema(Op.PLACEMENT, needs_table=True, variadic=True),
     Op.LAYOUT: _schema(Op.LAYOUT, needs_table=True),
     Op.MOVE_SLICE: _schema(Op.MOVE_SLICE, needs_table=True),
@@ -148,6 +148,36 @@ class Moved:
             raise ProtocolError(f"a 'moved' answer needs equally long lists of distinct positions below {count} "
                                 f"and owners, got {positions!r} and {owners!r}")
         return cls(np.asarray(positions, dtype=np.int64), np.asarray(owners, dtype=np.int64))
+
+
+#: intents one INTENT message carries at most: a worker's tables each declared a few since its last clock
+MAX_INTENTS = 1024
+
+
+def intents_of(msg: Message) -> list[tuple[str, np.ndarray, int, int]]:
+    """The intents an ``INTENT`` message carries, as ``(table, keys, start, end)``: one per array, its
+    clocks at the same place in ``starts`` and ``ends``, its table in ``tables`` (the message's own
+    table when left out).
+
+    Raises:
+        ProtocolError: lists that do not match the arrays, clocks that are not int64, a table that is
+            no name, an array that is not of ints.
+    """
+    starts, ends, tables = msg.body["starts"], msg.body["ends"], msg.body.get("tables")
+    count = len(msg.arrays)
+    if not (1 <= count <= MAX_INTENTS and len(starts) == len(ends) == count):
+        raise ProtocolError(f"an INTENT carries 1 to {MAX_INTENTS} arrays of keys and one start and end clock each, "
+                            f"got {count} array(s), {len(starts)} start(s), {len(ends)} end(s)")
+    if not all(is_int64(c) for c in (*starts, *ends)):
+        raise ProtocolError("an INTENT's start and end clocks must be ints that fit in 64 signed bits")
+    if tables is None:
+        tables = [msg.table] * count
+    elif len(tables) != count or not all(isinstance(t, str) and t for t in tables):
+        raise ProtocolError(f"an INTENT's tables must name one table per array of keys, got {tables!r}")
+    for i, keys in enumerate(msg.arrays):
+        if keys.dtype.kind != KEYS.kind or keys.ndim != KEYS.ndim:
+            raise ProtocolError(f"INTENT array {i} must be keys (a 1-d array of ints), got {keys.dtype} {keys.shape}")
+    return list(zip(tables, msg.arrays, starts, ends, strict=True))
 
 
 def is_int64(value: object) -> bool:
