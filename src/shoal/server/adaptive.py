@@ -132,9 +132,13 @@ class AdaptiveService:
         if msg.op == Op.LOCALIZE:
             self.carry_out(machine.localize(as_keys(msg.arrays[0], spec)))
             return msg.reply(Op.OK)
-        if msg.op == Op.INTENT:  # every table's since the worker's last clock: all checked before any is taken
-            checked = [(self._machine(table), keys, start, end) for table, keys, start, end in intents_of(msg)]
-            for target, keys, start, end in [(m, as_keys(k, m.table.spec), s, e) for m, k, s, e in checked]:
+        if msg.op == Op.INTENT:
+            # Every table's since the worker's last clock: all are checked before any is taken.
+            intents = []
+            for table, keys, start, end in intents_of(msg):
+                target = self._machine(table)
+                intents.append((target, as_keys(keys, target.table.spec), start, end))
+            for target, keys, start, end in intents:
                 target.intend(keys, start, end)
             return msg.reply(Op.OK)
         if msg.op == Op.PLACEMENT:
