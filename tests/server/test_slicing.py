@@ -13,6 +13,7 @@ import shoal
 from shoal.api.config import RebalancePolicy
 from shoal.api.errors import ClusterError
 from shoal.api.ids import OPERATOR, RENDEZVOUS
+from shoal.client.worker import Worker
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
 from shoal.consistency.clocks import ClockTable
@@ -20,6 +21,7 @@ from shoal.placement.layout import TableLayout
 from shoal.server.server import ParameterServer
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable
+from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
@@ -238,6 +240,47 @@ def test_bounds_hold_with_asynchronous_pushes_while_slices_move(model, local_acc
         assert not late, f"{len(late)} of {len(seen)} reads missed updates the bound promises: {late[:5]}"
         if bound == 0:  # at most the other worker's push of this clock beyond
             assert all(high <= 2 * clock + 1 for _, clock, _, high in seen), seen
+
+
+def test_pushes_answered_moved_together_count_as_unsettled_until_each_is_sent_again():
+    """Worker 0 pushes at clock 0 and at clock 1 to slices that have both moved to server 2 without
+    its knowing: both are answered "moved", the clock-1 push's answer first (it came from server 0,
+    which the worker reads before server 1). Sending them again in that order, the clock-1 push's
+    message must not tell server 2 (which counts worker 0 only up to its settled clock until it
+    confirms the moves) that every push of clock 0 has landed: the clock-0 push is behind it. A BSP
+    read at clock 1 held there meanwhile must see the clock-0 push."""
+    slow = FaultyTransport(ZmqTransport(), Faults(delay_s=0.1))  # servers read every message 0.1 s late
+    with ThreadCluster(nodes=3, transport=slow) as c:
+        workers = [Worker(c.spec, rank, rank, ZmqTransport(), local_access=False) for rank in range(3)]
+        c.workers += workers
+        tables = [w.table("bsp", 30, 1, optimizer=shoal.optim.Sum(), slices=3, consistency=shoal.BSP())
+                  for w in workers]
+        pusher, reader, mover = tables
+        assert pusher.layout.owners.tolist() == [0, 1, 2]
+        keys = [pusher.layout.mapping.keys_of(s) for s in range(3)]
+        for shard in (1, 0):
+            workers[2].move_slice("bsp", shard, to=2)
+        assert pusher.layout.owners.tolist() == [0, 1, 2], "worker 0 must not know the moves yet"
+        first = pusher.push_async(keys[1], np.ones((keys[1].shape[0], 1), np.float32))  # to server 1: moved
+        workers[0].advance_clock()
+        second = pusher.push_async(keys[0], np.ones((keys[0].shape[0], 1), np.float32))  # to server 0: moved
+        workers[0].advance_clock()
+        for _ in range(2):
+            workers[2].advance_clock()
+        workers[1].advance_clock()
+        read: list[np.ndarray] = []
+        reading = threading.Thread(target=lambda: read.append(reader.pull(keys[1])))
+        reading.start()
+        wait_until(lambda: c.servers[2].sync.held_count() == 1, what="the read held at server 2 for worker 0")
+        time.sleep(0.3)  # both answers "moved" are in: worker 0 takes them in one receive
+        second.wait()
+        first.wait()
+        reading.join(timeout=30)
+        assert read, "the read at clock 1 did not return"
+        assert pusher.counters["moved_retries"] >= 2
+        np.testing.assert_array_equal(read[0][:, 0], np.ones(keys[1].shape[0]))
+        workers[1].advance_clock()  # every worker at clock 2: each push is in exactly once
+        np.testing.assert_array_equal(mover.pull(np.concatenate(keys[:2]))[:, 0], np.ones(20))
 
 
 def _move_back_and_forth(cluster: ThreadCluster, table: str, slices: int, done: threading.Event) -> None:

@@ -116,20 +116,30 @@ class RoutedAccess(TableAccess):
                 call.error = call.error or exc
             self._moved_calls = [c for c in self._moved_calls if c not in calls]
             return
-        self._moved_calls = [c for c in self._moved_calls if c not in calls]
         for call in calls:
-            moved, call.moved = call.moved, []
             if self._gave_up(call):
-                continue
-            self.counters["moved_retries"] += 1
-            for positions, op in moved:
-                if op in READS:
-                    call.rereads.append(positions)  # after its push, if it has one: the stream keeps the order
-                if op in WRITES:
-                    try:
-                        self._resend(call, positions, Op.PUSH)
-                    except ShoalError as exc:
-                        call.error = call.error or exc
+                call.moved.clear()
+            else:
+                self.counters["moved_retries"] += 1
+                self._send_moved_again(call)
+        self._moved_calls = [c for c in self._moved_calls if c.moved]  # refused again while sent: next round
+
+    def _send_moved_again(self, call: Call) -> None:
+        """Send the parts of ``call`` answered "moved" where their keys are now. Each stays in
+        ``call.moved`` until it is sent: answers "moved" come in the order the requests were sent,
+        not by clock, and a message stamped while an earlier iteration's refused push waits its
+        turn must not count that push as landed (its settled clock would promise a fenced server
+        every push before it)."""
+        for entry in list(call.moved):
+            positions, op = entry
+            if op in READS:
+                call.rereads.append(positions)  # after its push, if it has one: the stream keeps the order
+            if op in WRITES:
+                try:
+                    self._resend(call, positions, Op.PUSH)
+                except ShoalError as exc:
+                    call.error = call.error or exc
+            call.moved = [m for m in call.moved if m is not entry]
 
     def reread(self, call: Call) -> None:
         """The waiter of ``call`` reads again the rows answered "moved", where they are now."""
