@@ -163,6 +163,10 @@ class RequestTracker:
                 self._peer_of.pop(id(conn), None)
                 conn.close()
 
+    def connection(self, peer: int) -> Connection:
+        """The connection to ``peer`` (connected)."""
+        return self._conns[peer]
+
     def address_of(self, peer: int) -> str:
         conn = self._conns.get(peer)
         return conn.address if conn else "<not connected>"

@@ -175,6 +175,9 @@ class ParameterServer:
         """Serve until asked to stop, the cluster finishes, or the rendezvous is lost."""
         if register:
             self._rendezvous.connect(RENDEZVOUS, self.cluster.rendezvous)
+            # The rendezvous's answers (the job finished, a slice moved) wake the loop: read at once,
+            # not after the wait for requests (up to 50 ms: every job's end waited that long).
+            self.listener.wake_on(self._rendezvous.connection(RENDEZVOUS))
             status = membership.register(
                 self._rendezvous, "server", self.node, self.node, self.address, self.cluster.timeouts.connect_s,
                 metrics=self.metrics.url if self.metrics is not None else None)
@@ -286,8 +289,7 @@ class ParameterServer:
     def _heartbeat(self) -> None:
         """Ask the rendezvous how the cluster is; leave when it is finished or gone."""
         tracker = self._rendezvous
-        if tracker.awaits(RENDEZVOUS):  # answers may be in (the rendezvous sends nothing unasked)
-            tracker.pump(0)
+        tracker.pump(0)  # answers may be in, or a late one that woke the loop (it must not stay unread)
         if self._heartbeat_req is not None and tracker.done({self._heartbeat_req}):
             tracker.take_error(self._heartbeat_req)
             self._heartbeat_req = None

@@ -47,6 +47,11 @@ class Listener(ABC):
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         """Send to ``peer``; False if the peer is gone (the frames are dropped)."""
 
+    def wake_on(self, conn: Connection) -> None:  # noqa: B027 - a hint; a listener may wait its timeout out
+        """Let ``recv`` return None before its timeout when ``conn`` has something to read (the
+        owner of both reads it then): one wait for both, where waiting on each in turn would leave
+        an answer on ``conn`` unread for the listener's whole timeout."""
+
     @abstractmethod
     def close(self) -> None: ...
 

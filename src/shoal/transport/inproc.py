@@ -46,10 +46,23 @@ class InProcListener(Listener):
         self.address = address
         self.inbox = _Inbox(transport.cond)
         self.peers: dict[bytes, InProcConnection] = {}
+        self.wakers: list[InProcConnection] = []  # ``wake_on``
 
     def recv(self, timeout: float | None) -> tuple[bytes, Frames] | None:
-        item = self.inbox.get(timeout)
-        return None if item is None else item  # type: ignore[no-any-return]
+        if not self.wakers:
+            return self.inbox.get(timeout)  # type: ignore[no-any-return]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.inbox.cond:
+            while not self.inbox.items:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if any(c.inbox.items for c in self.wakers) or (remaining is not None and remaining <= 0):
+                    return None
+                self.inbox.cond.wait(remaining)
+            return self.inbox.items.popleft()  # type: ignore[no-any-return]
+
+    def wake_on(self, conn: Connection) -> None:
+        if isinstance(conn, InProcConnection):
+            self.wakers.append(conn)
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         conn = self.peers.get(peer)

@@ -87,15 +87,21 @@ class ZmqListener(Listener):
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()  # one for the socket's life: Socket.poll makes one per call
         self._poller.register(self.socket, zmq.POLLIN)
+        self._shares_poller = False  # a connection's socket is in the poller too (``wake_on``)
 
     def recv(self, timeout: float | None) -> tuple[bytes, Frames] | None:
-        if timeout == 0:  # the server's loop drains a burst this way: no poll call, no exception when empty
-            if not self.socket.get(_EVENTS) & _POLLIN:
-                return None
-        elif not self._poller.poll(_ms(timeout)):
+        # The server's loop drains a burst with timeout 0: no poll call, no exception when empty.
+        if timeout != 0 and not self._poller.poll(_ms(timeout)):
             return None
+        if (timeout == 0 or self._shares_poller) and not self.socket.get(_EVENTS) & _POLLIN:
+            return None  # nothing here (what came may be for a connection that wakes us)
         parts = _recv_parts(self.socket)
         return parts[0].bytes, parts[1:]
+
+    def wake_on(self, conn: Connection) -> None:
+        if isinstance(conn, ZmqConnection):
+            self._poller.register(conn.socket, zmq.POLLIN)
+            self._shares_poller = True
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         try:
