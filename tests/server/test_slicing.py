@@ -249,7 +249,7 @@ def test_pushes_answered_moved_together_count_as_unsettled_until_each_is_sent_ag
     message must not tell server 2 (which counts worker 0 only up to its settled clock until it
     confirms the moves) that every push of clock 0 has landed: the clock-0 push is behind it. A BSP
     read at clock 1 held there meanwhile must see the clock-0 push."""
-    slow = FaultyTransport(ZmqTransport(), Faults(delay_s=0.1))  # servers read every message 0.1 s late
+    slow = FaultyTransport(ZmqTransport(), Faults(delay_s=0.2))  # servers read every message 0.2 s late
     with ThreadCluster(nodes=3, transport=slow) as c:
         workers = [Worker(c.spec, rank, rank, ZmqTransport(), local_access=False) for rank in range(3)]
         c.workers += workers
@@ -272,7 +272,7 @@ def test_pushes_answered_moved_together_count_as_unsettled_until_each_is_sent_ag
         reading = threading.Thread(target=lambda: read.append(reader.pull(keys[1])))
         reading.start()
         wait_until(lambda: c.servers[2].sync.held_count() == 1, what="the read held at server 2 for worker 0")
-        time.sleep(0.3)  # both answers "moved" are in: worker 0 takes them in one receive
+        time.sleep(0.5)  # both answers "moved" are in: worker 0 takes them in one receive
         second.wait()
         first.wait()
         reading.join(timeout=30)
