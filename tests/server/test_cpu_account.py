@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -34,3 +35,23 @@ def test_every_message_is_charged_once_to_its_op_and_the_parts_fit_in_the_loop_t
     assert {"timer sync", "timer adaptive", "timer replication"} <= timers  # no heartbeat: registered nowhere
     charged = sum(seconds for _, seconds in use["activities"].values())
     assert 0 < charged <= use["loop_s"]  # the rest of the loop thread's CPU: waiting for and reading messages
+
+
+def test_a_loop_waiting_for_a_table_being_built_wakes_once_a_millisecond_not_in_a_spin(
+        start_server: Callable[..., LiveServer], connect: Callable[..., RawClient]) -> None:
+    """While a table is built off the loop, the loop looks for it every millisecond. ZeroMQ waits in
+    whole milliseconds, and a wait just under one was truncated to none: the loop ran its timers
+    tens of thousands of times a second for the whole build, taking the CPU (and the interpreter's
+    lock) from the thread building the table."""
+    client = connect(start_server())
+    client.create_table(SPEC)  # numba's kernels loaded: the build below is the rows alone
+
+    def passes() -> int:
+        return int(client.call(Message(Op.STATS)).body["cpu"]["activities"]["timer builds"][0])
+
+    before = passes()
+    start = time.monotonic()
+    client.create_table(TableSpec("big", num_keys=300_000, dim=32, init=Normal(std=1.0), seed=1))
+    took = time.monotonic() - start
+    woke = passes() - before
+    assert woke <= 1.5 * took * 1000 + 20, f"{woke} timer passes in a build of {took:.3f} s"

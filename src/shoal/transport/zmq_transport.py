@@ -8,6 +8,7 @@ crosses the process boundary without a Python-level copy.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,9 @@ _EVENTS = int(zmq.EVENTS)
 
 
 def _ms(timeout: float | None) -> int | None:
-    return None if timeout is None else max(0, int(timeout * 1000))
+    """ZeroMQ's whole milliseconds, rounded up: a wait under one (a server's loop waits for its next
+    deadline) truncated to 0 returned at once, and the loop spun until the deadline passed."""
+    return None if timeout is None else max(0, math.ceil(timeout * 1000))
 
 
 def normalise_address(address: str) -> str:
