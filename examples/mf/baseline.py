@@ -59,7 +59,9 @@ def main() -> None:
     parser.add_argument("--in-place", action="store_true", help="one SGD step per rating on the rows where they lie")
     parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args()
-    result = train_baseline(load_movielens(), Hyper(epochs=args.epochs), in_place=args.in_place)
+    data = load_movielens()
+    train_baseline(data, Hyper(epochs=1), in_place=args.in_place)  # its kernels' first calls, before timing
+    result = train_baseline(data, Hyper(epochs=args.epochs), in_place=args.in_place)
     for epoch, value in enumerate(result["rmse"], 1):  # type: ignore[arg-type]
         print(f"epoch {epoch:2d}  test RMSE {value:.4f}")
     print(f"{result['ratings_per_s']:,.0f} ratings/s")
