@@ -21,6 +21,7 @@ from shoal.placement.layout import TableLayout
 from shoal.server.server import ParameterServer
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable
+from shoal.storage.shard import ShardStore
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
@@ -142,6 +143,37 @@ def test_rows_changed_before_a_subscriber_is_heard_from_reach_it_once_it_is():
         assert rows and rows[-1].clock == 1
         got = {int(k): float(v) for msg in rows for k, v in zip(msg.arrays[0], msg.arrays[1][:, 0], strict=True)}
         assert got == {0: 5.0, 1: 5.0, 2: 5.0, 3: 5.0}, got
+    finally:
+        table.close()
+
+
+def test_a_new_owner_sends_each_subscriber_every_row_it_caches_of_a_slice_that_moved_here():
+    """The previous owner's last eager message may have been lost on its way (a subscriber takes them
+    in order, and waits for a missing one, but that stream ends with the move): the new owner's first
+    message carries every row each subscriber caches of the slice, not only the rows changed since it
+    left, before "the rest did not change" vouches for the subscriber's copies."""
+    spec = shoal.TableSpec("eager", 8, 1, optimizer=shoal.optim.Sum(), consistency=shoal.ESSP(0), slices=1)
+    cluster_id = "t" + uuid.uuid4().hex[:10]
+    clocks = ClockTable.fresh(2)
+    table = ServedTable(spec, TableLayout.initial(spec, 1), 0, cluster_id, clocks)
+    sent: list[tuple[bytes, Message]] = []
+    sync = Synchroniser(clocks, {"eager": table}, lambda peer, msg: sent.append((peer, msg)))
+    try:
+        # The slice arrives with rows its previous owner had sent to worker 1 already: no change marks.
+        arriving = ShardStore.receive(spec, 0, 8, cluster_id)
+        state = {name: np.zeros_like(array) for name, array in arriving.state_arrays().items()}
+        state["values"][:] = np.arange(8, dtype=np.float32)[:, None]
+        arriving.load_rows(0, state)
+        table.stores.pop(0).close()
+        cached = np.zeros(8, dtype=np.bool_)
+        cached[2:6] = True  # worker 1 caches rows 2..5
+        table.adopt_slice(arriving, 1, {1: cached})
+        for worker in (0, 1):
+            sync.observe(f"w{worker}".encode(), Message(Op.CLOCK, clock=1, sender=worker, body={"rank": worker}))
+        rows = [msg for peer, msg in sent if peer == b"w1" and msg.op == Op.ROWS]
+        assert rows and rows[0].clock == 1
+        got = {int(k): float(v) for k, v in zip(rows[0].arrays[0], rows[0].arrays[1][:, 0], strict=True)}
+        assert got == {2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0}, got
     finally:
         table.close()
 

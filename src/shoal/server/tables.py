@@ -208,6 +208,11 @@ class ServedTable:
         """A slice handed over from another server is served here from now on."""
         self.stores[store.shard] = store
         self._subscribed[store.shard] = subscribers
+        if store.dirty is not None and subscribers:
+            # Every row a subscriber caches goes to it again with this server's first eager message:
+            # one of the previous owner's may have been lost on the way, and from here on "rows not
+            # resent did not change" vouches for the copies the subscriber holds.
+            store.dirty[np.logical_or.reduce(list(subscribers.values()))] = 1
         self.load[store.shard] = [0.0, 0.0, 0.0]
         self.layout = self.layout.at(_with_owner(self.layout.owners, store.shard, self.node),
                                      max(epoch, self.layout.epoch))
