@@ -232,8 +232,9 @@ def test_bounds_hold_with_asynchronous_pushes_while_slices_move(model, local_acc
 def test_bounds_hold_while_slices_move_over_a_network_that_loses_messages(local_access):
     """The same with 2 workers per node under ESSP, every message lost with probability 1% (requests
     and replies are sent again; a lost eager message of a slice's previous owner once left rows that
-    its new owner vouched for stale). Requests held by a move whose answer is lost wait for the
-    resend's backoff (reads took up to 5.4 s in 60 such runs): a generous request timeout."""
+    its new owner vouched for stale). A request whose answer is lost waits for its resend, a read
+    whose eager push is lost for the eager wait (reads took up to 5-9 s in 60 such runs): a
+    generous request timeout."""
     lossy = FaultyTransport(ZmqTransport(), Faults(loss=0.01, seed=secrets.randbelow(1 << 30)))
     timeouts = shoal.Timeouts(connect_s=10.0, request_s=30.0, barrier_s=40.0)
     with ThreadCluster(nodes=2, workers_per_node=2, transport=lossy, timeouts=timeouts) as c:

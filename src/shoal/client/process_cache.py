@@ -31,6 +31,9 @@ from shoal.wire.message import Message
 
 _EAGER_WAIT_S = 5.0
 _EAGER_GAP = 32  # eager messages held behind a missing one before it is taken as lost
+# ... or held this long: a server's messages to us arrive in the order it sent them, so one missing
+# behind a later one was lost (a read waiting for its rows would otherwise wait out _EAGER_WAIT_S)
+_EAGER_GAP_S = 0.1
 
 #: a push of ours a server may not have applied yet: (server, seq in our stream to it, keys, values);
 #: server -1 for one not sent anywhere now (refused by a moved slice, to go again)
@@ -60,6 +63,8 @@ class ProcessCache:
         #: ESSP: per server stream, the next eager message expected and the later ones waiting for it
         self._eager_next: dict[tuple[int, str], int] = {}
         self._eager_pending: dict[tuple[int, str], dict[int, Message]] = {}
+        #: per stream with a missing message, since when a later one waits behind it
+        self._eager_gap_since: dict[tuple[int, str], float] = {}
 
     def forget(self) -> None:
         """Drop every cached row (their values changed under us: a restore, a lost eager message)."""
@@ -159,7 +164,8 @@ class ProcessCache:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break  # the stale rows are pulled instead; the pull names the server if it is gone
-            self.worker.tracker.pump(min(remaining, 0.5))
+            self.worker.tracker.pump(min(remaining, _EAGER_GAP_S))
+            self._drop_lost()  # a push held behind a lost one would never come
             versions = self.rows.versions(keys, shard)
         return versions
 
@@ -188,12 +194,33 @@ class ProcessCache:
             held = pending.pop(expected)
             self._take_pushed(held, bodies.Rows.of(held))
             expected += 1
-        if len(pending) > _EAGER_GAP:
-            self.counters["eager_gaps"] += 1
-            self.forget()
-            expected = max(pending) + 1
-            pending.clear()
         self._eager_next[stream] = expected
+        if not pending:
+            self._eager_gap_since.pop(stream, None)
+        elif len(pending) > _EAGER_GAP:
+            self._lost(stream)
+        else:
+            self._eager_gap_since.setdefault(stream, time.monotonic())
+        self._drop_lost()
+
+    def _drop_lost(self) -> None:
+        """Take a message missing behind a later one of its stream for ``_EAGER_GAP_S`` as lost."""
+        if not self._eager_gap_since:
+            return
+        now = time.monotonic()
+        for stream, since in list(self._eager_gap_since.items()):
+            if now - since > _EAGER_GAP_S:
+                self._lost(stream)
+
+    def _lost(self, stream: tuple[int, str]) -> None:
+        """A message of ``stream`` never came: forget the cache (what it vouched for is unknown) and
+        go on from the messages that came after it."""
+        pending = self._eager_pending[stream]
+        self.counters["eager_gaps"] += 1
+        self.forget()
+        self._eager_next[stream] = max(pending) + 1
+        pending.clear()
+        self._eager_gap_since.pop(stream, None)
 
     def _take_pushed(self, msg: Message, body: bodies.Rows) -> None:
         keys, rows = msg.arrays
