@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -234,27 +236,12 @@ def test_eager_messages_that_arrive_out_of_order_are_taken_in_order():
     bound had passed missed updates (the ESSP runs of bench_consistency under injected network delay,
     every seed). Taken whole and in order, the newer row stays."""
     with ThreadCluster(nodes=2) as c:
-        reader, other = c.worker(0, local_access=False), c.worker(1)
-        table = reader.table("essp", 16, 1, consistency=shoal.ESSP(1))
-        other.table("essp", 16, 1, consistency=shoal.ESSP(1))
-        key = np.array([12])
-        table.pull(key)
-        owner, shard = int(table.layout.route(key)[0][0]), int(table.layout.route(key)[1][0])
+        table, shard, eager = _reader_of_eager_messages(c, KEY)
         cache = table.access.cache
-        assert cache is not None
-        seen = reader.streams.handled(owner)
-
-        def eager(seq: int, value: float, clock: int) -> Message:
-            msg = bodies.Rows([shard], seq, "a test's series", seen).to_message(
-                table="essp", epoch=table.layout.epoch, clock=clock,
-                arrays=[key, np.full((1, 1), value, np.float32)])
-            msg.sender = owner
-            return msg
-
-        cache.on_server_rows(eager(2, 2.0, clock=6))  # the later one first
-        cache.on_server_rows(eager(1, 1.0, clock=5))
-        assert cache.rows.values[12, 0] == 2.0
-        assert cache.rows.versions(key, np.array([shard]))[0] == 6
+        cache.on_server_rows(eager(2, 2.0, 6))  # the later one first
+        cache.on_server_rows(eager(1, 1.0, 5))
+        assert cache.rows.values[KEY, 0] == 2.0
+        assert cache.rows.versions(np.array([KEY]), np.array([shard]))[0] == 6
 
 
 def test_an_eager_message_missing_behind_a_later_one_is_soon_taken_as_lost():
@@ -264,26 +251,37 @@ def test_an_eager_message_missing_behind_a_later_one_is_soon_taken_as_lost():
     slices moved took up to 5.4 s), and the gap was given up only after 32 more. After 0.1 s the
     cache is forgotten (its next reads pull) and the stream goes on after the messages held."""
     with ThreadCluster(nodes=2) as c:
-        reader, other = c.worker(0, local_access=False), c.worker(1)
-        table = reader.table("essp", 16, 1, consistency=shoal.ESSP(1))
-        other.table("essp", 16, 1, consistency=shoal.ESSP(1))
-        key = np.array([12])
-        table.pull(key)
-        owner, shard = int(table.layout.route(key)[0][0]), int(table.layout.route(key)[1][0])
+        table, _, eager = _reader_of_eager_messages(c, KEY)
         cache = table.access.cache
-        assert cache is not None
-
-        def eager(seq: int) -> Message:
-            msg = bodies.Rows([shard], seq, "a test's series", reader.streams.handled(owner)).to_message(
-                table="essp", epoch=table.layout.epoch, clock=seq, arrays=[key, np.full((1, 1), seq, np.float32)])
-            msg.sender = owner
-            return msg
-
-        cache.on_server_rows(eager(2))  # message 1 never comes
-        assert table.counters["eager_gaps"] == 0 and cache.rows.version[12] >= 0  # held: it may be late
+        cache.on_server_rows(eager(2, 2.0, 2))  # message 1 never comes
+        assert table.counters["eager_gaps"] == 0 and cache.rows.version[KEY] >= 0  # held: it may be late
         time.sleep(0.15)
-        cache.on_server_rows(eager(3))
+        cache.on_server_rows(eager(3, 3.0, 3))
         assert table.counters["eager_gaps"] == 1
-        assert cache.rows.version[12] == -1  # forgotten: the next read of it pulls
-        cache.on_server_rows(eager(4))  # the stream goes on after those held
-        assert cache.rows.values[12, 0] == 4.0
+        assert cache.rows.version[KEY] == -1  # forgotten: the next read of it pulls
+        cache.on_server_rows(eager(4, 4.0, 4))  # the stream goes on after those held
+        assert cache.rows.values[KEY, 0] == 4.0
+
+
+KEY = 12
+
+
+def _reader_of_eager_messages(c: ThreadCluster, key: int) -> tuple[Any, int, Callable[[int, float, int], Message]]:
+    """Worker 0's ESSP table with ``key`` cached, ``key``'s slice, and a maker of eager messages of its
+    server to worker 0 (``seq``, the row's value, the clock), in a series of their own."""
+    reader, other = c.worker(0, local_access=False), c.worker(1)
+    table = reader.table("essp", 16, 1, consistency=shoal.ESSP(1))
+    other.table("essp", 16, 1, consistency=shoal.ESSP(1))
+    keys = np.array([key])
+    table.pull(keys)
+    owner, shard = int(table.layout.route(keys)[0][0]), int(table.layout.route(keys)[1][0])
+    assert table.access.cache is not None
+    seen = reader.streams.handled(owner)
+
+    def eager(seq: int, value: float, clock: int) -> Message:
+        msg = bodies.Rows([shard], seq, "a test's series", seen).to_message(
+            table="essp", epoch=table.layout.epoch, clock=clock, arrays=[keys, np.full((1, 1), value, np.float32)])
+        msg.sender = owner
+        return msg
+
+    return table, shard, eager
