@@ -155,11 +155,13 @@ def counting_checks(tmp: Path, outcome: Outcome, code: int | None, workers: int,
 
 
 def network(faults: str, model: str = "ssp", staleness: int = 1, resent: bool = False, rounds: int = 150,
-            slices: int = 0, options: list[str] | None = None) -> Callable[[random.Random, Path, Outcome], None]:
+            slices: int = 0, options: list[str] | None = None, techniques: str | None = None
+            ) -> Callable[[random.Random, Path, Outcome], None]:
     """Every process suffers ``faults`` (seeded per scenario) on everything it receives."""
     def body(rng: random.Random, tmp: Path, outcome: Outcome) -> None:
         spec = f"{faults},seed={rng.randrange(1 << 30)}"
         args = ["--model", model, "--staleness", str(staleness), "--rounds", str(rounds), "--slices", str(slices)]
+        args += ["--techniques", techniques] if techniques else []
         code, _ = finish(launch(tmp, FAULT_WORKER, args, faults=spec, options=options), outcome)
         bound = {"bsp": 0, "ssp": staleness, "essp": staleness}.get(model)
         counting_checks(tmp, outcome, code, 4, bound)
@@ -384,4 +386,7 @@ SCENARIOS = [
              "a replica SIGKILLed (write quorum 1) while three busy loops compete for the 2 cores",
              "no hang; no push counted twice; live replicas identical",
              oversubscribed(replica("continue", "kill", write_quorum=1))),
+    Scenario("adaptive-under-loss", 26, "an adaptive table (auto) whose keys move and are copied, 5% lost, "
+             "2% twice, 2 ms jitter", EXACT, network("loss=0.05,duplicate=0.02,jitter_ms=2", model="asp",
+                                                     techniques="auto", rounds=150)),
 ]

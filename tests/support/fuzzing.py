@@ -36,7 +36,7 @@ from shoal.api.ids import SERVERS
 from shoal.cluster.replay import new_incarnation
 from shoal.wire import Codec, Flag, Message, Op
 from shoal.wire.codec import MAX_RANK, WIRE_DTYPES
-from shoal.wire.schema import SCHEMAS
+from shoal.wire.schema import SCHEMAS, is_int64
 
 SECRET = b"fuzzing-shared-secret-0123456789"
 #: small enough that "too large" and "over the table limit" are reachable with small inputs
@@ -385,6 +385,8 @@ def _op_messages(draw: st.DrawFn, ops: st.SearchStrategy[Op], tables: st.SearchS
         if not isinstance(value, kind) and not draw(one_in(8)):  # most reach the handler
             value = draw(TYPED[kind])
         body[name] = value
+    if op == Op.PLACEMENT and is_int64(body.get("seq")) and body["seq"] > 0 and not draw(one_in(4)):
+        body["base"] = body["seq"]  # the first heard of its channel: handled at once, not held for earlier ones
     if op in SHAPED and not draw(one_in(4)):
         shaped, arrays = draw(SHAPED[op])
         body.update(shaped)

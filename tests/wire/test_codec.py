@@ -427,8 +427,12 @@ def test_message_not_fitting_its_op_is_rejected(msg: Message, error: type[ShoalE
     assert err.req == REQ  # type: ignore[attr-defined]
 
 
+#: where a placement message stands in its sender's channel (``cluster.links``)
+CHANNEL = {"channel": 7, "seq": 1, "base": 1, "acks": 0, "acked": 0}
+
+
 def placement(kind: str, arrays: list[np.ndarray], **body: Any) -> Message:
-    return Message(Op.PLACEMENT, table="t", body={"kind": kind, **body}, arrays=arrays)
+    return Message(Op.PLACEMENT, table="t", body={"kind": kind, **CHANNEL, **body}, arrays=arrays)
 
 
 @pytest.mark.parametrize(("msg", "error", "says"), [
@@ -452,6 +456,10 @@ def placement(kind: str, arrays: list[np.ndarray], **body: Any) -> Message:
     pytest.param(placement("batch", [keys(1)], messages=[{"kind": "batch", "messages": []}]), ProtocolError,
                  "unknown placement message 'batch'", id="batch in a batch"),
     pytest.param(placement("batch", [], messages=[]), ProtocolError, "a list of 1 to 64", id="empty batch"),
+    pytest.param(Message(Op.PLACEMENT, table="t", body={"kind": "relocate", "to": 1}, arrays=[keys(1)]),
+                 ProtocolError, "needs body field 'channel'", id="outside any channel"),
+    pytest.param(placement("ack", [keys(1)]), ProtocolError, "acknowledgement carries no arrays",
+                 id="acknowledgement with keys"),
     pytest.param(placement("batch", [keys(1)], messages=[{"kind": "relocate", "to": "1"}]), ProtocolError,
                  "'relocate' in a batch needs body field 'to'", id="batch with a malformed message"),
 ])
@@ -497,6 +505,7 @@ def test_a_batch_of_placement_messages_round_trips_in_order() -> None:
 def test_a_batch_of_several_tables_names_each_messages_table_and_a_bad_list_is_refused() -> None:
     sent = [Relocate(keys(0, 2), to=1), Relocate(keys(1, 1), to=1)]
     body, arrays = to_parts(sent, ["a", "b"])
+    body.update(CHANNEL)
     msg = Codec().decode(on_the_wire(Codec().encode(Message(Op.PLACEMENT, table="a", body=body, arrays=arrays))))
     assert tables_of(msg.body, "a") == ["a", "b"]
     assert "tables" not in to_parts(sent, ["a", "a"])[0]  # one table: nothing more to say

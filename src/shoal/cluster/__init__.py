@@ -2,6 +2,7 @@
 
 - ``requests``: ``RequestTracker`` (requests in flight, matched to replies, sent again) and ``Future``
 - ``replay``: exactly-once serving of requests that arrive more than once, replayed ones refused
+- ``links``: numbered one-way channels between servers, kept until acknowledged and passed on in order
 - ``roles``: who may ask for what (workers, servers, observers, operators)
 - ``rendezvous``: the ``Rendezvous`` service
 - ``membership``: register, wait for servers, barrier, leave

@@ -159,6 +159,8 @@ def node_fields(cls: type[PlacementMessage]) -> frozenset[str]:
 #: arrays of each in turn; ``"tables"``, each one's table, when they are not all the message's own
 BATCH = "batch"
 MAX_BATCH = 64  # messages in one batch: one event asks for a few per node
+#: a message that only acknowledges what its sender received (``cluster.links``): no arrays
+ACK = "ack"
 
 
 def to_parts(messages: list[PlacementMessage], tables: list[str] | None = None

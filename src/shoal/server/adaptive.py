@@ -4,14 +4,16 @@
 The machine (``placement.machine``) decides where keys live and what to tell
 other nodes; this service feeds it worker requests, placement messages from the
 other servers and the clock, then sends the placement messages it asks for and
-answers the requests it releases. A message for a server whose address is not
-known yet waits here for it: a ``state`` message is the only copy of its rows.
+answers the requests it releases. Placement messages go in numbered channels
+between servers (``cluster.links``), kept until acknowledged and sent again if
+not: a ``state`` message is the only copy of its rows, and one for a server whose
+address is not known yet waits for it.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,13 +21,14 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
-from shoal.api.errors import CheckpointError, ProtocolError, TableError
+from shoal.api.errors import CheckpointError, ProtocolError, ShoalError, TableError
 from shoal.api.ids import ADAPTIVE_SHARD, server_node
+from shoal.cluster.links import Header, Links
 from shoal.cluster.metrics import CpuAccount
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.machine import PlacementMachine
-from shoal.placement.messages import MAX_BATCH, from_parts, tables_of, to_parts
+from shoal.placement.messages import ACK, MAX_BATCH, from_parts, tables_of, to_parts
 from shoal.placement.ownership import home_of
 from shoal.server.peers import PeerDirectory
 from shoal.server.tables import table_bytes
@@ -33,6 +36,7 @@ from shoal.storage import checkpoint
 from shoal.storage.checkpoint import place_saved
 from shoal.storage.kernels import OWNED, REPLICA, fold_arrived
 from shoal.storage.validate import as_keys, as_rows, zero_nonfinite
+from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import Moved, intents_of
@@ -55,8 +59,8 @@ class AdaptiveService:
         self.machines: dict[str, PlacementMachine] = {}
         self.peers = peers
         peers.on_address(self._send_queued)
-        #: messages for servers whose address we do not know yet
-        self._outbox: dict[int, list[Message]] = defaultdict(list)
+        #: placement messages to each server until it acknowledges them, and what arrived of theirs
+        self.links: Links[Message] = Links(now)
         self._own_stats: Counter[str] = Counter()
         self.cpu = CpuAccount()  # the part of each kind of placement message in the PLACEMENT messages' CPU
         self._clock_seen = (0, now())
@@ -70,6 +74,7 @@ class AdaptiveService:
     def stats(self) -> Counter[str]:
         """This server's counters with those of every adaptive table here (keys moved, requests held...)."""
         total = Counter(self._own_stats)
+        total.update({f"placement_{name}": count for name, count in self.links.stats.items()})
         for machine in list(self.machines.values()):
             total.update(machine.table.stats)
         return total
@@ -78,13 +83,14 @@ class AdaptiveService:
 
     def _send_queued(self, node: int) -> None:
         """A peer's address is known at last: what waited for it goes out."""
-        for msg in self._outbox.pop(node, []):
-            self.peers.tracker.notify(node, msg)
+        for seq, msg in self.links.unsent(node):
+            self._transmit(node, seq, msg)
 
     def missing_peers(self) -> bool:
         """Whether placement messages wait for a server whose address is not known yet (it registered
         after this server's last heartbeat, as at start-up): the next heartbeat tells it."""
-        return any(self._outbox.values())
+        return any(self.links.unsent(node) for node in range(self.cluster.num_nodes)
+                   if node != self.node and node not in self.peers.addresses)
 
     def build(self, spec: TableSpec, current: dict[str, Any] | None = None) -> AdaptiveTable:
         return AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
@@ -119,6 +125,9 @@ class AdaptiveService:
     # ------------------------------------------------------- worker requests
 
     def handle(self, peer: bytes, msg: Message) -> Message | None:
+        if msg.op == Op.PLACEMENT:
+            self._receive(msg)
+            return None
         machine = self._machine(msg.table)
         spec = machine.table.spec
         ticket = (peer, msg)
@@ -141,21 +150,41 @@ class AdaptiveService:
             for target, keys, start, end in intents:
                 target.intend(keys, start, end)
             return msg.reply(Op.OK)
-        if msg.op == Op.PLACEMENT:
-            sender = server_node(msg.sender, self.cluster.num_nodes)
-            if sender is None:
-                raise ProtocolError(f"placement message from sender {msg.sender}, which is no server")
-            effects = Effects()
-            try:
-                for table, message in zip(tables_of(msg.body, msg.table), from_parts(msg.body, msg.arrays),
-                                          strict=True):
-                    started = time.thread_time()
-                    effects.extend(self._machine(table).receive(sender, message, self.now()))
-                    self.cpu.charge(message.kind, time.thread_time() - started)
-            finally:  # what the messages before a malformed one asked for is carried out all the same
-                self.carry_out(effects)
-            return None
         raise ProtocolError(f"adaptive table {msg.table!r} does not serve {msg.op.name}")
+
+    def _receive(self, msg: Message) -> None:
+        """A placement message from another server: what its channel holds ready now goes to the
+        tables' machines, in the order sent (a repeat is dropped, one ahead of a missing one waits)."""
+        sender = server_node(msg.sender, self.cluster.num_nodes)
+        if sender is None:
+            raise ProtocolError(f"placement message from sender {msg.sender}, which is no server")
+        for table in tables_of(msg.body, msg.table):  # one not built here yet: refused unseen, it comes again
+            self._machine(table)
+        body = bodies.Placement.of(msg)
+        if body.seq < 0 or body.base < 1 or body.acked < 0:
+            raise ProtocolError(f"placement message from server {sender} with a bad stream header: seq "
+                                f"{body.seq}, base {body.base}, acked {body.acked}")
+        header = Header(body.channel, body.seq, body.base, body.acks, body.acked)
+        failure: ShoalError | None = None
+        for ready in self.links.receive(sender, header, msg):
+            try:
+                self._deliver(sender, ready)
+            except ShoalError as exc:  # a malformed one is given up; those behind it still go
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def _deliver(self, sender: int, msg: Message) -> None:
+        """Feed each table's machine its part of a placement message, and carry out what they decide."""
+        effects = Effects()
+        try:
+            for table, message in zip(tables_of(msg.body, msg.table), from_parts(msg.body, msg.arrays),
+                                      strict=True):
+                started = time.thread_time()
+                effects.extend(self._machine(table).receive(sender, message, self.now()))
+                self.cpu.charge(message.kind, time.thread_time() - started)
+        finally:  # what the messages before a malformed one asked for is carried out all the same
+            self.carry_out(effects)
 
     def carry_out(self, effects: Effects, ticket: object = None) -> Message | None:
         """Send the placement messages a machine asked for and answer the requests it released; the
@@ -185,11 +214,36 @@ class AdaptiveService:
             body, arrays = to_parts([s.message for s in part], [s.table for s in part])
             msg = Message(Op.PLACEMENT, table=part[0].table, body=body, arrays=arrays)
             self._own_stats["placement_messages_sent"] += 1
+            seq = self.links.add(node, msg)
             if node not in self.peers.addresses:
-                self._outbox[node].append(msg)
                 self._own_stats["placement_queued_for_unknown_peer"] += 1
             else:
-                self.peers.tracker.notify(node, msg, block=True)  # placement messages carry rows: never dropped
+                self._transmit(node, seq, msg)
+
+    def _transmit(self, node: int, seq: int, msg: Message, block: bool = True) -> None:
+        """Send placement message ``seq`` to ``node`` (again), with what we owe it of acknowledgements.
+        A full queue to a peer that stopped reading blocks a first send a bounded time; a repeat is
+        not worth waiting for (it goes again later)."""
+        header = self.links.header(node, seq)
+        msg.body.update(channel=header.channel, seq=header.seq, base=header.base, acks=header.acks,
+                        acked=header.acked)
+        self.peers.tracker.notify(node, msg, block=block)
+
+    def _acknowledge(self, node: int) -> None:
+        """An acknowledgement alone, for a peer we had nothing to send for a while (under any table:
+        every server has them all)."""
+        self._own_stats["placement_acks_sent"] += 1
+        self._transmit(node, 0, Message(Op.PLACEMENT, table=next(iter(self.machines)), body={"kind": ACK}),
+                       block=False)
+
+    def _resend_and_acknowledge(self) -> None:
+        """Send again what stays unacknowledged, and the acknowledgements that found nothing to ride on."""
+        for node, seq, msg in self.links.due():
+            if node in self.peers.addresses:
+                self._transmit(node, seq, msg, block=False)
+        for node in self.links.acks_due():
+            if node in self.peers.addresses:
+                self._acknowledge(node)
 
     # ----------------------------------------------------------------- timers
 
@@ -211,9 +265,14 @@ class AdaptiveService:
                 effects.extend(machine.tick(now, node_clock, self._clock_s))
         finally:  # a state message is the only copy of its rows: what a table decided goes out regardless
             self.carry_out(effects)
+        self._resend_and_acknowledge()
 
     def next_timer(self) -> float | None:
-        return min((m.table.next_sync for m in self.machines.values()), default=None)
+        deadlines = [m.table.next_sync for m in self.machines.values()]
+        streams = self.links.next_deadline()
+        if streams is not None:
+            deadlines.append(streams)
+        return min(deadlines, default=None)
 
     # ----------------------------------------------------------- checkpoints
 
@@ -228,7 +287,7 @@ class AdaptiveService:
         return why + self._waiting(), None
 
     def _waiting(self) -> list[str]:
-        return ["messages wait for servers not yet known"] if any(self._outbox.values()) else []
+        return ["messages wait for servers not yet known"] if self.missing_peers() else []
 
     def write(self, name: str, staging: Path, index: int) -> list[dict[str, Any]]:
         """The keys this node owns with their values and optimiser state (replicas are left out: their

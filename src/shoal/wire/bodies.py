@@ -256,10 +256,17 @@ class Intent(Body):
 @dataclass(frozen=True)
 class Placement(Body):
     """A message between nodes about an adaptive table's keys; its kind's own fields are declared in
-    ``placement.messages``."""
+    ``placement.messages``. Each goes in its sender's numbered stream to the receiver (``channel``:
+    not ``stream``, a worker's ordered requests' field), with what the sender heard of the receiver's
+    (``cluster.links.Header``: the fields after ``kind``)."""
 
     op = Op.PLACEMENT
     kind: str
+    channel: int
+    seq: int
+    base: int
+    acks: int
+    acked: int
 
 
 # -------------------------------------------------------------- slices

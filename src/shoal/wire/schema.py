@@ -192,6 +192,9 @@ def check_schema(msg: Message) -> None:
     if msg.op == Op.PLACEMENT:
         if msg.body["kind"] == messages.BATCH:
             _check_batch(msg)
+        elif msg.body["kind"] == messages.ACK:
+            if msg.arrays:
+                raise ProtocolError(f"a placement acknowledgement carries no arrays, got {len(msg.arrays)}")
         else:
             _check(msg, _placement_schema(msg.body["kind"]), f"placement {msg.body['kind']!r}")
 

@@ -1,0 +1,152 @@
+"""Channels between two processes (``cluster.links``): every message passed on once, in the order sent,
+over a network that loses, repeats and reorders them; driven by hand, no sockets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shoal.cluster.links import ACK_DELAY_S, MAX_HELD, RESEND_S, Header, Links
+from tests.support.clock import ManualClock
+
+A, B = 0, 1  # the two peers' numbers as each other knows them
+
+
+class Network:
+    """Two processes' links, and what is on the wire between them: each transmission is lost, doubled
+    or delivered, in an order shuffled within each step."""
+
+    def __init__(self, seed: int, loss: float = 0.0, duplicate: float = 0.0) -> None:
+        self.rng = random.Random(seed)
+        self.loss, self.duplicate = loss, duplicate
+        self.clock = ManualClock()
+        self.links = {A: Links[str](self.clock), B: Links[str](self.clock)}
+        self.wire: list[tuple[int, Header, str | None]] = []  # (to, header, payload)
+        self.delivered: dict[int, list[str]] = {A: [], B: []}
+
+    def send(self, frm: int, payload: str) -> None:
+        to = B if frm == A else A
+        seq = self.links[frm].add(to, payload)
+        self.transmit(frm, seq, payload)
+
+    def transmit(self, frm: int, seq: int, payload: str | None) -> None:
+        to = B if frm == A else A
+        header = self.links[frm].header(to, seq)
+        if self.rng.random() < self.loss:
+            return
+        copies = 2 if self.rng.random() < self.duplicate else 1
+        self.wire += [(to, header, payload)] * copies
+
+    def step(self, seconds: float = 0.01) -> None:
+        """Deliver what is on the wire (shuffled), move the clock, send what is due again."""
+        arriving, self.wire = self.wire, []
+        self.rng.shuffle(arriving)
+        for to, header, payload in arriving:
+            frm = B if to == A else A
+            self.delivered[to] += self.links[to].receive(frm, header, payload)
+        self.clock.advance(seconds)
+        for frm, links in self.links.items():
+            for _, seq, payload in links.due():
+                self.transmit(frm, seq, payload)
+            for _ in links.acks_due():
+                self.transmit(frm, 0, None)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_message_arrives_once_in_the_order_sent_over_a_network_that_loses_repeats_and_reorders(seed):
+    net = Network(seed, loss=0.2, duplicate=0.1)
+    sent: dict[int, list[str]] = {A: [], B: []}
+    for i in range(300):
+        frm = A if net.rng.random() < 0.7 else B  # mostly one way: acknowledgements must also go alone
+        payload = f"{frm}:{i}"
+        sent[frm].append(payload)
+        net.send(frm, payload)
+        if net.rng.random() < 0.5:
+            net.step()
+    for _ in range(3000):
+        if not (net.links[A].unacknowledged() or net.links[B].unacknowledged() or net.wire):
+            break
+        net.step(0.05)
+    assert net.delivered[B] == sent[A]
+    assert net.delivered[A] == sent[B]
+    assert net.links[A].unacknowledged() == net.links[B].unacknowledged() == 0
+    assert net.links[A].stats["resent"] > 0 and net.links[B].stats["repeats_dropped"] > 0
+
+
+def test_acknowledgements_ride_on_messages_going_back_and_go_alone_only_after_a_while():
+    clock = ManualClock()
+    a, b = Links[str](clock), Links[str](clock)
+    seq = a.add(B, "request")
+    assert b.receive(A, a.header(B, seq), "request") == ["request"]
+    seq = b.add(A, "answer")
+    assert a.receive(B, b.header(A, seq), "answer") == ["answer"]  # and acknowledges "request"
+    assert a.unacknowledged() == 0 and b.acks_due() == []
+    clock.advance(ACK_DELAY_S / 2)
+    assert a.acks_due() == []  # not yet: something may still go B's way
+    clock.advance(ACK_DELAY_S / 2)
+    assert a.acks_due() == [B]
+    seq = a.add(B, "next")  # a message going there carries it after all
+    b.receive(A, a.header(B, seq), "next")
+    assert a.acks_due() == [] and b.unacknowledged() == 0
+
+
+def test_a_message_is_sent_again_until_acknowledged_waiting_longer_each_time():
+    clock = ManualClock()
+    links = Links[str](clock)
+    seq = links.add(B, "rows")
+    links.header(B, seq)
+    assert links.next_deadline() == pytest.approx(clock() + RESEND_S)
+    clock.advance(RESEND_S)
+    assert links.due() == [(B, seq, "rows")]
+    links.header(B, seq)
+    assert links.due() == []
+    assert links.next_deadline() == pytest.approx(clock() + 2 * RESEND_S)
+    assert links.stats["resent"] == 1
+    links.receive(B, Header(channel=99, seq=0, base=1, acks=links.channel, acked=seq), None)  # type: ignore[arg-type]
+    assert links.unacknowledged() == 0 and links.next_deadline() is None
+
+
+def test_an_acknowledgement_for_an_earlier_process_acknowledges_nothing():
+    clock = ManualClock()
+    links = Links[str](clock)
+    seq = links.add(B, "rows")
+    links.header(B, seq)
+    links.receive(B, Header(channel=99, seq=0, base=1, acks=links.channel + 2, acked=seq), None)  # type: ignore[arg-type]
+    assert links.unacknowledged(B) == 1
+
+
+def test_a_message_not_sent_for_want_of_an_address_waits_and_is_not_due_again():
+    links = Links[str](ManualClock())
+    links.add(B, "state")
+    assert links.unsent(B) == [(1, "state")] and links.due() == [] and links.next_deadline() is None
+
+
+def test_a_receiver_started_again_takes_up_where_the_sender_is_not_yet_acknowledged():
+    clock = ManualClock()
+    sender, receiver = Links[str](clock), Links[str](clock)
+    for payload in ("a", "b", "c"):
+        seq = sender.add(B, payload)
+        header = sender.header(B, seq)
+        assert receiver.receive(A, header, payload) == [payload]
+    ack = receiver.header(A, 0)
+    sender.receive(B, ack, None)  # type: ignore[arg-type]
+    assert sender.unacknowledged() == 0
+    seq = sender.add(B, "d")
+    sender.header(B, seq)  # lost, and the receiver started again meanwhile
+    seq = sender.add(B, "e")
+    restarted = Links[str](clock)
+    assert restarted.receive(A, sender.header(B, seq), "e") == []  # "d" (4) comes first
+    assert restarted.receive(A, sender.header(B, 4), "d") == ["d", "e"]
+
+
+def test_messages_ahead_of_a_missing_one_are_held_up_to_a_bound():
+    clock = ManualClock()
+    links = Links[str](clock)
+    channel = 5
+    for seq in range(2, MAX_HELD + 3):
+        assert links.receive(A, Header(channel, seq, 1, 0, 0), str(seq)) == []
+    assert links.stats["held_out_of_order"] == MAX_HELD and links.stats["dropped_out_of_order"] == 1
+    ready = links.receive(A, Header(channel, 1, 1, 0, 0), "1")
+    assert ready == [str(s) for s in range(1, MAX_HELD + 2)]  # the dropped one comes again later
+    assert links.receive(A, Header(channel, MAX_HELD + 2, 1, 0, 0), "last") == ["last"]
