@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from shoal.cluster.links import ACK_DELAY_S, MAX_HELD, RESEND_S, Header, Links
+from shoal.cluster.links import ACK_DELAY_S, MAX_HELD, MAX_UNACKED, RESEND_S, Header, Links
 from tests.support.clock import ManualClock
 
 A, B = 0, 1  # the two peers' numbers as each other knows them
@@ -150,3 +150,14 @@ def test_messages_ahead_of_a_missing_one_are_held_up_to_a_bound():
     ready = links.receive(A, Header(channel, 1, 1, 0, 0), "1")
     assert ready == [str(s) for s in range(1, MAX_HELD + 2)]  # the dropped one comes again later
     assert links.receive(A, Header(channel, MAX_HELD + 2, 1, 0, 0), "last") == ["last"]
+
+
+def test_a_peer_that_never_acknowledges_costs_bounded_memory_and_its_receiver_skips_what_was_given_up():
+    clock = ManualClock()
+    sender, receiver = Links[str](clock), Links[str](clock)
+    for i in range(1, MAX_UNACKED + 3):
+        sender.header(B, sender.add(B, str(i)))  # all lost
+    assert sender.unacknowledged(B) == MAX_UNACKED and sender.stats["given_up"] == 2  # 1 and 2
+    last = MAX_UNACKED + 2
+    assert receiver.receive(A, sender.header(B, last), str(last)) == []  # waits for 3, not for 1
+    assert receiver.receive(A, sender.header(B, 3), "3") == ["3"]

@@ -35,6 +35,9 @@ RESEND_S = 0.5
 RESEND_MAX_S = 4.0
 #: messages held per peer while an earlier one is missing; later ones are dropped (and come again)
 MAX_HELD = 1024
+#: messages kept per peer until acknowledged: past this the peer is gone or stuck for minutes (a few
+#: dozen go a second), and the oldest is given up rather than memory (``stats["given_up"]``)
+MAX_UNACKED = 4096
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ class Links(Generic[T]):
         self.channel = secrets.randbits(62) | 1  # a process started again numbers afresh, under another
         self._out: dict[int, _Outbound[T]] = {}
         self._in: dict[int, _Inbound[T]] = {}
-        self.stats = {"repeats_dropped": 0, "held_out_of_order": 0, "dropped_out_of_order": 0, "resent": 0}
+        self.stats = {"repeats_dropped": 0, "held_out_of_order": 0, "dropped_out_of_order": 0, "resent": 0,
+                      "given_up": 0}
 
     # -------------------------------------------------------------- sending
 
@@ -96,6 +100,9 @@ class Links(Generic[T]):
         seq = out.next_seq
         out.next_seq += 1
         out.unacked[seq] = _Unacked(payload)
+        if len(out.unacked) > MAX_UNACKED:  # the receiver skips it: the next header's base is past it
+            del out.unacked[next(iter(out.unacked))]
+            self.stats["given_up"] += 1
         return seq
 
     def header(self, peer: int, seq: int) -> Header:

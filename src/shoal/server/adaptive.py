@@ -12,6 +12,7 @@ address is not known yet waits for it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from shoal.api.errors import CheckpointError, ProtocolError, ShoalError, TableEr
 from shoal.api.ids import ADAPTIVE_SHARD, server_node
 from shoal.cluster.links import Header, Links
 from shoal.cluster.metrics import CpuAccount
+from shoal.cluster.throttle import ThrottledWarnings
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.machine import PlacementMachine
@@ -40,6 +42,8 @@ from shoal.wire import bodies
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import Moved, intents_of
+
+log = logging.getLogger(__name__)
 
 
 class AdaptiveService:
@@ -61,6 +65,7 @@ class AdaptiveService:
         peers.on_address(self._send_queued)
         #: placement messages to each server until it acknowledges them, and what arrived of theirs
         self.links: Links[Message] = Links(now)
+        self._warnings = ThrottledWarnings(log)
         self._own_stats: Counter[str] = Counter()
         self.cpu = CpuAccount()  # the part of each kind of placement message in the PLACEMENT messages' CPU
         self._clock_seen = (0, now())
@@ -214,7 +219,12 @@ class AdaptiveService:
             body, arrays = to_parts([s.message for s in part], [s.table for s in part])
             msg = Message(Op.PLACEMENT, table=part[0].table, body=body, arrays=arrays)
             self._own_stats["placement_messages_sent"] += 1
+            given_up = self.links.stats["given_up"]
             seq = self.links.add(node, msg)
+            if self.links.stats["given_up"] > given_up:
+                self._warnings.warn(("given up", node), "server %d: server %d acknowledged none of the last %d "
+                                    "placement messages (gone or stuck): the oldest are given up", self.node,
+                                    node, self.links.unacknowledged(node))
             if node not in self.peers.addresses:
                 self._own_stats["placement_queued_for_unknown_peer"] += 1
             else:
