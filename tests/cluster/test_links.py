@@ -161,3 +161,15 @@ def test_a_peer_that_never_acknowledges_costs_bounded_memory_and_its_receiver_sk
     last = MAX_UNACKED + 2
     assert receiver.receive(A, sender.header(B, last), str(last)) == []  # waits for 3, not for 1
     assert receiver.receive(A, sender.header(B, 3), "3") == ["3"]
+
+
+def test_messages_held_behind_ones_the_sender_gave_up_go_on_once_it_says_so():
+    clock = ManualClock()
+    links = Links[str](clock)
+    channel = 5
+    links.receive(A, Header(channel, 1, 1, 0, 0), "1")
+    assert links.receive(A, Header(channel, 4, 2, 0, 0), "4") == []  # 2 and 3 missing
+    assert links.receive(A, Header(channel, 5, 2, 0, 0), "5") == []
+    # 2 and 3 were given up (base 4): 4 and 5 go on with the next message, even a repeat of one held
+    assert links.receive(A, Header(channel, 4, 4, 0, 0), "4") == ["4", "5"]
+    assert links.receive(A, Header(channel, 6, 4, 0, 0), "6") == ["6"]

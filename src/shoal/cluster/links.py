@@ -163,24 +163,24 @@ class Links(Generic[T]):
         inbound = self._in.get(peer)
         if inbound is None or inbound.channel != header.channel:  # first heard, or the peer started again
             inbound = self._in[peer] = _Inbound(channel=header.channel, expected=header.base)
-        elif header.base > inbound.expected:  # acknowledged before (by us): never to come again
+        elif header.base > inbound.expected:  # given up by the sender: never to come
             inbound.expected = header.base
             inbound.held = {s: p for s, p in inbound.held.items() if s >= header.base}
         if inbound.owed_since is None:
             inbound.owed_since = self.now()
+        ready = []
         if header.seq < inbound.expected or header.seq in inbound.held:
             self.stats["repeats_dropped"] += 1
-            return []
-        if header.seq > inbound.expected:
+        elif header.seq > inbound.expected:
             if len(inbound.held) >= MAX_HELD:
                 self.stats["dropped_out_of_order"] += 1
             else:
                 inbound.held[header.seq] = payload
                 self.stats["held_out_of_order"] += 1
-            return []
-        ready = [payload]
-        inbound.expected += 1
-        while inbound.expected in inbound.held:
+        else:
+            ready.append(payload)
+            inbound.expected += 1
+        while inbound.expected in inbound.held:  # those that waited for it (or for what was given up)
             ready.append(inbound.held.pop(inbound.expected))
             inbound.expected += 1
         return ready
