@@ -234,6 +234,22 @@ def test_placement_rows_with_nan_from_a_peer_are_dropped_and_the_server_keeps_se
     assert client.live.server.stats["error_ProtocolError"] == 1
 
 
+@pytest.mark.parametrize("header", [dict(seq=-1, base=1, acked=0), dict(seq=1, base=0, acked=0),
+                                    dict(seq=1, base=1, acked=-3)], ids=["seq", "base", "acked"])
+def test_a_placement_message_with_a_bad_channel_header_is_refused_and_the_server_keeps_serving(
+    client: RawClient, header: dict[str, int]
+) -> None:
+    client.create_table(ADAPTIVE)
+    all_keys = np.arange(ADAPTIVE.num_keys)
+    before = client.pull(all_keys, table="a")
+    body = {"kind": "replicate", "channel": 1, "acks": 0, **header}
+    client.send_frames(frames_of(Message(Op.PLACEMENT, table="a", sender=SERVERS, flags=Flag.NO_REPLY, body=body,
+                                         arrays=[keys(1, 2), np.ones((2, ADAPTIVE.dim), np.float32)])))
+
+    np.testing.assert_array_equal(client.pull(all_keys, table="a"), before)  # answered after the bad message
+    assert client.live.server.stats["error_ProtocolError"] == 1
+
+
 def test_oversized_message_is_refused(start_server: Callable[..., LiveServer],
                                       connect: Callable[..., RawClient]) -> None:
     client = connect(start_server(limits=Limits(max_message_bytes=65536)))

@@ -167,7 +167,7 @@ class AdaptiveService:
             self._machine(table)
         body = bodies.Placement.of(msg)
         if body.seq < 0 or body.base < 1 or body.acked < 0:
-            raise ProtocolError(f"placement message from server {sender} with a bad stream header: seq "
+            raise ProtocolError(f"placement message from server {sender} with a bad channel header: seq "
                                 f"{body.seq}, base {body.base}, acked {body.acked}")
         header = Header(body.channel, body.seq, body.base, body.acks, body.acked)
         failure: ShoalError | None = None
