@@ -31,7 +31,7 @@ T = TypeVar("T")
 #: how long an acknowledgement owed to a peer waits for a message to ride on
 ACK_DELAY_S = 0.05
 #: a message unacknowledged this long after it was sent goes again; the wait doubles with each try
-RESEND_S = 0.5
+RESEND_S = 0.2
 RESEND_MAX_S = 4.0
 #: messages held per peer while an earlier one is missing; later ones are dropped (and come again)
 MAX_HELD = 1024
