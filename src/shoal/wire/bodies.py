@@ -256,9 +256,9 @@ class Intent(Body):
 @dataclass(frozen=True)
 class Placement(Body):
     """A message between nodes about an adaptive table's keys; its kind's own fields are declared in
-    ``placement.messages``. Each goes in its sender's numbered stream to the receiver (``channel``:
-    not ``stream``, a worker's ordered requests' field), with what the sender heard of the receiver's
-    (``cluster.links.Header``: the fields after ``kind``)."""
+    ``placement.messages``. The fields after ``kind`` are its place in its sender's channel to the
+    receiver and what the sender heard of the receiver's (``cluster.links.Header``; ``channel``, as
+    ``stream`` names a worker's ordered requests)."""
 
     op = Op.PLACEMENT
     kind: str
