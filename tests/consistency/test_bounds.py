@@ -18,9 +18,12 @@ import pytest
 
 import shoal
 from shoal.client.worker import Worker
+from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire import bodies
 from shoal.wire.message import Message
+from shoal.wire.ops import Op
 from tests.support.cluster import ThreadCluster
+from tests.support.losing import LosingTransport
 
 WORKERS = 3
 
@@ -261,6 +264,42 @@ def test_an_eager_message_missing_behind_a_later_one_is_soon_taken_as_lost():
         assert cache.rows.version[KEY] == -1  # forgotten: the next read of it pulls
         cache.on_server_rows(eager(4, 4.0, 4))  # the stream goes on after those held
         assert cache.rows.values[KEY, 0] == 4.0
+
+
+@pytest.mark.parametrize("replicas", [1, 2], ids=["static", "replicated"])
+def test_a_read_whose_eager_push_was_lost_asks_for_its_rows_within_a_second(replicas):
+    """Under ESSP a read of cached rows waits for the server to push them when the slowest clock gets
+    there. A push lost with nothing after it to reveal the gap (or dropped at a full reply queue)
+    cost the read the whole eager wait (5 s) before it asked; now it asks after a second."""
+    options: dict[str, Any] = {"consistency": shoal.ESSP(0), "replicas": replicas}
+    lost: list[dict[str, Any]] = []
+    armed = threading.Event()
+
+    def lose_the_first_push(header: dict[str, Any]) -> bool:
+        if armed.is_set() and header["op"] == int(Op.ROWS) and not lost:
+            lost.append(header)
+            return True
+        return False
+
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose_the_first_push)) as c:
+        reader, other = c.worker(0, local_access=False), c.worker(1, local_access=False)
+        table = reader.table("lossy", 16, 1, **options)
+        others = other.table("lossy", 16, 1, **options)
+        keys = np.arange(16)
+        table.pull(keys)  # cached: from now on the rows are pushed
+        others.push(keys, np.ones((16, 1), np.float32))
+        armed.set()
+        reader.advance_clock()
+        read: list[float] = []
+        reading = threading.Thread(target=lambda: read.extend([time.monotonic(), *table.pull(keys)[:, 0]]))
+        reading.start()
+        time.sleep(0.1)
+        other.advance_clock()  # the clock the read needs: its server pushes the rows, and they are lost
+        started = time.monotonic()
+        reading.join(timeout=30)
+        assert lost, "no push was lost"
+        assert read[1:] == [1.0] * 16
+        assert time.monotonic() - started < 2.5
 
 
 KEY = 12

@@ -23,16 +23,15 @@ from shoal.api.errors import ProtocolError
 from shoal.client.calls import Positions
 from shoal.client.context import WorkerContext
 from shoal.consistency.cache import RowCache
-from shoal.consistency.schemes import SliceSchemes
+from shoal.consistency.schemes import EAGER_WAIT_S, SliceSchemes
 from shoal.consistency.staleness import StalenessHistogram
 from shoal.storage.rules import rule_for
 from shoal.wire import bodies
 from shoal.wire.message import Message
 
-_EAGER_WAIT_S = 5.0
 _EAGER_GAP = 32  # eager messages held behind a missing one before it is taken as lost
 # ... or held this long: a server's messages to us arrive in the order it sent them, so one missing
-# behind a later one was lost (a read waiting for its rows would otherwise wait out _EAGER_WAIT_S)
+# behind a later one was lost (a read waiting for its rows would otherwise wait out EAGER_WAIT_S)
 _EAGER_GAP_S = 0.1
 
 #: a push of ours a server may not have applied yet: (server, seq in our stream to it, keys, values);
@@ -157,7 +156,7 @@ class ProcessCache:
         rows dropped while we wait (a pushed row older than our acknowledged pushes is dropped:
         no push will vouch for it again)."""
         # A push that does not come (a server's reply queue was full, say) ends in a pull.
-        deadline = time.monotonic() + min(self.worker.cluster.timeouts.request_s, _EAGER_WAIT_S)
+        deadline = time.monotonic() + min(self.worker.cluster.timeouts.request_s, EAGER_WAIT_S)
         versions = self.rows.versions(keys, shard)
         self.counters["reads_awaiting_push"] += 1
         while (eager & (versions >= 0) & (versions < required)).any():

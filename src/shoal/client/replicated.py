@@ -45,6 +45,7 @@ from shoal.client.context import TableView
 from shoal.client.replica_cache import ReplicaCache
 from shoal.client.replica_view import ReplicaView
 from shoal.cluster.requests import Future
+from shoal.consistency.schemes import EAGER_WAIT_S
 from shoal.lattice.sum_lattice import merged_value
 from shoal.placement.layout import TableLayout
 from shoal.replication.delays import DelaySamples
@@ -58,7 +59,6 @@ from shoal.wire.ops import Op
 
 QUORUM_EVERY_S = 2.0
 UNMEASURED_EVERY_S = 0.2  # while the model has nothing to go on, every replica is read and it is asked again soon
-_EAGER_WAIT_S = 5.0  # ESSP: how long a read waits for the pushed rows its bound needs before asking for them
 
 
 @dataclass
@@ -259,7 +259,7 @@ class ReplicatedAccess(TableAccess):
         the slowest worker gets there) instead of asking. None if it does not come in time (the
         rows are read instead; the read finds out whether the home is gone)."""
         assert self.cache is not None
-        deadline = time.monotonic() + min(self.worker.cluster.timeouts.request_s, _EAGER_WAIT_S)
+        deadline = time.monotonic() + min(self.worker.cluster.timeouts.request_s, EAGER_WAIT_S)
         self.counters["reads_awaiting_push"] += 1
         while (remaining := deadline - time.monotonic()) > 0 and self.cache.follows(shard_id, rows):
             self.worker.tracker.pump(min(remaining, 0.5))

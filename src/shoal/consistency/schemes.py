@@ -18,6 +18,11 @@ import numpy as np
 from shoal.api.consistency import BSP, ESSP, SSP, Consistency, LazyPull, consistency_to_dict
 from shoal.api.errors import ConfigError
 
+#: ESSP: how long a read of rows its servers push waits for the push its bound needs before it asks
+#: for the rows instead (the server holds that pull to the bound): a push lost on the way, or dropped
+#: at a full reply queue, costs a read this long; a wait for a slow worker, one pull more
+EAGER_WAIT_S = 1.0
+
 
 class SliceSchemes:
     """``models[s]``: the model reads of slice ``s`` are held to; ``bounds`` and ``eager`` per slice."""
