@@ -87,7 +87,6 @@ class Worker:
         self.run_dir = run_dir
         self.run_log: deque[dict[str, Any]] = deque(maxlen=_RUN_LOG_ENTRIES)
         self._barrier_generation = 0
-        self._clock_requests: dict[int, int] = {}  # per server: the newest clock not yet acknowledged
         self._ticks = TickSchedule()  # when servers are told the clock while no read waits on it
         self._tick_due = False  # a clock they have not been told yet
         self._closed = False
@@ -306,12 +305,13 @@ class Worker:
 
     def follow_departures(self) -> None:
         """Requests in flight to servers that left: those a server never read (its goodbye says which,
-        ``server.streams``) are sent where their keys are now; once nothing is in flight to it, its
-        connection closes."""
+        ``server.streams``) are sent where their keys are now, and ticks are over (one that died says
+        no goodbye); once nothing is in flight to it, its connection closes."""
         for node in sorted(self._departing):
             handled = self.replica_view.handled_by(node, self.rank, self.streams.incarnation)
             if handled is not None:
                 self.tracker.end_unserved(node, handled)
+            self.tracker.end_background(node)
             if not self.tracker.awaits(node):
                 self.tracker.disconnect(node)
                 self._departing.discard(node)
@@ -401,17 +401,16 @@ class Worker:
         self._ticks.ticked(self.clock, now, everywhere)
         self._tick_due = not everywhere
         # A request, not a one-way message: a lost clock would hold back every bounded read for good.
-        # Nobody waits for the acknowledgement, and a newer clock supersedes an unanswered older one
-        # (so a server that died costs nothing here).
-        # In this worker's stream to each server, so counted there only after the pushes it follows.
+        # Nobody waits for the acknowledgement. In this worker's stream to each server, so counted
+        # there only after the pushes it follows; and sent again until answered, even once a newer
+        # tick went: given up, a lost one leaves a hole in the stream that the server cannot skip
+        # until a later request says so, and the requests sent meanwhile do not (their floor was
+        # set while an earlier one was unanswered).
         tick = bodies.Clock(self.rank, pushed=self._pushes_numbered())
         told = self.live_servers() if everywhere else [n for n in self.live_servers() if n == self.node]
         for n in told:
-            older = self._clock_requests.get(n)
-            if older is not None:
-                self.tracker.forget(older)
-            self._clock_requests[n] = self.send_ordered(
-                n, tick.to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}", background=True)
+            self.send_ordered(n, tick.to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}",
+                              background=True)
         self.tracker.pump(0)
 
     def _pushes_numbered(self) -> dict[str, list[int]] | None:

@@ -374,6 +374,13 @@ class RequestTracker:
             if unserved:
                 self._run_after_receive()  # what the answers' handlers queued goes now
 
+    def end_background(self, peer: int) -> None:
+        """End every background request in flight to ``peer`` (clock ticks, say): nobody waits for
+        them, and a peer that left has no use for them."""
+        with self._lock:
+            for req in [r for r, p in self._pending.items() if p.peer == peer and p.background]:
+                self._finish(req, None)
+
     def fail_peer(self, peer: int, error: ShoalError) -> None:
         """End every request in flight to ``peer`` with ``error`` (it was a process that is gone: one
         started in its place must not get them)."""
