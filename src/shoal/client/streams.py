@@ -3,7 +3,7 @@
 Requests about static tables' rows, and clock ticks, carry ``stream =
 [incarnation, seq, floor, settled]``: ``seq`` numbers this worker's requests to
 one server, ``floor`` is the lowest ``seq`` not over yet (everything below it was
-answered, given up, or superseded), and ``settled`` is the worker's settled
+answered or given up), and ``settled`` is the worker's settled
 clock (every push of earlier iterations acknowledged), which a server goes by
 while a slice that moved to it may still receive pushes sent elsewhere first. The server handles them in ``seq`` order
 whatever order they arrive in (``server.streams``), so a read comes after this
@@ -51,7 +51,7 @@ class Streams:
         return stream
 
     def ended(self, server: int, seq: int) -> None:
-        """The request is over (answered, given up or superseded): it no longer holds the floor."""
+        """The request is over (answered or given up): it no longer holds the floor."""
         stream = self._streams.get(server)
         if stream is not None:
             stream.open.discard(seq)

@@ -2,8 +2,8 @@
 
 A worker numbers its requests to this server about static tables and its clock:
 ``stream = [incarnation, seq, floor, settled]``. ``floor`` is the lowest ``seq``
-the worker still waits on; everything below it is over (answered, given up, or a
-clock tick superseded by a newer one). ``settled`` is the worker's settled clock:
+the worker still waits on; everything below it is over (answered, or given up:
+timed out, or sent to a server that left). ``settled`` is the worker's settled clock:
 every push it made in iterations before it has been acknowledged. A request that arrives early waits here until those
 before it have been handled, so a read is served after the worker's earlier
 pushes, and a clock is counted after the pushes of the iterations it closes --
@@ -118,7 +118,7 @@ class StreamOrder:
             raise StaleRequestError(f"request {pos.seq} of worker {pos.worker} comes from its incarnation "
                                     f"{pos.incarnation}, which was replaced by incarnation {stream.incarnation}")
         if pos.floor > stream.next_seq and stream.parked is None:
-            self._skip_to(stream, pos.floor)  # the worker gave up on (or superseded) the ones before
+            self._skip_to(stream, pos.floor)  # the worker gave up on the ones before
         if pos.seq < stream.next_seq:
             raise StaleRequestError(f"request {pos.seq} of worker {pos.worker} arrived after the worker "
                                     "stopped waiting for it")
