@@ -30,9 +30,9 @@ def _push(client: RawClient, req: int, seq: int, floor: int) -> None:
 
 def test_a_floor_that_skips_to_a_waiting_request_serves_it_and_those_after(
         start_server: Callable[..., LiveServer], connect: Callable[..., RawClient]) -> None:
-    """Request 2 (a clock tick, say) was superseded and forgotten by its worker, and arrives late or
-    never. Request 3 arrives first and waits for it; request 4 says that nothing below 3 is awaited
-    any more: 3 is next, and is served at once, then 4 (the server waited for a request timeout,
+    """Request 2 was given up by its worker (it timed out, say), and arrives late or never. Request
+    3 arrives first and waits for it; request 4 says that nothing below 3 is awaited any more: 3 is
+    next, and is served at once, then 4 (the server waited for a request timeout,
     which stalled every bounded read behind them: the ESSP run of bench_consistency under injected
     network delay)."""
     client = connect(start_server())
