@@ -25,10 +25,12 @@ from shoal.server.tables import ServedTable
 from shoal.storage.shard import ShardStore
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire import bodies
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from tests.support.cluster import ThreadCluster
+from tests.support.losing import LosingTransport
 from tests.support.waiting import wait_until
 
 KEYS = 400
@@ -400,3 +402,84 @@ def test_answers_still_on_their_way_from_a_server_that_left_are_taken_in():
         expected = np.zeros((KEYS, 4), np.float32)
         expected[KEYS // 2 :] = 1
         np.testing.assert_array_equal(t0.pull(keys), expected)
+
+
+def test_a_worker_confirms_a_fence_only_once_it_routes_by_the_move_behind_it():
+    """Server 0 takes slice 1 at epoch 2 while the rendezvous does not know it yet (the old owner's
+    report is lost), and the fence naming slice 1 is lost on its way to worker 0. Worker 0, routing
+    by epoch 0, pushes to slice 0, which server 0 gave away at epoch 1: refused, and fenced again. That
+    fence used to name no slice, so the worker confirmed epoch 2 by a layout of epoch 1 and sent its
+    next push for slice 1 to server 1, while server 0, fence lifted, counted its clock in full: a BSP
+    read there at clock 2 missed that clock-1 push (the bound violation of the slice-moving stress
+    test under message loss)."""
+    reports_held = threading.Event()
+    fences_lost: list[dict] = []
+
+    def lose_reports(header: dict) -> bool:
+        return reports_held.is_set() and header["op"] == int(Op.MOVE_DONE)
+
+    def lose_the_first_fence_naming_slice_1(header: dict) -> bool:
+        if header["op"] == int(Op.FENCE) and header["body"].get("shard") == 1 and not fences_lost:
+            fences_lost.append(header)
+            return True
+        return False
+
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose_reports)) as c:
+        pusher = Worker(c.spec, 0, 0, LosingTransport(ZmqTransport(), lose_the_first_fence_naming_slice_1),
+                        local_access=False)
+        reader = Worker(c.spec, 1, 1, ZmqTransport(), local_access=False)
+        c.workers += [pusher, reader]
+        t_push, t_read = (w.table("fenced", 20, 1, optimizer=shoal.optim.Sum(), slices=2, consistency=shoal.BSP())
+                          for w in (pusher, reader))
+        assert t_push.layout.owners.tolist() == [0, 1]
+        keys = np.arange(20)
+        slice0, slice1 = (t_push.layout.mapping.keys_of(s) for s in range(2))
+        for t in (t_push, t_read):
+            t.push(keys, np.ones((20, 1), np.float32))  # clock 0: both servers hear both workers
+        for w in (pusher, reader):
+            w.advance_clock()
+        _move(c, "fenced", 0, to=1)  # epoch 1: the rendezvous knows it
+        reports_held.set()
+        mover = threading.Thread(target=_move, args=(c, "fenced", 1, 0))  # epoch 2: reported only later
+        mover.start()
+        try:
+            wait_until(lambda: 1 in c.servers[0].tables["fenced"].stores, what="server 0 taking slice 1")
+            t_push.push(slice0, np.ones((slice0.shape[0], 1), np.float32))  # refused by server 0, sent to server 1
+            wait_until(lambda: _pumped(pusher) and 0 not in c.servers[0].sync.fences,
+                       what="worker 0 confirming its fences at server 0")
+            late = t_push.push_async(slice1, np.ones((slice1.shape[0], 1), np.float32))
+            pusher.advance_clock()
+            wait_until(lambda: _pumped(reader) and t_read.layout.epoch >= 2,
+                       what="the reader learning the move from its fence")
+            reader.advance_clock()
+            read: list[np.ndarray] = []
+            reading = threading.Thread(target=lambda: read.append(t_read.pull(slice1)))
+            reading.start()
+            wait_until(lambda: read or c.servers[0].sync.held_count() == 1, what="the read served or held")
+            _pumped(pusher)
+        finally:
+            reports_held.clear()
+            mover.join(timeout=30)
+        while reading.is_alive():
+            _pumped(pusher)
+            reading.join(timeout=0.05)
+        late.wait()
+        assert fences_lost, "the fence naming slice 1 never reached worker 0"
+        # clock 2 under BSP: both workers' clock-0 pushes and the pusher's clock-1 push to slice 1
+        np.testing.assert_array_equal(read[0][:, 0], np.full(slice1.shape[0], 3.0))
+
+
+def _pumped(worker: Worker) -> bool:
+    """Let ``worker`` take what came for it (fences to answer, answers to send again); True."""
+    worker.tracker.pump(0.01)
+    return True
+
+
+def _move(cluster: ThreadCluster, table: str, shard: int, to: int) -> None:
+    """An operator outside the job moving slice ``shard`` of ``table`` to server ``to``; returns once moved."""
+    tracker = RequestTracker(cluster.transport, Codec(cluster.spec.limits, cluster.spec.secret), sender=OPERATOR)
+    tracker.connect(RENDEZVOUS, cluster.spec.rendezvous)
+    try:
+        membership.call(tracker, RENDEZVOUS, bodies.MoveSlice(shard, to).to_message(table=table), 30, "move")
+    finally:
+        tracker.close()

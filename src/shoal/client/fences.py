@@ -26,7 +26,8 @@ class Fence:
     """A server's wait for this worker's confirmation."""
 
     epoch: int
-    shard: int  # the slice that moved to the server at ``epoch``; -1: a push of ours it refused
+    shard: int  # the move that brought the server's layout to ``epoch``: this slice ...
+    owner: int  # ... to this server (-1, -1: the rendezvous knows it)
     upto: int | None = None  # the pushes to land first: those started up to this one
 
 
@@ -54,7 +55,7 @@ class Fences:
         known = self.waiting.get(server)
         fence = bodies.Fence.of(msg)
         if known is None or fence.epoch > known.epoch:
-            self.waiting[server] = Fence(fence.epoch, fence.shard)
+            self.waiting[server] = Fence(fence.epoch, fence.shard, fence.owner)
 
     def answer(self) -> None:
         """Confirm every fence whose pushes have landed (the layout is learnt first, once)."""
@@ -62,7 +63,7 @@ class Fences:
         for server, fence in list(self.waiting.items()):
             if fence.upto is None:
                 try:
-                    if fence.shard >= 0 and not access.learn_move(fence.shard, server, fence.epoch):
+                    if not access.learn_move(fence.shard, fence.owner, fence.epoch):
                         continue  # the rendezvous does not know the moves before it yet: again shortly
                 except ShoalError as exc:
                     log.warning("worker %d: cannot refresh the layout of %r: %s", worker.rank, access.name, exc)

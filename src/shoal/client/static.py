@@ -369,15 +369,17 @@ class StaticAccess(RoutedAccess):
         self._use_layout(reply["owners"], epoch)
 
     def learn_move(self, shard: int, node: int, epoch: int) -> bool:
-        """Route by the move of ``shard`` to ``node`` at ``epoch`` (told by its new owner, which may know
-        it before the rendezvous records it); False while this worker's layout is too old to take it."""
+        """Route by a layout of at least ``epoch``, whose last move took ``shard`` to ``node`` (told by a
+        server that took part in it, which may know it before the rendezvous records it; -1: the
+        rendezvous knows it); False while this worker cannot have that layout yet."""
         if self.layout.epoch >= epoch:
             return True
-        if self.layout.epoch < epoch - 1 and self.worker.now() - self._refreshed_at > _REFRESH_AGAIN_S:
+        told = shard >= 0
+        if (self.layout.epoch < epoch - 1 or not told) and self.worker.now() - self._refreshed_at > _REFRESH_AGAIN_S:
             self.refresh_layout()  # moves are one at a time: the rendezvous has every one before this
         if self.layout.epoch >= epoch:
             return True
-        if self.layout.epoch < epoch - 1:
+        if self.layout.epoch < epoch - 1 or not told:
             return False
         owners = self.layout.owners.copy()
         owners[shard] = node

@@ -224,7 +224,7 @@ class SliceService:
             table.adopt_slice(incoming.store, state.epoch, incoming.subscribers)
             # Pushes for the slice may still be on their way elsewhere, to come here once refused:
             # until each worker confirms, count it only up to its settled clock.
-            self.sync.fence(msg.table, state.epoch, shard)
+            self.sync.fence(msg.table)
             self.sync.adopted(msg.table)
             self.stats["slices_received"] += 1
             log.info("server %d: now serving slice %d of %r", self.node, shard, msg.table)

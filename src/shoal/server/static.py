@@ -83,7 +83,7 @@ class StaticService:
             if msg.op in (Op.PUSH, Op.PUSH_PULL) and "stream" in msg.body:
                 # The worker sends the push again by a fresh layout, and the part for slices still
                 # here comes back here: until then its later clock ticks must not count here.
-                self.sync.refuse_reads(msg.sender, msg.table, table.layout.epoch)
+                self.sync.refuse_reads(msg.sender, msg.table)
             return moved_answer(msg)
         raise ProtocolError(f"static table {msg.table!r} does not serve {msg.op.name}")
 

@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.CLOCK, Op.CONFIRM)
 _FENCE_AGAIN_S = 0.5  # a fenced worker that has not confirmed is told again this often
-_NO_SHARD = -1  # a fence for a refused push: no slice moved here
 
 Send = Callable[[bytes, Message], None]
 
@@ -53,9 +52,9 @@ class Synchroniser:
         self.peers: dict[int, bytes] = {}  # worker rank -> its connection, for eager pushes
         self._rows_seq: Counter[tuple[int, str]] = Counter()  # eager messages sent per (worker, table)
         self._stream = secrets.token_hex(4)  # a restarted server numbers its messages afresh
-        #: per worker and table, the latest fence awaiting its confirmation: (epoch, slice that moved here
-        #: at that epoch, or -1 for a push refused here)
-        self.fences: dict[int, dict[str, tuple[int, int]]] = {}
+        #: per worker and table, the latest fence awaiting its confirmation: the table's epoch here then,
+        #: and the move that brought it there (``ServedTable.last_move``)
+        self.fences: dict[int, dict[str, tuple[int, tuple[int, int] | None]]] = {}
         #: (worker, table): a push of it was refused here and comes back; its reads wait for it
         self.refusing: set[tuple[int, str]] = set()
         self._fence_told: dict[int, float] = {}
@@ -99,29 +98,36 @@ class Synchroniser:
         if served is not None:
             self._push_eagerly(served)
 
-    def fence(self, table: str, epoch: int, shard: int) -> None:
-        """Slice ``shard`` of ``table`` moved here at ``epoch``: a worker may still have pushes for it on
-        their way elsewhere (routed by an older layout), to come here once refused. Count each worker
-        only up to its settled clock until it confirms that it routes by this move and that those
-        pushes landed."""
+    def fence(self, table: str) -> None:
+        """A slice of ``table`` moved here: a worker may still have pushes for it on their way elsewhere
+        (routed by an older layout), to come here once refused. Count each worker only up to its settled
+        clock until it confirms that it routes by this move and that those pushes landed."""
         for worker in range(self.clocks.num_workers):
-            self.fence_worker(worker, table, epoch, shard)
+            self.fence_worker(worker, table)
 
-    def refuse_reads(self, worker: int, table: str, epoch: int) -> None:
+    def refuse_reads(self, worker: int, table: str) -> None:
         """A push of ``worker`` was refused here because part of it moved away; the other part comes
         back here after its later requests. Fence its clock, and refuse its reads of ``table`` (which
         would miss that push) until it confirms: it reads again after sending the push again."""
-        self.fence_worker(worker, table, epoch, _NO_SHARD)
+        self.fence_worker(worker, table)
         if worker in self.fences:
             self.refusing.add((worker, table))
 
-    def fence_worker(self, worker: int, table: str, epoch: int, shard: int) -> None:
-        """Count ``worker`` only up to its settled clock until it confirms ``table`` at ``epoch``."""
+    def fence_worker(self, worker: int, table: str) -> None:
+        """Count ``worker`` only up to its settled clock until it confirms that it routes ``table`` by
+        this server's layout (its epoch now) and that its pushes routed before have landed.
+
+        Every fence names the move behind that epoch, however it came about (a slice taken here,
+        a push refused here): a worker must route by it before it confirms, even when the rendezvous
+        has not recorded it yet. A confirmation without it would send the worker's next pushes for
+        the slice where it was, while this server counted its clocks in full."""
         if not 0 <= worker < self.clocks.num_workers or self.clocks.learned[worker] >= FINISHED:
             return  # not a worker, or it has left, every push of it applied
+        served = self.tables[table]
+        epoch = served.layout.epoch
         held = self.fences.setdefault(worker, {})
         if table not in held or held[table][0] <= epoch:
-            held[table] = (epoch, shard)
+            held[table] = (epoch, served.last_move)
         self.clocks.fence(worker)
         self.stats["fences"] += 1
         if worker in self.peers:
@@ -146,8 +152,9 @@ class Synchroniser:
         if peer is None:
             return
         self._fence_told[worker] = self.now()
-        for table, (epoch, shard) in self.fences.get(worker, {}).items():
-            self.send(peer, bodies.Fence(epoch, shard).to_message(table=table))
+        for table, (epoch, move) in self.fences.get(worker, {}).items():
+            shard, owner = (-1, -1) if move is None else move
+            self.send(peer, bodies.Fence(epoch, shard, owner).to_message(table=table))
 
     def pull(self, table: ServedTable, peer: bytes, msg: Message) -> Message | None:
         """Answer now, or hold the pull (None) until the table's bound allows it.

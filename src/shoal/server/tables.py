@@ -73,6 +73,9 @@ class ServedTable:
         self._owed: dict[int, dict[int, np.ndarray]] = {}
         #: slices being handed to another server: requests for them wait for the move to end
         self.moving: set[int] = set()
+        #: the move that brought ``layout`` to its epoch, as ``(slice, its new owner)``; None when this
+        #: server took no part in it (the table was made at that epoch: the rendezvous knows it)
+        self.last_move: tuple[int, int] | None = None
         #: per slice: bytes in and out, requests, and seconds spent on them, since the last report
         #: (Python lists: every request adds to one, and a numpy element costs more to add to)
         self.load: dict[int, list[float]] = {s: [0.0, 0.0, 0.0] for s in self.stores}
@@ -201,6 +204,8 @@ class ServedTable:
         self._owed.pop(shard, None)
         self.load.pop(shard, None)
         self.moving.discard(shard)
+        if epoch >= self.layout.epoch:  # a move reported late leaves a later one behind the epoch
+            self.last_move = (shard, to)
         self.layout = self.layout.at(_with_owner(self.layout.owners, shard, to), max(epoch, self.layout.epoch))
         store.close()
 
@@ -214,6 +219,8 @@ class ServedTable:
             # resent did not change" vouches for the copies the subscriber holds.
             store.dirty[np.logical_or.reduce(list(subscribers.values()))] = 1
         self.load[store.shard] = [0.0, 0.0, 0.0]
+        if epoch >= self.layout.epoch:
+            self.last_move = (store.shard, self.node)
         self.layout = self.layout.at(_with_owner(self.layout.owners, store.shard, self.node),
                                      max(epoch, self.layout.epoch))
 

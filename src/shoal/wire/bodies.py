@@ -311,12 +311,15 @@ class Drain(Body):
 
 @dataclass(frozen=True)
 class Fence(Body):
-    """A server counts this worker's clock only up to its settled clock until it confirms the move
-    of ``shard`` at ``epoch`` (-1: a push of the worker's that the server refused)."""
+    """A server counts this worker's clock only up to its settled clock until the worker confirms that
+    it routes by a layout of at least ``epoch`` (the server's), and that its pushes routed before
+    have landed. The move that brought the server's layout to ``epoch``: slice ``shard`` to server
+    ``owner`` (-1, -1: one the rendezvous knows)."""
 
     op = Op.FENCE
     epoch: int
     shard: int
+    owner: int
 
 
 @dataclass(frozen=True)
