@@ -469,6 +469,51 @@ def test_a_worker_confirms_a_fence_only_once_it_routes_by_the_move_behind_it():
         np.testing.assert_array_equal(read[0][:, 0], np.full(slice1.shape[0], 3.0))
 
 
+def test_rows_a_server_read_after_refusing_a_push_whose_answer_was_lost_are_not_taken_to_hold_it():
+    """Worker 0 pushes at clock 1 to slices 2 and 3 on server 1, which gave slice 2 away: refused
+    whole, and the answer "moved" is lost. Server 1's next eager message says it had handled that
+    request when it read its rows (``seen``), and the worker, not knowing the push was refused, took
+    the rows to hold it and did not add it back: a read at clock 2 from the cache missed the
+    worker's own clock-1 push (the stress test's last bound violation under message loss). A push
+    handled but not answered may have been applied or refused: its rows are not cached."""
+    armed = threading.Event()
+    lost: list[dict] = []
+
+    def lose_the_first_moved_answer(header: dict) -> bool:
+        if armed.is_set() and header["op"] == int(Op.OK) and "moved" in (header["body"] or {}) and not lost:
+            lost.append(header)
+            return True
+        return False
+
+    with ThreadCluster(nodes=2, transport=ZmqTransport()) as c:
+        pusher = Worker(c.spec, 0, 0, LosingTransport(ZmqTransport(), lose_the_first_moved_answer),
+                        local_access=False)
+        other = Worker(c.spec, 1, 1, ZmqTransport(), local_access=False)
+        c.workers += [pusher, other]
+        t_push, t_other = (w.table("eager", 40, 1, optimizer=shoal.optim.Sum(), slices=4, consistency=shoal.ESSP(1))
+                           for w in (pusher, other))
+        assert t_push.layout.owners.tolist() == [0, 0, 1, 1]
+        keys = np.arange(40)
+        slice3 = t_push.layout.mapping.keys_of(3)
+        ones = np.ones((40, 1), np.float32)
+        for t in (t_push, t_other):
+            t.pull(keys)  # both cache every row, pushed eagerly from now on
+        t_push.push(keys, ones)  # clock 0
+        pusher.advance_clock()
+        other.move_slice("eager", 2, to=0)  # the pusher does not know
+        armed.set()
+        late = t_push.push_async(keys, ones)  # clock 1: server 1 refuses its part, the answer is lost
+        wait_until(lambda: (0, "eager") in c.servers[1].sync.refusing, what="server 1 refusing the push")
+        t_other.push(keys, ones)  # clock 0: slice 3's rows change on server 1
+        other.advance_clock()  # server 1's slowest clock advances: its eager message carries them
+        pusher.advance_clock()
+        read = t_push.pull(slice3)  # clock 2: from the cache
+        late.wait()
+        assert lost, "no answer \"moved\" was lost"
+        # the pusher's clock-0 and clock-1 pushes (its own, at once) and the other worker's clock-0 push
+        np.testing.assert_array_equal(read[:, 0], np.full(slice3.shape[0], 3.0))
+
+
 def _pumped(worker: Worker) -> bool:
     """Let ``worker`` take what came for it (fences to answer, answers to send again); True."""
     worker.tracker.pump(0.01)

@@ -111,6 +111,11 @@ class ProcessCache:
         for server, seq, written, values in self._pending():
             if server != node or seq > seen:  # elsewhere, or after the server read these rows
                 self._reapply(stored, written, values)
+            else:
+                # Handled there before it read these rows, yet not answered (the answer was lost): it
+                # was applied, or refused because a slice of it had moved ("seen" counts both). Which
+                # one is not known here, so its rows are not kept: a later read asks for them.
+                self.rows.drop(written)
 
     def _reapply(self, stored: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
         mask = np.isin(keys, stored)

@@ -268,6 +268,9 @@ class StaticAccess(RoutedAccess):
 
     def _on_reply(self, call: Call, part: Part, keys: np.ndarray, msg: Message) -> None:
         self.worker.streams.answered(part.node, part.seq)
+        # Answered: applied, or refused and queued to go again. The cache must not take it for a push
+        # still awaiting its answer when it keeps the rows of this very reply.
+        self._unacked.pop(part.req, None)
         # A server without the part's slice answers all of it "moved" (sent again by ``client.routed``)
         if not self._take_answer(call, part.positions, keys, part.op, msg) or part.op not in READS:
             return
