@@ -267,6 +267,9 @@ def _check_bounds_while_slices_move(c: ThreadCluster, model: shoal.Consistency, 
                 previous.wait()
             previous = push
         previous.wait()
+        # As a job ends: a worker that has stopped calling Shoal cannot confirm the fences of slices
+        # moving meanwhile, and the others' bounded reads at their new owners would wait for it.
+        workers[rank].barrier()
 
     def train(rank: int) -> None:
         try:
