@@ -16,8 +16,10 @@ from shoal.server.metrics import server_families
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire.ops import Op
 from tests.support.clock import ManualClock
 from tests.support.cluster import ThreadCluster
+from tests.support.losing import LosingTransport
 from tests.support.waiting import wait_until
 
 
@@ -180,6 +182,40 @@ def test_counts_stay_exact_over_a_network_that_loses_repeats_and_reorders_messag
         np.testing.assert_array_equal(t.pull(keys)[:, 0], 80.0, err_msg=f"faults seeded {seed}")
         moved = sum(s.adaptive.stats[k] for s in c.servers for k in ("keys_relocated_here", "replicas_made"))
         assert moved > 0  # (intents go one way, unacknowledged: some are lost, and their moves with them)
+
+
+@pytest.mark.heavy
+def test_counts_stay_exact_when_the_servers_cannot_hear_each_other_for_seconds():
+    """Every placement message between the two servers lost for 2.5 s in the middle of a job of 300
+    clocks (the nodes swapping halves of 200 keys every three clocks), then the link back: once every
+    replica has gone, each key holds every push. On the code before servers probed a silent peer
+    with one message at a time (they sent every unacknowledged one at each turn of the backoff), half
+    the keys (the even or the odd ones) ended 239 pushes short in 8 runs of 11, and 10 of 10 held
+    since; why the probe matters is not understood (it may only make the loss rarer): a heavy test,
+    to be run many times."""
+    cut = threading.Event()
+    lossy = LosingTransport(ZmqTransport(), lambda header: cut.is_set() and header["op"] == int(Op.PLACEMENT))
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=30.0, barrier_s=60.0)
+    keys = np.arange(200)
+    with ThreadCluster(nodes=2, transport=lossy, timeouts=timeouts) as c:
+        def body(w):
+            t = w.table("cut", 400, 1, techniques="auto", sync_ms=5)
+            for clock in range(300):
+                if clock == 60 and w.rank == 0:
+                    cut.set()
+                    threading.Timer(2.5, cut.clear).start()
+                t.intent(keys[(clock // 3 + w.rank) % 2::2], clock + 1, clock + 2)
+                t.push(keys, np.ones((200, 1), np.float32))
+                w.advance_clock()
+                time.sleep(0.01)
+            w.barrier()
+
+        c.run_workers(body)
+        t = c.worker(0).table("cut", 400, 1, techniques="auto", sync_ms=5)
+        wait_until(lambda: sum(s.adaptive.describe()["cut"]["replicas"] for s in c.servers) == 0, timeout=30,
+                   what="every replica's last sync answered")
+        totals = t.pull(keys)[:, 0]
+        np.testing.assert_array_equal(totals, 600.0, err_msg=f"keys short: {np.flatnonzero(totals != 600)[:10]}")
 
 
 def test_a_replica_wanted_again_before_its_last_sync_is_kept():

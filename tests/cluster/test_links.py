@@ -173,3 +173,31 @@ def test_messages_held_behind_ones_the_sender_gave_up_go_on_once_it_says_so():
     # 2 and 3 were given up (base 4): 4 and 5 go on with the next message, even a repeat of one held
     assert links.receive(A, Header(channel, 4, 4, 0, 0), "4") == ["4", "5"]
     assert links.receive(A, Header(channel, 6, 4, 0, 0), "6") == ["6"]
+
+
+def test_a_silent_peer_gets_one_message_a_round_until_it_answers_then_the_rest():
+    """50 messages into a partition: every one is sent again once, then, while nothing of them is
+    acknowledged, only the oldest goes each time its wait runs out (a probe), where every one used to
+    go every time (a long partition sent thousands of copies, all arriving as a burst of repeats once
+    it healed). The probe's acknowledgement brings the rest at once, each arriving once and in order."""
+    net = Network(seed=0)
+    sent = [f"m{i}" for i in range(50)]
+    for payload in sent:
+        net.send(A, payload)
+    net.wire.clear()  # the partition: nothing arrives
+    resent = []
+    for _ in range(100):  # 5 s: the waits double from 0.2 s to the longest
+        before = net.links[A].stats["resent"]
+        net.step(0.05)
+        net.wire.clear()
+        resent.append(net.links[A].stats["resent"] - before)
+    rounds = [n for n in resent if n]
+    assert rounds[0] == 50 and all(n == 1 for n in rounds[1:]) and len(rounds) >= 4, rounds
+    deadline = net.links[A].next_deadline()
+    assert deadline is not None and deadline > net.clock(), "the held-back messages must not wake a loop at once"
+    for _ in range(200):  # healed
+        if not (net.links[A].unacknowledged() or net.wire):
+            break
+        net.step(0.05)
+    assert net.delivered[B] == sent
+    assert net.links[B].stats["repeats_dropped"] <= 50 + len(rounds)

@@ -71,6 +71,19 @@ class _Unacked(Generic[T]):
 class _Outbound(Generic[T]):
     next_seq: int = 1
     unacked: dict[int, _Unacked[T]] = field(default_factory=dict)  # by number, in the order sent
+    acked_at: float = -math.inf  # when an acknowledgement last took messages off ``unacked``
+
+    def waiting(self) -> list[tuple[int, _Unacked[T]]]:
+        """The messages whose waits count now. Once the oldest was sent again and nothing has been
+        acknowledged since, the peer is cut off (or its answers are): only the oldest goes again, a
+        probe, and the rest when it is answered, not every one at every turn of the backoff (copies
+        the receiver would drop, all at once when the link came back)."""
+        if not self.unacked:
+            return []
+        seq, oldest = next(iter(self.unacked.items()))
+        if oldest.tries >= 2 and oldest.sent_at is not None and self.acked_at < oldest.sent_at:
+            return [(seq, oldest)]
+        return list(self.unacked.items())
 
 
 @dataclass
@@ -131,7 +144,7 @@ class Links(Generic[T]):
     def due(self) -> list[tuple[int, int, T]]:
         """``(peer, seq, payload)`` of each message to send again now, in order per peer."""
         now = self.now()
-        return [(peer, seq, u.payload) for peer, out in self._out.items() for seq, u in out.unacked.items()
+        return [(peer, seq, u.payload) for peer, out in self._out.items() for seq, u in out.waiting()
                 if u.due_at() <= now]
 
     def acks_due(self) -> list[int]:
@@ -142,7 +155,7 @@ class Links(Generic[T]):
 
     def next_deadline(self) -> float | None:
         """When ``due`` or ``acks_due`` next has something (None: nothing is waiting)."""
-        times = [u.due_at() for out in self._out.values() for u in out.unacked.values()]
+        times = [u.due_at() for out in self._out.values() for _, u in out.waiting()]
         times += [i.owed_since + ACK_DELAY_S for i in self._in.values() if i.owed_since is not None]
         soonest = min(times, default=math.inf)
         return None if soonest == math.inf else soonest
@@ -194,3 +207,4 @@ class Links(Generic[T]):
             if seq > acked:
                 break
             del out.unacked[seq]
+            out.acked_at = self.now()
