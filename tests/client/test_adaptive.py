@@ -188,11 +188,11 @@ def test_counts_stay_exact_over_a_network_that_loses_repeats_and_reorders_messag
 def test_counts_stay_exact_when_the_servers_cannot_hear_each_other_for_seconds():
     """Every placement message between the two servers lost for 2.5 s in the middle of a job of 300
     clocks (the nodes swapping halves of 200 keys every three clocks), then the link back: once every
-    replica has gone, each key holds every push. On the code before servers probed a silent peer
-    with one message at a time (they sent every unacknowledged one at each turn of the backoff), half
-    the keys (the even or the odd ones) ended 239 pushes short in 8 runs of 11, and 10 of 10 held
-    since; why the probe matters is not understood (it may only make the loss rarer): a heavy test,
-    to be run many times."""
+    replica has gone, each key holds every push. It does not always: half the keys (the even or the
+    odd ones) end 239 pushes short, in 8 runs of 11 before servers probed a silent peer with one
+    message at a time (they sent every unacknowledged one at each turn of the backoff) and in 2 of 38
+    since. The cause is not found; this test fails now and then until it is (a heavy test: run it
+    many times to see it)."""
     cut = threading.Event()
     lossy = LosingTransport(ZmqTransport(), lambda header: cut.is_set() and header["op"] == int(Op.PLACEMENT))
     timeouts = shoal.Timeouts(connect_s=10.0, request_s=30.0, barrier_s=60.0)
