@@ -22,7 +22,7 @@ import zmq
 from shoal import BudgetError, Limits, ReplayError, RoleError, TableSpec
 from shoal.api.errors import AuthError
 from shoal.cluster.replay import PER_STREAM, REPLY_BYTES, new_incarnation
-from shoal.launch.status import runs_dir
+from shoal.launch.user_dir import runs_dir
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire import Codec, Message, Op
 from tests.support.cluster import ThreadCluster

@@ -186,7 +186,7 @@ def test_a_job_without_a_secret_gets_its_own_and_hands_it_over_by_a_private_file
 
 
 def test_a_run_directory_another_user_could_enter_is_refused(tmp_path):
-    from shoal.launch.status import private_runs_dir
+    from shoal.launch.user_dir import private_runs_dir
 
     folder = tmp_path / f"shoal-runs-{os.getuid()}"
     folder.mkdir(mode=0o777)

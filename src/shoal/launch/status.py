@@ -13,38 +13,21 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from shoal.api.config import Limits
-from shoal.api.errors import ClusterError, ConfigError, RequestTimeoutError
+from shoal.api.errors import ClusterError, RequestTimeoutError
 from shoal.api.ids import OBSERVER, RENDEZVOUS
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
+from shoal.launch.user_dir import private_runs_dir, runs_dir
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
-
-
-def runs_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"shoal-runs-{os.getuid()}"
-
-
-def private_runs_dir() -> Path:
-    """``runs_dir``, made if missing; refused unless it is ours and closed to everyone else (another
-    user could have made it first in the shared temporary directory, to read what we put there)."""
-    folder = runs_dir()
-    folder.mkdir(mode=0o700, exist_ok=True)
-    info = folder.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise ConfigError(f"{folder} must be a directory of user {os.getuid()} that no one else may enter; "
-                          "remove it, or set TMPDIR to a private directory")
-    return folder
 
 
 def keep_secret(name: str, secret: bytes) -> Path:
