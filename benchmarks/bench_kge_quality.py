@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -91,16 +92,23 @@ def main() -> None:
                                               "triples_per_s": r["triples_per_s"]})
         print(f"seed {seed}: " + ", ".join(f"{n} {rs[-1]['test_mrr']:.3f}" for n, rs in runs.items()), flush=True)
     # Whole jobs, started as a user starts them, to exit, without evaluations; the processes forked
-    # from the launcher (the default) and fresh interpreters, alternating.
+    # from the launcher (the default), fresh interpreters, and forked from a warm launcher, alternating.
     jobs: dict[str, list[dict[str, float]]] = {}
-    for seed in range(args.seeds):
-        for name, layout in SHOAL:
-            for start in ("forked from the launcher", "fresh interpreters"):
-                jobs.setdefault(f"{name}, {start}", []).append(
-                    whole_job(layout, seed, args.job_epochs, fresh=start == "fresh interpreters"))
-        for name, layout in IN_PLACE:
-            jobs.setdefault(f"{name}, forked from the launcher", []).append(
-                whole_job(layout, seed, args.job_epochs, fresh=False, step=STEP))
+    with tempfile.TemporaryDirectory(prefix="sq", dir="/tmp") as home:  # the warm launcher's, private and short
+        warm = [sys.executable, "-m", "shoal.launch.cli", "warm"]
+        subprocess.run([*warm, "start"], env={**os.environ, "TMPDIR": home}, check=True, capture_output=True)
+        try:
+            for seed in range(args.seeds):
+                for name, layout in SHOAL:
+                    for start, options in STARTS.items():
+                        jobs.setdefault(f"{name}, {start}", []).append(
+                            whole_job(layout, seed, args.job_epochs, options, home))
+                for name, layout in IN_PLACE:
+                    for start in ("forked from the launcher", "forked from a warm launcher"):
+                        jobs.setdefault(f"{name}, {start}", []).append(
+                            whole_job(layout, seed, args.job_epochs, STARTS[start], home, step=STEP))
+        finally:
+            subprocess.run([*warm, "stop"], env={**os.environ, "TMPDIR": home}, capture_output=True)
     data = {"epochs": args.epochs, "seeds": args.seeds, "target": TARGET, "runs": runs, "jobs": jobs, "adapm": ADAPM}
     table_md = report(data)
     print("\n" + table_md)
@@ -108,19 +116,27 @@ def main() -> None:
     plot(data)
 
 
-def whole_job(layout: dict[str, int], seed: int, epochs: float, fresh: bool, step: int | None = None
-              ) -> dict[str, float]:
+#: how a whole job starts: ``shoal run``'s options (the warm launcher's: none, it is used once it runs)
+STARTS = {"forked from the launcher": ["--cold"], "fresh interpreters": ["--cold", "--fresh-interpreters"],
+          "forked from a warm launcher": []}
+
+
+def whole_job(layout: dict[str, int], seed: int, epochs: float, options: list[str], home: str,
+              step: int | None = None) -> dict[str, float]:
     """A ``shoal run`` of the KGE app from start to exit: its wall time and the phases it reports."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         command = [sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", str(layout["nodes"]),
                    "--workers-per-node", str(layout["workers_per_node"]), "--no-prefix",
-                   *(["--fresh-interpreters"] if fresh else []), "--", sys.executable, str(KGE / "train.py"),
+                   *options, "--", sys.executable, str(KGE / "train.py"),
                    "--data", "kinships", "--mode", "auto", "--epochs", str(epochs), "--seed", str(seed),
                    "--out", str(out), *(["--step", str(step)] if step else [])]
         started = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True, timeout=300)
+        done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "TMPDIR": home})
         wall = time.perf_counter() - started
+        if not options and "warm launcher" in done.stderr:
+            raise SystemExit(f"the warm launcher was not used: {done.stderr}")
         r = json.loads(out.read_text())
     return {"epochs": epochs, "wall_s": wall, "training_s": r["seconds"], "test_mrr": r["mrr"],
             "setup_s": r["setup_s"], "report_s": r["report_s"]}
@@ -167,7 +183,8 @@ def report(data: dict[str, Any]) -> str:
                   "loading the data); final report: rank 0 pulling every row and ranking the test triples, the "
                   "servers' statistics; start and stop: the rest (the launcher's start, the processes' imports "
                   "and numba, shutting down). Forked from the launcher: it loads Shoal and numba once (0.5-0.7 s) "
-                  "and forks every process from it; fresh interpreters: each process loads them itself."]
+                  "and forks every process from it; fresh interpreters: each process loads them itself; forked "
+                  "from a warm launcher: `shoal warm start` loaded them once before the first job."]
     return "\n".join(lines)
 
 

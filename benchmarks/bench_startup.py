@@ -5,8 +5,9 @@
 The job is ``shoal run --nodes 2 --workers-per-node 1`` of a script that calls
 ``shoal.init()``, one barrier and ``shutdown()`` (and once more with a first
 table, pushed and pulled, between them), with its processes forked from
-the launcher (the default) and as fresh interpreters (``--fresh-interpreters``),
-alternating. Its workers print when each phase ended (time since the launcher
+the launcher (the default), as fresh interpreters (``--fresh-interpreters``),
+and forked from a warm launcher (``shoal warm start``, run once before the
+rounds; its own start is timed too), alternating. Its workers print when each phase ended (time since the launcher
 started), and the costs every process pays
 are timed alone, each in a fresh interpreter: the interpreter itself, ``import
 shoal`` (which leaves the worker out), the worker's and the server's imports,
@@ -91,12 +92,19 @@ def exit_cost(code: str) -> float:
     return time.time() - float(out)
 
 
-def job(script: Path, fresh: bool, table: bool) -> tuple[float, dict[str, float]]:
-    env = {**os.environ, "BENCH_T0": repr(time.time()), "BENCH_TABLE": "1" if table else ""}
+#: how each contender's job starts: ``shoal run``'s options
+STARTS = {"forked from the launcher": ["--cold"], "fresh interpreters": ["--cold", "--fresh-interpreters"],
+          "forked from a warm launcher": []}
+
+
+def job(script: Path, options: list[str], table: bool, home: str) -> tuple[float, dict[str, float]]:
+    env = {**os.environ, "TMPDIR": home, "BENCH_T0": repr(time.time()), "BENCH_TABLE": "1" if table else ""}
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node",
-                           "1", *(["--fresh-interpreters"] if fresh else []), "--", sys.executable, str(script)],
+                           "1", *options, "--", sys.executable, str(script)],
                           capture_output=True, text=True, env=env, check=True, timeout=120)
+    if not options and "warm launcher" in done.stderr:
+        raise SystemExit(f"the warm launcher was not used: {done.stderr}")
     wall = time.perf_counter() - started
     phases: dict[str, float] = {}
     for line in done.stdout.splitlines() + done.stderr.splitlines():
@@ -112,16 +120,23 @@ def main() -> None:
     args = parser.parse_args()
     costs = {name: statistics.median(alone(code) for _ in range(args.runs)) for name, code in ALONE.items()}
     costs |= {name: statistics.median(exit_cost(code) for _ in range(args.runs)) for name, code in EXIT.items()}
-    starts = {"forked from the launcher": False, "fresh interpreters": True}
+    starts = STARTS
     kinds = {"the trivial 2-node job": False, "the same with a first table": True}
     runs: dict[str, dict[str, list[tuple[float, dict[str, float]]]]] = {k: {n: [] for n in starts} for k in kinds}
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "trivial.py"
+    with tempfile.TemporaryDirectory(prefix="sb", dir="/tmp") as home:  # the warm launcher's, private and short
+        script = Path(home) / "trivial.py"
         script.write_text(WORKER)
-        for _ in range(args.runs):  # alternating
-            for kind, with_table in kinds.items():
-                for name, fresh in starts.items():
-                    runs[kind][name].append(job(script, fresh, with_table))
+        shoal = [sys.executable, "-m", "shoal.launch.cli", "warm"]
+        began = time.perf_counter()
+        subprocess.run([*shoal, "start"], env={**os.environ, "TMPDIR": home}, check=True, capture_output=True)
+        costs["the warm launcher's start, once (`shoal warm start`)"] = time.perf_counter() - began
+        try:
+            for _ in range(args.runs):  # alternating
+                for kind, with_table in kinds.items():
+                    for name, options in starts.items():
+                        runs[kind][name].append(job(script, options, with_table, home))
+        finally:
+            subprocess.run([*shoal, "stop"], env={**os.environ, "TMPDIR": home}, capture_output=True)
     wall = {k: {n: statistics.median(w for w, _ in rs) for n, rs in by.items()} for k, by in runs.items()}
     phases = {k: {n: {p: statistics.median(ph[p] for _, ph in rs) for p in rs[0][1]} for n, rs in by.items()}
               for k, by in runs.items()}
@@ -129,7 +144,7 @@ def main() -> None:
     lines = []
     for kind in kinds:
         lines += [f"| {kind} (median), s since the launcher started | " + " | ".join(starts) + " |",
-                  "|---|---:|---:|"]
+                  "|---|" + "---:|" * len(starts)]
         lines += [f"| workers: {p} | " + " | ".join(f"{phases[kind][n][p]:.2f}" for n in starts) + " |"
                   for p in phases[kind]["fresh interpreters"]]
         lines += ["| **launcher exited** | " + " | ".join(f"**{wall[kind][n]:.2f}**" for n in starts) + " |", ""]
@@ -141,8 +156,9 @@ def main() -> None:
                  f"{os.cpu_count()} cores the four processes' imports overlap only two at a time, and numba loads "
                  "in each where it is first needed (a job's first table). Forked from the launcher (`shoal run`'s "
                  "default), the processes start with all of it loaded once: the launcher's preload is the cost, "
-                 "paid before the processes start, once per job. prometheus_client loads at a process's first "
-                 "scrape either way.")
+                 "paid before the processes start, once per job. Forked from a warm launcher (`shoal warm start`, "
+                 "then `shoal run` as before), that cost is paid once for every job that follows. "
+                 "prometheus_client loads at a process's first scrape either way.")
     table = "\n".join(lines)
     print("\n" + table)
     write_results("startup", {"runs": args.runs, "wall_s": wall, "phases_s": phases, "alone_s": costs}, table)
