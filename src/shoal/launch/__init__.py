@@ -10,6 +10,7 @@
 - ``server_main``: entry point of a server process
 - ``lifecycle``: children die with their launcher
 - ``forked``: job processes forked from a launcher that loaded Shoal once
-- ``warm``: ``shoal warm``, a launcher kept loaded that forks each ``shoal run``
+- ``warm``: ``shoal warm`` and ``shoal run``'s side of a warm launcher (a launcher kept loaded that forks each job)
+- ``warm_server``: the warm launcher itself
 - ``user_dir``: the per-user private directory of run files, secrets and the warm launcher's socket
 """

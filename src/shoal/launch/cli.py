@@ -153,7 +153,11 @@ def _status(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "warm":
-        return warm.command(args.action, args.idle_minutes, main)
+        if args.action == "serve":
+            from shoal.launch.warm_server import serve
+
+            return serve(args.idle_minutes, main)
+        return warm.command(args.action, args.idle_minutes)
     from shoal.launch.env import read_secret
     from shoal.launch.lifecycle import keep_startup_objects
     from shoal.launch.local import LaunchOptions, LocalCluster
