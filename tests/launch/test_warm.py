@@ -231,3 +231,39 @@ def test_a_warm_launcher_of_another_user_is_never_used(home: Path, script: Path)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         listener.close()
+
+
+def test_jobs_run_side_by_side_on_one_warm_launcher(home: Path, warm: int, script: Path) -> None:
+    procs = [_run(home, script, "end", X=f"job{i}") for i in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for i, (proc, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        ranks = _ranks(out)
+        assert proc.returncode == 3 and sorted(ranks) == [0, 1], out + err
+        assert {seen["X"] for seen in ranks.values()} == {f"job{i}"}
+        assert {seen["above"] for seen in ranks.values()} == {str(warm)}
+    assert "2 served" in _shoal(home, "warm", "status").stdout
+
+
+def test_a_killed_warm_launcher_ends_its_jobs_and_leaves_nothing_in_the_way(home: Path, warm: int,
+                                                                             script: Path) -> None:
+    proc = _run(home, script, "sleep")
+    assert proc.stdout is not None
+    lines = ""
+    deadline = time.monotonic() + 60
+    while len(_ranks(lines)) < 2:
+        assert time.monotonic() < deadline, lines
+        lines += proc.stdout.readline()
+    workers = [int(seen["pid"]) for seen in _ranks(lines).values()]
+    os.kill(warm, signal.SIGKILL)
+    try:
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert code == 1 and "the warm launcher ended before the job did" in (proc.stderr.read() if proc.stderr else "")
+    _wait_gone(workers)
+    cold = _run(home, script, "end")  # its socket is left behind: refused, so this job starts here
+    out, err = cold.communicate(timeout=120)
+    assert cold.returncode == 3 and sorted(_ranks(out)) == [0, 1] and "warm launcher" not in err, out + err
+    again = _shoal(home, "warm", "start", "--idle-minutes", "5")
+    assert again.returncode == 0 and "ready" in again.stdout, again.stdout + again.stderr
+    _shoal(home, "warm", "stop")
