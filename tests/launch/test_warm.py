@@ -267,3 +267,18 @@ def test_a_killed_warm_launcher_ends_its_jobs_and_leaves_nothing_in_the_way(home
     again = _shoal(home, "warm", "start", "--idle-minutes", "5")
     assert again.returncode == 0 and "ready" in again.stdout, again.stdout + again.stderr
     _shoal(home, "warm", "stop")
+
+
+def test_a_warm_launcher_whose_sources_changed_refuses_the_job_and_stops(home: Path, warm: int,
+                                                                         script: Path) -> None:
+    source = Path(__file__).resolve().parents[2] / "src" / "shoal" / "launch" / "user_dir.py"
+    before = source.stat()
+    os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))  # as an edit would
+    try:
+        proc = _run(home, script, "end")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert proc.returncode == 3 and sorted(_ranks(out)) == [0, 1], out + err  # started here instead
+    assert "Shoal's source files changed since it started; it stops" in err, err
+    _wait_gone([warm])

@@ -140,11 +140,16 @@ class _WarmLauncher:
             for fd in fds:
                 os.close(fd)
 
-    def _answer(self, conn: socket.socket, message: dict[str, Any]) -> None:
-        if message.get("stop"):
+    def _stop(self) -> None:
+        """Take no new job; exit once the running ones end."""
+        if not self.stopping:
             self.stopping = True
             self.selector.unregister(self.listener)
             self.path.unlink(missing_ok=True)  # no new job reaches it
+
+    def _answer(self, conn: socket.socket, message: dict[str, Any]) -> None:
+        if message.get("stop"):
+            self._stop()
         jobs = sum(c.pid is not None for c in self.clients.values())
         send(conn, {"pid": os.getpid(), "up_s": time.monotonic() - self.started, "jobs": jobs, "served": self.served})
         conn.close()
@@ -154,6 +159,10 @@ class _WarmLauncher:
         if difference is None and len(fds) != 3:
             difference = "the standard streams did not come"
         if difference is not None:
+            stale = (request.get("fingerprint") or {}).get("sources") != self.fingerprint["sources"]
+            if stale:  # the caller just read the files: this process runs code that is no longer there
+                self._stop()
+                difference += "; it stops (`shoal warm start` starts one on the new code)"
             send(client.conn, {"refused": difference})
             client.conn.close()
             return
