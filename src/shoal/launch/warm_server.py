@@ -92,7 +92,9 @@ class _WarmLauncher:
                 elif isinstance(key.data, _Client) and key.fd == key.data.pidfd:
                     self._ended(key.data)
                 else:
-                    self._read(self.clients[key.fileobj])  # type: ignore[index]
+                    client = self.clients.get(key.fileobj)  # type: ignore[call-overload]
+                    if client is not None and client.conn.fileno() >= 0:  # its job's end, in this batch, closes it
+                        self._read(client)
             now = time.monotonic()
             for c in jobs:
                 if c.kill_at is not None and now >= c.kill_at and c.pid is not None:
@@ -119,6 +121,7 @@ class _WarmLauncher:
             return
         conn.settimeout(REQUEST_TIMEOUT_S)
         client = _Client(conn)
+        fds: list[int] = []
         try:
             data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
             messages = client.lines.feed(data)
@@ -126,6 +129,8 @@ class _WarmLauncher:
                 data = conn.recv(65536)
                 messages = client.lines.feed(data)
         except (OSError, ValueError):
+            for fd in fds:
+                os.close(fd)
             conn.close()
             return
         try:
