@@ -151,10 +151,10 @@ def test_a_warm_launcher_started_under_other_settings_is_not_used(home: Path, wa
 
 
 def test_once_stopped_or_idle_a_warm_launcher_exits_and_jobs_start_cold(home: Path, script: Path) -> None:
-    started = _shoal(home, "warm", "start", "--idle-minutes", "0.01")
+    started = _shoal(home, "warm", "start", "--idle-minutes", "0.05")  # long enough to be seen ready when busy
     assert started.returncode == 0, started.stdout + started.stderr
     idle = int(re.search(r"launcher (\d+)", started.stdout).group(1))  # type: ignore[union-attr]
-    _wait_gone([idle])  # 0.6 s without a job
+    _wait_gone([idle])  # 3 s without a job
     started = _shoal(home, "warm", "start")
     stopping = int(re.search(r"launcher (\d+)", started.stdout).group(1))  # type: ignore[union-attr]
     assert "stops once its 0 job(s) end" in _shoal(home, "warm", "stop").stdout
