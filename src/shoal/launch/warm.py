@@ -46,7 +46,8 @@ _PACKAGE = Path(__file__).resolve().parents[1]  # Shoal's own source folder
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Read by libraries as they are imported (once, in the warm launcher): a run that sets them otherwise
 # would get what the warm launcher loaded under its own.
-_IMPORT_TIME_PREFIXES = ("NUMBA_", "OMP_", "OPENBLAS_", "MKL_", "PYTHON", "LD_", "TMPDIR")
+_IMPORT_TIME_PREFIXES = ("NUMBA_", "NUMPY_", "OMP_", "KMP_", "GOMP_", "OPENBLAS_", "MKL_", "BLIS_", "VECLIB_",
+                         "PYTHON", "LD_", "TMPDIR")
 _REQUEST_LIMIT = 1 << 22  # an environment and arguments: a few KB; anything near this is broken
 REQUEST_TIMEOUT_S = 5.0  # a client that connected sends its request at once
 _READY_TIMEOUT_S = 60.0  # numba's first compilation on a fresh install can take this long
