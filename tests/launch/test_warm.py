@@ -150,6 +150,20 @@ def test_a_warm_launcher_started_under_other_settings_is_not_used(home: Path, wa
     assert "0 served" in _shoal(home, "warm", "status").stdout
 
 
+def test_a_warm_launcher_running_under_other_interpreter_options_is_not_used(home: Path, warm: int,
+                                                                            script: Path) -> None:
+    """``python -O -W error -m shoal.launch.cli run ...``: a job forked from the warm launcher (started
+    without them) would keep its asserts and its warnings as they were."""
+    proc = subprocess.Popen([sys.executable, "-O", "-W", "error", "-m", "shoal.launch.cli", "run", "--nodes", "2",
+                             "--", sys.executable, str(script), "end"], env=_env(home), cwd=script.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out + err
+    assert "not using the warm launcher: it runs under other interpreter options: -W, sys.flags.optimize" in err
+    assert {seen["above"] for seen in _ranks(out).values()} != {str(warm)}
+    assert "0 served" in _shoal(home, "warm", "status").stdout
+
+
 def test_once_stopped_or_idle_a_warm_launcher_exits_and_jobs_start_cold(home: Path, script: Path) -> None:
     started = _shoal(home, "warm", "start", "--idle-minutes", "0.05")  # long enough to be seen ready when busy
     assert started.returncode == 0, started.stdout + started.stderr

@@ -74,8 +74,21 @@ def fingerprint() -> dict[str, Any]:
         "interpreter": f"{os.path.realpath(sys.executable)} {sys.version}",
         "path": sys.path[1:],  # [0] is the script's folder (the warm launcher's is its module's)
         "sources": sources.hexdigest(),
+        "options": interpreter_options(),
         "environment": {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_PREFIXES)},
     }
+
+
+def interpreter_options() -> dict[str, Any]:
+    """The command-line options this interpreter runs under (``-O``, ``-X dev``, ``-W error``, ``-B``,
+    ...), by name: a forked launcher keeps the warm one's, so a job started cold under others would
+    run otherwise (its asserts, its warnings, its dev-mode checks)."""
+    flags = dict(zip(sys.flags.__match_args__, sys.flags, strict=True))
+    flags.pop("quiet", None)  # the banner of an interactive interpreter: no job sees it
+    options: dict[str, Any] = {f"-X {name}": value for name, value in sorted(sys._xoptions.items())}
+    options.update({f"sys.flags.{name}": value for name, value in flags.items()})
+    options["-W"] = list(sys.warnoptions)
+    return options
 
 
 def what_differs(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
@@ -85,9 +98,13 @@ def what_differs(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     for part, label in labels.items():
         if ours.get(part) != theirs.get(part):
             return label
-    env, other = ours.get("environment", {}), theirs.get("environment", {})
-    names = sorted(k for k in set(env) | set(other) if env.get(k) != other.get(k))
-    return f"it was started with other values of {', '.join(names)}" if names else None
+    for part, label in (("options", "it runs under other interpreter options: {}"),
+                        ("environment", "it was started with other values of {}")):
+        mine, other = ours.get(part, {}), theirs.get(part, {})
+        names = sorted(k for k in set(mine) | set(other) if mine.get(k) != other.get(k))
+        if names:
+            return label.format(", ".join(names))
+    return None
 
 
 def peer_is_us(conn: socket.socket) -> bool:
