@@ -201,3 +201,29 @@ def test_a_silent_peer_gets_one_message_a_round_until_it_answers_then_the_rest()
         net.step(0.05)
     assert net.delivered[B] == sent
     assert net.links[B].stats["repeats_dropped"] <= 50 + len(rounds)
+
+
+def test_a_message_lost_before_others_goes_again_once_the_receiver_reports_the_gap_not_after_the_timeout():
+    """Placement traffic runs every few milliseconds: a lost state or sync is seen missing as soon as
+    the next message arrives, and its rows must not wait ``RESEND_S`` (and the acknowledgement delay)
+    for it; at most one extra copy goes per report."""
+    clock = ManualClock()
+    began = clock()
+    sender, receiver = Links[str](clock), Links[str](clock)
+    first = sender.add(B, "state")
+    sender.header(B, first)  # lost on the way
+    clock.advance(0.005)
+    second = sender.add(B, "sync")
+    assert receiver.receive(A, sender.header(B, second), "sync") == []  # held: "state" comes first
+    assert receiver.acks_due() == [A]  # the gap is reported at once, not after ACK_DELAY_S
+    report = receiver.header(A, 0)
+    assert report.acked == 0 and report.held == second
+    sender.receive(B, report, None)  # type: ignore[arg-type]
+    assert sender.due() == [(B, first, "state")]  # long before RESEND_S
+    resent = sender.header(B, first)
+    assert sender.due() == []
+    sender.receive(B, report, None)  # type: ignore[arg-type]  # the same report again: that copy is on its way
+    assert sender.due() == []
+    assert receiver.receive(A, resent, "state") == ["state", "sync"]
+    assert receiver.header(A, 0).held == 0
+    assert clock() - began < RESEND_S

@@ -248,6 +248,34 @@ def test_an_unanswered_request_is_sent_again_by_the_trackers_clock_then_twice_as
         transport.close()
 
 
+def test_a_lost_request_is_sent_again_when_its_timeout_ends_not_at_the_next_look_on_a_grid():
+    """Resends were looked for every 50 ms: a request made just after a look and due just before the
+    next waited up to 50 ms more than its timeout (under 5% loss, an adaptive job at a third of its
+    speed)."""
+    clock = ManualClock()
+    transport = ZmqTransport()
+    listener = transport.listen("tcp://127.0.0.1:0")  # reads, never answers
+    tracker = RequestTracker(transport, Codec(Limits()), sender=0, resend_s=1.0, now=clock)
+    tracker.connect(1, listener.address)
+    try:
+        tracker.round_trips[1] = RoundTrip()
+        for _ in range(10):
+            tracker.round_trips[1].observe(0.001)  # answered at once so far: due after RESEND_MIN_S
+        tracker.pump(0)
+        clock.advance(0.01)
+        tracker.request(1, Message(Op.PING), lambda _: None)
+        clock.advance(RESEND_MIN_S - 0.001)
+        tracker.pump(0)
+        assert tracker.resent == 0
+        clock.advance(0.002)
+        tracker.pump(0)
+        assert tracker.resent == 1
+    finally:
+        tracker.close()
+        listener.close()
+        transport.close()
+
+
 def test_a_large_read_is_not_sent_again_while_its_reply_could_still_be_arriving():
     transport = ZmqTransport()
     listener = transport.listen("tcp://127.0.0.1:0")

@@ -12,10 +12,14 @@ unacknowledged; a receiver passes them on in the order sent, once each.
 
 Acknowledgements are cumulative and ride on the messages going the other way
 (placement traffic runs both ways every sync period); one goes alone only after
-``ACK_DELAY_S`` without any. Unlike requests (``cluster.requests``), nothing is
-answered: the traffic is a stream of events, and an answer to each would double
-it. Pure bookkeeping: the caller sends, with the ``Header`` asked for here, and
-hands over what arrives; time is injected.
+``ACK_DELAY_S`` without any. A gap goes at once: a receiver holding messages that
+arrived after a missing one says so (``held``), and the sender sends the missing
+one again then, not after ``RESEND_S`` (with traffic every few milliseconds, a
+lost message is seen missing at the next one; its rows waited 0.2 s and more).
+Unlike requests (``cluster.requests``), nothing is answered: the traffic is a
+stream of events, and an answer to each would double it. Pure bookkeeping: the
+caller sends, with the ``Header`` asked for here, and hands over what arrives;
+time is injected.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ ACK_DELAY_S = 0.05
 #: a message unacknowledged this long after it was sent goes again; the wait doubles with each try
 RESEND_S = 0.2
 RESEND_MAX_S = 4.0
+#: a message the receiver reports missing goes again at once, unless a copy went this recently
+MISSING_RESEND_S = 0.002
 #: messages held per peer while an earlier one is missing; later ones are dropped (and come again)
 MAX_HELD = 1024
 #: messages kept per peer until acknowledged: past this the peer is gone or stuck for minutes (a few
@@ -46,13 +52,15 @@ class Header:
     named afresh by each process) and the message's number in it (0: an acknowledgement alone), the
     lowest number of it not yet acknowledged (``base``: where a receiver that never heard the channel
     starts), and, of the receiver's channel ``acks``, every message up to ``acked`` arrived (``acks``
-    0: nothing heard of it yet)."""
+    0: nothing heard of it yet) and so did ``held`` (0: none past ``acked``), so the ones between
+    are missing."""
 
     channel: int
     seq: int
     base: int
     acks: int
     acked: int
+    held: int = 0
 
 
 @dataclass
@@ -60,10 +68,13 @@ class _Unacked(Generic[T]):
     payload: T
     sent_at: float | None = None  # None: not sent yet (the peer's address is not known)
     tries: int = 0
+    missing: bool = False  # the receiver reported it missing since it was last sent
 
     def due_at(self) -> float:
         if self.sent_at is None:
             return math.inf
+        if self.missing:
+            return self.sent_at
         return self.sent_at + min(RESEND_S * 2 ** max(self.tries - 1, 0), RESEND_MAX_S)
 
 
@@ -127,6 +138,7 @@ class Links(Generic[T]):
             unacked = out.unacked[seq]
             unacked.sent_at = self.now()
             unacked.tries += 1
+            unacked.missing = False
             if unacked.tries > 1:
                 self.stats["resent"] += 1
         base = next(iter(out.unacked), out.next_seq) if out is not None else 1
@@ -134,7 +146,7 @@ class Links(Generic[T]):
         if inbound is None:
             return Header(self.channel, seq, base, 0, 0)
         inbound.owed_since = None
-        return Header(self.channel, seq, base, inbound.channel, inbound.expected - 1)
+        return Header(self.channel, seq, base, inbound.channel, inbound.expected - 1, max(inbound.held, default=0))
 
     def unsent(self, peer: int) -> list[tuple[int, T]]:
         """Messages for ``peer`` never sent (its address was not known), in order."""
@@ -170,7 +182,7 @@ class Links(Generic[T]):
     def receive(self, peer: int, header: Header, payload: T) -> list[T]:
         """Take what ``peer`` sent under ``header``: the messages now ready, in the order sent (none for
         a repeat, for one that arrived before an earlier one, or for an acknowledgement alone)."""
-        self._acknowledged(peer, header.acks, header.acked)
+        self._acknowledged(peer, header)
         if not header.seq:
             return []
         inbound = self._in.get(peer)
@@ -190,6 +202,7 @@ class Links(Generic[T]):
             else:
                 inbound.held[header.seq] = payload
                 self.stats["held_out_of_order"] += 1
+            inbound.owed_since = self.now() - ACK_DELAY_S  # a gap: the sender hears of it at once
         else:
             ready.append(payload)
             inbound.expected += 1
@@ -198,13 +211,20 @@ class Links(Generic[T]):
             inbound.expected += 1
         return ready
 
-    def _acknowledged(self, peer: int, acks: int, acked: int) -> None:
+    def _acknowledged(self, peer: int, header: Header) -> None:
         out = self._out.get(peer)
-        if out is None or acks != self.channel:  # about an earlier process of ours: nothing kept of it
+        if out is None or header.acks != self.channel:  # about an earlier process of ours: nothing kept of it
             return
         while out.unacked:
             seq = next(iter(out.unacked))
-            if seq > acked:
+            if seq > header.acked:
                 break
             del out.unacked[seq]
             out.acked_at = self.now()
+        if header.held > header.acked:  # the ones between are missing (or the copy sent just now is on its way)
+            now = self.now()
+            for seq, unacked in out.unacked.items():
+                if seq >= header.held:
+                    break
+                if unacked.sent_at is not None and now - unacked.sent_at >= MISSING_RESEND_S:
+                    unacked.missing = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -46,6 +47,7 @@ RESEND_MIN_S = 0.05  # never sooner: a reply slowed by a busy peer must not look
 #: still on its way would otherwise be served again
 RESEND_BYTES_PER_S = 50e6
 RESEND_MAX_S = 8.0
+#: how long a wait goes without looking at anything but its replies (a resend falls due sooner: then)
 RESEND_CHECK_S = 0.05
 ReplyHandler = Callable[[Message], None]
 
@@ -129,7 +131,7 @@ class RequestTracker:
         #: None: never (for peers that do not recognise repeats)
         self.resend_s = resend_s
         self.round_trips: dict[int, RoundTrip] = {}
-        self._next_resend_check = 0.0
+        self._next_resend_at = math.inf  # the soonest a request in flight is due to be sent again
         #: called with (peer, message) for messages that answer no request (server pushes)
         self.on_unsolicited: Callable[[int, Message], None] | None = None
         #: called after each round of received messages, outside any reply handler, never nested: work
@@ -206,6 +208,7 @@ class RequestTracker:
                                seq=stream[1] if (stream := msg.body.get("stream")) else None)
             if self.resend_s is not None:
                 pending.frames, pending.resend_at = frames, now + self._resend_after(pending)
+                self._next_resend_at = min(self._next_resend_at, pending.resend_at)
             self._pending[req] = pending
             self.sent[op] += 1
             self.bytes_sent += size
@@ -276,7 +279,7 @@ class RequestTracker:
                 peers = {self._pending[r].peer for r in awaited() if r in self._pending}
                 # Wake at least every resend check: a lost request is sent again while we wait.
                 if len(peers) == 1:
-                    if self._receive_from(peers.pop(), min(remaining, RESEND_CHECK_S)):
+                    if self._receive_from(peers.pop(), min(remaining, self._until_resend())):
                         self._resend_due()
                         self._run_after_receive()
                     else:  # a long wait also hears the other peers (a fence, rows pushed eagerly)
@@ -286,7 +289,7 @@ class RequestTracker:
                     self.pump(0)
                 else:
                     idle = False
-                    self.pump(min(remaining, RESEND_CHECK_S))
+                    self.pump(min(remaining, self._until_resend()))
 
     def _receive_from(self, peer: int, timeout: float) -> int:
         """Wait on one peer's connection only: cheaper than polling them all. Returns the messages handled."""
@@ -423,24 +426,35 @@ class RequestTracker:
         finally:
             self._in_after_receive = False
 
+    def _until_resend(self) -> float:
+        """Seconds a wait may go before a request falls due to be sent again (at most ``RESEND_CHECK_S``)."""
+        return min(RESEND_CHECK_S, max(self._next_resend_at - self.now(), 0.0005))
+
     def _resend_due(self) -> None:
         """Send again the requests whose reply is overdue: a message lost on the way (or a peer that
-        restarted) costs a delay, not the request. Checked at most every ``RESEND_CHECK_S``."""
+        restarted) costs a delay, not the request. Looked at when the soonest falls due, not on a
+        grid: a lost request cost its timeout and up to ``RESEND_CHECK_S`` more."""
         now = self.now()
-        if self.resend_s is None or now < self._next_resend_check:
+        if self.resend_s is None or now < self._next_resend_at:
             return
-        self._next_resend_check = now + RESEND_CHECK_S
+        soonest = math.inf
         for req, pending in list(self._pending.items()):
-            if pending.resend_at > now or pending.frames is None:
+            if pending.frames is None:
+                continue
+            if pending.resend_at > now:
+                soonest = min(soonest, pending.resend_at)
                 continue
             conn = self._conns.get(pending.peer)
             if conn is None or not conn.send(pending.frames, block=False):
-                continue  # gone, or its queue is full: the next check tries again
+                soonest = min(soonest, now + RESEND_CHECK_S)  # gone, or its queue is full: tried again later
+                continue
             pending.resends += 1
             pending.resend_at = now + min(self._resend_after(pending) * 2 ** pending.resends, RESEND_MAX_S)
+            soonest = min(soonest, pending.resend_at)
             self.resent += 1
             log.debug("resent %s (request %d) to peer %s, time %d", pending.what, req, pending.peer,
                       pending.resends)
+        self._next_resend_at = soonest
 
     def _resend_after(self, pending: _Pending) -> float:
         assert self.resend_s is not None

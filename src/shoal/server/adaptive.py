@@ -166,10 +166,11 @@ class AdaptiveService:
         for table in tables_of(msg.body, msg.table):  # one not built here yet: refused unseen, it comes again
             self._machine(table)
         body = bodies.Placement.of(msg)
-        if body.seq < 0 or body.base < 1 or body.acked < 0:
+        held = body.held or 0
+        if body.seq < 0 or body.base < 1 or body.acked < 0 or held < 0:
             raise ProtocolError(f"placement message from server {sender} with a bad channel header: seq "
-                                f"{body.seq}, base {body.base}, acked {body.acked}")
-        header = Header(body.channel, body.seq, body.base, body.acks, body.acked)
+                                f"{body.seq}, base {body.base}, acked {body.acked}, held {held}")
+        header = Header(body.channel, body.seq, body.base, body.acks, body.acked, held)
         failure: ShoalError | None = None
         for ready in self.links.receive(sender, header, msg):
             try:
@@ -237,6 +238,10 @@ class AdaptiveService:
         header = self.links.header(node, seq)
         msg.body.update(channel=header.channel, seq=header.seq, base=header.base, acks=header.acks,
                         acked=header.acked)
+        if header.held:
+            msg.body["held"] = header.held
+        else:
+            msg.body.pop("held", None)  # a copy sent again once the gap it reported has closed
         self.peers.tracker.notify(node, msg, block=block)
 
     def _acknowledge(self, node: int) -> None:

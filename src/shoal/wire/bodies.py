@@ -267,6 +267,7 @@ class Placement(Body):
     base: int
     acks: int
     acked: int
+    held: int | None = None
 
 
 # -------------------------------------------------------------- slices
