@@ -432,8 +432,8 @@ class RequestTracker:
 
     def _resend_due(self) -> None:
         """Send again the requests whose reply is overdue: a message lost on the way (or a peer that
-        restarted) costs a delay, not the request. Looked at when the soonest falls due, not on a
-        grid: a lost request cost its timeout and up to ``RESEND_CHECK_S`` more."""
+        restarted) costs a delay, not the request. Looked at when the soonest falls due (looked at
+        on a grid of ``RESEND_CHECK_S``, a lost request waited up to that long past its timeout)."""
         now = self.now()
         if self.resend_s is None or now < self._next_resend_at:
             return

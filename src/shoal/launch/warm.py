@@ -81,8 +81,8 @@ def fingerprint() -> dict[str, Any]:
 
 def interpreter_options() -> dict[str, Any]:
     """The command-line options this interpreter runs under (``-O``, ``-X dev``, ``-W error``, ``-B``,
-    ...), by name: a forked launcher keeps the warm one's, so a job started cold under others would
-    run otherwise (its asserts, its warnings, its dev-mode checks)."""
+    ...), by name: a job forked from the warm launcher runs under the warm launcher's, where one
+    started cold runs under its caller's (its asserts, its warnings, its dev-mode checks)."""
     flags = dict(zip(sys.flags.__match_args__, sys.flags, strict=True))
     flags.pop("quiet", None)  # the banner of an interactive interpreter: no job sees it
     options: dict[str, Any] = {f"-X {name}": value for name, value in sorted(sys._xoptions.items())}
