@@ -1,6 +1,10 @@
 """When a worker whose tables are all ASP tells servers its clock (``client.ticks``)."""
 
+import numpy as np
+
 from shoal.client.ticks import TICK_EVERY_S, TICK_QUIET_S, TickSchedule
+
+KEYS = np.arange(5, dtype=np.int64)
 
 
 def clocked(every_s: float, clocks: int) -> tuple[TickSchedule, float]:
@@ -25,7 +29,7 @@ def test_without_intents_ticks_are_spaced_by_the_quiet_period():
 def test_near_an_intent_boundary_a_tick_goes_once_the_short_spacing_allows():
     ticks, now = clocked(0.001, 5)  # 1 ms a clock: the lead is 5 ms of clocks and two more
     ticks.ticked(5, now)
-    ticks.note_intents([(30, 40)])
+    ticks.note_intents([("t", KEYS, 30, 40)])
     assert ticks.lead() == 7
     assert not ticks.due(22, now + 0.017)  # 30 is more than the lead away
     assert not ticks.due(23, now + 0.001)  # within the lead, but the short spacing has not passed
@@ -38,7 +42,7 @@ def test_near_an_intent_boundary_a_tick_goes_once_the_short_spacing_allows():
 def test_slower_clocks_shorten_the_lead_and_a_boundary_passed_unticked_is_dropped_at_the_next_tick():
     ticks, now = clocked(0.01, 5)
     assert ticks.lead() == 3  # 5 ms is under one clock
-    ticks.note_intents([(10, 12)])
+    ticks.note_intents([("t", KEYS, 10, 12)])
     ticks.ticked(20, now)
     assert not ticks.due(21, now + TICK_EVERY_S)  # nothing ahead any more
     assert ticks.lead() == 3
@@ -46,7 +50,7 @@ def test_slower_clocks_shorten_the_lead_and_a_boundary_passed_unticked_is_droppe
 
 def test_before_any_clock_is_timed_the_lead_is_the_narrowest():
     ticks = TickSchedule()
-    ticks.note_intents([(50, 60)])
+    ticks.note_intents([("t", KEYS, 50, 60)])
     ticks.ticked(1, 0.0)  # the first tick does not serve an intent 49 clocks away
     assert ticks.due(48, TICK_EVERY_S)
 
@@ -54,7 +58,7 @@ def test_before_any_clock_is_timed_the_lead_is_the_narrowest():
 def test_ticks_for_intents_go_to_the_nodes_server_and_every_server_hears_once_the_quiet_period_is_over():
     ticks, now = clocked(0.001, 5)
     ticks.ticked(5, now)
-    ticks.note_intents([(10, 11), (20, 21)])
+    ticks.note_intents([("t", KEYS, 10, 11), ("t", KEYS, 20, 21)])
     later = now + TICK_EVERY_S * 1.1
     assert ticks.due(6, later) and not ticks.everywhere(later)  # 10 is within the lead of 7 clocks
     ticks.ticked(6, later, everywhere=False)  # the node's server alone
@@ -62,3 +66,44 @@ def test_ticks_for_intents_go_to_the_nodes_server_and_every_server_hears_once_th
     assert ticks.due(14, later + TICK_EVERY_S * 1.1)  # the next boundary, 20, is near
     # The node's ticks leave the quiet period counted from the last tick to every server.
     assert not ticks.everywhere(now + TICK_QUIET_S * 0.9) and ticks.everywhere(now + TICK_QUIET_S * 1.01)
+
+
+def test_where_an_intent_hands_its_keys_on_to_the_next_on_the_same_table_no_tick_is_needed():
+    # An app declaring an epoch's rows epoch by epoch: the server keeps them throughout, so only the
+    # first start and the last end are boundaries.
+    ticks, now = clocked(0.001, 5)  # a lead of 7 clocks
+    ticks.ticked(0, now)
+    epoch_rows = np.arange(100, dtype=np.int64)
+    ticks.note_intents([("items", epoch_rows, 10, 50), ("items", epoch_rows, 50, 90),
+                        ("items", epoch_rows.copy(), 90, 130)])  # equal keys, another array
+    assert ticks.due(4, now + TICK_EVERY_S * 1.1)  # the first start
+    ticks.ticked(4, now + TICK_EVERY_S * 1.1)
+    for clock in (44, 48, 52, 86, 92):  # near the hand-overs, within the quiet period
+        assert not ticks.due(clock, now + TICK_EVERY_S * 3)
+    assert ticks.due(124, now + TICK_EVERY_S * 3)  # the last end
+
+
+def test_a_hand_over_to_other_keys_or_another_table_or_after_a_gap_is_still_a_boundary():
+    for second in (("items", np.arange(1, 101, dtype=np.int64), 50, 90), ("users", np.arange(100), 50, 90),
+                   ("items", np.arange(100), 51, 90)):
+        ticks, now = clocked(0.001, 5)
+        ticks.ticked(5, now)
+        ticks.note_intents([("items", np.arange(100), 10, 50), second])
+        ticks.ticked(20, now + TICK_EVERY_S * 1.1)  # the first start served
+        assert ticks.due(45, now + TICK_EVERY_S * 3), second
+
+
+def test_an_intent_declared_after_the_one_it_carries_on_has_ended_is_a_boundary_again():
+    ticks, now = clocked(0.001, 5)
+    ticks.note_intents([("items", KEYS, 10, 20)])
+    ticks.ticked(30, now)  # past its end
+    ticks.note_intents([("items", KEYS, 20, 40)])  # carries on nothing any more: its end is a boundary
+    assert ticks.due(35, now + TICK_EVERY_S * 1.1)
+
+
+def test_carrying_on_an_intent_whose_end_was_already_served_leaves_other_boundaries_at_that_clock():
+    ticks, now = clocked(0.001, 5)  # a lead of 7 clocks
+    ticks.note_intents([("items", KEYS, 10, 20)])
+    ticks.ticked(15, now)  # 10 and 20 are within the lead: both served
+    ticks.note_intents([("users", KEYS, 20, 30), ("items", KEYS, 20, 40)])  # the users' start is a boundary
+    assert ticks.due(16, now + TICK_EVERY_S * 1.1)

@@ -394,7 +394,7 @@ class Worker:
             part = slice(at, at + MAX_INTENTS)
             body = bodies.Intent(starts[part], ends[part], tables[part] if len(set(tables[part])) > 1 else None)
             self.tracker.notify(self.node, body.to_message(table=tables[at], arrays=keys[part]))
-        self._ticks.note_intents(list(zip(starts, ends, strict=True)))
+        self._ticks.note_intents(list(zip(tables, keys, starts, ends, strict=True)))
 
     def _tick(self, now: float, everywhere: bool = True) -> None:
         """Tell every server this worker's clock (or only its node's: the others stay a tick due)."""
