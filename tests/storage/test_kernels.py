@@ -173,6 +173,16 @@ def test_any_nonfinite_finds_nan_and_inf_in_either_float_width():
     assert not kernels.any_nonfinite(np.array([[np.finfo(np.float32).max, -0.0, 1e-45]], np.float32))
 
 
+def test_any_nonfinite_reads_vectors_blocks_and_strided_views_as_they_are():
+    every_other = np.ones((10, 8), np.float32)
+    every_other[3, 1] = np.nan
+    assert not kernels.any_nonfinite(every_other[:, ::2])  # the NaN is not in this view
+    assert kernels.any_nonfinite(every_other[:, 1::2])
+    assert kernels.any_nonfinite(np.array([1.0, np.inf]))
+    assert kernels.any_nonfinite(np.full((2, 3, 4), -np.inf, np.float32))
+    assert not kernels.any_nonfinite(np.ones((0, 5), np.float32))
+
+
 def test_initialisers_can_leave_trailing_columns_at_zero():
     from shoal.api.config import TableSpec
     from shoal.api.initializers import Normal
