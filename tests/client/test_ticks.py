@@ -107,3 +107,14 @@ def test_carrying_on_an_intent_whose_end_was_already_served_leaves_other_boundar
     ticks.ticked(15, now)  # 10 and 20 are within the lead: both served
     ticks.note_intents([("users", KEYS, 20, 30), ("items", KEYS, 20, 40)])  # the users' start is a boundary
     assert ticks.due(16, now + TICK_EVERY_S * 1.1)
+
+
+def test_an_array_filled_anew_with_the_next_clocks_keys_is_not_taken_for_the_same_keys():
+    ticks, now = clocked(0.001, 5)  # a lead of 7 clocks
+    ticks.ticked(0, now)
+    buffer = np.arange(10, dtype=np.int64)
+    ticks.note_intents([("ent", buffer, 10, 30)])
+    buffer[:] = np.arange(10, 20)  # the app's next keys, in the same array
+    ticks.note_intents([("ent", buffer, 30, 50)])
+    ticks.ticked(4, now + TICK_EVERY_S * 1.1)  # the first start served
+    assert ticks.due(23, now + TICK_EVERY_S * 2.2)  # 30 is where other keys start

@@ -63,7 +63,9 @@ class TickSchedule:
                     self._dropped.add(end_id)
             else:
                 self._push(start)
-            self._ends.setdefault((table, end), []).append((keys, self._push(end)))
+            # A copy: an app may fill the same array with the next clock's keys (what the node's server
+            # was sent is its own already).
+            self._ends.setdefault((table, end), []).append((keys.copy(), self._push(end)))
 
     def advanced(self, now: float) -> None:
         """The worker's clock moved on at ``now``."""
@@ -122,5 +124,5 @@ class TickSchedule:
 
 
 def _same_keys(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two intents name the same keys in the same order (the same array, as apps usually pass)."""
-    return a is b or (a.shape == b.shape and bool(np.array_equal(a, b)))
+    """Whether two intents name the same keys in the same order."""
+    return a.shape == b.shape and bool(np.array_equal(a, b))
