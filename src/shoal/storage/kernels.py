@@ -429,11 +429,10 @@ def _any_nonfinite(values: np.ndarray) -> bool:
 def any_nonfinite(values: np.ndarray) -> bool:
     """True if a float array holds a NaN or an Inf.
 
-    One branch-free pass over the array as it lies, which the compiler
-    vectorises: 1.5 us for a push of 1,000 x 65 float32, where testing each
-    value with ``isfinite`` takes about five times that, and viewing the array
-    as integers to test the exponent bits cost numpy's reshape and view per
-    call (3.4 us in all).
+    One branch-free pass over the array as it lies, flat, which the compiler
+    vectorises: 1.7 us for a push of 1,000 x 65 float32, where viewing the
+    array as integers to test the exponent bits cost numpy's reshape and view
+    per call (3.4 us in all).
     """
     return bool(_any_nonfinite(values if values.flags.c_contiguous else np.ascontiguousarray(values)))
 
