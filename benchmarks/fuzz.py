@@ -222,7 +222,7 @@ def main() -> None:
         return
 
     results: dict[str, Any] = {
-        "versions": {p: version(p) for p in ("hypothesis", "atheris", "numpy", "msgpack")},
+        "versions": {p: version(p) for p in ("hypothesis", "atheris", "numpy", "msgspec")},
         "tree": tree(), "cases_asked": args.cases, "seconds_budget": args.seconds, "targets": {},
     }
     started = time.monotonic()

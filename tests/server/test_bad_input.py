@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -89,9 +89,9 @@ def push_frames(ks: np.ndarray | None = None, vs: np.ndarray | None = None,
 
 
 def with_header(frames: list[bytes], **changes: Any) -> list[bytes]:
-    header = msgpack.unpackb(frames[0], raw=False)
+    header = msgspec.msgpack.decode(frames[0])
     header.update(changes)
-    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+    return [msgspec.msgpack.encode(header), *frames[1:]]
 
 
 def with_nonfinite(value: float, row: int = 1) -> np.ndarray:

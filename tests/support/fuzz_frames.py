@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import blake3
-import msgpack
+import msgspec
 from hypothesis import strategies as st
 
 from shoal.api.config import Limits
@@ -52,7 +52,7 @@ MUTATIONS = st.sampled_from(["truncate", "flip", "drop", "extra", "swap", "field
 
 def _header(frames: list[bytes]) -> dict[str, Any] | None:
     try:
-        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        header = msgspec.msgpack.decode(frames[0])
     except Exception:  # already broken beyond reading: leave it
         return None
     return header if isinstance(header, dict) else None
@@ -102,7 +102,7 @@ def _mutated(draw: st.DrawFn, frames: list[bytes]) -> list[bytes]:
             header["op"] = draw(OPS)
         else:
             header["body"] = draw(HOSTILE)
-        frames = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+        frames = [msgspec.msgpack.encode(header), *frames[1:]]
     return frames
 
 

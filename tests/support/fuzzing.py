@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgpack
+import msgspec
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -65,7 +65,7 @@ def mostly(usual: st.SearchStrategy[Any], other: st.SearchStrategy[Any], one_in:
 
 
 SCALARS = (st.none() | st.booleans() | HOSTILE_INTS | st.floats() | st.text(max_size=12) | st.binary(max_size=12)
-           | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=12)))
+           | st.builds(msgspec.msgpack.Ext, st.integers(0, 127), st.binary(max_size=12)))
 #: any msgpack value: what a hostile peer can put in a header or a body
 HOSTILE = st.recursive(
     SCALARS,

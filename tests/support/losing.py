@@ -7,7 +7,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
+import msgspec
 
 from shoal.transport.base import Connection, Listener, Transport
 from shoal.transport.faulty import Faults, FaultyTransport, _Delayed
@@ -20,7 +20,7 @@ class _Losing(_Delayed):
 
     def admit(self, item: Any) -> None:
         frames = item[1] if isinstance(item, tuple) else item  # a listener's arrivals name their peer
-        if self.lose(msgpack.unpackb(bytes(frames[0]))):
+        if self.lose(msgspec.msgpack.decode(bytes(frames[0]))):
             self.stats["lost"] += 1
             return
         super().admit(item)

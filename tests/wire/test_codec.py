@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 from unittest import mock
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -57,13 +57,13 @@ def push_frames() -> list[bytes]:
 
 def with_header(frames: list[bytes], **changes: Any) -> list[bytes]:
     """``frames`` with some header fields replaced (a value of ``...`` removes the field)."""
-    header = msgpack.unpackb(frames[0], raw=False)
+    header = msgspec.msgpack.decode(frames[0])
     for name, value in changes.items():
         if value is ...:
             header.pop(name)
         else:
             header[name] = value
-    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+    return [msgspec.msgpack.encode(header), *frames[1:]]
 
 
 def assert_same_message(got: Message, sent: Message, flags: int | None = None) -> None:
@@ -114,7 +114,7 @@ def test_signed_message_carries_a_tag_frame_and_the_signed_flag() -> None:
 
     assert len(frames) == 1 + 2 + 1
     assert len(frames[-1]) == 32
-    assert msgpack.unpackb(frames[0])["flags"] & Flag.SIGNED
+    assert msgspec.msgpack.decode(frames[0])["flags"] & Flag.SIGNED
 
 
 def test_encode_sends_contiguous_arrays_without_copying() -> None:
@@ -236,7 +236,7 @@ def test_frames_carry_any_wire_array_exactly(arrays: list[np.ndarray]) -> None:
 
 
 def header_only(header: Any) -> list[bytes]:
-    return [msgpack.packb(header, use_bin_type=True)]
+    return [msgspec.msgpack.encode(header)]
 
 
 @pytest.mark.parametrize("frames", [
@@ -518,7 +518,7 @@ def test_a_batch_of_several_tables_names_each_messages_table_and_a_bad_list_is_r
 def test_absurd_dimensions_are_a_protocol_error_not_a_crash() -> None:
     header = {"v": 1, "op": int(Op.PING), "req": 3, "table": "", "epoch": 0, "clock": 0, "sender": 0, "flags": 0,
               "dtype": ["<f4"], "shapes": [[0, 2**64 - 1]], "body": {}}
-    frames = [msgpack.packb(header), b""]
+    frames = [msgspec.msgpack.encode(header), b""]
     with pytest.raises(ProtocolError) as info:
         Codec().decode(frames)
     assert info.value.req == 3

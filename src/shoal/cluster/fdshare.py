@@ -3,7 +3,7 @@
 A node's server listens on an abstract Unix socket (no file to clean up; it
 vanishes with the process) and passes segment descriptors with SCM_RIGHTS.
 Only processes of the same user may connect (checked with SO_PEERCRED).
-Requests and replies are length-prefixed msgpack maps.
+Requests and replies are length-prefixed msgpack maps (msgspec).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
+import msgspec
 
 from shoal.api.errors import AuthError, ClusterError, RequestTimeoutError, ShoalError, error_from_code
 
@@ -65,7 +65,7 @@ class FdShareServer:
             with conn:
                 try:
                     self._answer(conn)
-                except (OSError, ValueError, ConnectionError) as exc:
+                except (OSError, ValueError, ConnectionError) as exc:  # msgspec.DecodeError is a ValueError
                     log.warning("fd share: dropped a request: %s", exc)
 
     def _answer(self, conn: socket.socket) -> None:
@@ -82,7 +82,7 @@ class FdShareServer:
         (length,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
         if length > _MAX_REQUEST:
             raise ValueError(f"request of {length} bytes is too large")
-        request = msgpack.unpackb(_recv_exact(conn, length), raw=False)
+        request = msgspec.msgpack.decode(_recv_exact(conn, length))
         if not isinstance(request, dict):
             raise ValueError("request must be a map")
         try:
@@ -94,7 +94,7 @@ class FdShareServer:
 
     @staticmethod
     def _send(conn: socket.socket, reply: dict[str, Any], fds: list[int]) -> None:
-        payload = msgpack.packb(reply, use_bin_type=True)
+        payload = msgspec.msgpack.encode(reply)
         socket.send_fds(conn, [_LEN.pack(len(payload)) + payload], fds)
 
     def close(self) -> None:
@@ -121,7 +121,7 @@ def fetch_fds(name: str, request: dict[str, Any], timeout: float = 10.0) -> tupl
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         if struct.unpack("3i", creds)[1] != os.getuid():  # only our own user's server may hand us memory
             raise AuthError(f"the process listening at {name[1:]!r} belongs to another user")
-        payload = msgpack.packb(request, use_bin_type=True)
+        payload = msgspec.msgpack.encode(request)
         sock.sendall(_LEN.pack(len(payload)) + payload)
         data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
         if len(data) < _LEN.size:
@@ -130,7 +130,7 @@ def fetch_fds(name: str, request: dict[str, Any], timeout: float = 10.0) -> tupl
         body = data[_LEN.size :]
         if len(body) < length:
             body += _recv_exact(sock, length - len(body))
-        reply = msgpack.unpackb(body, raw=False)
+        reply = msgspec.msgpack.decode(body)
     except TimeoutError as exc:
         raise RequestTimeoutError(f"local server at {name[1:]!r} did not answer within {timeout}s") from exc
     finally:

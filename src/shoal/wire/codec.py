@@ -6,6 +6,12 @@ names each frame's dtype and shape, and the decoder checks them against the
 frame sizes before building a view. Nothing here can execute code from the
 wire: msgpack decodes plain data only, and there is no pickle anywhere.
 
+The header is a typed msgspec ``Struct``: msgspec decodes it and checks every
+field's type and range in one compiled pass (a third of what decoding it with
+msgpack and checking the fields in Python cost, and this runs for every message
+on both sides). A header it refuses is decoded again as plain msgpack, to say
+what is wrong with it.
+
 The tag is keyed BLAKE3 (about 4 GB/s a core, against under 2 for
 HMAC-SHA256), under a key derived from the job's secret. Off this machine it
 covers every frame. On a wire only this machine reaches (loopback tcp, ipc) it
@@ -20,11 +26,12 @@ played again, on any connection.
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import blake3
-import msgpack
+import msgspec
 import numpy as np
 
 from shoal.api.config import Limits
@@ -46,6 +53,31 @@ _OTHER_FIELDS = (("table", str), ("body", dict), ("dtype", list), ("shapes", lis
 _OPS = {int(op): op for op in Op}
 _WIRE_NUMPY = {name: np.dtype(name) for name in WIRE_DTYPES}
 
+#: exact ints (no bools, no floats) that fit in 64 signed bits: they land in int64 arrays
+Int64 = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
+Dim = Annotated[int, msgspec.Meta(ge=0, lt=_MAX_DIM)]
+
+
+class Header(msgspec.Struct):
+    """Frame 0: a msgpack map of these fields (a peer may add others; they are ignored)."""
+
+    v: int
+    op: int
+    req: Int64
+    table: str
+    epoch: Int64
+    clock: Int64
+    sender: Int64
+    inc: Int64
+    flags: Int64
+    dtype: list[str]
+    shapes: list[Annotated[list[Dim], msgspec.Meta(min_length=1, max_length=MAX_RANK)]]
+    body: dict[str, Any]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Header)
+
 Frame = Any  # bytes, memoryview, numpy array, or zmq.Frame: anything with the buffer protocol
 
 
@@ -58,13 +90,56 @@ def frames_nbytes(frames: Sequence[Frame]) -> int:
     return size
 
 
-def _failure(exc: ShoalError, header: dict[str, Any] | None) -> ShoalError:
+def _failure(exc: ShoalError, header: Header | dict[str, Any] | None) -> ShoalError:
     """Attach what we know of the request, so the error reply can name it."""
-    req = header.get("req") if isinstance(header, dict) else None
-    flags = header.get("flags") if isinstance(header, dict) else None
+    req: Any
+    flags: Any
+    if isinstance(header, Header):
+        req, flags = header.req, header.flags
+    else:
+        req = header.get("req") if isinstance(header, dict) else None
+        flags = header.get("flags") if isinstance(header, dict) else None
     exc.req = req if is_int64(req) else None  # type: ignore[attr-defined]
     exc.flags = flags if isinstance(flags, int) and not isinstance(flags, bool) else 0  # type: ignore[attr-defined]
     return exc
+
+
+def _plain_header(view: memoryview) -> dict[str, Any]:
+    """A header msgspec refused, decoded as plain msgpack: a map, or ``ProtocolError``."""
+    try:
+        header = msgspec.msgpack.decode(view)
+    except Exception as exc:  # garbage: msgspec.DecodeError, or what deep nesting provokes
+        raise _failure(ProtocolError(f"header is not valid msgpack: {type(exc).__name__}"), None) from None
+    if not isinstance(header, dict) or not all(type(k) is str for k in header):
+        raise _failure(ProtocolError("header must be a map with string keys"), None)
+    return header
+
+
+def _typed(header: dict[str, Any]) -> Header:
+    """The fields of a header msgspec refused, checked one by one to name the one that is wrong."""
+    get = header.get
+    for name in _INT_FIELDS:  # exact ints (no bools) that fit in 64 bits: they land in int64 arrays
+        value = get(name)
+        if type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX:
+            raise ProtocolError(f"header field {name!r} must be an int that fits in 64 signed bits, got {value!r}")
+    for name, kind in _OTHER_FIELDS:
+        if type(get(name)) is not kind:
+            raise ProtocolError(f"header field {name!r} must be {kind.__name__}, got {get(name)!r}")
+    if not all(type(k) is str for k in header["body"]):
+        raise ProtocolError("header field 'body' must be a map with string keys")
+    for i, (dtype, shape) in enumerate(zip(header["dtype"], header["shapes"], strict=False)):
+        if type(dtype) is not str:
+            raise ProtocolError(f"frame {i}: dtype {dtype!r} is not allowed on the wire")
+        if type(shape) is not list or not 1 <= len(shape) <= MAX_RANK or \
+                not all(type(n) is int and 0 <= n < _MAX_DIM for n in shape):
+            raise ProtocolError(f"frame {i}: bad shape {shape!r}")
+    raw_op = get("op")
+    if type(raw_op) is not int or raw_op not in _OPS:
+        raise ProtocolError(f"unknown op {raw_op!r}")
+    # What else is wrong (how many frames, their sizes) ``Codec._message`` and ``Codec._array`` say.
+    return Header(header["v"], raw_op, header["req"], header["table"], header["epoch"], header["clock"],
+                  header["sender"], header["inc"], header["flags"], header["dtype"], header["shapes"],
+                  header["body"])
 
 
 def _view(frame: Frame) -> memoryview:
@@ -115,21 +190,12 @@ class Codec:
         flags = msg.flags & ~_TAGS
         if self._key is not None:
             flags |= Flag.SIGNED_HEADER if self.local else Flag.SIGNED
-        header = {
-            "v": PROTOCOL_VERSION,
-            "op": int(msg.op),
-            "req": msg.req,
-            "table": msg.table,
-            "epoch": msg.epoch,
-            "clock": msg.clock,
-            "sender": msg.sender,
-            "inc": msg.incarnation,
-            "flags": flags,
-            "dtype": dtypes,
-            "shapes": [list(a.shape) for a in arrays],
-            "body": msg.body,
-        }
-        frames: list[Frame] = [msgpack.packb(header, use_bin_type=True)]
+        header = Header(PROTOCOL_VERSION, int(msg.op), msg.req, msg.table, msg.epoch, msg.clock, msg.sender,
+                        msg.incarnation, flags, dtypes, [list(a.shape) for a in arrays], msg.body)
+        try:
+            frames: list[Frame] = [_ENCODER.encode(header)]
+        except (TypeError, OverflowError) as exc:  # a body holding what msgpack has no form for
+            raise ProtocolError(f"{msg.op.name} message cannot be encoded: {exc}") from None
         frames.extend(arrays)
         size = len(frames[0])
         for a in arrays:
@@ -139,16 +205,16 @@ class Codec:
                 f"{msg.op.name} message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}"
             )
         if self._key is not None:
-            frames.append(self._tag(frames[:1] if self.local else frames))
+            frames.append(self._tag([_view(f) for f in (frames[:1] if self.local else frames)]))
         return frames
 
-    def _tag(self, frames: Sequence[Frame]) -> bytes:
+    def _tag(self, views: Sequence[memoryview]) -> bytes:
         assert self._key is not None
-        if len(frames) == 1:  # a header alone (loopback): one call
-            return blake3.blake3(_view(frames[0]), key=self._key).digest()
+        if len(views) == 1:  # a header alone (loopback): one call
+            return blake3.blake3(views[0], key=self._key).digest()
         mac = blake3.blake3(key=self._key)
-        for f in frames:
-            mac.update(_view(f))
+        for v in views:
+            mac.update(v)
         return mac.digest()
 
     # ------------------------------------------------------------------ decode
@@ -178,9 +244,9 @@ class Codec:
             raise _failure(ProtocolError(f"malformed message: {type(exc).__name__}: {exc}"), header) from None
         return msg
 
-    def _verified(self, views: list[memoryview], header: dict[str, Any]) -> list[memoryview]:
+    def _verified(self, views: list[memoryview], header: Header | dict[str, Any]) -> list[memoryview]:
         """The frames without their tag, once the tag is checked."""
-        flags = header.get("flags")
+        flags = header.flags if isinstance(header, Header) else header.get("flags")
         header_only = isinstance(flags, int) and not isinstance(flags, bool) and bool(flags & Flag.SIGNED_HEADER)
         if len(views) < 2 or views[-1].nbytes != TAG_BYTES:
             raise _failure(AuthError("message is not signed; this peer requires a tag made with the job's secret"),
@@ -193,16 +259,16 @@ class Codec:
             raise _failure(AuthError("message has a wrong tag (different shared secret?)"), header)
         return views[:-1]
 
-    def _header(self, view: memoryview) -> dict[str, Any]:
+    def _header(self, view: memoryview) -> Header | dict[str, Any]:
+        """The header, typed; or, where it is not a well-formed one, the plain map it is (for
+        ``_typed`` to say what is wrong, once the tag is checked)."""
         if view.nbytes > _HEADER_LIMIT:
             raise _failure(ProtocolError(f"header of {view.nbytes} bytes is too large"), None)
         try:
-            header = msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True)
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
-            raise _failure(ProtocolError(f"header is not valid msgpack: {type(exc).__name__}"), None) from None
-        if not isinstance(header, dict):
-            raise _failure(ProtocolError("header must be a map"), None)
-        version = header.get("v")
+            header: Header | dict[str, Any] = _DECODER.decode(view)
+        except Exception:  # msgspec.DecodeError, or whatever else garbage provokes
+            header = _plain_header(view)
+        version = header.v if isinstance(header, Header) else header.get("v")
         if type(version) is not int or version != PROTOCOL_VERSION:
             raise _failure(
                 ProtocolError(f"unsupported protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}"),
@@ -210,42 +276,29 @@ class Codec:
             )
         return header
 
-    def _message(self, header: dict[str, Any], frames: Sequence[memoryview]) -> Message:
-        get = header.get
-        for name in _INT_FIELDS:  # exact ints (no bools) that fit in 64 bits: they land in int64 arrays
-            value = get(name)
-            if type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX:
-                raise ProtocolError(f"header field {name!r} must be an int that fits in 64 signed bits, "
-                                    f"got {value!r}")
-        for name, kind in _OTHER_FIELDS:
-            if type(get(name)) is not kind:
-                raise ProtocolError(f"header field {name!r} must be {kind.__name__}, got {get(name)!r}")
-        raw_op = get("op")
+    def _message(self, header: Header | dict[str, Any], frames: Sequence[memoryview]) -> Message:
+        h = header if isinstance(header, Header) else _typed(header)
+        raw_op = h.op
         op = _OPS.get(raw_op) if type(raw_op) is int else None
         if op is None:
             raise ProtocolError(f"unknown op {raw_op!r}")
-        dtypes, shapes = header["dtype"], header["shapes"]
+        dtypes, shapes = h.dtype, h.shapes
         count = len(frames)
         if len(dtypes) != count or len(shapes) != count:
             raise ProtocolError(
                 f"header describes {len(dtypes)} dtype(s) and {len(shapes)} shape(s) for {count} frame(s)"
             )
         arrays = [self._array(i, dtypes[i], shapes[i], frames[i]) for i in range(count)]
-        return Message(op, header["req"], header["table"], header["epoch"], header["clock"], header["sender"],
-                       header["inc"], header["flags"], header["body"], arrays)
+        return Message(op, h.req, h.table, h.epoch, h.clock, h.sender, h.inc, h.flags, h.body, arrays)
 
     @staticmethod
-    def _array(i: int, dtype: Any, shape: Any, frame: memoryview) -> np.ndarray:
-        dt = _WIRE_NUMPY.get(dtype) if type(dtype) is str else None
+    def _array(i: int, dtype: str, shape: list[int], frame: memoryview) -> np.ndarray:
+        """Frame ``i`` as an array (a view of its bytes), once its size fits the header's ``shape``
+        (checked in range, as ``Header`` declares it)."""
+        dt = _WIRE_NUMPY.get(dtype)
         if dt is None:
             raise ProtocolError(f"frame {i}: dtype {dtype!r} is not allowed on the wire")
-        if type(shape) is not list or not 1 <= len(shape) <= MAX_RANK:
-            raise ProtocolError(f"frame {i}: bad shape {shape!r}")
-        count = 1
-        for n in shape:
-            if type(n) is not int or not 0 <= n < _MAX_DIM:
-                raise ProtocolError(f"frame {i}: bad shape {shape!r}")
-            count *= n
+        count = math.prod(shape)
         if count * dt.itemsize != frame.nbytes:
             raise ProtocolError(
                 f"frame {i}: shape {shape} of {dtype} needs {count * dt.itemsize} bytes, frame has {frame.nbytes}"
