@@ -344,6 +344,20 @@ def test_encode_refuses_a_message_over_the_limit() -> None:
     codec.encode(Message(Op.VALUES, req=REQ, arrays=[np.zeros((2, 256), dtype=np.float32)]))  # fits
 
 
+@pytest.mark.parametrize("value", [object(), 2**70, np.int64(3)], ids=["object", "int over 64 bits", "numpy scalar"])
+def test_encode_refuses_a_body_msgpack_has_no_form_for_with_a_typed_error(value: Any) -> None:
+    with pytest.raises(ProtocolError, match="PING message cannot be encoded"):
+        Codec(secret=SECRET).encode(Message(Op.PING, req=REQ, body={"x": value}))
+
+
+def test_a_header_field_this_peer_does_not_know_is_ignored() -> None:
+    frames = Codec().encode(Message(Op.PING, req=REQ, body={"note": "hi"}))
+    header = msgspec.msgpack.decode(frames[0])
+    header["from_a_later_peer"] = [1, {"x": 2}]
+    msg = Codec().decode([msgspec.msgpack.encode(header), *frames[1:]])
+    assert (msg.op, msg.req, msg.body) == (Op.PING, REQ, {"note": "hi"})
+
+
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "signed"])
 def test_decode_refuses_a_message_over_the_limit(secret: bytes | None) -> None:
     big = Message(Op.VALUES, req=REQ, arrays=[np.zeros((4, 512), dtype=np.float32)])

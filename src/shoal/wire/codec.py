@@ -7,10 +7,10 @@ frame sizes before building a view. Nothing here can execute code from the
 wire: msgpack decodes plain data only, and there is no pickle anywhere.
 
 The header is a typed msgspec ``Struct``: msgspec decodes it and checks every
-field's type and range in one compiled pass (a third of what decoding it with
-msgpack and checking the fields in Python cost, and this runs for every message
-on both sides). A header it refuses is decoded again as plain msgpack, to say
-what is wrong with it.
+field's type and range in one compiled pass, where msgpack and a Python check
+per field ran before (a 1-key request decodes in 4.1 against 5.9 us and encodes
+in 2.3 against 3.1, on every message on both sides). A header it refuses is
+decoded again as plain msgpack, to say what is wrong with it.
 
 The tag is keyed BLAKE3 (about 4 GB/s a core, against under 2 for
 HMAC-SHA256), under a key derived from the job's secret. Off this machine it
@@ -54,8 +54,8 @@ _OPS = {int(op): op for op in Op}
 _WIRE_NUMPY = {name: np.dtype(name) for name in WIRE_DTYPES}
 
 #: exact ints (no bools, no floats) that fit in 64 signed bits: they land in int64 arrays
-Int64 = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
-Dim = Annotated[int, msgspec.Meta(ge=0, lt=_MAX_DIM)]
+_Int64 = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
+_Dim = Annotated[int, msgspec.Meta(ge=0, lt=_MAX_DIM)]
 
 
 class Header(msgspec.Struct):
@@ -63,15 +63,15 @@ class Header(msgspec.Struct):
 
     v: int
     op: int
-    req: Int64
+    req: _Int64
     table: str
-    epoch: Int64
-    clock: Int64
-    sender: Int64
-    inc: Int64
-    flags: Int64
+    epoch: _Int64
+    clock: _Int64
+    sender: _Int64
+    inc: _Int64
+    flags: _Int64
     dtype: list[str]
-    shapes: list[Annotated[list[Dim], msgspec.Meta(min_length=1, max_length=MAX_RANK)]]
+    shapes: list[Annotated[list[_Dim], msgspec.Meta(min_length=1, max_length=MAX_RANK)]]
     body: dict[str, Any]
 
 
