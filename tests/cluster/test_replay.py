@@ -294,3 +294,33 @@ def test_a_large_read_is_not_sent_again_while_its_reply_could_still_be_arriving(
         tracker.close()
         listener.close()
         transport.close()
+
+
+def test_a_request_ended_without_a_reply_times_no_round_trip():
+    """Requests failed at once (their peer was replaced) are no round trips: taken for ~0 s ones, they
+    would bring the resend timeout of a peer that answers in 0.5 s down to the floor."""
+    from shoal.api.errors import ClusterError
+    from shoal.transport.inproc import InProcTransport
+
+    clock = ManualClock()
+    transport = InProcTransport()
+    listener = transport.listen("inproc://*")
+    tracker = RequestTracker(transport, Codec(Limits()), sender=0, resend_s=1.0, now=clock)
+    tracker.connect(1, listener.address)
+    try:
+        req = tracker.request(1, Message(Op.PING), lambda _: None)
+        clock.advance(0.5)
+        item = listener.recv(1.0)
+        assert item is not None
+        listener.send(item[0], Codec(Limits()).encode(Message(Op.OK, req=req)))
+        tracker.wait({req}, 5.0)
+        for _ in range(20):
+            tracker.request(1, Message(Op.PING), lambda _: None)
+            tracker.fail_peer(1, ClusterError("server 1 was started again"))
+        trip = tracker.round_trips[1]
+        assert trip.samples == 1
+        assert trip.timeout(1.0) > 0.5
+    finally:
+        tracker.close()
+        listener.close()
+        transport.close()

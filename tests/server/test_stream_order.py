@@ -80,3 +80,25 @@ def test_a_clock_tick_lost_while_an_earlier_request_is_unanswered_holds_back_not
         second.wait()  # waited for the lost tick until the request timeout
         assert lost == {"CLOCK": 1, "OK": 3}
         np.testing.assert_array_equal(t.pull(keys)[:, 0], 2.0)
+
+
+def _position(seq: int, floor: int) -> Message:
+    return Message(Op.PUSH, req=100 + seq, table="t", sender=0, incarnation=5, body={"stream": [1, seq, floor, 0]})
+
+
+def test_a_floor_heard_while_a_request_is_parked_skips_what_the_worker_gave_up_once_it_is_handled() -> None:
+    # Request 1 is held for a slice move; the move outlasts the worker's timeout, which gives up 1 and 2
+    # (2 never came) and says so in request 3 (floor 3). Once 1 is handled, 3 goes: it must not wait for 2.
+    from shoal.server.streams import StreamOrder
+    from tests.support.clock import ManualClock
+
+    order = StreamOrder(num_workers=1, now=ManualClock())
+    first, third = _position(1, 1), _position(3, 3)
+    assert order.admit(b"w", first)
+    order.park(first)
+    assert not order.admit(b"w", third)  # behind the parked one
+    assert order.unpark(first)
+    order.finished(first)
+    ready = order.next_ready(0)
+    assert ready is not None and ready[1] is third
+    assert order.waiting_count() == 0

@@ -253,13 +253,13 @@ class StaticAccess(RoutedAccess):
         count = arrays[0].shape[0]
         reply_bytes = count * self.spec.dim * self.dtype.itemsize if reads else 0
         worker = self.worker
-        seq = worker.streams.stamp(node, msg, worker.settled_clock())
-        part = Part(node, seq, pos, epoch, op)
-        req = worker.tracker.request(
-            node, msg, functools.partial(self._on_reply, call, part, arrays[0]),
-            f"{op.name} of {count} key(s) of {self.spec.name!r}", reply_bytes=reply_bytes,
-            on_error=functools.partial(self._on_error, call, part),
-            on_end=functools.partial(self._on_end, call, part))
+        with worker.streams.stamped(node, msg, worker.settled_clock()) as seq:
+            part = Part(node, seq, pos, epoch, op)
+            req = worker.tracker.request(
+                node, msg, functools.partial(self._on_reply, call, part, arrays[0]),
+                f"{op.name} of {count} key(s) of {self.spec.name!r}", reply_bytes=reply_bytes,
+                on_error=functools.partial(self._on_error, call, part),
+                on_end=functools.partial(self._on_end, call, part))
         part.req = req
         call.parts[req] = part
         if writes:

@@ -15,6 +15,8 @@ stream instead of reusing its earlier self's numbers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from shoal.wire.message import Message
@@ -43,6 +45,18 @@ class Streams:
         stream.open.add(seq)
         msg.body["stream"] = [self.incarnation, seq, min(stream.open), min(settled, msg.clock)]
         return seq
+
+    @contextmanager
+    def stamped(self, server: int, msg: Message, settled: int) -> Iterator[int]:
+        """``stamp``, for a request sent inside the block: one that fails to go (its peer's queue stays
+        full, the connection is gone) is over at once, or every later request would carry its seq as
+        their floor and the server would wait for it for good."""
+        seq = self.stamp(server, msg, settled)
+        try:
+            yield seq
+        except BaseException:
+            self.ended(server, seq)
+            raise
 
     def _stream(self, server: int) -> _Stream:
         stream = self._streams.get(server)  # not setdefault: it would build a stream on every call

@@ -234,15 +234,15 @@ class Worker:
     def send_ordered(self, server: int, msg: Message, what: str, on_reply: Callable[[Message], None] | None = None,
                      background: bool = False) -> int:
         """A request in this worker's stream to ``server``: handled there after every earlier one."""
-        seq = self.streams.stamp(server, msg, self.settled_clock())
+        with self.streams.stamped(server, msg, self.settled_clock()) as seq:
 
-        def answered(reply: Message) -> None:
-            self.streams.answered(server, seq)
-            if on_reply is not None:
-                on_reply(reply)
+            def answered(reply: Message) -> None:
+                self.streams.answered(server, seq)
+                if on_reply is not None:
+                    on_reply(reply)
 
-        return self.tracker.request(server, msg, answered, what, background=background,
-                                    on_end=lambda: self.streams.ended(server, seq))
+            return self.tracker.request(server, msg, answered, what, background=background,
+                                        on_end=lambda: self.streams.ended(server, seq))
 
     def settled_clock(self) -> int:
         """Every push this worker made to a bounded table in iterations before this clock is acknowledged."""

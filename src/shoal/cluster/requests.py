@@ -505,7 +505,9 @@ class RequestTracker:
         if pending.started:
             elapsed = self.now() - pending.started
             self.latency.observe(pending.op, elapsed)
-            if not pending.resends:  # a reply to a request sent again could answer either copy (Karn)
+            # A reply to a request sent again could answer either copy (Karn); a request ended without
+            # one (its peer failed, its sender gave up) timed nothing.
+            if msg is not None and not pending.resends:
                 trip = self.round_trips.get(pending.peer)
                 if trip is None:
                     trip = self.round_trips[pending.peer] = RoundTrip()

@@ -42,6 +42,9 @@ class _Stream:
     parked: int | None = None
     #: seq of the request being handled now
     serving: int | None = None
+    #: the highest floor heard: the worker is over every request below it (one heard while a request
+    #: was parked is applied once that request has been handled)
+    floor: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,12 +116,13 @@ class StreamOrder:
             raise ProtocolError(f"stream of worker {pos.worker}, which is not a worker of this cluster")
         stream = self._streams.get(pos.worker)
         if stream is None or pos.incarnation > stream.incarnation:  # first contact, or a restarted worker
-            stream = self._streams[pos.worker] = _Stream(pos.incarnation, pos.floor)
+            stream = self._streams[pos.worker] = _Stream(pos.incarnation, pos.floor, floor=pos.floor)
         elif pos.incarnation < stream.incarnation:
             raise StaleRequestError(f"request {pos.seq} of worker {pos.worker} comes from its incarnation "
                                     f"{pos.incarnation}, which was replaced by incarnation {stream.incarnation}")
-        if pos.floor > stream.next_seq and stream.parked is None:
-            self._skip_to(stream, pos.floor)  # the worker gave up on the ones before
+        stream.floor = max(stream.floor, pos.floor)
+        if stream.floor > stream.next_seq and stream.parked is None:
+            self._skip_to(stream, stream.floor)  # the worker gave up on the ones before
         if pos.seq < stream.next_seq:
             raise StaleRequestError(f"request {pos.seq} of worker {pos.worker} arrived after the worker "
                                     "stopped waiting for it")
@@ -135,7 +139,11 @@ class StreamOrder:
     def next_ready(self, worker: int) -> tuple[bytes, Message] | None:
         """The waiting request of ``worker`` whose turn has come, if any (admitted by this call)."""
         stream = self._streams.get(worker)
-        if stream is None or stream.parked is not None or stream.serving is not None:
+        if stream is None or stream.parked is not None:
+            return None
+        if stream.floor > stream.next_seq:  # heard while a request was parked
+            self._skip_to(stream, stream.floor)
+        if stream.serving is not None:
             return None
         item = stream.waiting.pop(stream.next_seq, None)
         if item is None:
