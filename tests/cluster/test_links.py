@@ -227,3 +227,27 @@ def test_a_message_lost_before_others_goes_again_once_the_receiver_reports_the_g
     assert receiver.receive(A, resent, "state") == ["state", "sync"]
     assert receiver.header(A, 0).held == 0
     assert clock() - began < RESEND_S
+
+
+def test_a_late_copy_from_a_peers_earlier_process_is_dropped_not_taken_for_a_restart():
+    # A sends "x" twice (its acknowledgement was slow) and is started again; the new process's "y"
+    # arrives, then the old process's late copy of "x". Taken for another restart it would pass "x" on
+    # again, forget the new channel, and pass "y" on a second time when that is sent again.
+    clock = ManualClock()
+    receiver, old = Links[str](clock), Links[str](clock)
+    seq = old.add(B, "x")
+    first_copy = old.header(B, seq)
+    clock.advance(RESEND_S)
+    late_copy = old.header(B, seq)
+    delivered = receiver.receive(A, first_copy, "x")
+    new = Links[str](clock)
+    seq_y = new.add(B, "y")
+    delivered += receiver.receive(A, new.header(B, seq_y), "y")
+    delivered += receiver.receive(A, late_copy, "x")
+    seq_z = new.add(B, "z")
+    delivered += receiver.receive(A, new.header(B, seq_z), "z")  # "y" not acknowledged yet: its base is 1
+    clock.advance(RESEND_S)
+    for _, seq, payload in new.due():
+        delivered += receiver.receive(A, new.header(B, seq), payload)
+    assert delivered == ["x", "y", "z"]
+    assert receiver.stats["retired_dropped"] == 1

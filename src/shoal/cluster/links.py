@@ -16,6 +16,8 @@ Acknowledgements are cumulative and ride on the messages going the other way
 arrived after a missing one says so (``held``), and the sender sends the missing
 one again then, not after ``RESEND_S`` (with traffic every few milliseconds, a
 lost message is seen missing at the next one; its rows waited 0.2 s and more).
+A process started again numbers afresh, under a channel of its own; a receiver
+that has heard the new channel drops what still arrives on the earlier ones.
 Unlike requests (``cluster.requests``), nothing is answered: the traffic is a
 stream of events, and an answer to each would double it. Pure bookkeeping: the
 caller sends, with the ``Header`` asked for here, and hands over what arrives;
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -44,6 +47,8 @@ MAX_HELD = 1024
 #: messages kept per peer until acknowledged: past this the peer is gone or stuck for minutes (a few
 #: dozen go a second), and the oldest is given up rather than memory (``stats["given_up"]``)
 MAX_UNACKED = 4096
+#: channels of a peer's earlier processes remembered, so that a late copy from one is dropped
+RETIRED = 16
 
 
 @dataclass(frozen=True)
@@ -113,8 +118,10 @@ class Links(Generic[T]):
         self.channel = secrets.randbits(62) | 1  # a process started again numbers afresh, under another
         self._out: dict[int, _Outbound[T]] = {}
         self._in: dict[int, _Inbound[T]] = {}
+        #: per peer, the channels of its earlier processes, newest last
+        self._retired: dict[int, deque[int]] = {}
         self.stats = {"repeats_dropped": 0, "held_out_of_order": 0, "dropped_out_of_order": 0, "resent": 0,
-                      "given_up": 0}
+                      "given_up": 0, "retired_dropped": 0}
 
     # -------------------------------------------------------------- sending
 
@@ -182,11 +189,18 @@ class Links(Generic[T]):
     def receive(self, peer: int, header: Header, payload: T) -> list[T]:
         """Take what ``peer`` sent under ``header``: the messages now ready, in the order sent (none for
         a repeat, for one that arrived before an earlier one, or for an acknowledgement alone)."""
+        inbound = self._in.get(peer)
+        if inbound is not None and inbound.channel != header.channel and header.channel in self._retired.get(peer, ()):
+            # A late copy from an earlier process of the peer (sent again, or slow): taken for a restart, it
+            # would start the channel over and pass on again what the new process's channel already did.
+            self.stats["retired_dropped"] += 1
+            return []
         self._acknowledged(peer, header)
         if not header.seq:
             return []
-        inbound = self._in.get(peer)
         if inbound is None or inbound.channel != header.channel:  # first heard, or the peer started again
+            if inbound is not None:
+                self._retired.setdefault(peer, deque(maxlen=RETIRED)).append(inbound.channel)
             inbound = self._in[peer] = _Inbound(channel=header.channel, expected=header.base)
         elif header.base > inbound.expected:  # given up by the sender: never to come
             inbound.expected = header.base
