@@ -262,7 +262,7 @@ def test_replicas_without_a_sync_period_of_their_own_sync_at_each_clock_of_their
         wait_until(lambda: here.presence[0] == REPLICA)
         t.push([0], np.ones((1, 1), np.float32))
         clock.advance(1.1)  # a sync by the period: the node's clock as of now is synced
-        wait_until(lambda: owner.store.values[0, 0] == 1.0 and not here.syncs_unanswered[0])
+        wait_until(lambda: owner.store.values[0, 0] == 1.0 and 0 not in here.syncs_in_flight)
         t.push([0], np.ones((1, 1), np.float32))  # into the replica
         clock.advance(0.011)
         time.sleep(0.2)  # timer passes: no clock has moved since the last sync
@@ -297,7 +297,7 @@ def test_the_syncs_of_several_tables_to_one_node_go_as_one_message_and_every_pus
         owner = c.servers[0].adaptive
         sent = [s.stats["placement_messages_sent"] for s in (owner, here)]
         clock.advance(1.1)  # both tables' syncs are due in the same pass
-        wait_until(lambda: not here.tables["a"].syncs_unanswered[0] and not here.tables["b"].syncs_unanswered[0]
+        wait_until(lambda: 0 not in here.tables["a"].syncs_in_flight and 0 not in here.tables["b"].syncs_in_flight
                    and here.stats["sync_sent"] >= 2)
         assert here.stats["sync_sent"] == 2
         assert [s.stats["placement_messages_sent"] - n for s, n in zip((owner, here), sent, strict=True)] == [1, 1]

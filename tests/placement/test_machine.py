@@ -356,6 +356,8 @@ KEYS_02, ONES = np.array([0, 2]), np.ones(2, np.int64)
     (Owner(KEYS_02, ONES, ONES, owner=True), "bad node True"),
     (Sync(KEYS_02, np.zeros((2, 2), np.float32), ONES.astype(np.uint8), origin=0, target=1, hops=1 << 21),
      "bad count 2097152"),
+    (Sync(KEYS_02, np.zeros((2, 2), np.float32), ONES.astype(np.uint8), origin=0, target=1, part=-1),
+     "bad part of a sync -1"),
 ])
 def test_a_placement_message_naming_no_node_of_the_table_is_refused_and_changes_nothing(network_of, message,
                                                                                          error):
@@ -532,3 +534,79 @@ def test_rows_a_dead_process_held_in_place_are_let_go_with_what_arrived_beside_t
     assert not store.pinned.any() and not store.holds.any() and table.stats["holds_of_dead_processes_ended"] == 1
     assert (net.tables[1].presence[keys] == OWNED).all()  # moved once let go
     np.testing.assert_array_equal(net.owned_values()[keys], 1.0)
+
+
+def _replicas_at(net: Network, node: int, keys: np.ndarray) -> None:
+    """Node ``node``'s workers intend ``keys`` for good: their owners replicate them there."""
+    net.machines[node].intend(keys, 0, 10_000)
+    net.carry_out(node, net.machines[node].tick(net.now, 0, 0.01))
+    net.deliver_all()
+    assert (net.tables[node].presence[keys] == REPLICA).all()
+
+
+def _sync_now(net: Network, node: int) -> None:
+    """Node ``node``'s replicas sync (a sync period later)."""
+    net.now += 0.05
+    net.carry_out(node, net.machines[node].tick(net.now, 0, 0.01))
+
+
+def test_a_replicas_change_for_a_key_on_its_way_to_the_replicas_node_waits_there_for_it(network_of):
+    # Key 0 (homed on node 0) has a replica on node 2. Node 1 takes the key (its owner report to node 2
+    # is slow). Node 2 adds 1 to its replica, asks for the key and syncs to the owner it knows, the home,
+    # which has meanwhile decided for node 2 and asked node 1 for a handover (slow too). The home passes
+    # the change to node 2, where the key is not yet: passed back to the home by node 2's hint, and on
+    # between the two, it was lost after SYNC_HOPS.
+    net = network_of(3, "replication", 0)
+    key = np.array([0])
+    _replicas_at(net, 2, key)
+    net.carry_out(1, net.machines[1].localize(key))
+    net.deliver(1, 0)  # the home gives the key to node 1
+    net.deliver(0, 1)  # node 1 owns it; its owner report to node 2 stays on its way
+    assert net.tables[1].presence[0] == OWNED
+    net.push(2, key)
+    net.carry_out(2, net.machines[2].localize(key))
+    _sync_now(net, 2)  # behind the request for the key, to the home
+    net.deliver(2, 0)  # the home decides for node 2 and asks node 1 for a handover (slow)
+    for _ in range(40):  # what goes between nodes 0 and 2 arrives first
+        busy = [pair for pair in ((2, 0), (0, 2)) if net.channels[pair]]
+        for pair in busy:
+            net.deliver(*pair)
+        if not busy:
+            break
+    net.settle()
+    assert sum(t.stats["sync_rows_lost"] for t in net.tables) == 0
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)
+
+
+@pytest.mark.parametrize("node_2_first", [True, False])
+def test_a_sync_passed_on_to_two_owners_is_answered_whatever_order_the_answers_arrive_in(network_of,
+                                                                                         node_2_first):
+    # Node 0 holds replicas of keys 1, 4 and 7 (homed on node 1). Node 2 takes key 4 and node 0 key 1,
+    # and node 0's sync of all three reaches node 1 after both left: node 1 adds key 7, passes key 1's
+    # change to node 0 and key 4's to node 2, and answers "two parts passed on". The three answers come
+    # from three nodes in any order; counted down with a floor of zero, two arriving before node 1's
+    # left the count at one for good: node 0 never synced with node 1 again.
+    net = network_of(3, "replication", 0)
+    keys = np.array([1, 4, 7])
+    _replicas_at(net, 0, keys)
+    net.push(0, keys)
+    net.carry_out(2, net.machines[2].localize(np.array([4])))
+    net.deliver(2, 1)
+    net.deliver(1, 2)  # node 2 owns key 4 (its owner report to node 0 waits on channel 2 -> 0)
+    net.carry_out(0, net.machines[0].localize(np.array([1])))
+    _sync_now(net, 0)  # behind the request for key 1, to node 1
+    net.deliver(0, 1)  # the request: key 1's rows go to node 0
+    net.deliver(0, 1)  # the sync: key 7 added, key 1's part to node 0, key 4's to node 2
+    net.deliver(1, 2)  # node 2 adds key 4's part and answers node 0
+    if node_2_first:
+        while net.channels[(2, 0)]:
+            net.deliver(2, 0)
+    net.deliver_all()
+    net.push(0, np.array([7]))
+    net.clock = 20_000  # every intent over: the replicas send their last change and go
+    for _ in range(20):
+        net.tick(0.05)
+        net.deliver_all()
+    assert net.tables[0].presence[7] != REPLICA
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)
+    assert not net.tables[0].syncs_in_flight

@@ -240,7 +240,7 @@ _PATHS = [str(FUZZ_DIR / name) for name in BAD_CHECKPOINTS] + ["", ".", "/", "/n
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
     **{name: NUMBERS for name in (
         "rank", "pid", "generation", "stage", "start", "end", "epoch", "first_row", "num_rows", "hops", "seq",
-        "inc", "parts")},
+        "inc", "parts", "part", "parent")},
     **{name: NODES for name in ("node", "to", "owner", "origin", "target", "shard")},
     **{name: st.booleans() for name in ("last", "ok", "active", "totals", "final", "poll", "commit")},
     **{name: st.text(max_size=16) for name in ("role", "address", "code", "message")},
@@ -264,7 +264,7 @@ FIELDS = {name: st.one_of(values, values, values, HOSTILE) for name, values in F
 EXTRA_FIELDS = st.lists(st.sampled_from(sorted(FIELDS)), max_size=2)
 #: fields a placement message's kinds carry, offered to it more often than the rest (an op's own
 #: optional fields come from its declaration, ``wire.bodies``)
-PLACEMENT_FIELDS = ["to", "hops", "owner", "active", "node", "origin", "target", "parts"]
+PLACEMENT_FIELDS = ["to", "hops", "owner", "active", "node", "origin", "target", "parts", "part", "parent"]
 TYPED = {int: NUMBERS, str: st.text(max_size=16), list: st.lists(HOSTILE, max_size=4),
          dict: st.dictionaries(st.text(max_size=6), HOSTILE, max_size=4), bool: st.booleans()}
 _SENDERS = st.sampled_from([-1, 0, 1, 2, SERVERS, SERVERS + 1, SERVERS + 2])

@@ -460,7 +460,8 @@ def placement(kind: str, arrays: list[np.ndarray], **body: Any) -> Message:
                  id="relocate with rows"),
     pytest.param(placement("state", [keys(1, 2), rows(2), keys(0), *[keys(0, 0)] * 3]), ShapeError, "disagree",
                  id="state interest of another length"),
-    pytest.param(placement("sync", [keys(1), rows(1), keys(1)], origin=0, target=1, hops=0), ProtocolError,
+    pytest.param(placement("sync", [keys(1), rows(1), keys(1)], origin=0, target=1, hops=0, part=1, parent=1),
+                 ProtocolError,
                  "array 2 must be of kind 'u'", id="sync marks not bytes"),
     pytest.param(placement("batch", [keys(1), keys(2)], messages=[{"kind": "relocate", "to": 1},
                                                                   {"kind": "handover", "to": 1, "hops": 0}]),
@@ -489,7 +490,8 @@ def test_placement_message_not_fitting_its_kind_is_rejected_on_arrival(msg: Mess
 def test_each_placement_kind_round_trips() -> None:
     bodies = {"relocate": {"to": 1}, "handover": {"to": 1, "hops": 0}, "owner": {"owner": 0},
               "announce": {"active": True, "node": 1, "hops": 0}, "state": {}, "replicate": {},
-              "sync": {"origin": 0, "target": 1, "hops": 0}, "synced": {"target": 1, "parts": 0}}
+              "sync": {"origin": 0, "target": 1, "hops": 0, "part": 1, "parent": 1},
+              "synced": {"target": 1, "parts": 0, "part": 1, "parent": 1}}
     carried = {"relocate": 1, "handover": 2, "owner": 3, "announce": 1, "state": 6, "replicate": 2, "sync": 3,
                "synced": 3}
     assert sorted(bodies) == sorted(PLACEMENT_KINDS)

@@ -25,6 +25,36 @@ from shoal.storage.kernels import OWNED
 from shoal.storage.shard import ShardStore
 
 MAX_NODES = 63  # interest and replica sets are bits of an int64
+_PART_BITS = 40  # a part of a sync: its node's number, then this many bits of its number there
+
+
+@dataclass
+class SyncInFlight:
+    """The answers one replica sync waits for. An owner that holds only some of its keys adds those and
+    passes the rest on as parts of their own (on, until they reach their owners); each part is answered
+    by the node that adds it, saying how many it passed on in turn, and the answers arrive in any order
+    (each from its own node)."""
+
+    part: int  # the sync's own part, the one sent
+    answered: bool = False  # whether ``part`` is
+    #: per part answered, its parts passed on whose answers are still due (negative: those came first)
+    due: dict[int, int] = field(default_factory=dict)
+
+    def answer(self, part: int, parent: int, parts: int) -> bool:
+        """Count the answer to ``part``; True once every part of the sync has been answered."""
+        if part == self.part:
+            self.answered = True
+        else:
+            self._add(parent, -1)
+        self._add(part, parts)
+        return self.answered and not self.due
+
+    def _add(self, part: int, count: int) -> None:
+        left = self.due.get(part, 0) + count
+        if left:
+            self.due[part] = left
+        else:
+            self.due.pop(part, None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,10 +138,12 @@ class AdaptiveTable:
         self.intents = NodeIntents(spec.num_keys)
         self.replica_owner = np.full(spec.num_keys, -1, dtype=np.int64)
         self.dropping = np.zeros(spec.num_keys, dtype=np.bool_)
-        #: per owner: answers ("synced") still due for this node's syncs, forwarded parts included
-        self.syncs_unanswered: Counter[int] = Counter()
-        #: parts of replicas' syncs for keys on their way here: added when the keys arrive
-        self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]] = []
+        #: per owner: this node's sync to it, until every part of it is answered
+        self.syncs_in_flight: dict[int, SyncInFlight] = {}
+        #: parts of replicas' syncs (keys, changes, drop, origin, target, hops, part, parent) for keys on
+        #: their way here: added when the keys arrive
+        self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int, int, int]] = []
+        self.parts_made = 0  # parts of syncs named here (``new_part``)
         self.next_sync = 0.0  # when replicas sync at the latest
         self.synced_at = 0.0  # when they last did
         self.synced_clock = -1  # the node clock they last did at
@@ -126,6 +158,12 @@ class AdaptiveTable:
     def scale(self) -> float:
         assert self.store.rule.scale is not None  # adaptive tables have additive rules
         return self.store.rule.scale
+
+    def new_part(self) -> int:
+        """A name for a part of a replica's sync made here, unique in the cluster: this node's number,
+        then how many it made before."""
+        self.parts_made += 1
+        return self.node << _PART_BITS | self.parts_made
 
     def where(self, keys: np.ndarray) -> np.ndarray:
         """Best knowledge of each key's owner: the directory for home keys, else the hint."""

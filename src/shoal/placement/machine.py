@@ -37,7 +37,7 @@ import numpy as np
 
 from shoal.api.errors import ProtocolError
 from shoal.placement import held
-from shoal.placement.adaptive_table import AdaptiveTable, Answer, Effects, Send
+from shoal.placement.adaptive_table import AdaptiveTable, Answer, Effects, Send, SyncInFlight
 from shoal.placement.intent import ACT_EVERY_S, ACTION_S, Action, smoothed_window
 from shoal.placement.messages import (
     Announce,
@@ -52,6 +52,7 @@ from shoal.placement.messages import (
     array_fields,
     body_fields,
     node_fields,
+    part_fields,
 )
 from shoal.placement.ownership import MAX_HOPS, home_of
 from shoal.storage.kernels import (
@@ -208,9 +209,8 @@ class PlacementMachine:
         replicas = np.flatnonzero(table.presence == REPLICA)
         if replicas.size and table.store.changed[replicas].any():
             why.append("replicas have changes not yet sent to their owners")
-        unanswered = sum(table.syncs_unanswered.values())
-        if unanswered:
-            why.append(f"{unanswered} replica sync(s) unanswered")
+        if table.syncs_in_flight:
+            why.append(f"{len(table.syncs_in_flight)} replica sync(s) unanswered")
         if table.incoming.any() or table.deferred_syncs or table.deferred_handovers:
             why.append(f"{int(table.incoming.sum())} key(s) on their way here")
         if table.held:
@@ -270,9 +270,10 @@ class PlacementMachine:
                 self._receive_replica(message.keys, message.rows, sender)
             case Sync():
                 self._sync_at_owner(message.keys, message.rows, message.drop, message.origin, message.target,
-                                    message.hops)
+                                    message.hops, message.part, message.parent)
             case Synced():
-                self._synced(message.keys, message.rows, message.drop, message.target, message.parts)
+                self._synced(message.keys, message.rows, message.drop, message.target, message.parts, message.part,
+                             message.parent)
 
     def _checked(self, sender: int, message: PlacementMessage) -> PlacementMessage:
         """``message`` with its keys, rows and integer arrays as the table uses them, once its node
@@ -280,10 +281,12 @@ class PlacementMachine:
         of it is applied)."""
         table = self.table
         _node(sender, table)
-        nodes = node_fields(type(message))
+        nodes, parts = node_fields(type(message)), part_fields(type(message))
         for name, field_type in body_fields(type(message)).items():
             if name in nodes:
                 _node(getattr(message, name), table)
+            elif name in parts:
+                _part(getattr(message, name))
             elif field_type is int:
                 _count(getattr(message, name))
         fixed: dict[str, np.ndarray] = {"keys": as_keys(message.keys, table.spec)}
@@ -305,10 +308,12 @@ class PlacementMachine:
         table = self.table
         home = keys[table.directory.is_home(keys)]
         table.hints.learn(home, to)
-        if to != self.node:  # a request of this node's for them, if any, is superseded
-            table.incoming[home[table.presence[home] != OWNED]] = False
+        superseded = home[table.incoming[home] & (table.presence[home] != OWNED)] if to != self.node else _NO_KEYS
+        table.incoming[superseded] = False  # a request of this node's for them is superseded
         for owner, (part, epochs) in table.directory.move(keys, to).items():
             self._send(owner, Handover(part, epochs, to))
+        if superseded.size and table.deferred_syncs:  # changes that waited for them follow them
+            self._retry_deferred_syncs()
 
     def _handover(self, keys: np.ndarray, epochs: np.ndarray, to: int, hops: int) -> None:
         """Give owned keys to ``to`` unless a newer move brought them here; chase the others.
@@ -434,9 +439,7 @@ class PlacementMachine:
             mine = keys[(replicas >> holder) & 1 == 1]
             self._send(holder, Owner(mine, table.epoch[mine], table.step[mine], self.node))
         self._retry_deferred_handovers()
-        syncs, table.deferred_syncs = table.deferred_syncs, []
-        for k, deltas, drop, origin, target, hops in syncs:
-            self._sync_at_owner(k, deltas, drop, origin, target, hops)
+        self._retry_deferred_syncs()
         for answer in held.replay_held(table, self._now):
             self._answer(answer)
 
@@ -444,6 +447,13 @@ class PlacementMachine:
         deferred, self.table.deferred_handovers = self.table.deferred_handovers, []
         for keys, epochs, to in deferred:
             self._handover(keys, epochs, to, 0)
+
+    def _retry_deferred_syncs(self) -> None:
+        """The parts of syncs that waited for keys on their way here: added where the keys came, passed
+        on where they will not come (another request superseded this node's)."""
+        deferred, self.table.deferred_syncs = self.table.deferred_syncs, []
+        for keys, deltas, drop, origin, target, hops, part, parent in deferred:
+            self._sync_at_owner(keys, deltas, drop, origin, target, hops, part, parent)
 
     def _learn_owner(self, keys: np.ndarray, owner: int, epochs: np.ndarray, steps: np.ndarray) -> None:
         """Keys moved to ``owner`` without this node asking: as their home (the newest report wins),
@@ -458,6 +468,7 @@ class PlacementMachine:
         if awaited.size and owner != self.node:
             table.incoming[awaited] = False
             self._retry_deferred_handovers()
+            self._retry_deferred_syncs()
             for answer in held.replay_held(table, self._now):
                 self._answer(answer)
 
@@ -519,43 +530,52 @@ class PlacementMachine:
         if not replicas.size:
             return
         for owner, keys in _group(table.replica_owner[replicas], replicas):
-            if table.syncs_unanswered[owner]:
+            if owner in table.syncs_in_flight:
                 continue
             with store.hold(None, exclusive=True):
                 changed, deltas = take_changes(store.values, store.base, store.changed, store.pinned, store.arrived,
                                                store.incoming, keys, table.dropping[keys])
             if not changed.size:
                 continue
-            table.syncs_unanswered[owner] = 1
+            part = table.new_part()
+            table.syncs_in_flight[owner] = SyncInFlight(part)
             table.stats["sync_sent"] += 1
-            self._send(owner, Sync(changed, deltas, table.dropping[changed].astype(np.uint8), self.node, owner))
+            self._send(owner, Sync(changed, deltas, table.dropping[changed].astype(np.uint8), self.node, owner,
+                                   part=part, parent=part))
 
     def _sync_at_owner(self, keys: np.ndarray, deltas: np.ndarray, drop: np.ndarray, origin: int, target: int,
-                       hops: int) -> None:
-        """Add a replica's change. The part for keys that moved on is passed on (their owner adds it),
-        the part for keys on their way here waits for them; the answer says how many such parts there
-        are, and the replica waits for their answers too (nothing it sent is unaccounted for)."""
+                       hops: int, part: int, parent: int) -> None:
+        """Add part ``part`` of a replica's change. What is for keys that moved on is passed on as parts of
+        its own (their owners add them), what is for keys on their way here waits for them as one; the
+        answer says how many such parts there are, and the replica waits for their answers too (nothing
+        it sent is unaccounted for). A part with nothing to add here yet waits whole, unanswered."""
         table = self.table
         owned = table.presence[keys] == OWNED
         rest = np.flatnonzero(~owned)
         parts = 0
-        if rest.size and hops >= SYNC_HOPS:
-            table.stats["sync_rows_lost"] += int(rest.size)
-            log.error("server %d: a replica's change to %d key(s) of %r found no owner in %d hops: lost",
-                      self.node, rest.size, table.spec.name, hops)
-        elif rest.size:
-            dest = table.where(keys[rest])
-            if hops >= MAX_HOPS:  # the home knows the owner
-                away = ~table.directory.is_home(keys[rest])
-                dest[away] = home_of(keys[rest][away], table.num_nodes)
-            table.stats["sync_forwarded"] += int(rest.size)
-            for owner, part in _group(dest, rest):
+        if rest.size:
+            dest = self._sync_route(keys[rest], hops)
+            here = dest == self.node
+            if here.all() and not owned.any():
+                table.deferred_syncs.append((keys, deltas, drop, origin, target, hops, part, parent))
+                return
+            if here.any():
+                waiting = rest[here]
                 parts += 1
-                if owner == self.node:  # ours, not here yet
-                    table.deferred_syncs.append((keys[part], deltas[part], drop[part], origin, target, hops))
-                else:
-                    self._send(owner, Sync(keys[part], deltas[part], drop[part], origin, target, hops + 1))
-        if rest.size:  # the usual sync finds every key owned here: no copy of its rows
+                table.deferred_syncs.append((keys[waiting], deltas[waiting], drop[waiting], origin, target, hops,
+                                             table.new_part(), part))
+            onward, dest = rest[~here], dest[~here]
+            if onward.size and hops >= SYNC_HOPS:
+                table.stats["sync_rows_lost"] += int(onward.size)
+                log.error("server %d: a replica's change to %d key(s) of %r found no owner in %d hops: lost",
+                          self.node, onward.size, table.spec.name, hops)
+            elif onward.size:
+                table.stats["sync_forwarded"] += int(onward.size)
+                for owner, group in _group(dest, onward):
+                    parts += 1
+                    self._send(owner, Sync(keys[group], deltas[group], drop[group], origin, target, hops + 1,
+                                           table.new_part(), part))
+            # The usual sync finds every key owned here: no copy of its rows.
             keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
         store = table.store
         assert store.changed is not None and store.pinned is not None
@@ -565,14 +585,33 @@ class PlacementMachine:
                         deltas, 1.0, np.empty(keys.shape[0], dtype=np.int64))
             values = _rows_of(store, keys)
         table.interest.replicas[keys[drop.astype(bool)]] &= ~(1 << origin)
-        self._send(origin, Synced(keys, values, drop, target, parts))
+        self._send(origin, Synced(keys, values, drop, target, parts, part, parent))
 
-    def _synced(self, keys: np.ndarray, values: np.ndarray, drop: np.ndarray, target: int, parts: int) -> None:
+    def _sync_route(self, keys: np.ndarray, hops: int) -> np.ndarray:
+        """Where a replica's change for keys not owned here goes next (this node: it waits for them). As a
+        handover does: behind a key's rows where this node sent them (the same channel), else to its
+        owner as known here (the home after ``MAX_HOPS``), and it waits for a key asked for here that
+        never left (the home's directory may name this node before the key arrives, and the hint
+        here the home: passed back and forth, the change was lost after ``SYNC_HOPS``)."""
+        table = self.table
+        dest = table.where(keys)
+        if hops >= MAX_HOPS:  # the home knows the owner
+            away = ~table.directory.is_home(keys)
+            dest[away] = home_of(keys[away], table.num_nodes)
+        sent_to = table.sent_to[keys]
+        dest = np.where(sent_to >= 0, sent_to, dest)
+        dest[table.incoming[keys] & (sent_to < 0)] = self.node
+        return dest
+
+    def _synced(self, keys: np.ndarray, values: np.ndarray, drop: np.ndarray, target: int, parts: int, part: int,
+                parent: int) -> None:
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
         assert store.pinned is not None and store.arrived is not None and store.incoming is not None
-        table.syncs_unanswered[target] = max(0, table.syncs_unanswered[target] + parts - 1)
+        flight = table.syncs_in_flight.get(target)
+        if flight is not None and flight.answer(part, parent, parts):
+            del table.syncs_in_flight[target]
         gone = np.empty(keys.shape[0], dtype=np.int64)
         with store.hold(None, exclusive=True):
             # A replica goes once its last change is in; changes made meanwhile go in the next sync.
@@ -680,6 +719,12 @@ def _bits(mask: int) -> list[int]:
 def _node(value: Any, table: AdaptiveTable) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < table.num_nodes:
         raise ValueError(f"bad node {value!r}")
+    return value
+
+
+def _part(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+        raise ValueError(f"bad part of a sync {value!r}")
     return value
 
 

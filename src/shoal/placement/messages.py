@@ -6,7 +6,8 @@ its dtype kind and rank (metadata ``INTS``, ``ROWS``, ``BYTES``). ``wire.schema`
 derives the check of each kind from these declarations, the server encodes and
 decodes them with ``to_parts`` and ``from_parts``, and ``placement.machine``
 takes and returns them. Node fields (``NODE``) name a node of the table; the
-machine checks them, and counts (hops, parts), when a message arrives.
+machine checks them, counts (hops, parts) and part names (``PART``), when a
+message arrives.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ INTS = {"array": ("i", 1)}
 ROWS = {"array": ("f", 2)}
 BYTES = {"array": ("u", 1)}
 NODE = {"node": True}
+#: an int naming a part of a replica's sync (``PartId``): the node that made it, then its number there
+PART = {"part": True}
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: field equality would compare arrays
@@ -95,7 +98,9 @@ class Replicate(PlacementMessage):
 
 @dataclass(frozen=True, eq=False)
 class Sync(PlacementMessage):
-    """Replica -> owner: the replica's change since its last sync; ``drop``: the replica then goes."""
+    """Replica -> owner: the replica's change since its last sync; ``drop``: the replica then goes.
+    A node that owns only some of the keys passes the rest on as parts of their own: ``part`` names
+    this one, ``parent`` the part it was passed on from (itself for the sync the replica sent)."""
 
     kind = "sync"
     rows: np.ndarray = field(metadata=ROWS)
@@ -103,18 +108,22 @@ class Sync(PlacementMessage):
     origin: int = field(metadata=NODE)
     target: int = field(metadata=NODE)
     hops: int = 0
+    part: int = field(default=0, metadata=PART)
+    parent: int = field(default=0, metadata=PART)
 
 
 @dataclass(frozen=True, eq=False)
 class Synced(PlacementMessage):
-    """Owner -> replica: the rows after adding its change; ``parts`` counts the parts of the sync passed
-    on to other owners, which answer too."""
+    """Owner -> replica: the rows after adding part ``part`` (passed on from ``parent``) of its change;
+    ``parts`` counts the parts of it passed on in turn, which answer too."""
 
     kind = "synced"
     rows: np.ndarray = field(metadata=ROWS)
     drop: np.ndarray = field(metadata=BYTES)
     target: int = field(metadata=NODE)
     parts: int = 0
+    part: int = field(default=0, metadata=PART)
+    parent: int = field(default=0, metadata=PART)
 
 
 KINDS: dict[str, type[PlacementMessage]] = {
@@ -126,6 +135,7 @@ class _Fields:
     body: Mapping[str, type]  # travel in the body: name -> int or bool
     arrays: tuple[tuple[str, str, int], ...]  # travel as arrays, in order: (name, dtype kind, rank)
     nodes: frozenset[str]  # body fields that name a node
+    parts: frozenset[str]  # body fields that name a part of a sync
 
 
 def _fields_of(cls: type[PlacementMessage]) -> _Fields:
@@ -133,7 +143,8 @@ def _fields_of(cls: type[PlacementMessage]) -> _Fields:
     fields = dataclasses.fields(cls)
     return _Fields(MappingProxyType({f.name: types[str(f.type)] for f in fields if "array" not in f.metadata}),
                    tuple((f.name, *f.metadata["array"]) for f in fields if "array" in f.metadata),
-                   frozenset(f.name for f in fields if f.metadata.get("node")))
+                   frozenset(f.name for f in fields if f.metadata.get("node")),
+                   frozenset(f.name for f in fields if f.metadata.get("part")))
 
 
 # Asked for with every message a kind sends or receives, so worked out once per kind here
@@ -153,6 +164,10 @@ def array_fields(cls: type[PlacementMessage]) -> tuple[tuple[str, str, int], ...
 
 def node_fields(cls: type[PlacementMessage]) -> frozenset[str]:
     return _FIELDS[cls].nodes
+
+
+def part_fields(cls: type[PlacementMessage]) -> frozenset[str]:
+    return _FIELDS[cls].parts
 
 
 #: several messages to one node in one: body ``{"kind": BATCH, "messages": [each one's body]}``, the

@@ -5,7 +5,8 @@ from __future__ import annotations
 from enum import IntEnum
 
 # 3: a placement batch may carry several tables' messages (an older peer would apply them to the first)
-PROTOCOL_VERSION = 3
+# 4: a replica's sync and each answer name their part of it (an older peer counted answers, and lost count)
+PROTOCOL_VERSION = 4
 
 
 class Op(IntEnum):
