@@ -610,3 +610,31 @@ def test_a_sync_passed_on_to_two_owners_is_answered_whatever_order_the_answers_a
     assert net.tables[0].presence[7] != REPLICA
     np.testing.assert_array_equal(net.owned_values(), net.pushed)
     assert not net.tables[0].syncs_in_flight
+
+
+def test_a_replicas_holder_that_takes_the_key_does_not_count_itself_a_holder(network_of):
+    # Nodes 1 and 2 intend key 0: it moves to node 1 and node 2 gets a replica. Node 2 then asks for the
+    # key (``localize``): the replica becomes the row. Later node 1 alone intends the key: it should move
+    # there. With node 2 still counting itself among the replicas' holders, it stayed, and node 1 got a
+    # replica to sync for as long as it used the key.
+    net = network_of(3, "auto", 0)
+    key = np.array([0])
+    net.machines[1].intend(key, 0, 10)
+    net.tick(0.05)
+    net.deliver_all()
+    net.machines[2].intend(key, 0, 20)
+    net.tick(0.05)
+    net.deliver_all()
+    assert [int(t.presence[0]) for t in net.tables] == [ABSENT, OWNED, REPLICA]
+    net.carry_out(2, net.machines[2].localize(key))
+    net.deliver_all()
+    assert net.tables[2].presence[0] == OWNED
+    net.clock = 25  # every intent over
+    net.tick(0.05)
+    net.deliver_all()
+    net.machines[1].intend(key, 30, 40)
+    for clock in range(26, 32):
+        net.clock = clock
+        net.tick(0.05)
+        net.deliver_all()
+    assert [int(t.presence[0]) for t in net.tables] == [ABSENT, OWNED, ABSENT]

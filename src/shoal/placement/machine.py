@@ -432,6 +432,9 @@ class PlacementMachine:
         table.incoming[keys] = False
         table.hints.learn(keys, self.node)
         table.interest.interest[keys] |= interest
+        # Where this node held a replica it now holds the row: counted as a replica's holder still, it
+        # would never be sent one again once the key moves on.
+        replicas = replicas & ~(1 << self.node)
         table.interest.replicas[keys] |= replicas
         table.stats["keys_relocated_here"] += int(keys.size)
         # The homes already know: they started the move, or the old owner told them.
