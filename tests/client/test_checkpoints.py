@@ -3,6 +3,9 @@ servers, and a deterministic BSP run resumed from one ends bit-identical to the 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -310,3 +313,38 @@ def test_a_failed_restore_loads_nothing_on_any_server(saved_every_kind, damaged)
             cluster.run_workers(load)
     finally:
         target.write_bytes(original)
+
+
+def _save_one_table(root: Path) -> Path:
+    with ThreadCluster(nodes=1) as c:
+        w = c.worker(0)
+        w.table("emb", 50, 2).push(np.arange(50), np.ones((50, 2), np.float32))
+        w.advance_clock()
+        return w.checkpoint(root)
+
+
+def test_a_latest_file_of_garbage_is_a_checkpoint_error(tmp_path: Path) -> None:
+    _save_one_table(tmp_path)
+    (tmp_path / checkpoint.LATEST).write_bytes(b"\xff\xfe\x00ckpt")  # torn, or overwritten
+    with pytest.raises(CheckpointError, match="cannot read"):
+        checkpoint.latest(tmp_path)
+
+
+@pytest.mark.parametrize("clock", ["missing", "seven", None, -1])
+def test_a_manifest_without_a_clock_to_go_on_from_is_refused_before_any_row_is_loaded(tmp_path: Path, clock: object
+                                                                                     ) -> None:
+    # The clock was read after both phases of the restore had written every row (a KeyError, a
+    # ValueError or a TypeError then, the rows loaded and the clock not resumed).
+    path = _save_one_table(tmp_path)
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    if clock == "missing":
+        del manifest["clock"]
+    else:
+        manifest["clock"] = clock
+    (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with ThreadCluster(nodes=1) as c:
+        w = c.worker(0)
+        t = w.table("emb", 50, 2)
+        with pytest.raises(CheckpointError, match="no clock to go on from"):
+            w.restore(tmp_path)
+        assert not t.pull(np.arange(50)).any()

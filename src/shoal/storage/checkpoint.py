@@ -154,6 +154,8 @@ def latest(root: str | os.PathLike[str]) -> Path:
         name = (root / LATEST).read_text().strip()
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint under {str(root)!r} (no {LATEST} file)") from None
+    except (OSError, UnicodeDecodeError) as exc:  # torn or overwritten
+        raise CheckpointError(f"cannot read {root / LATEST}: {exc}") from None
     path = root / name
     if "/" in name or not name.startswith(_PREFIX) or not (path / MANIFEST).is_file():
         raise CheckpointError(f"{root / LATEST} names {name!r}, which is not a complete checkpoint")
@@ -183,6 +185,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if not isinstance(tables, dict) or not all(_is_entry(e) for e in tables.values()):
         # A RESTORE names its path on the wire: what lies there is checked before it is read.
         raise CheckpointError(f"the manifest of {str(path)!r} does not list its tables' specs and parts")
+    clock = manifest.get("clock")
+    if type(clock) is not int or clock < 0:  # the clock a restore goes on from: checked before any row is read
+        raise CheckpointError(f"the manifest of {str(path)!r} has no clock to go on from (found {clock!r})")
     return manifest
 
 
