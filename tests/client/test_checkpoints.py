@@ -348,3 +348,74 @@ def test_a_manifest_without_a_clock_to_go_on_from_is_refused_before_any_row_is_l
         with pytest.raises(CheckpointError, match="no clock to go on from"):
             w.restore(tmp_path)
         assert not t.pull(np.arange(50)).any()
+
+
+def test_a_checkpoint_after_another_worker_drained_a_server_is_written(tmp_path: Path) -> None:
+    # Rank 1 drains server 2 (its slices go to servers 0 and 1, then it leaves). Rank 0, which writes
+    # the checkpoint, still listed server 2 and took it for dead: every attempt failed ("lost the rows").
+    keys = np.arange(300)
+
+    def body(w):
+        t = w.table("emb", 300, 2, optimizer=shoal.optim.Sum(), slices=6)
+        t.push(keys, np.ones((300, 2), np.float32))
+        w.barrier()
+        if w.rank == 1:
+            w.remove_server(2, timeout=20)
+        w.barrier()
+        t.push(keys, np.ones((300, 2), np.float32))
+        w.advance_clock()
+        w.barrier()
+        assert (t.pull(keys) == 2 * w.num_workers).all()
+        return w.checkpoint(tmp_path)
+
+    with ThreadCluster(nodes=3) as c:
+        paths = c.run_workers(body, local_access=False)
+    assert paths[0] == checkpoint.latest(tmp_path)
+    with ThreadCluster(nodes=1) as c:  # what the two servers left held, every row once
+        w = c.worker(0)
+        t = w.table("emb", 300, 2, optimizer=shoal.optim.Sum(), slices=6)
+        w.restore(tmp_path)
+        assert (t.pull(keys) == 6).all()
+
+
+@pytest.mark.heavy  # each worker leaving waits 5 s for the dead server's acknowledgement of its last clock
+def test_a_replicated_table_restores_onto_its_live_replicas_when_a_server_is_dead(tmp_path: Path) -> None:
+    # Every shard has a replica on two of three servers; server 2 dies before the restore. The live
+    # replicas hold every row, and the restore is meant to go on without it: it counted the dead
+    # server's copies among those to load and failed once every part was checked.
+    import threading
+
+    from shoal.cluster import membership
+
+    keys, options = np.arange(30), {"replicas": 2, "init": shoal.Constant(0.0)}
+
+    def save(w):
+        w.table("rep", 30, 2, **options).push(keys, np.full((30, 2), w.rank + 1.0, np.float32))
+        w.barrier()
+        w.checkpoint(tmp_path)
+
+    with ThreadCluster(nodes=3) as c:
+        c.run_workers(save, local_access=False)
+    with ThreadCluster(nodes=3) as c:
+        workers = c.all_workers(local_access=False)
+        tables = [w.table("rep", 30, 2, **options) for w in workers]
+        c.servers[2].stop()
+        c.threads[2].join(timeout=10)
+        wait_until(lambda: not membership.status(workers[0].tracker, 5.0)["alive"][2], timeout=20,
+                   what="server 2 called dead")
+        errors: list[BaseException] = []
+
+        def restore(w) -> None:
+            try:
+                w.restore(tmp_path)
+            except BaseException as exc:  # the test's thread: reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=restore, args=(w,)) for w in workers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not errors, errors[0]
+        np.testing.assert_array_equal(tables[0].pull(keys), 6.0)
+

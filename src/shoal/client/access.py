@@ -95,9 +95,10 @@ class TableAccess:
         """Whether servers must settle changes still on their way between nodes before a checkpoint."""
         return False
 
-    def copies(self, num_nodes: int) -> int:
-        """How many rows the servers hold per key, all together (a restore loads every one)."""
-        return 1
+    def rows_held(self, servers: list[int]) -> int:
+        """How many rows ``servers`` hold of the table, all together (a restore loads every one); raises
+        ``CheckpointError`` if some key's rows are on none of them."""
+        return self.layout.spec.num_keys
 
     def check_checkpoint(self, parts: list[dict[str, Any]], staging: Path) -> None:
         """Raise ``CheckpointError`` unless the servers' ``parts`` (written under ``staging``) hold

@@ -93,11 +93,15 @@ def _covered_tables(worker: WorkerContext, tables: Iterable[str] | None) -> list
 
 def _servers(worker: WorkerContext, names: list[str]) -> list[int]:
     """The servers that take part: those the rendezvous' heartbeats say are alive. A dead server
-    only costs replicas of replicated tables; a table of any other kind lost its rows there."""
+    only costs replicas of replicated tables; a table of any other kind lost its rows there. A server
+    that left (drained by any worker, its slices handed over) or joined is followed first."""
     try:
-        alive = membership.status(worker.tracker, worker.cluster.timeouts.replica_s).get("alive")
+        status = membership.status(worker.tracker, worker.cluster.timeouts.replica_s)
     except ShoalError:  # the rendezvous is slow: ask every server, and a dead one times out by name
         alive = None
+    else:
+        worker.follow_servers(status.get("servers") or [])
+        alive = status.get("alive")
     servers = worker.live_servers()
     live = [n for n in servers if alive is None or (n < len(alive) and alive[n])]
     lost = [name for name in names if not worker.tables[name].access.survives_a_server]
@@ -178,9 +182,8 @@ def _load(worker: WorkerContext, path: Path, manifest: dict[str, Any]) -> None:
         for name in manifest["tables"]:
             if name not in worker.tables:
                 continue
-            spec = worker.tables[name].spec
             rows = sum(int(body["rows"].get(name, 0)) for body in replies)
-            expected = spec.num_keys * worker.tables[name].access.copies(worker.num_nodes)
+            expected = worker.tables[name].access.rows_held(servers)
             if rows != expected:
                 done = "loaded" if commit else "found"
                 raise CheckpointError(f"servers {done} {rows} rows of {name!r} in {str(path)!r}, expected {expected}")

@@ -463,8 +463,16 @@ class ReplicatedAccess(TableAccess):
     def settles(self) -> bool:
         return True  # gossip under way: replicas must hold the same updates
 
-    def copies(self, num_nodes: int) -> int:
-        return min(self.spec.replicas, num_nodes)
+    def rows_held(self, servers: list[int]) -> int:
+        """Each shard's rows once per replica among ``servers`` (a dead server's are not loaded)."""
+        live = set(servers)
+        keys = self.layout.mapping.locate(np.arange(self.spec.num_keys))[0]
+        sizes = np.bincount(keys, minlength=self.layout.num_shards)
+        held = [len(live.intersection(shard.nodes)) for shard in self.shards]
+        lost = [s for s, copies in enumerate(held) if not copies and sizes[s]]
+        if lost:
+            raise CheckpointError(f"no server left holds a replica of shard(s) {lost} of {self.spec.name!r}")
+        return int(np.dot(sizes, held))
 
     def check_checkpoint(self, parts: list[dict[str, Any]], staging: Path) -> None:
         """Every shard written by at least one replica, and its replicas at one version."""
