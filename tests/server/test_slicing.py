@@ -552,3 +552,77 @@ def _move(cluster: ThreadCluster, table: str, shard: int, to: int) -> None:
         membership.call(tracker, RENDEZVOUS, bodies.MoveSlice(shard, to).to_message(table=table), 30, "move")
     finally:
         tracker.close()
+
+
+def test_a_move_whose_new_owner_answers_late_is_not_undone_and_no_push_is_lost() -> None:
+    # The new owner takes the slice with the last chunk; its answer is lost until after the request
+    # timeout (3 s here) and comes when the chunk is sent again. Undone at the timeout, the move left
+    # the slice served on both servers (the new owner had fenced the workers to itself), each with a
+    # share of the pushes.
+    lost_until = time.monotonic() + 4.0
+    last_chunks: set[tuple[int, int]] = set()
+    lock = threading.Lock()
+
+    def lose(header: dict) -> bool:
+        with lock:
+            if header["op"] == int(Op.SLICE_STATE) and header["body"].get("last"):
+                last_chunks.add((header["inc"], header["req"]))
+                return False
+            return (header["op"] == int(Op.OK) and (header["inc"], header["req"]) in last_chunks
+                    and time.monotonic() < lost_until)
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=3.0, barrier_s=20.0)
+    keys, ones = np.arange(400), np.ones((400, 1), np.float32)
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose), timeouts=timeouts) as c:
+        w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
+        t0 = w0.table("moving", 400, 1, optimizer=shoal.optim.Sum(), slices=8)
+        t1 = w1.table("moving", 400, 1, optimizer=shoal.optim.Sum(), slices=8)
+        t0.push(keys, ones)
+        t1.push(keys, ones)
+        assert int(t0.layout.owners[1]) == 0
+        w0.move_slice("moving", 1, to=1, timeout=20)
+        assert c.rendezvous.slices.describe("moving")["owners"][1] == 1
+        for _ in range(5):
+            t0.push(keys, ones)
+            t1.push(keys, ones)
+            w0.advance_clock()
+            w1.advance_clock()
+        w0.wait_all()
+        w1.wait_all()
+        holders = [n for n, server in enumerate(c.servers) if 1 in server.static.tables["moving"].stores]
+        assert holders == [1]
+        np.testing.assert_array_equal(t0.pull(keys)[:, 0], 12)
+        np.testing.assert_array_equal(t1.pull(keys)[:, 0], 12)
+
+
+@pytest.mark.heavy  # the rendezvous calls a server dead after 2 s without heartbeats
+def test_a_move_to_a_server_that_dies_before_answering_is_undone() -> None:
+    # Nothing of the slice reaches server 1 (its chunks are lost), which then dies: once the rendezvous
+    # calls it dead, the move is undone and the slice served where it was.
+    def lose(header: dict) -> bool:
+        return header["op"] == int(Op.SLICE_STATE)
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=3.0, barrier_s=20.0)
+    keys = np.arange(400)
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose), timeouts=timeouts) as c:
+        w0 = c.worker(0, local_access=False)
+        t0 = w0.table("moving", 400, 1, optimizer=shoal.optim.Sum(), slices=8)
+        assert int(t0.layout.owners[1]) == 0
+        part = keys[t0.layout.mapping.locate(keys)[0] == 1]
+        moved: list[BaseException] = []
+
+        def move() -> None:
+            try:
+                w0.move_slice("moving", 1, to=1, timeout=30)
+            except ClusterError as exc:
+                moved.append(exc)
+
+        mover = threading.Thread(target=move)
+        mover.start()
+        time.sleep(0.5)
+        c.servers[1].stop()
+        mover.join(timeout=40)
+        assert moved and "failed" in str(moved[0])
+        assert c.rendezvous.slices.describe("moving")["owners"][1] == 0
+        t0.push(part, np.ones((part.shape[0], 1), np.float32))
+        np.testing.assert_array_equal(t0.pull(part)[:, 0], 1)

@@ -16,8 +16,11 @@ its next heartbeat reply. The owner then:
    refreshes its layout and sends them to the new owner.
 
 Requests are held or refused whole, so nothing is applied twice or lost. A
-move that fails (the new owner does not answer) is undone: the slice is
-served here again.
+move that fails (the new owner refuses it, or dies before answering) is undone:
+the slice is served here again. A new owner that is alive but slow to answer
+is waited for (its answer is asked for again until it comes): it takes the
+slice with the last chunk, so undoing the move then would leave two servers
+serving it, each with a share of the pushes.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class _Outgoing:
     failed: bool = False
     handed: bool = False
     started: float = field(default_factory=time.monotonic)
+    slow: bool = False  # the new owner has not answered within a request's timeout (said once)
 
 
 @dataclass
@@ -89,11 +93,15 @@ class SliceService:
         self.leave_requested = False
         #: ask the rendezvous again now: the next move of a table starts once the last one is known done
         self.heartbeat_now = False
+        #: servers the rendezvous calls dead, or that left: a move to one of them is undone
+        self.gone: set[int] = set()
 
     # ------------------------------------------------------------ commands
 
     def on_status(self, status: dict[str, Any]) -> None:
         """The moves the rendezvous wants this server to make."""
+        self.gone = {n for n, alive in enumerate(status.get("alive") or []) if not alive}
+        self.gone.update(int(n) for n in status.get("departed") or [])
         for cmd in status.get("moves") or []:
             if int(cmd["from"]) == self.node and (cmd["table"], int(cmd["shard"])) not in self.outgoing:
                 self.start(str(cmd["table"]), int(cmd["shard"]), int(cmd["to"]), int(cmd["epoch"]))
@@ -153,11 +161,18 @@ class SliceService:
                 else:
                     move.handed = True
                 self._report(move)
-            elif time.monotonic() - move.started > self.cluster.timeouts.request_s:
-                log.warning("server %d: server %d did not take slice %d of %r within %.0fs; keeping it",
-                            self.node, move.to, move.shard, move.table, self.cluster.timeouts.request_s)
+            elif move.to in self.gone:
+                log.warning("server %d: server %d is gone before it answered for slice %d of %r; keeping it",
+                            self.node, move.to, move.shard, move.table)
+                for req in move.reqs:
+                    self.peers.tracker.forget(req)
                 move.failed = True
                 self._report(move)
+            elif not move.slow and time.monotonic() - move.started > self.cluster.timeouts.request_s:
+                log.warning("server %d: server %d has not answered for slice %d of %r within %.0fs; waiting (it "
+                            "may have taken it)", self.node, move.to, move.shard, move.table,
+                            self.cluster.timeouts.request_s)
+                move.slow = True
 
     def _report(self, move: _Outgoing) -> None:
         msg = bodies.MoveDone(move.shard, move.to, move.epoch, move.handed).to_message(table=move.table)
