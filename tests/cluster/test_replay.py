@@ -320,6 +320,15 @@ def test_a_request_ended_without_a_reply_times_no_round_trip():
         trip = tracker.round_trips[1]
         assert trip.samples == 1
         assert trip.timeout(1.0) > 0.5
+        req = tracker.request(1, Message(Op.PING), lambda _: None)  # an error is an answer: timed
+        item = listener.recv(1.0)
+        assert item is not None
+        listener.send(item[0], Codec(Limits()).encode(Message(Op.ERROR, req=req,
+                                                              body={"code": "ClusterError", "message": "no"})))
+        with pytest.raises(ClusterError):
+            tracker.wait({req}, 5.0)
+            raise tracker.take_error(req) or AssertionError("no error kept")
+        assert trip.samples == 2
     finally:
         tracker.close()
         listener.close()

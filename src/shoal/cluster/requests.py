@@ -494,20 +494,21 @@ class RequestTracker:
             return
         pending = self._pending[msg.req]
         if msg.op == Op.ERROR:
-            error = bodies.Error.of(msg)
+            error = bodies.Error.of(msg)  # its body was checked on arrival (``wire.schema``)
             pending.error = error_from_code(error.code, f"peer {peer}: {error.message}")
-            self._finish(msg.req, None)
+            self._finish(msg.req, None, replied=True)
             return
         self._finish(msg.req, msg)
 
-    def _finish(self, req: int, msg: Message | None) -> None:
+    def _finish(self, req: int, msg: Message | None, replied: bool = False) -> None:
+        """End request ``req`` with its reply ``msg`` (None: with its error, an error reply if ``replied``)."""
         pending = self._pending.pop(req)
         if pending.started:
             elapsed = self.now() - pending.started
             self.latency.observe(pending.op, elapsed)
             # A reply to a request sent again could answer either copy (Karn); a request ended without
             # one (its peer failed, its sender gave up) timed nothing.
-            if msg is not None and not pending.resends:
+            if (msg is not None or replied) and not pending.resends:
                 trip = self.round_trips.get(pending.peer)
                 if trip is None:
                     trip = self.round_trips[pending.peer] = RoundTrip()
