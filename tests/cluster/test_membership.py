@@ -76,6 +76,21 @@ def test_a_dead_server_makes_requests_time_out_naming_it():
             t.pull(np.arange(10))
 
 
+def test_a_worker_leaving_does_not_wait_for_a_dead_servers_acknowledgement_of_its_last_clock():
+    # It waited the whole 5 s for a server the rendezvous already called dead.
+    with ThreadCluster(nodes=2, timeouts=Timeouts(connect_s=30.0, request_s=30.0, barrier_s=30.0)) as c:
+        w = c.worker(0, local_access=False)
+        w.table("t", 10, 2)
+        c.servers[1].stop()
+        c.threads[1].join(timeout=5)
+        deadline = time.monotonic() + 20
+        while membership.status(w.tracker, 5.0)["alive"][1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = time.monotonic()
+        w.shutdown()
+        assert time.monotonic() - started < 4.0
+
+
 def test_init_outside_a_launcher_names_the_missing_variable(monkeypatch):
     for name in ("SHOAL_CLUSTER_ID", "SHOAL_RENDEZVOUS", "SHOAL_NUM_NODES"):
         monkeypatch.delenv(name, raising=False)

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 _RUN_LOG_ENTRIES = 100_000  # ps.log(...) keeps the newest this many in memory for the run report
 _FINAL_CLOCK_S = 5.0  # how long a leaving worker waits for servers to acknowledge its last clock
+_FINAL_CLOCK_LOOK_S = 0.5  # ... before it asks the rendezvous which of them are dead
 
 
 class Worker:
@@ -544,12 +545,9 @@ class Worker:
             # A worker that left must not hold back anyone's reads: this last clock is a request,
             # sent again until acknowledged (the earlier ones ride on every later message).
             last = bodies.Clock(self.rank, final=True, pushed=self._pushes_numbered())
-            final = {self.send_ordered(n, last.to_message(clock=self.clock), f"final CLOCK to server {n}")
+            final = {self.send_ordered(n, last.to_message(clock=self.clock), f"final CLOCK to server {n}"): n
                      for n in self.live_servers()}
-            try:  # a server that is gone must not keep this worker from leaving
-                self.tracker.wait(final, min(_FINAL_CLOCK_S, self.cluster.timeouts.connect_s))
-            except RequestTimeoutError as exc:
-                log.warning("worker %d: leaving without every server's acknowledgement: %s", self.rank, exc)
+            self._wait_final(final, min(_FINAL_CLOCK_S, self.cluster.timeouts.connect_s))
             membership.leave(self.tracker, self.rank, self.cluster.timeouts.connect_s)
         except ShoalError as exc:
             log.warning("worker %d: unclean shutdown: %s", self.rank, exc)
@@ -565,6 +563,28 @@ class Worker:
                 self.metrics.close()
             if self._owns_transport:
                 self.transport.close()
+
+    def _wait_final(self, final: dict[int, int], timeout: float) -> None:
+        """Wait for the servers' acknowledgements of this worker's last clock (request -> server), at
+        most ``timeout``: a server that is gone must not keep this worker from leaving, and one the
+        rendezvous calls dead is not waited for once the others have had a moment."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.tracker.wait(set(final), min(timeout, _FINAL_CLOCK_LOOK_S))
+            return
+        except RequestTimeoutError:
+            pass
+        try:
+            alive = membership.status(self.tracker, self.cluster.timeouts.replica_s).get("alive") or []
+        except ShoalError:
+            alive = []
+        for req, node in final.items():
+            if node < len(alive) and not alive[node]:
+                self.tracker.forget(req)
+        try:
+            self.tracker.wait(set(final), max(deadline - time.monotonic(), 0.0))  # those forgotten are over
+        except RequestTimeoutError as exc:
+            log.warning("worker %d: leaving without every server's acknowledgement: %s", self.rank, exc)
 
     def _check_open(self) -> None:
         if self._closed:
