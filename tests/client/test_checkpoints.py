@@ -378,7 +378,7 @@ def test_a_checkpoint_after_another_worker_drained_a_server_is_written(tmp_path:
         assert (t.pull(keys) == 6).all()
 
 
-@pytest.mark.heavy  # each worker leaving waits 5 s for the dead server's acknowledgement of its last clock
+@pytest.mark.heavy  # the rendezvous calls a server dead after 2 s without heartbeats
 def test_a_replicated_table_restores_onto_its_live_replicas_when_a_server_is_dead(tmp_path: Path) -> None:
     # Every shard has a replica on two of three servers; server 2 dies before the restore. The live
     # replicas hold every row, and the restore is meant to go on without it: it counted the dead
