@@ -31,6 +31,8 @@ OBSERVER = Sender(-3)
 OPERATOR = Sender(-4)
 
 WORKER_ORIGINS = 1 << 40  # origins below this are reserved
+#: the origin a replicated table's restored rows count as (what a checkpoint holds, over the initial rows)
+RESTORED = Origin(1)
 RANK_BITS = 20  # worker origin = WORKER_ORIGINS + (incarnation << RANK_BITS) + rank
 MAX_RANKS = 1 << RANK_BITS
 MAX_INCARNATIONS = 1 << 20

@@ -76,7 +76,8 @@ class SumLattice:
         state = self.origins.get(origin)
         return state.seq if state else 0
 
-    def _state(self, origin: int) -> OriginState:
+    def origin_state(self, origin: int) -> OriginState:
+        """``origin``'s running sum (made, at seq 0, if it has none yet)."""
         state = self.origins.get(origin)
         if state is None:
             state = self.origins[origin] = OriginState(0, np.zeros(self.base.shape, dtype=np.float64))
@@ -93,7 +94,7 @@ class SumLattice:
         then the updates before ``seq`` that never arrived are given up (their origin's
         log starts afresh, so peers that lack them get the whole running sum).
         """
-        state = self._state(origin)
+        state = self.origin_state(origin)
         if seq is not None and seq <= state.seq:
             return None
         gap = seq is not None and seq != state.seq + 1
@@ -112,7 +113,7 @@ class SumLattice:
         A delta that starts after what we hold cannot be applied (a gap): it
         is ignored, and anti-entropy sends the missing part later.
         """
-        state = self._state(delta.origin)
+        state = self.origin_state(delta.origin)
         if delta.to_seq <= state.seq or delta.from_seq > state.seq:
             return 0
         fresh = delta.updates[state.seq - delta.from_seq :]
@@ -127,7 +128,7 @@ class SumLattice:
 
     def merge_state(self, origin: int, seq: int, total: np.ndarray) -> bool:
         """State-based merge of one origin: keep the larger ``seq``. True if it changed."""
-        state = self._state(origin)
+        state = self.origin_state(origin)
         if seq <= state.seq:
             return False
         state.seq = seq

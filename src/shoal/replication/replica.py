@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import TableSpec
+from shoal.api.ids import RESTORED
 from shoal.api.optim import SGD, Adagrad, Adam, Sum
 from shoal.lattice.sum_lattice import Delta, SumLattice, Update
 from shoal.replication.delays import DelaySamples
@@ -29,9 +30,12 @@ from shoal.storage.checkpoint import place_saved
 from shoal.storage.initialize import fill_initial
 
 _LOG_BYTES = 64 * 1024 * 1024  # logged updates kept per origin for deltas; older peers get whole states
-#: updates sent to a peer are not sent to it again for this long, though its digests may not show them yet:
-#: they are on their way (answering every digest with all the peer lacks sent each update again and
-#: again while the peer's queue was backed up, which backed it up further; lost ones go again after it)
+#: updates sent to a peer are not sent to it again while its digests show it taking in what was sent, and
+#: for this long after they last did: they are on their way (answering every digest with all the peer
+#: lacks sent each update again and again while the peer's queue was backed up, which backed it up
+#: further). Lost ones go again after it: measured from each answer, the window never closed while
+#: pushes went on, and a peer that missed one answer stayed behind for good (every later delta began
+#: past what it held).
 _IN_FLIGHT_S = 0.5
 
 
@@ -69,7 +73,9 @@ class ShardReplica:
         self.held: dict[int, dict[int, HeldPush]] = defaultdict(dict)
         self.peer_versions: dict[int, dict[int, int]] = {}
         #: per peer, per origin: up to which update we sent it, and when
-        self._sent: dict[int, dict[int, tuple[int, float]]] = defaultdict(dict)
+        #: per peer and origin: the last update sent, when the peer last showed progress on it (or it went
+        #: first), and the peer's version of the origin then
+        self._sent: dict[int, dict[int, tuple[int, float, int]]] = defaultdict(dict)
         self.delays: dict[int, DelaySamples] = defaultdict(DelaySamples)  # accepting replica -> delays to here
         self.accept_times: deque[float] = deque(maxlen=4096)
         #: changes counted, and per row the count at its last change: eager pushes (ESSP) send the rows
@@ -179,12 +185,21 @@ class ShardReplica:
 
     def load(self, rows: np.ndarray, arrays: dict[str, np.ndarray], pick: np.ndarray, write: bool = True) -> None:
         """Restore: ``rows`` start from the saved values and optimiser state (``arrays[name][pick]``).
-        Only before any update, so the lattice is its base alone and every replica that loads the
-        same values agrees. ``write`` False only checks that the arrays fit."""
-        assert not any(self.version().values()), "restore into a replica that has taken updates"
-        targets = {"values": self.lattice.base, "first": self._first, "second": self._second, "steps": self._steps}
+        Only before any update. The values count as one origin's update (``RESTORED``, over the
+        initial rows), not as the lattice's base: a reader merging replicas adds their origins to the
+        initial rows it makes itself (it read the initializer's values, the restored ones lost), and a
+        replica started again regains them by gossip. Every replica that loads the same values
+        agrees. ``write`` False only checks that the arrays fit."""
+        assert not any(s for o, s in self.version().items() if o != RESTORED), \
+            "restore into a replica that has taken updates"
+        values = self.lattice.base.copy()  # the saved rows, over the initial ones
+        targets = {"values": values, "first": self._first, "second": self._second, "steps": self._steps}
         place_saved({name: t for name, t in targets.items() if t is not None}, rows, arrays, pick, self.spec.name,
                     write)
+        if write:
+            restored = self.lattice.origin_state(RESTORED)
+            restored.total[rows] = values[rows] - self.lattice.base[rows]
+            restored.seq = 1
 
     # ------------------------------------------------------------------ reads
 
@@ -209,34 +224,46 @@ class ShardReplica:
         return GossipPayload(self.shard, self.version(), DIGEST)
 
     def answer(self, peer: int, peer_version: dict[int, int], stage: int, budget: int = 1 << 62) -> GossipPayload:
-        """What ``peer`` lacks, as deltas where the log reaches back, else whole states,
-        up to about ``budget`` bytes (the rest goes in later rounds)."""
+        """What ``peer`` lacks, as deltas where the log reaches back, else whole states, up to
+        ``budget`` bytes of rows (the rest goes in later rounds); one state or update larger than
+        the budget goes alone."""
         self.peer_versions[peer] = peer_version
         payload = GossipPayload(self.shard, self.version(), stage)
         used = 0
         now = self.now()
         sent = self._sent[peer]
         for origin, state in self.lattice.origins.items():
-            theirs = peer_version.get(origin, 0)
-            upto, at = sent.get(origin, (0, 0.0))
-            if now - at < _IN_FLIGHT_S:
-                theirs = max(theirs, upto)  # on their way to the peer
+            held = peer_version.get(origin, 0)
+            upto, since, seen = sent.get(origin, (0, 0.0, 0))
+            if held > seen:
+                since = now  # the peer took some in: what follows is on its way
+            theirs = held
+            if upto > held and now - since < _IN_FLIGHT_S:
+                theirs = upto  # on their way to the peer
+            else:
+                since = now  # what goes now starts a window of its own
             if state.seq <= theirs or used >= budget:
+                if upto > held:
+                    sent[origin] = (upto, since, held)
                 continue
             delta = self.lattice.delta_since(origin, theirs)
             if delta is None:
+                if used and used + state.total.nbytes > budget:
+                    continue  # the next round's (checked against the budget alone, it went over the limit)
                 payload.states.append((origin, state.seq, state.total))
                 used += state.total.nbytes
-                sent[origin] = (state.seq, now)
+                sent[origin] = (state.seq, since, held)
                 continue
             taken: list[Update] = []
             for update in delta.updates:  # a prefix is fine: the receiver replays in order
-                if taken and used + update.values.nbytes > budget:
+                size = update.values.nbytes + update.rows.nbytes
+                if (taken or used) and used + size > budget:
                     break
                 taken.append(update)
-                used += update.values.nbytes + update.rows.nbytes
-            payload.deltas.append(Delta(origin, delta.from_seq, tuple(taken)))
-            sent[origin] = (taken[-1].seq, now)
+                used += size
+            if taken:
+                payload.deltas.append(Delta(origin, delta.from_seq, tuple(taken)))
+                sent[origin] = (taken[-1].seq, since, held)
         return payload
 
     def forget_sent(self, peer: int) -> None:
