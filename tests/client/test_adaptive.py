@@ -567,3 +567,49 @@ def test_relocation_under_concurrent_pushes_from_four_processes_loses_nothing(tm
     np.testing.assert_array_equal(result["counts"], 4.0 * rounds)
     moved = sum(s["adaptive"]["moving"].get("keys_relocated_here", 0) for s in result["servers"])
     assert moved > 500  # keys really moved, many times
+
+
+def test_pool_samples_have_as_many_keys_as_asked_for() -> None:
+    # A new pool was drawn only when fewer uses than asked for were left, though a sample's keys are
+    # distinct: several uses left on fewer keys than asked for made a short sample.
+    with ThreadCluster(nodes=1) as c:
+        t = c.worker(0).table("neg", 100, 2, techniques="auto")
+        t.register_sampling(scheme="pool", pool_size=4, reuse=3, seed=1)
+        assert [t.pull_sample(t.prepare_sample(3))[0].shape[0] for _ in range(10)] == [3] * 10
+
+
+def test_local_samples_never_draw_keys_of_weight_zero() -> None:
+    # Node 0 holds the even keys, all of weight zero: renormalised over them, the local scheme drew
+    # them uniformly; it falls back to the true distribution, as when no key is here.
+    with ThreadCluster(nodes=2) as c:
+        t = c.worker(0).table("neg", 100, 1, techniques="auto")
+        weights = np.zeros(100)
+        weights[[3, 7]] = 1.0
+        t.register_sampling(weights, scheme="local", seed=0)
+        assert set(t.sample_keys(50).tolist()) <= {3, 7}
+
+
+@pytest.mark.parametrize("start", [None, float("nan"), "x", 2**63, -1, True])
+def test_an_intent_with_a_start_that_is_no_clock_is_refused_at_the_call(start: object) -> None:
+    # ``int(start)`` raised TypeError or ValueError; 2**63 went out, and the server refused the
+    # message carrying every table's intents of the clock, so another table's intents were lost too.
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(0)
+        t = w.table("a", 10, 1, techniques="auto")
+        with pytest.raises(shoal.ConfigError, match="must be a clock"):
+            t.intent([1], start)
+        if start is not None:  # an end of None is the start's clock alone
+            with pytest.raises(shoal.ConfigError, match="must be a clock"):
+                t.intent([1], 0, start)
+        assert w.tables["a"].access.take_intents() == []
+
+
+@pytest.mark.parametrize("n", [-1, 2.5, None])
+def test_a_sample_of_a_bad_size_is_refused_at_the_call(n: object) -> None:
+    with ThreadCluster(nodes=1) as c:
+        t = c.worker(0).table("neg", 100, 1, techniques="auto")
+        t.register_sampling(scheme="naive")
+        with pytest.raises(shoal.ConfigError, match="sample's size"):
+            t.prepare_sample(n)
+        with pytest.raises(shoal.ConfigError, match="sample's size"):
+            t.sample_keys(n)

@@ -115,7 +115,7 @@ class Sampler:
 
     def _from_pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Keys (and their rows) from the pool, each used at most ``reuse`` times."""
-        if self._pool_left.sum() < n:
+        if np.count_nonzero(self._pool_left) < n:  # a sample's keys are distinct: as many left as asked for
             size = max(self.pool_size, n)
             self._pool = self._draw(size)
             self._pool_rows = self.table.pull(self._pool)
@@ -135,8 +135,8 @@ class Sampler:
         else:
             local = self._local
         self._local_age += 1
-        if local.size == 0:
-            return self._draw(n)  # nothing here yet: fall back to the true distribution
+        if not self._drawable(local):
+            return self._draw(n)  # nothing here yet (or nothing of weight): fall back to the true distribution
         keys = self._draw_among(local, n)
         if presence is None:
             return keys
@@ -145,7 +145,7 @@ class Sampler:
         gone = np.flatnonzero(presence[keys] == ABSENT)
         if gone.size:
             local = self._refresh_local(presence)
-            if local.size:
+            if self._drawable(local):
                 keys[gone] = self._draw_among(local, gone.size)
             self.table.counters["samples_redrawn"] += int(gone.size)
         return keys
@@ -156,13 +156,16 @@ class Sampler:
         self._local_age = 0
         return self._local
 
+    def _drawable(self, local: np.ndarray) -> bool:
+        """Whether ``local`` holds a key the distribution can draw (one of weight above zero)."""
+        return bool(local.size) and (self.weights is None or bool(self.weights[local].any()))
+
     def _draw_among(self, local: np.ndarray, n: int) -> np.ndarray:
         """``n`` keys of ``local``, by their weights renormalised (uniform without weights)."""
         if self.weights is None:
             return local[self.rng.integers(0, local.size, n)]
         if self._local_alias is None:
-            w = self.weights[local]
-            self._local_alias = alias_table(w if w.sum() > 0 else np.ones(local.size))
+            self._local_alias = alias_table(self.weights[local])
         return local[alias_draw(*self._local_alias, self.rng.random(n))]
 
     def _static_local_keys(self) -> np.ndarray:

@@ -170,7 +170,8 @@ class Table:
         The node's server acts on it ahead of time (relocate or replicate); it
         never blocks the caller. Static tables ignore intents.
         """
-        self.access.intent(as_keys(keys, self.spec), int(start), int(start) + 1 if end is None else int(end))
+        first = _clock(start, "start")
+        self.access.intent(as_keys(keys, self.spec), first, first + 1 if end is None else _clock(end, "end"))
 
     def wait_local(self, keys: Any, timeout: float = 30.0) -> int:
         """Wait until ``keys`` are on this worker's node (owned or replicated here), as the intents
@@ -220,7 +221,7 @@ class Table:
         """Draw ``n`` keys for use at ``clock`` (default: now); returns a handle for ``pull_sample``."""
         if self._sampler is None:
             raise TableError(f"register_sampling() on table {self.name!r} first")
-        return self._sampler.prepare(n, clock)
+        return self._sampler.prepare(_count(n), None if clock is None else _clock(clock, "clock"))
 
     def sample_keys(self, n: int) -> np.ndarray:
         """Draw ``n`` keys under the ``naive``, ``preloc`` (drawn as ``naive``) or ``local`` scheme
@@ -228,7 +229,7 @@ class Table:
         request per server)."""
         if self._sampler is None:
             raise TableError(f"register_sampling() on table {self.name!r} first")
-        return self._sampler.draw(n)
+        return self._sampler.draw(_count(n))
 
     def pull_sample(self, handle: int) -> tuple[np.ndarray, np.ndarray]:
         """The keys of a prepared sample and their rows."""
@@ -262,3 +263,22 @@ class Table:
     def close(self) -> None:
         self.access.close()
 
+
+
+#: clocks travel as int64 (an intent's start and end among them): one past it was refused on arrival,
+#: and with it every table's intents of that clock, sent together
+_CLOCK_END = 1 << 62
+
+
+def _clock(value: Any, what: str) -> int:
+    """A clock given by the caller, as an int, or ``ConfigError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < _CLOCK_END:
+        raise ConfigError(f"{what} must be a clock (an int from 0 to 2**62), got {value!r}")
+    return int(value)
+
+
+def _count(value: Any) -> int:
+    """A number of samples given by the caller, as an int, or ``ConfigError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ConfigError(f"a sample's size must be an int >= 0, got {value!r}")
+    return int(value)
