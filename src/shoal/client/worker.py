@@ -189,6 +189,10 @@ class Worker:
         self.follow_servers(current.get("servers") or [])
         table = Table(self, spec, current)
         self.tables[spec.name] = table
+        if spec.consistency.bound is not None and self._tick_due:
+            # The clock ticks owed while every table was ASP go now: a bounded read elsewhere may wait
+            # for it, as this worker's own reads may soon wait for that reader.
+            self._tick(time.monotonic())
         warming.join()
         return table
 

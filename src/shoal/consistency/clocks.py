@@ -56,6 +56,16 @@ class ClockTable:
         self.learned[worker] = max(clock, int(self.learned[worker]))
         return self._set(worker)
 
+    def restart(self, worker: int, clock: int, settled: int) -> None:
+        """``worker`` was started again (a new incarnation) and goes on from ``clock``: what its earlier
+        process reached, or a ``finish``, no longer counts; it holds readers back again until it
+        catches up."""
+        if not 0 <= worker < self.clocks.shape[0]:
+            return
+        self.learned[worker] = clock
+        self.settled[worker] = settled
+        self._set(worker)
+
     def finish(self, worker: int) -> bool:
         """The worker has left, every push of it applied: it never holds anyone back again."""
         if not 0 <= worker < self.clocks.shape[0]:

@@ -58,6 +58,8 @@ class Synchroniser:
         #: (worker, table): a push of it was refused here and comes back; its reads wait for it
         self.refusing: set[tuple[int, str]] = set()
         self._fence_told: dict[int, float] = {}
+        #: per worker, the incarnation of its stream last heard (a later one: the worker was started again)
+        self._incarnations: dict[int, int] = {}
         self.stats: Counter[str] = Counter()
 
     def held_count(self) -> int:
@@ -65,9 +67,22 @@ class Synchroniser:
         return sum(len(t.controller.held) for t in list(self.tables.values()))
 
     def observe(self, peer: bytes, msg: Message) -> None:
-        """Learn the sender's clock from any worker message; act if the slowest clock moved."""
+        """Learn the sender's clock from a tick, or from a request about a table synchronised here (in
+        the worker's stream, ``server.streams``: handled after every earlier one, so a clock counts after
+        the pushes of the clocks before it); act if the slowest clock moved. A request about an adaptive
+        or replicated table is outside the stream, handled as it arrives: its clock would overtake a
+        push of an earlier clock sent again after a loss."""
         if msg.op not in _WORKER_OPS or not 0 <= msg.sender < self.clocks.num_workers:
             return
+        position = position_of(msg)
+        if msg.op != Op.CLOCK and msg.table not in self.tables:
+            self.peers[msg.sender] = peer
+            return
+        known = self._incarnations.get(msg.sender)
+        if position is not None and known is not None and position.incarnation > known:
+            self.clocks.restart(msg.sender, msg.clock, min(position.settled, msg.clock))  # started again
+        if position is not None and (known is None or position.incarnation > known):
+            self._incarnations[msg.sender] = position.incarnation
         if msg.op == Op.CLOCK and bodies.Clock.of(msg).final:
             self.peers.pop(msg.sender, None)  # it has left: nothing more to push to it
             self.fences.pop(msg.sender, None)  # it waited for all its pushes before leaving
