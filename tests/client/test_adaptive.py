@@ -613,3 +613,28 @@ def test_a_sample_of_a_bad_size_is_refused_at_the_call(n: object) -> None:
             t.prepare_sample(n)
         with pytest.raises(shoal.ConfigError, match="sample's size"):
             t.sample_keys(n)
+
+
+def test_a_pull_answered_moved_goes_where_the_answer_said_not_back_to_the_home():
+    # Key 2 (homed on node 2) moved to node 1. Worker 0's cache still says node 2; node 2 answers
+    # "moved, to node 1". A push then goes to node 1 (two requests). A pull counted the attempt twice
+    # (when answered "moved", and again when read again), so its second try was "after two hops": to
+    # the home again, which said node 1 again; the third request reached the key, after a back-off.
+    with ThreadCluster(nodes=3) as c:
+        w0 = c.worker(0)
+        t0 = w0.table("k", 30, 1, techniques="relocation")
+        t1 = c.worker(1).table("k", 30, 1, techniques="relocation")
+        c.worker(2).table("k", 30, 1, techniques="relocation")
+        t1.localize(np.array([2, 5]))
+        deadline = time.monotonic() + 10
+        while (c.servers[1].adaptive.tables["k"].presence[[2, 5]] != OWNED).any():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        before = t0.counters["requests"]
+        t0.push(np.array([5]), np.ones((1, 1), np.float32))
+        push_requests = t0.counters["requests"] - before
+        before = t0.counters["requests"]
+        t0.pull(np.array([2]))
+        pull_requests = t0.counters["requests"] - before
+        assert push_requests == 2
+        assert pull_requests == push_requests, f"a pull took {pull_requests} requests where a push took 2"

@@ -145,7 +145,7 @@ class RoutedAccess(TableAccess):
         """The waiter of ``call`` reads again the rows answered "moved", where they are now."""
         positions = np.concatenate(call.rereads)
         call.rereads.clear()
-        if self._gave_up(call):
+        if self._expired(call):  # counted as an attempt when it was answered "moved" (``_resend_moved``)
             return
         if call.attempts > 2:
             time.sleep(min(0.005 * 2 ** call.attempts, 0.1))  # keys moving again and again: let them settle
@@ -156,7 +156,12 @@ class RoutedAccess(TableAccess):
             call.error = call.error or exc
 
     def _gave_up(self, call: Call) -> bool:
+        """Count another attempt of ``call``; whether it is over (``_expired``)."""
         call.attempts += 1
+        return self._expired(call)
+
+    def _expired(self, call: Call) -> bool:
+        """Whether ``call`` failed, or its keys kept moving past the request timeout (it fails now)."""
         if call.error is None and self.worker.now() - call.started > self.worker.cluster.timeouts.request_s:
             call.error = SliceMovedError(
                 f"keys of {self.spec.name!r} kept moving for {self.worker.cluster.timeouts.request_s:.0f}s: "
