@@ -289,3 +289,68 @@ def test_a_checkpoint_holds_what_was_pushed_beside_rows_held_in_place_once(tmp_p
         t = w.table("m", 10, 1, techniques="auto", init=shoal.Constant(0.0))
         w.restore(tmp_path)
         np.testing.assert_array_equal(t.pull(keys)[:, 0], [5.0] * 6 + [0.0] * 4)
+
+
+def test_two_processes_holding_rows_in_place_never_share_a_place_in_the_table_of_holds() -> None:
+    # ``pin_in_place`` picks a free place in ``holds`` (a read, then a write of the process id). Under
+    # the row locks of the hold's own keys only, two processes holding keys of other lock stripes
+    # picked the same place at once (about twice a second here): the first to end freed it while the
+    # other still held its rows pinned under that number, for a third hold to take them as its own.
+    import os
+    import time
+    import uuid
+
+    from shoal.api.config import TableSpec
+    from shoal.placement.adaptive_table import AdaptiveTable
+    from shoal.storage.in_place import RowsInPlace
+
+    spec = TableSpec("t", num_keys=64, dim=2, techniques="relocation", init=shoal.Constant(0.0))
+    table = AdaptiveTable(spec, 0, 1, uuid.uuid4().hex[:12])
+    store = table.store
+    warm = RowsInPlace(store, np.array([0]))
+    warm.open()
+    warm.close()
+    seconds = 3.0
+    pids = []
+    try:
+        for key in (1, 2):  # stripes 1 and 2: the two holds never wait for each other
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    keys, me, end = np.array([key]), os.getpid(), time.monotonic() + seconds
+                    while time.monotonic() < end:
+                        hold = RowsInPlace(store, keys)
+                        hold.open()
+                        shared = store.holds[hold._hold] != me or store.pinned[key] != hold._hold
+                        hold.close()
+                        if shared:
+                            code = 1
+                            break
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        codes = []
+        deadline = time.monotonic() + seconds + 20
+        for pid in pids:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes.append(os.waitstatus_to_exitcode(status))
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    codes.append(-9)
+                    break
+                time.sleep(0.05)
+        pids = []
+        assert codes == [0, 0], f"a hold found its place in the table of holds taken by another process: {codes}"
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        table.close()
