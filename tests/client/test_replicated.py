@@ -225,3 +225,21 @@ def test_the_gossip_period_changes_during_training():
             t.set_gossip_ms(0.5)
         with pytest.raises(shoal.ConfigError, match="not replicated"):
             w.table("plain", 8, 1).set_gossip_ms(20)
+
+
+def test_a_read_after_an_acknowledged_async_push_holds_it() -> None:
+    # The worker's own writes and the replicas holding them were noted when the push was waited for:
+    # a read after the acknowledgement, before the wait, read any replica (gossip every 60 s here),
+    # which lacked the push.
+    with ThreadCluster(nodes=3, timeouts=QUICK) as c:
+        w = c.worker(0)
+        keys = np.arange(30)
+        for i in range(6):  # fresh tables: each first read picks a replica at random
+            t = w.table(f"ryw{i}", 30, 1, replicas=3, gossip_ms=60_000, optimizer=shoal.optim.Sum())
+            pushed = t.push_async(keys, np.ones((30, 1), np.float32))
+            deadline = time.monotonic() + 5
+            while not pushed.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pushed.done()
+            np.testing.assert_array_equal(t.pull(keys)[:, 0], 1.0)
+            pushed.wait()

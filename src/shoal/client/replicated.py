@@ -130,17 +130,15 @@ class ReplicatedAccess(TableAccess):
         for shard_id, k, v in parts:
             for node in self._write_targets(self.shards[shard_id], set()):
                 batch.append(((shard_id, node), node, self._message(numbered[shard_id], [k, v])))
-        sent = self._send_all(batch)
+        # Each acknowledgement is noted as it arrives, not when the push is waited for: a read after an
+        # acknowledged push_async, before its wait, must find a replica that holds it.
+        sent = self._send_all(batch, lambda key, reply: self._note_ack(key[0], reply, key[1]))
         return Future.running(lambda: self._finish_push(parts, numbered, self._gather(sent)), self._answered(sent))
 
     def _finish_push(self, parts: list[tuple[int, np.ndarray, np.ndarray]], numbered: dict[int, Push],
                      replies: dict[Any, Message]) -> None:
         for shard_id, k, v in parts:
             acked = {node for (s, node) in replies if s == shard_id}
-            self.shards[shard_id].holders = set(acked)
-            for (s, _), reply in replies.items():
-                if s == shard_id:
-                    self._note_ack(shard_id, reply)
             if len(acked) < self.spec.write_quorum:
                 self._complete_push(shard_id, k, v, numbered[shard_id], acked)
 
@@ -162,10 +160,17 @@ class ReplicatedAccess(TableAccess):
         live = self.view.reachable(nodes)
         return [n for n in order if n in live and n not in exclude][: self.spec.write_quorum]
 
-    def _note_ack(self, shard_id: int, reply: Message) -> None:
+    def _note_ack(self, shard_id: int, reply: Message, node: int) -> None:
+        """Replica ``node`` acknowledged a push to ``shard_id``: the worker's own writes there reach at
+        least that far, and the replicas that hold the newest of them are the ones to read first."""
         origin, seq = int(reply.body["origin"]), int(reply.body["seq"])
         shard = self.shards[shard_id]
-        shard.own[origin] = max(shard.own.get(origin, 0), seq)
+        newest = shard.own.get(origin, 0)
+        if seq > newest:
+            shard.holders = {node}
+        elif seq == newest:
+            shard.holders.add(node)
+        shard.own[origin] = max(newest, seq)
         if self.record:
             self.acks.append((shard_id, origin, seq, float(reply.body["at"])))
 
@@ -198,8 +203,7 @@ class ReplicatedAccess(TableAccess):
             batch = [(node, node, self._message(body, [keys, values])) for node in targets]
             for node, reply in self._ask_all(batch).items():
                 acked.add(node)
-                shard.holders.add(node)
-                self._note_ack(shard_id, reply)
+                self._note_ack(shard_id, reply, node)
 
     # ----------------------------------------------------------------- pulls
 
@@ -532,12 +536,13 @@ class ReplicatedAccess(TableAccess):
     def _ask_all(self, batch: list[tuple[Any, int, Message]], patient: bool = False) -> dict[Any, Message]:
         return self._gather(self._send_all(batch), patient)
 
-    def _send_all(self, batch: list[tuple[Any, int, Message]]) -> _Sent:
-        """Send every ``(key, node, message)`` at once."""
+    def _send_all(self, batch: list[tuple[Any, int, Message]],
+                  on_reply: Callable[[Any, Message], None] | None = None) -> _Sent:
+        """Send every ``(key, node, message)`` at once; ``on_reply(key, reply)`` as each reply comes."""
         sent = _Sent(time.monotonic())
         for key, node, msg in batch:
             what = f"{msg.op.name} to replica {node}"
-            req = self.worker.tracker.request(node, msg, _collect(sent.replies, key), what)
+            req = self.worker.tracker.request(node, msg, _collect(sent.replies, key, on_reply), what)
             sent.reqs[req] = (key, node)
         return sent
 
@@ -611,9 +616,12 @@ def _required(replies: dict[int, Message]) -> dict[int, int]:
     return required
 
 
-def _collect(replies: dict[Any, Message], key: Any):  # type: ignore[no-untyped-def]
+def _collect(replies: dict[Any, Message], key: Any,
+             then: Callable[[Any, Message], None] | None = None) -> Callable[[Message], None]:
     def on_reply(msg: Message) -> None:
         replies[key] = msg
+        if then is not None:
+            then(key, msg)
 
     return on_reply
 
