@@ -103,8 +103,10 @@ def test_a_clock_an_asp_only_worker_has_not_told_yet_does_not_deadlock_bounded_r
         assert isinstance(results.get(0), np.ndarray), results.get(0)
 
 
-
 def test_a_restarted_worker_once_heard_is_held_to_the_bound_again():
+    # The job's workers are started again (new incarnations, at clock 0) on servers that counted their
+    # earlier processes to clock 5 and ignored every lower clock: no BSP read waited for them. Once a
+    # restarted worker is heard in its new stream, it counts from its new clock.
     with ThreadCluster(nodes=2) as c:
         keys = np.arange(16)
         ones = np.ones((16, 1), np.float32)
