@@ -246,6 +246,43 @@ def test_a_replica_wanted_again_before_its_last_sync_is_kept():
         assert t.counters["requests"] == requests
 
 
+def test_a_replica_only_read_follows_the_owners_row_while_the_owner_is_pushed_to():
+    """A node that only reads a replica sends its owner no change: its syncs still bring back the
+    owner's rows in turn (it read the value the replica came with for as long as the intent lasted)."""
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        writer = w0.table("r", 10, 1, techniques="replication", init=shoal.Constant(0.0), sync_ms=5)
+        reader = w1.table("r", 10, 1, techniques="replication", init=shoal.Constant(0.0), sync_ms=5)
+        here = c.servers[1].adaptive.tables["r"]
+        reader.intent([0, 2, 4], 1, 10_000)  # homed on node 0
+        w1.advance_clock()
+        wait_until(lambda: (here.presence[[0, 2, 4]] == REPLICA).all())
+        pushes = 200
+        seen: list[float] = []
+
+        def write() -> None:
+            for _ in range(pushes):
+                writer.push([0, 2, 4], np.ones((3, 1), np.float32))
+                time.sleep(0.001)
+            w0.wait_all()
+
+        pushing = threading.Thread(target=write)
+        pushing.start()
+        try:
+            deadline = time.monotonic() + 20.0
+            while time.monotonic() < deadline:
+                rows = reader.pull([0, 2, 4])[:, 0]
+                seen.append(float(rows.min()))
+                if (rows == pushes).all():
+                    break
+                time.sleep(0.005)
+        finally:
+            pushing.join()
+        assert (here.presence[[0, 2, 4]] == REPLICA).all()  # read here all along, not moved here
+        assert seen[-1] == pushes, f"the replica stayed at {seen[-1]} of {pushes}"
+        assert len(set(seen)) > 2  # it followed the owner on the way, not only at the end
+
+
 @pytest.mark.parametrize("sync_ms", [None, 1000.0])
 def test_replicas_without_a_sync_period_of_their_own_sync_at_each_clock_of_their_node(sync_ms):
     """Without ``sync_ms`` a replica's change goes to its owner once the node's workers have moved on a

@@ -27,7 +27,7 @@ from shoal.api.errors import ProtocolError
 from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.held import HELD_S
 from shoal.placement.intent import ACT_EVERY_S
-from shoal.placement.machine import PlacementMachine
+from shoal.placement.machine import REFRESH_ROUNDS, PlacementMachine
 from shoal.placement.messages import Announce, Handover, Owner, PlacementMessage, State, Sync, array_fields
 from shoal.placement.ownership import LocationCache
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA, pin_in_place
@@ -638,3 +638,20 @@ def test_a_replicas_holder_that_takes_the_key_does_not_count_itself_a_holder(net
         net.tick(0.05)
         net.deliver_all()
     assert [int(t.presence[0]) for t in net.tables] == [ABSENT, OWNED, ABSENT]
+
+
+def test_a_replica_only_read_here_follows_its_owners_row_within_a_few_syncs(network_of):
+    # Node 1 holds replicas of keys 0..5 (homed on node 0) and only reads them; node 0's workers add
+    # to the rows. A sync carried only the rows changed here, and its answer only their values: a
+    # replica never written here kept the value it came with for as long as its intent lasted.
+    net = network_of(2, "replication", 0)
+    keys = np.arange(0, 12, 2)  # homed on node 0
+    _replicas_at(net, 1, keys)
+    net.push(0, keys)
+    assert (net.tables[0].presence[keys] == OWNED).all()
+    for _ in range(REFRESH_ROUNDS):
+        _sync_now(net, 1)
+        net.deliver_all()
+    np.testing.assert_array_equal(net.tables[1].store.values[keys, 0], 1.0)
+    assert (net.tables[1].presence[keys] == REPLICA).all()
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)  # a refresh adds nothing

@@ -140,6 +140,8 @@ class AdaptiveTable:
         self.dropping = np.zeros(spec.num_keys, dtype=np.bool_)
         #: per owner: this node's sync to it, until every part of it is answered
         self.syncs_in_flight: dict[int, SyncInFlight] = {}
+        #: per owner: its syncs sent from here, which say whose turn it is to be refreshed
+        self.refresh_turns = np.zeros(num_nodes, dtype=np.int64)
         #: parts of replicas' syncs (keys, changes, drop, origin, target, hops, part, parent) for keys on
         #: their way here: added when the keys arrive
         self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int, int, int]] = []

@@ -81,6 +81,10 @@ HOLD_CHECK_S = 1.0  # how often a server looks for rows held in place by a proce
 SYNC_MIN_MS = 10.0
 SYNC_MAX_MS = 50.0  # ... and at least this often (clocks that stand still)
 ROUND_SLACK_S = 0.01  # a round of intents waits this long at most for the replicas' sync to go with it
+# A sync's answer brings back the owner's rows of the keys it carries. A replica only read here would
+# never be carried (it has no change), so each sync to an owner also carries one in this many of its
+# other replicas, in turn: a replica is at most this many of its owner's syncs behind the owner's row.
+REFRESH_ROUNDS = 8
 
 
 class PlacementMachine:
@@ -524,7 +528,8 @@ class PlacementMachine:
             self._answer(answer)
 
     def _sync(self) -> None:
-        """Send each owner the change its replicas here saw since the last sync (one sync in flight per owner)."""
+        """Send each owner the change its replicas here saw since the last sync, and a turn of the others
+        to refresh (one sync in flight per owner)."""
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
@@ -535,9 +540,12 @@ class PlacementMachine:
         for owner, keys in _group(table.replica_owner[replicas], replicas):
             if owner in table.syncs_in_flight:
                 continue
+            turn = table.refresh_turns[owner] % REFRESH_ROUNDS
+            table.refresh_turns[owner] += 1
+            also = table.dropping[keys] | (keys % REFRESH_ROUNDS == turn)
             with store.hold(None, exclusive=True):
                 changed, deltas = take_changes(store.values, store.base, store.changed, store.pinned, store.arrived,
-                                               store.incoming, keys, table.dropping[keys])
+                                               store.incoming, keys, also)
             if not changed.size:
                 continue
             part = table.new_part()
