@@ -655,3 +655,102 @@ def test_a_replica_only_read_here_follows_its_owners_row_within_a_few_syncs(netw
     np.testing.assert_array_equal(net.tables[1].store.values[keys, 0], 1.0)
     assert (net.tables[1].presence[keys] == REPLICA).all()
     np.testing.assert_array_equal(net.owned_values(), net.pushed)  # a refresh adds nothing
+
+
+def _read_here(net: Network, node: int, keys: np.ndarray) -> np.ndarray:
+    """What a worker on ``node`` reads of ``keys`` in shared memory (NaN where absent: it asks a server)."""
+    out = np.zeros((keys.size, 2), np.float32)
+    absent = net.tables[node].store.read_present(keys, out)
+    out[absent] = np.nan
+    return out[:, 0]
+
+
+def test_a_replica_that_becomes_the_row_before_its_sync_is_added_keeps_reading_its_own_change(network_of):
+    # Key 0 (homed on node 0) is owned by node 1; node 2 holds a replica and adds 1 to it. Its sync to
+    # node 1 is slow. Node 2 then asks the home for the key; node 1 hands it over before the sync
+    # arrives. The row that came lacked node 2's change (it was on its way to node 1, who passes it on
+    # to node 2): until then node 2 read 0 where it had written 1.
+    net = network_of(3, "replication", 0)
+    key = np.array([0])
+    net.carry_out(1, net.machines[1].localize(key))
+    net.deliver_all()
+    _replicas_at(net, 2, key)
+    assert [int(t.presence[0]) for t in net.tables] == [ABSENT, OWNED, REPLICA]
+    net.push(2, key)
+    _sync_now(net, 2)  # to node 1, held on its way
+    net.carry_out(2, net.machines[2].localize(key))
+    net.deliver(2, 0)  # the home asks node 1 for a handover
+    net.deliver(0, 1)  # node 1 hands the key over before the sync arrives ...
+    net.deliver(1, 2)  # ... and its rows reach node 2
+    for _ in range(40):
+        busy = [pair for pair, queue in net.channels.items() if queue and pair != (2, 1)]
+        for pair in busy:
+            net.deliver(*pair)
+        value = _read_here(net, 2, key)[0]
+        assert np.isnan(value) or value == 1.0, "node 2 reads the row without its own change"
+        if not busy:
+            break
+    net.settle()
+    assert net.tables[2].presence[0] == OWNED
+    assert _read_here(net, 2, key)[0] == 1.0
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)
+    assert not net.tables[2].syncs_in_flight
+
+
+def test_a_replica_whose_sync_was_added_before_the_handover_takes_the_row_at_once_without_adding_it_twice(
+        network_of):
+    # As above, but the sync reaches node 1 before the handover: its answer and the row then come to
+    # node 2 on the same channel, in that order.
+    net = network_of(3, "replication", 0)
+    key = np.array([0])
+    net.carry_out(1, net.machines[1].localize(key))
+    net.deliver_all()
+    _replicas_at(net, 2, key)
+    net.push(2, key)
+    _sync_now(net, 2)
+    net.carry_out(2, net.machines[2].localize(key))
+    net.deliver(2, 1)  # the sync first
+    net.deliver(2, 0)
+    net.deliver(0, 1)
+    net.deliver(1, 2)  # the answer
+    net.deliver(1, 2)  # the row
+    assert net.tables[2].presence[0] == OWNED
+    assert _read_here(net, 2, key)[0] == 1.0
+    net.settle()
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("technique", ["replication", "auto"])
+def test_replicas_that_become_rows_while_their_syncs_travel_read_their_own_changes_and_count_them_once(
+        network_of, technique, seed):
+    # Nodes 1 and 2 hold replicas of keys homed on node 0 and write them; now and then one asks for
+    # some keys, in a random order of deliveries. Whenever a node reads a key, its own pushes to it
+    # are in.
+    net = network_of(3, technique, seed)
+    keys = np.arange(0, NUM_KEYS, 3)  # homed on node 0
+    for node in (1, 2):  # auto: the keys move to node 1, node 2 holds replicas
+        net.machines[node].intend(keys, 0, 10_000)
+        net.tick()
+        net.deliver_all()
+    assert (net.tables[2].presence[keys] == REPLICA).all()
+    mine = np.zeros((3, NUM_KEYS))
+    for step in range(30):
+        node = int(net.rng.integers(1, 3))
+        some = net.rng.choice(keys, size=3, replace=False)
+        present = ~np.isnan(_read_here(net, node, some))
+        net.push(node, some)
+        mine[node, some[present]] += 1  # pushes into rows here, counted in as they are made
+        if step % 4 == 0:
+            net.carry_out(node, net.machines[node].localize(net.rng.choice(keys, size=2, replace=False)))
+        if step % 3 == 0:
+            _sync_now(net, node)
+        for _ in range(int(net.rng.integers(0, 6))):
+            net.deliver_one()
+        for reader in (1, 2):
+            seen = _read_here(net, reader, keys)
+            here = ~np.isnan(seen)
+            own = mine[reader, keys[here]]
+            assert (seen[here] >= own).all(), f"node {reader} misses its own pushes: {seen[here]} < {own}"
+    net.settle()
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)

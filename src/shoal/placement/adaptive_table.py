@@ -36,6 +36,8 @@ class SyncInFlight:
     (each from its own node)."""
 
     part: int  # the sync's own part, the one sent
+    left: np.ndarray  # its keys whose part has not been answered yet (sorted)
+    changes: bool  # whether it carries a change (else it only refreshes replicas)
     answered: bool = False  # whether ``part`` is
     #: per part answered, its parts passed on whose answers are still due (negative: those came first)
     due: dict[int, int] = field(default_factory=dict)
@@ -49,12 +51,53 @@ class SyncInFlight:
         self._add(part, parts)
         return self.answered and not self.due
 
+    def answered_keys(self, keys: np.ndarray, done: bool) -> np.ndarray:
+        """The keys an answer naming ``keys`` settles: those among them still left, or every key left
+        once the whole sync is answered (a part lost on the way names none)."""
+        if done:
+            settled, self.left = self.left, self.left[:0]
+            return settled
+        mask = np.isin(self.left, keys, assume_unique=False)
+        settled, self.left = self.left[mask], self.left[~mask]
+        return settled
+
     def _add(self, part: int, count: int) -> None:
         left = self.due.get(part, 0) + count
         if left:
             self.due[part] = left
         else:
             self.due.pop(part, None)
+
+
+@dataclass(eq=False)
+class WaitingState:
+    """Rows (``State``'s fields) that came to be owned here while a sync of this node's replica of
+    them was on its way: they may lack that sync's change (the old owner passes it on to here), so
+    they are taken once every such sync has been answered, and the replica here, which holds the
+    change, is read meanwhile. Changes that other replicas sync to them meanwhile go into
+    ``values``."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    interest: np.ndarray
+    replicas: np.ndarray
+    epochs: np.ndarray
+    steps: np.ndarray
+
+    def split(self, keep: np.ndarray) -> WaitingState:
+        """The part of ``keep`` (a mask); this keeps the rest."""
+        fields = ("keys", "values", "interest", "replicas", "epochs", "steps")
+        taken = WaitingState(*(getattr(self, name)[keep] for name in fields))
+        for name in fields:
+            setattr(self, name, getattr(self, name)[~keep])
+        return taken
+
+    def positions(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where ``keys`` are in this state's keys, and which of them are."""
+        order = np.argsort(self.keys, kind="stable")
+        at = np.minimum(np.searchsorted(self.keys, keys, sorter=order), self.keys.shape[0] - 1)
+        where = order[at]
+        return where, self.keys[where] == keys
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,6 +183,11 @@ class AdaptiveTable:
         self.dropping = np.zeros(spec.num_keys, dtype=np.bool_)
         #: per owner: this node's sync to it, until every part of it is answered
         self.syncs_in_flight: dict[int, SyncInFlight] = {}
+        #: per key: syncs of this node's replica carrying its change whose part has not been answered
+        self.unanswered = np.zeros(spec.num_keys, dtype=np.int32)
+        #: rows that came while such a sync was on its way (``WaitingState``), and their keys
+        self.waiting_states: list[WaitingState] = []
+        self.state_waits = np.zeros(spec.num_keys, dtype=np.bool_)
         #: per owner: its syncs sent from here, which say whose turn it is to be refreshed
         self.refresh_turns = np.zeros(num_nodes, dtype=np.int64)
         #: parts of replicas' syncs (keys, changes, drop, origin, target, hops, part, parent) for keys on

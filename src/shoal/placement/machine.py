@@ -37,7 +37,7 @@ import numpy as np
 
 from shoal.api.errors import ProtocolError
 from shoal.placement import held
-from shoal.placement.adaptive_table import AdaptiveTable, Answer, Effects, Send, SyncInFlight
+from shoal.placement.adaptive_table import AdaptiveTable, Answer, Effects, Send, SyncInFlight, WaitingState
 from shoal.placement.intent import ACT_EVERY_S, ACTION_S, Action, smoothed_window
 from shoal.placement.messages import (
     Announce,
@@ -213,8 +213,13 @@ class PlacementMachine:
         replicas = np.flatnonzero(table.presence == REPLICA)
         if replicas.size and table.store.changed[replicas].any():
             why.append("replicas have changes not yet sent to their owners")
-        if table.syncs_in_flight:
-            why.append(f"{len(table.syncs_in_flight)} replica sync(s) unanswered")
+        # A sync that only refreshes replicas carries no change a checkpoint waits for (the timer sends
+        # one every period, and this would never be empty between them).
+        changing = sum(flight.changes for flight in table.syncs_in_flight.values())
+        if changing:
+            why.append(f"{changing} replica sync(s) unanswered")
+        if table.waiting_states:
+            why.append(f"{int(table.state_waits.sum())} key(s) came while their replica's sync is unanswered")
         if table.incoming.any() or table.deferred_syncs or table.deferred_handovers:
             why.append(f"{int(table.incoming.sum())} key(s) on their way here")
         if table.held:
@@ -350,7 +355,8 @@ class PlacementMachine:
         where = np.where(sent_to >= 0, sent_to, where)
         # A key asked for (``incoming``) that never left here is on its way: wait for it. One that left
         # may have gone on since the request (the home decided on a later one): follow it.
-        wait = (where == self.node) | (table.incoming[rest] & (to != self.node) & (sent_to < 0))
+        wait = ((where == self.node) | (table.incoming[rest] & (to != self.node) & (sent_to < 0))
+                | table.state_waits[rest])
         if wait.any():
             table.deferred_handovers.append((rest[wait], rest_epochs[wait], to))
         if to != self.node:  # followed elsewhere: this node's request for them was superseded
@@ -421,6 +427,50 @@ class PlacementMachine:
 
     def _receive_state(self, keys: np.ndarray, values: np.ndarray, interest: np.ndarray, replicas: np.ndarray,
                        epochs: np.ndarray, steps: np.ndarray) -> None:
+        """Rows that come to be owned here. Where a sync of a replica here is on its way with a change
+        the rows may lack, they wait for its answer (``WaitingState``): taken now, the row read here
+        lacked this node's own write until the old owner's pass of the change came back."""
+        table = self.table
+        waits = table.unanswered[keys] > 0
+        if waits.any():
+            state = WaitingState(keys, values, interest, replicas, epochs, steps)
+            table.waiting_states.append(state.split(waits))
+            table.state_waits[keys[waits]] = True
+            table.incoming[keys[waits]] = True  # requests for them wait here
+            table.stats["states_waiting_for_syncs"] += int(waits.sum())
+            keys, values, interest, replicas, epochs, steps = (state.keys, state.values, state.interest,
+                                                               state.replicas, state.epochs, state.steps)
+            if not keys.size:
+                return
+        self._take_rows(keys, values, interest, replicas, epochs, steps)
+
+    def _take_waiting_states(self) -> None:
+        """The waiting rows whose syncs from here have all been answered."""
+        table = self.table
+        waiting, table.waiting_states = table.waiting_states, []
+        for state in waiting:
+            ready = table.unanswered[state.keys] == 0
+            if ready.any():
+                taken = state.split(ready)
+                table.state_waits[taken.keys] = False
+                self._take_rows(taken.keys, taken.values, taken.interest, taken.replicas, taken.epochs, taken.steps)
+            if state.keys.size:
+                table.waiting_states.append(state)
+
+    def _add_to_waiting_rows(self, keys: np.ndarray, deltas: np.ndarray, drop: np.ndarray, origin: int
+                             ) -> np.ndarray:
+        """A replica's change to rows waiting here: added to them; their rows after."""
+        rows = np.empty((keys.shape[0], deltas.shape[1]), dtype=deltas.dtype)
+        for state in self.table.waiting_states:
+            where, found = state.positions(keys)
+            at = where[found]
+            state.values[at] += deltas[found]
+            state.replicas[at[drop[found].astype(bool)]] &= ~(1 << origin)
+            rows[found] = state.values[at]
+        return rows
+
+    def _take_rows(self, keys: np.ndarray, values: np.ndarray, interest: np.ndarray, replicas: np.ndarray,
+                   epochs: np.ndarray, steps: np.ndarray) -> None:
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
@@ -471,7 +521,7 @@ class PlacementMachine:
         table.hints.learn(keys[~home], owner)
         table.replica_owner[keys[table.presence[keys] == REPLICA]] = owner
         # As the node a superseded move was for: the key will not come; what waited for it goes on.
-        awaited = keys[table.incoming[keys] & (table.presence[keys] != OWNED)]
+        awaited = keys[table.incoming[keys] & (table.presence[keys] != OWNED) & ~table.state_waits[keys]]
         if awaited.size and owner != self.node:
             table.incoming[awaited] = False
             self._retry_deferred_handovers()
@@ -549,7 +599,8 @@ class PlacementMachine:
             if not changed.size:
                 continue
             part = table.new_part()
-            table.syncs_in_flight[owner] = SyncInFlight(part)
+            table.syncs_in_flight[owner] = SyncInFlight(part, np.sort(changed), bool(deltas.any()))
+            table.unanswered[changed] += 1
             table.stats["sync_sent"] += 1
             self._send(owner, Sync(changed, deltas, table.dropping[changed].astype(np.uint8), self.node, owner,
                                    part=part, parent=part))
@@ -562,12 +613,13 @@ class PlacementMachine:
         it sent is unaccounted for). A part with nothing to add here yet waits whole, unanswered."""
         table = self.table
         owned = table.presence[keys] == OWNED
-        rest = np.flatnonzero(~owned)
+        waits = table.state_waits[keys]  # rows here, waiting for a sync from here (added to them)
+        rest = np.flatnonzero(~(owned | waits))
         parts = 0
         if rest.size:
             dest = self._sync_route(keys[rest], hops)
             here = dest == self.node
-            if here.all() and not owned.any():
+            if here.all() and not (owned | waits).any():
                 table.deferred_syncs.append((keys, deltas, drop, origin, target, hops, part, parent))
                 return
             if here.any():
@@ -587,15 +639,27 @@ class PlacementMachine:
                     self._send(owner, Sync(keys[group], deltas[group], drop[group], origin, target, hops + 1,
                                            table.new_part(), part))
             # The usual sync finds every key owned here: no copy of its rows.
-            keys, deltas, drop = keys[owned], deltas[owned], drop[owned]
+            taken = owned | waits
+            keys, deltas, drop, owned, waits = keys[taken], deltas[taken], drop[taken], owned[taken], waits[taken]
         store = table.store
         assert store.changed is not None and store.pinned is not None
         assert store.arrived is not None and store.incoming is not None
+        if waits.any():
+            values = np.empty((keys.shape[0], deltas.shape[1]), dtype=deltas.dtype)
+            values[waits] = self._add_to_waiting_rows(keys[waits], deltas[waits], drop[waits], origin)
+            mine = np.flatnonzero(owned)
+        else:
+            mine = None
         with store.hold(None, exclusive=True):
-            add_present(store.values, store.changed, table.presence, store.pinned, store.arrived, store.incoming, keys,
-                        deltas, 1.0, np.empty(keys.shape[0], dtype=np.int64))
-            values = _rows_of(store, keys)
-        table.interest.replicas[keys[drop.astype(bool)]] &= ~(1 << origin)
+            if mine is None:
+                add_present(store.values, store.changed, table.presence, store.pinned, store.arrived,
+                            store.incoming, keys, deltas, 1.0, np.empty(keys.shape[0], dtype=np.int64))
+                values = _rows_of(store, keys)
+            else:
+                add_present(store.values, store.changed, table.presence, store.pinned, store.arrived,
+                            store.incoming, keys[mine], deltas[mine], 1.0, np.empty(mine.shape[0], dtype=np.int64))
+                values[mine] = _rows_of(store, keys[mine])
+        table.interest.replicas[keys[owned & drop.astype(bool)]] &= ~(1 << origin)
         self._send(origin, Synced(keys, values, drop, target, parts, part, parent))
 
     def _sync_route(self, keys: np.ndarray, hops: int) -> np.ndarray:
@@ -621,8 +685,19 @@ class PlacementMachine:
         assert store.base is not None and store.changed is not None
         assert store.pinned is not None and store.arrived is not None and store.incoming is not None
         flight = table.syncs_in_flight.get(target)
-        if flight is not None and flight.answer(part, parent, parts):
-            del table.syncs_in_flight[target]
+        settled = _NO_KEYS
+        if flight is not None:
+            done = flight.answer(part, parent, parts)
+            settled = flight.answered_keys(keys, done)
+            table.unanswered[settled] -= 1
+            if done:
+                del table.syncs_in_flight[target]
+            # A key with a later sync from here still on its way (to an owner learned of meanwhile)
+            # keeps its replica as it is: this answer's rows may lack that sync's change, and a
+            # replica rebased on them would be read without it until that sync is answered.
+            later = table.unanswered[keys] > 0
+            if later.any():
+                keys, values, drop = keys[~later], values[~later], drop[~later]
         gone = np.empty(keys.shape[0], dtype=np.int64)
         with store.hold(None, exclusive=True):
             # A replica goes once its last change is in; changes made meanwhile go in the next sync.
@@ -631,6 +706,8 @@ class PlacementMachine:
         table.dropping[gone] = False
         table.replica_owner[gone] = -1
         table.stats["replicas_dropped"] += int(gone.size)
+        if table.waiting_states and settled.size:
+            self._take_waiting_states()
 
     # ---------------------------------------------------------------- intent
 
