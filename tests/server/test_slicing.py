@@ -538,6 +538,51 @@ def test_rows_a_server_read_after_refusing_a_push_whose_answer_was_lost_are_not_
         np.testing.assert_array_equal(read[:, 0], np.full(slice3.shape[0], 3.0))
 
 
+def test_rows_a_new_owner_pushes_holding_a_push_whose_answer_was_lost_are_not_cached_with_it_added_again():
+    """ESSP. Worker 0 caches slice 3 (on server 1) and pushes one to it; server 1 applies it and its
+    answer is lost. Slice 3 moves to server 0, which pushes the worker the rows it caches: they hold
+    the push. The cache added every push not answered by the server that sent the rows back to them
+    (``server != node``), so it served 2 where the servers held 1, until the rows changed. A push
+    not answered by its server may or may not be in rows from another: those rows are not cached."""
+    blocking = threading.Event()
+    lost: list[dict] = []
+
+    def lose_the_pushs_answers(header: dict) -> bool:
+        if not blocking.is_set() or header["op"] != int(Op.OK) or (header["body"] or {}).get("moved"):
+            return False
+        if not lost or header["req"] == lost[0]["req"]:  # the first answer, and its answers to resends
+            lost.append(header)
+            return True
+        return False
+
+    with ThreadCluster(nodes=2, transport=ZmqTransport()) as c:
+        pusher = Worker(c.spec, 0, 0, LosingTransport(ZmqTransport(), lose_the_pushs_answers), local_access=False)
+        other = Worker(c.spec, 1, 1, ZmqTransport(), local_access=False)
+        c.workers += [pusher, other]
+        t_push, t_other = (w.table("cached", 40, 1, optimizer=shoal.optim.Sum(), slices=4,
+                                   consistency=shoal.ESSP(1)) for w in (pusher, other))
+        assert t_push.layout.owners.tolist() == [0, 0, 1, 1]
+        slice3 = t_push.layout.mapping.keys_of(3)
+        t_push.pull(slice3)  # cached, and pushed eagerly from now on
+        t_push.pull(t_push.layout.mapping.keys_of(0))  # server 0 knows where the worker is
+        blocking.set()
+        late = t_push.push_async(slice3, np.ones((slice3.shape[0], 1), np.float32))
+        wait_until(lambda: float(c.servers[1].tables["cached"].pull(slice3[:1])[0, 0]) == 1.0,
+                   what="server 1 applying the push")
+        other.move_slice("cached", 3, to=0)
+        rows_pushed = t_push.counters["eager_rows"]
+        wait_until(lambda: _pumped(pusher) and t_push.counters["eager_rows"] > rows_pushed,
+                   what="server 0 pushing the worker the rows of slice 3")
+        blocking.clear()
+        late.wait()  # sent again to server 1, which had applied it: answered now
+        assert lost, "no answer to the push was lost"
+        cached_before = t_push.counters["rows_from_cache"]
+        read = t_push.pull(slice3)
+        np.testing.assert_array_equal(c.servers[0].tables["cached"].pull(slice3)[:, 0], 1.0)  # applied once
+        np.testing.assert_array_equal(read[:, 0], 1.0)
+        assert t_push.counters["rows_from_cache"] - cached_before in (0, slice3.shape[0])
+
+
 def _pumped(worker: Worker) -> bool:
     """Let ``worker`` take what came for it (fences to answer, answers to send again); True."""
     worker.tracker.pump(0.01)

@@ -7,7 +7,9 @@ change, another drops the row), so a read holds them, as SSP's read-my-writes
 promises. Rows a server sends are kept only when more recent than the cached
 ones, and the worker's pushes they do not include yet (not acknowledged by that
 server when it read them, or written into this node's shared memory after it
-did) are added back.
+did) are added back. Rows that may or may not hold a push (handled by their
+server but not answered, or sent to a server whose slice has moved to theirs
+since) are not kept: a later read asks for them.
 """
 
 from __future__ import annotations
@@ -109,8 +111,13 @@ class ProcessCache:
                 if marker > seen:  # written in shared memory after the server read these rows
                     self._reapply(stored, written, values)
         for server, seq, written, values in self._pending():
-            if server != node or seq > seen:  # elsewhere, or after the server read these rows
+            if server == -1 or (server == node and seq > seen):  # nowhere yet, or after the server read
                 self._reapply(stored, written, values)
+            elif server != node:
+                # Sent to another server, now rows of ``node``: its slice moved, and the rows hold the
+                # push if that server applied it before the slice left (its answer lost or late). Which
+                # is not known here, so those rows are not kept.
+                self.rows.drop(written[np.isin(written, stored)])
             else:
                 # Handled there before it read these rows, yet not answered (the answer was lost): it
                 # was applied, or refused because a slice of it had moved ("seen" counts both). Which
