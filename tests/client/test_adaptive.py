@@ -283,6 +283,25 @@ def test_a_replica_only_read_follows_the_owners_row_while_the_owner_is_pushed_to
         assert len(set(seen)) > 2  # it followed the owner on the way, not only at the end
 
 
+def test_a_restarted_workers_earlier_intents_end_and_their_replicas_go():
+    """Worker 1's process declared keys 0, 2, 4 (homed on node 0) until clock 1,000 and got replicas;
+    it is started again, at clock 0. Its node's clock went back with it, and the earlier intents
+    would have held the replicas (synced every period) until the new process reached clock 1,000."""
+    with ThreadCluster(nodes=2) as c:
+        first = c.worker(1)
+        t = first.table("r", 10, 1, techniques="replication", init=shoal.Constant(0.0), sync_ms=5)
+        here = c.servers[1].adaptive.tables["r"]
+        t.intent([0, 2, 4], 1, 1000)
+        first.advance_clock()
+        wait_until(lambda: (here.presence[[0, 2, 4]] == REPLICA).all())
+        first.tracker.close()
+        c.workers.remove(first)
+        again = c.worker(1)  # tells the servers its clock (0) before it starts
+        again.table("r", 10, 1, techniques="replication", init=shoal.Constant(0.0), sync_ms=5)
+        wait_until(lambda: not (here.presence[[0, 2, 4]] == REPLICA).any(), what="the replicas going")
+        assert c.servers[1].sync.clocks.learned[1] == 0
+
+
 @pytest.mark.parametrize("sync_ms", [None, 1000.0])
 def test_replicas_without_a_sync_period_of_their_own_sync_at_each_clock_of_their_node(sync_ms):
     """Without ``sync_ms`` a replica's change goes to its owner once the node's workers have moved on a

@@ -138,3 +138,39 @@ def test_a_restarted_worker_once_heard_is_held_to_the_bound_again():
         reading.join(timeout=20)
         np.testing.assert_array_equal(read[0][:, 0], np.full(16, 14.0))
 
+
+
+def test_a_restarted_worker_holds_bounded_reads_back_before_it_sends_anything():
+    # As above, but the restarted worker 1 has said nothing yet when worker 0 reads at clock 2: the
+    # servers still counted its earlier process's clock 5, and the read passed without the clock-0
+    # and clock-1 pushes worker 1 was about to make. A restarted worker tells every server its clock
+    # before it starts.
+    with ThreadCluster(nodes=2) as c:
+        keys = np.arange(16)
+        ones = np.ones((16, 1), np.float32)
+        first = [c.worker(r, local_access=False) for r in range(2)]
+        tables = [w.table("bsp", 16, 1, optimizer=shoal.optim.Sum(), slices=2, consistency=shoal.BSP())
+                  for w in first]
+        for _ in range(5):
+            for w, t in zip(first, tables, strict=True):
+                t.push(keys, ones)
+                w.advance_clock()
+        for w in first:
+            w.tracker.close()
+            c.workers.remove(w)
+        w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
+        t0 = w0.table("bsp", 16, 1, optimizer=shoal.optim.Sum(), slices=2, consistency=shoal.BSP())
+        for _ in range(2):
+            t0.push(keys, ones)
+            w0.advance_clock()
+        read: list[np.ndarray] = []
+        reading = threading.Thread(target=lambda: read.append(t0.pull(keys)))
+        reading.start()  # at clock 2: waits for worker 1's clock 2
+        reading.join(timeout=0.5)
+        assert not read, "the read passed before the restarted worker 1 reached clock 2"
+        t1 = w1.table("bsp", 16, 1, optimizer=shoal.optim.Sum(), slices=2, consistency=shoal.BSP())
+        for _ in range(2):
+            t1.push(keys, ones)
+            w1.advance_clock()
+        reading.join(timeout=20)
+        np.testing.assert_array_equal(read[0][:, 0], np.full(16, 14.0))

@@ -62,6 +62,23 @@ def test_an_intent_naming_keys_again_announces_and_withdraws_each_once():
     assert book.due(clock=4, window=0)[0].tolist() == [5, 3, 7]
 
 
+def test_intents_ended_at_once_are_withdrawn_at_any_clock_and_those_not_started_dropped():
+    # A worker of the node was started again at clock 0: intents of its earlier process (to clock 50)
+    # would stay announced until the new one reached clock 50, and one starting at 40 would start.
+    book = NodeIntents(num_keys=20)
+    book.add(np.array([1, 2]), start=10, end=50)
+    book.add(np.array([5]), start=40, end=60)
+    assert book.due(clock=12, window=2)[0].tolist() == [1, 2]
+    book.end_all()
+    start, stop = book.due(clock=0, window=2)
+    assert start.tolist() == [] and sorted(stop.tolist()) == [1, 2]
+    assert [a.tolist() for a in book.due(clock=45, window=2)] == [[], []]
+    assert not book.any_due(clock=100, window=2)
+    book.add(np.array([2, 3]), start=1, end=4)  # the new process's own intents go on as usual
+    assert book.due(clock=0, window=1)[0].tolist() == [2, 3]
+    assert book.due(clock=4, window=1)[1].tolist() == [2, 3]
+
+
 def test_owner_decisions_per_technique():
     interest = OwnerInterest(num_keys=10)
     keys = np.array([1, 2])

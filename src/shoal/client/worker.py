@@ -114,6 +114,11 @@ class Worker:
         self._server_exit: ProcessExit | None = None  # tells when the local server's process has ended
         if local_access:
             self._attach_clocks()
+        if self.streams.incarnation > 1:
+            # Started again: until a server hears this process, it counts the clock the earlier one
+            # reached, and bounded reads there would pass without the pushes this one is about to make.
+            self._tick(time.monotonic())
+            self.wait_all()
 
     @property
     def num_workers(self) -> int:

@@ -29,6 +29,8 @@ class ClockTable:
         #: per worker, every push of iterations before this was acknowledged (as last reported)
         self.settled = clocks.copy()
         self.fenced: set[int] = set()
+        #: per worker, how often it was started again (``restart``)
+        self.restarts = np.zeros(clocks.shape[0], dtype=np.int64)
         self._min = int(clocks.min()) if clocks.size else FINISHED
 
     @classmethod
@@ -64,6 +66,7 @@ class ClockTable:
             return
         self.learned[worker] = clock
         self.settled[worker] = settled
+        self.restarts[worker] += 1
         self._set(worker)
 
     def finish(self, worker: int) -> bool:

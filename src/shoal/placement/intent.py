@@ -58,6 +58,21 @@ class NodeIntents:
         out = np.empty(keys.shape[0], dtype=np.int64)
         return out[:distinct(keys, self._seen, out)]
 
+    def end_all(self) -> None:
+        """Every intent declared so far ends now: a worker of this node was started again, and the
+        clocks they name were its earlier process's (the node clock goes back with the new one, and
+        intents it had passed would start again or never end). The announced keys are withdrawn at
+        the next ``due``; intents not started are dropped."""
+        announced = np.flatnonzero(self.announced)
+        self._starting.clear()
+        self._ending.clear()
+        self._ending_keys.clear()
+        self.until[:] = 0
+        if announced.size:
+            seq = next(self._seq)
+            heapq.heappush(self._ending, (0, seq))
+            self._ending_keys[seq] = announced
+
     def any_due(self, clock: int, window: int) -> bool:
         return bool((self._starting and self._starting[0][0] <= clock + window)
                     or (self._ending and self._ending[0][0] <= clock))

@@ -70,6 +70,7 @@ class AdaptiveService:
         self.cpu = CpuAccount()  # the part of each kind of placement message in the PLACEMENT messages' CPU
         self._clock_seen = (0, now())
         self._clock_s = 0.0
+        self._restarts_seen = 0  # restarts of this node's workers acted on (their intents ended)
 
     @property
     def tables(self) -> dict[str, AdaptiveTable]:
@@ -272,8 +273,14 @@ class AdaptiveService:
             self._clock_s = per_clock if self._clock_s == 0 else 0.8 * self._clock_s + 0.2 * per_clock
             self._clock_seen = (slowest, now)
         per_node = self.cluster.workers_per_node
-        local = self.clocks.clocks[self.node * per_node:(self.node + 1) * per_node]
+        mine = slice(self.node * per_node, (self.node + 1) * per_node)
+        local = self.clocks.clocks[mine]
         node_clock = int(local.min()) if local.size else 0
+        restarts = int(self.clocks.restarts[mine].sum())
+        if restarts != self._restarts_seen:  # a worker here was started again: its earlier intents end
+            self._restarts_seen = restarts
+            for machine in self.machines.values():
+                machine.table.intents.end_all()
         effects = Effects()  # every table's: what they send one node in this pass goes as one message
         try:
             for machine in list(self.machines.values()):
