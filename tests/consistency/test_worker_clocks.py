@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 import shoal
 from shoal.transport.zmq_transport import ZmqTransport
@@ -103,10 +104,13 @@ def test_a_clock_an_asp_only_worker_has_not_told_yet_does_not_deadlock_bounded_r
         assert isinstance(results.get(0), np.ndarray), results.get(0)
 
 
-def test_a_restarted_worker_once_heard_is_held_to_the_bound_again():
+@pytest.mark.parametrize("heard_first", [True, False], ids=["heard", "silent"])
+def test_a_restarted_worker_is_held_to_the_bound_again(heard_first):
     # The job's workers are started again (new incarnations, at clock 0) on servers that counted their
-    # earlier processes to clock 5 and ignored every lower clock: no BSP read waited for them. Once a
-    # restarted worker is heard in its new stream, it counts from its new clock.
+    # earlier processes to clock 5 and ignored every lower clock: no BSP read waited for them. Heard
+    # in its new stream, a restarted worker counts from its new clock. Silent, it was still counted at
+    # clock 5, and worker 0's read at clock 2 passed without the pushes worker 1 was about to make: a
+    # restarted worker tells every server its clock before it starts.
     with ThreadCluster(nodes=2) as c:
         keys = np.arange(16)
         ones = np.ones((16, 1), np.float32)
@@ -123,43 +127,9 @@ def test_a_restarted_worker_once_heard_is_held_to_the_bound_again():
         w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
         t0, t1 = (w.table("bsp", 16, 1, optimizer=shoal.optim.Sum(), slices=2, consistency=shoal.BSP())
                   for w in (w0, w1))
-        t1.push(keys, ones)
-        w1.advance_clock()  # worker 1's new process heard by every server: at clock 1
-        for _ in range(2):
-            t0.push(keys, ones)
-            w0.advance_clock()
-        read: list[np.ndarray] = []
-        reading = threading.Thread(target=lambda: read.append(t0.pull(keys)))
-        reading.start()  # at clock 2: waits for worker 1's clock 2
-        reading.join(timeout=0.5)
-        assert not read
-        t1.push(keys, ones)
-        w1.advance_clock()
-        reading.join(timeout=20)
-        np.testing.assert_array_equal(read[0][:, 0], np.full(16, 14.0))
-
-
-
-def test_a_restarted_worker_holds_bounded_reads_back_before_it_sends_anything():
-    # As above, but the restarted worker 1 has said nothing yet when worker 0 reads at clock 2: the
-    # servers still counted its earlier process's clock 5, and the read passed without the clock-0
-    # and clock-1 pushes worker 1 was about to make. A restarted worker tells every server its clock
-    # before it starts.
-    with ThreadCluster(nodes=2) as c:
-        keys = np.arange(16)
-        ones = np.ones((16, 1), np.float32)
-        first = [c.worker(r, local_access=False) for r in range(2)]
-        tables = [w.table("bsp", 16, 1, optimizer=shoal.optim.Sum(), slices=2, consistency=shoal.BSP())
-                  for w in first]
-        for _ in range(5):
-            for w, t in zip(first, tables, strict=True):
-                t.push(keys, ones)
-                w.advance_clock()
-        for w in first:
-            w.tracker.close()
-            c.workers.remove(w)
-        w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
-        t0 = w0.table("bsp", 16, 1, optimizer=shoal.optim.Sum(), slices=2, consistency=shoal.BSP())
+        if heard_first:
+            t1.push(keys, ones)
+            w1.advance_clock()  # worker 1's new process heard by every server: at clock 1
         for _ in range(2):
             t0.push(keys, ones)
             w0.advance_clock()
@@ -168,8 +138,7 @@ def test_a_restarted_worker_holds_bounded_reads_back_before_it_sends_anything():
         reading.start()  # at clock 2: waits for worker 1's clock 2
         reading.join(timeout=0.5)
         assert not read, "the read passed before the restarted worker 1 reached clock 2"
-        t1 = w1.table("bsp", 16, 1, optimizer=shoal.optim.Sum(), slices=2, consistency=shoal.BSP())
-        for _ in range(2):
+        for _ in range(1 if heard_first else 2):
             t1.push(keys, ones)
             w1.advance_clock()
         reading.join(timeout=20)
