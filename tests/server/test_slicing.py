@@ -31,7 +31,7 @@ from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from tests.support.cluster import ThreadCluster
-from tests.support.losing import LosingTransport
+from tests.support.losing import LosingTransport, workers_with_losses
 from tests.support.vouching import VouchWatch, watch_vouching
 from tests.support.waiting import wait_until
 
@@ -556,9 +556,7 @@ def test_rows_a_new_owner_pushes_holding_a_push_whose_answer_was_lost_are_not_ca
         return False
 
     with ThreadCluster(nodes=2, transport=ZmqTransport()) as c:
-        pusher = Worker(c.spec, 0, 0, LosingTransport(ZmqTransport(), lose_the_pushs_answers), local_access=False)
-        other = Worker(c.spec, 1, 1, ZmqTransport(), local_access=False)
-        c.workers += [pusher, other]
+        pusher, other = workers_with_losses(c, lose_the_pushs_answers)
         t_push, t_other = (w.table("cached", 40, 1, optimizer=shoal.optim.Sum(), slices=4,
                                    consistency=shoal.ESSP(1)) for w in (pusher, other))
         assert t_push.layout.owners.tolist() == [0, 0, 1, 1]
@@ -671,3 +669,108 @@ def test_a_move_to_a_server_that_dies_before_answering_is_undone() -> None:
         assert c.rendezvous.slices.describe("moving")["owners"][1] == 0
         t0.push(part, np.ones((part.shape[0], 1), np.float32))
         np.testing.assert_array_equal(t0.pull(part)[:, 0], 1)
+
+
+def test_a_push_pull_sent_again_after_its_slice_moved_is_applied_once():
+    """Worker 0 push_pulls 300 rows of 64 floats (slice 1, on server 1): applied, and the answer (77 KB,
+    more than a server keeps to answer a repeat with) is lost. Slice 1 moves to server 0. The worker
+    sends the request again; server 1 sees a repeat of an answered PUSH_PULL whose reply it did not
+    keep, and serves it again as a PULL alone (``ParameterServer._repeated``). The slice is not there
+    any more: the PULL is answered "moved", which the worker takes as "nothing of the push_pull was
+    done" and sends the push again to server 0: applied twice."""
+    state = {"blocking": False, "lost": 0}
+
+    def lose(header: dict) -> bool:
+        if state["blocking"] and header.get("table") == "big" and header["op"] == int(Op.VALUES):
+            state["lost"] += 1
+            return True
+        return False
+
+    with ThreadCluster(nodes=2, transport=ZmqTransport()) as c:
+        w0, w1 = workers_with_losses(c, lose)
+        t0, _ = (w.table("big", 600, 64, optimizer=shoal.optim.Sum(), slices=2) for w in (w0, w1))
+        assert t0.layout.owners.tolist() == [0, 1]
+        keys = t0.layout.mapping.keys_of(1)
+        assert keys.shape[0] * 64 * 4 > 64 << 10  # the reply is too large to be kept for a repeat
+        state["blocking"] = True
+        late = t0.push_pull_async(keys, np.ones((keys.shape[0], 64), np.float32))
+        wait_until(lambda: _pumped(w0) and state["lost"] >= 1, what="the push_pull's answer lost")
+        np.testing.assert_array_equal(c.servers[1].tables["big"].pull(keys[:1])[:, 0], [1.0])  # applied there
+        w1.move_slice("big", 1, to=0)
+        state["blocking"] = False
+        late.result()
+        assert state["lost"] >= 1, "the push_pull's answer was never lost"
+        values = c.servers[0].tables["big"].pull(keys)[:, 0]
+        np.testing.assert_array_equal(values, np.ones(keys.shape[0]), err_msg="the push_pull was applied "
+                                      f"{values.max():.0f} times ({t0.counters['moved_retries']} sent again as moved)")
+
+
+def test_a_push_pull_handled_after_a_refused_push_is_applied_once():
+    """Worker 0 pushes (async) to slices 2 and 3 on server 1, which gave slice 2 away: refused whole,
+    and server 1 refuses the worker's reads of the table until it confirms (``Synchroniser.refuse_reads``).
+    The worker's next call, a push_pull of slice 3 alone, comes after it in the stream: server 1
+    applies its push (``StaticService.handle``), then its read is refused (``Synchroniser.pull``) and
+    the whole request is answered "moved", which says nothing was applied. The worker sends the push
+    again: applied twice."""
+    with ThreadCluster(nodes=2, transport=ZmqTransport()) as c:
+        w0 = Worker(c.spec, 0, 0, ZmqTransport(), local_access=False)
+        w1 = Worker(c.spec, 1, 1, ZmqTransport(), local_access=False)
+        c.workers += [w0, w1]
+        t0, t1 = (w.table("eager", 40, 1, optimizer=shoal.optim.Sum(), slices=4, consistency=shoal.ESSP(1))
+                  for w in (w0, w1))
+        assert t0.layout.owners.tolist() == [0, 0, 1, 1]
+        both = np.concatenate([t0.layout.mapping.keys_of(2), t0.layout.mapping.keys_of(3)])
+        slice3 = t0.layout.mapping.keys_of(3)
+        w1.move_slice("eager", 2, to=0)  # worker 0 does not know
+        first = t0.push_async(both, np.ones((both.shape[0], 1), np.float32))  # refused whole by server 1
+        t0.push_pull(slice3, np.ones((slice3.shape[0], 1), np.float32))  # after it in the stream
+        first.result()
+        w0.wait_all()
+        values = c.servers[1].tables["eager"].pull(slice3)[:, 0]
+        # slice 3: +1 from the first push (sent again), +1 from the push_pull
+        np.testing.assert_array_equal(values, np.full(slice3.shape[0], 2.0),
+                                      err_msg=f"{t0.counters['moved_retries']} part(s) sent again as moved")
+
+
+def test_a_push_pull_whose_read_is_released_while_its_slice_moves_is_applied_once():
+    """BSP. Worker 0 (at clock 1) push_pulls slice 1 on server 1: the push is applied and the read
+    held for worker 1. Slice 1 starts moving to server 0 (its new owner's answer is held back a
+    while). Worker 1 ticks: the read is released, finds its slice moving and is held for the move
+    (``Synchroniser._release`` -> ``hold_for_move``) -- as the whole PUSH_PULL message. When the move
+    ends it is served again from the start (``SliceService._finish`` -> ``_serve_held``): its push is
+    tried again, the slice is gone, the answer is "moved", and the worker sends the push again to
+    server 0, which already holds it with the slice: applied twice."""
+    state = {"armed": False}
+    last_chunks: set[tuple[int, int]] = set()
+
+    def lose(header: dict) -> bool:
+        if header["op"] == int(Op.SLICE_STATE) and header["body"].get("last"):
+            last_chunks.add((header["inc"], header["req"]))
+            return False
+        return state["armed"] and header["op"] == int(Op.OK) and (header["inc"], header["req"]) in last_chunks
+
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose)) as c:
+        w0 = Worker(c.spec, 0, 0, ZmqTransport(), local_access=False)
+        w1 = Worker(c.spec, 1, 1, ZmqTransport(), local_access=False)
+        c.workers += [w0, w1]
+        t0, _ = (w.table("t", 8, 1, optimizer=shoal.optim.Sum(), slices=2, consistency=shoal.BSP()) for w in (w0, w1))
+        assert t0.layout.owners.tolist() == [0, 1]
+        keys = t0.layout.mapping.keys_of(1)
+        server1 = c.servers[1]
+        w0.advance_clock()
+        late = t0.push_pull_async(keys, np.ones((keys.shape[0], 1), np.float32))  # clock 1: held for worker 1
+        wait_until(lambda: _pumped(w0) and bool(server1.tables["t"].controller.held), what="the read held")
+        state["armed"] = True
+        mover = threading.Thread(target=_move, args=(c, "t", 1, 0))  # an operator outside the job
+        mover.start()
+        wait_until(lambda: 1 in server1.tables["t"].moving and bool(last_chunks), what="slice 1 moving")
+        w1.advance_clock()  # slowest 1 at server 1: the read is released, its slice is moving: held whole
+        wait_until(lambda: server1.slicing.stats["requests_held_for_moves"] >= 1, what="the push_pull held")
+        state["armed"] = False  # the new owner's answer comes: the move ends
+        mover.join(timeout=30)
+        assert not mover.is_alive()
+        late.result()
+        w0.wait_all()
+        values = c.servers[0].tables["t"].pull(keys)[:, 0]
+        np.testing.assert_array_equal(values, np.ones(keys.shape[0]), err_msg=f"the push_pull was applied "
+                                      f"{values.max():.0f} times ({t0.counters['moved_retries']} sent again as moved)")

@@ -9,8 +9,11 @@ from typing import Any
 
 import msgspec
 
+from shoal.client.worker import Worker
 from shoal.transport.base import Connection, Listener, Transport
 from shoal.transport.faulty import Faults, FaultyTransport, _Delayed
+from shoal.transport.zmq_transport import ZmqTransport
+from tests.support.cluster import ThreadCluster
 
 
 class _Losing(_Delayed):
@@ -42,3 +45,12 @@ class LosingTransport(FaultyTransport):
         conn = super().connect(address)
         conn.delayed = _Losing(self.lose)  # type: ignore[attr-defined]
         return conn
+
+
+def workers_with_losses(cluster: ThreadCluster, lose: Callable[[dict[str, Any]], bool]) -> tuple[Worker, Worker]:
+    """Workers 0 and 1 of ``cluster`` on nodes 0 and 1, reaching every table through their servers;
+    what arrives at worker 0 is lost where ``lose(its decoded header)`` says so."""
+    lossy = Worker(cluster.spec, 0, 0, LosingTransport(ZmqTransport(), lose), local_access=False)
+    plain = Worker(cluster.spec, 1, 1, ZmqTransport(), local_access=False)
+    cluster.workers += [lossy, plain]
+    return lossy, plain

@@ -66,10 +66,18 @@ class ProcessCache:
         self._eager_pending: dict[tuple[int, str], dict[int, Message]] = {}
         #: per stream with a missing message, since when a later one waits behind it
         self._eager_gap_since: dict[tuple[int, str], float] = {}
+        #: per server, the seq of our first request after the cache was last forgotten: answers to
+        #: earlier ones are not taken
+        self._floor: dict[int, int] = {}
 
     def forget(self) -> None:
-        """Drop every cached row (their values changed under us: a restore, a lost eager message)."""
+        """Drop every cached row (their values changed under us: a restore, a lost eager message).
+        Answers to requests sent before are not taken: one on its way, or sent again from the
+        server's memory of it, may be older than what was lost, and a later eager message's "the
+        rest did not change" would vouch for it."""
         self.rows = RowCache(self.spec.num_keys, self.spec.dim, self.dtype, self.num_shards)
+        streams = self.worker.streams
+        self._floor = {node: streams.next_seq(node) for node in range(len(self.worker.servers))}
 
     def switched(self, slices: dict[int, np.ndarray]) -> None:
         """Eager pushes of these slices (with their keys) started or stopped: forget their rows. A
@@ -98,10 +106,13 @@ class ProcessCache:
         they do not include yet added back."""
         seen = msg.body.get("seen")
         handled = self.worker.streams.handled(node)
-        if not isinstance(seen, int) or seen < handled:
+        # An answer to a request sent before the cache was forgotten may have been read before the
+        # eager message that went missing (the server's later eager messages follow that one).
+        early = not pushed and isinstance(seen, int) and seen < self._floor.get(node, 0)
+        if not isinstance(seen, int) or seen < handled or early:
             if pushed:
                 self.rows.drop(keys)  # the bump that follows must not vouch for the rows held now
-            return  # read before a push of ours that is acknowledged since: it would miss that push
+            return  # read before a push of ours that is acknowledged since (it would miss it), or early
         stored = self.rows.store(keys, rows, msg.clock, msg.epoch, seen, pushed)
         if not stored.size:
             return

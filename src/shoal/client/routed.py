@@ -79,7 +79,8 @@ class RoutedAccess(TableAccess):
         moved = Moved.in_reply(reply, keys.shape[0])
         if moved is not None:
             self._learn(keys[moved.positions], moved.owners)
-            self.refused(call, call.positions(part_positions)[moved.positions], op)
+            # A push that went in with only its read refused is not sent again: it would count twice.
+            self.refused(call, call.positions(part_positions)[moved.positions], Op.PULL if moved.pushed else op)
         served = keys.shape[0] - (0 if moved is None else moved.positions.shape[0])
         if op in READS and served:
             assert call.result is not None

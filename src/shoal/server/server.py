@@ -53,7 +53,7 @@ from shoal.server.slicing import SliceService
 from shoal.server.static import StaticService
 from shoal.server.streams import StreamOrder
 from shoal.server.sync import Synchroniser
-from shoal.server.tables import ServedTable, SliceMoving, table_bytes
+from shoal.server.tables import ServedTable, SliceMoving, read_after_push, table_bytes
 from shoal.storage.segment import Segment
 from shoal.transport.base import Transport, is_loopback
 from shoal.wire import bodies
@@ -415,8 +415,7 @@ class ParameterServer:
         elif verdict is Verdict.ANSWERED and msg.op in _IDEMPOTENT:
             self._serve(peer, msg)  # a read whose (large) reply was not kept: read again
         elif verdict is Verdict.ANSWERED and msg.op == Op.PUSH_PULL:  # the push is in: only read
-            self._serve(peer, Message(Op.PULL, req=msg.req, table=msg.table, epoch=msg.epoch, clock=msg.clock,
-                                      sender=msg.sender, incarnation=msg.incarnation, arrays=msg.arrays[:1]))
+            self._serve(peer, read_after_push(msg))
         return True
 
     def _serve(self, peer: bytes, msg: Message) -> bool:

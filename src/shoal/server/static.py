@@ -20,7 +20,7 @@ from shoal.api.errors import CheckpointError, ProtocolError, SliceMovedError, Ta
 from shoal.consistency.clocks import ClockTable
 from shoal.placement.layout import TableLayout
 from shoal.server.sync import Synchroniser
-from shoal.server.tables import ServedTable, moved_answer, table_bytes
+from shoal.server.tables import ServedTable, moved_answer, read_after_push, table_bytes
 from shoal.storage import checkpoint
 from shoal.storage.validate import as_keys, as_rows
 from shoal.wire.message import Message
@@ -78,6 +78,7 @@ class StaticService:
                 return msg.reply(Op.OK, {"skipped": skipped} if skipped else None)
             if msg.op == Op.PUSH_PULL:
                 self._push(table, msg)
+                msg = read_after_push(msg)  # from here on only the read may be refused
                 return self.sync.pull(table, peer, msg)
         except SliceMovedError:
             if msg.op in (Op.PUSH, Op.PUSH_PULL) and "stream" in msg.body:

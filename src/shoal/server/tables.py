@@ -32,8 +32,19 @@ def table_bytes(spec: TableSpec) -> int:
 
 def moved_answer(request: Message) -> Message:
     """The answer to a pull or push refused because a slice it needs is not here: every key "moved",
-    nothing applied; the worker asks the rendezvous where the slices are and sends it again."""
-    return request.reply(Op.OK, Moved.every(request.arrays[0].shape[0]).to_body())
+    nothing applied; the worker asks the rendezvous where the slices are and sends it again. The read
+    of a ``PUSH_PULL`` whose push went in (``read_after_push``) says so: the worker only reads again."""
+    pushed = request.body.get("pushed") is True
+    return request.reply(Op.OK, Moved.every(request.arrays[0].shape[0], pushed).to_body())
+
+
+def read_after_push(request: Message) -> Message:
+    """The read of a ``PUSH_PULL`` whose push was applied: a ``PULL`` with its request number, clock
+    and body (its place in the worker's stream, the model it reads by), marked so that refusing it
+    later (its slice moved while it was held for its bound, say) does not have the push sent again."""
+    return Message(Op.PULL, req=request.req, table=request.table, epoch=request.epoch, clock=request.clock,
+                   sender=request.sender, incarnation=request.incarnation, flags=request.flags,
+                   body={**request.body, "pushed": True}, arrays=request.arrays[:1])
 
 
 class SliceMoving(Exception):

@@ -127,14 +127,21 @@ class Moved:
 
     positions: np.ndarray
     owners: np.ndarray
+    #: a ``PUSH_PULL`` whose push was applied, and only its read refused: the worker reads again
+    #: where the keys are, and does not push again
+    pushed: bool = False
 
     @classmethod
-    def every(cls, count: int) -> Moved:
-        """Nothing of a request of ``count`` keys was served here, and where they went is not known."""
-        return cls(np.arange(count, dtype=np.int64), np.full(count, -1, dtype=np.int64))
+    def every(cls, count: int, pushed: bool = False) -> Moved:
+        """Nothing of a request of ``count`` keys was served here (but its push, if ``pushed``), and
+        where they went is not known."""
+        return cls(np.arange(count, dtype=np.int64), np.full(count, -1, dtype=np.int64), pushed)
 
     def to_body(self) -> dict[str, Any]:
-        return {"moved": self.positions.tolist(), "owners": self.owners.tolist()}
+        body: dict[str, Any] = {"moved": self.positions.tolist(), "owners": self.owners.tolist()}
+        if self.pushed:
+            body["pushed"] = True
+        return body
 
     @classmethod
     def in_reply(cls, reply: Message, count: int) -> Moved | None:
@@ -147,7 +154,10 @@ class Moved:
                 and all(is_int64(o) for o in owners)):
             raise ProtocolError(f"a 'moved' answer needs equally long lists of distinct positions below {count} "
                                 f"and owners, got {positions!r} and {owners!r}")
-        return cls(np.asarray(positions, dtype=np.int64), np.asarray(owners, dtype=np.int64))
+        pushed = reply.body.get("pushed", False)
+        if type(pushed) is not bool:
+            raise ProtocolError(f"a 'moved' answer's 'pushed' must be true or false, got {pushed!r}")
+        return cls(np.asarray(positions, dtype=np.int64), np.asarray(owners, dtype=np.int64), pushed)
 
 
 #: intents one INTENT message carries at most: a worker's tables each declared a few since its last clock
