@@ -4,6 +4,7 @@ servers, and a deterministic BSP run resumed from one ends bit-identical to the 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,11 @@ import pytest
 
 import shoal
 from shoal.api.errors import CheckpointError
+from shoal.client import checkpoints as client_checkpoints
 from shoal.server.replicated import wire_version
 from shoal.storage import checkpoint
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA
+from shoal.wire import bodies
 from tests.support.cluster import ThreadCluster
 from tests.support.waiting import wait_until
 
@@ -451,3 +454,81 @@ def test_a_restored_replicated_table_read_by_merging_replicas_keeps_its_restored
     with ThreadCluster(nodes=2) as c:
         for merged in c.run_workers(load):
             np.testing.assert_array_equal(merged, 3.5)
+
+
+REP_KEYS, STATIC_KEYS = 30, 40
+
+
+def _rep_and_static(w):
+    # "rep" sorts before "zstatic": every server loads the replicated table first.
+    rep = w.table("rep", REP_KEYS, 2, replicas=2, gossip_ms=10, optimizer=shoal.optim.Adagrad(lr=0.1),
+                  init=shoal.Constant(0.0))
+    static = w.table("zstatic", STATIC_KEYS, 2, init=shoal.Constant(0.0))
+    return rep, static
+
+
+def test_a_replicated_restore_survives_gossip_of_the_restored_rows_from_a_peer_that_committed_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The commit of a restore reaches server 1 half a second after server 0 (a lost message sent
+    # again, a slow link): meanwhile server 0 loaded its replicas and gossiped their RESTORED origin
+    # to server 1. Server 1's restore took that origin for "updates taken already" and refused
+    # (server/replicated.py restore), after server 0 had loaded every table: the static table was
+    # left half restored, server 1's Adagrad accumulators were not restored, and every later restore
+    # of the same checkpoint was refused for good.
+    rep_keys, static_keys = np.arange(REP_KEYS), np.arange(STATIC_KEYS)
+
+    def save(w):
+        rep, static = _rep_and_static(w)
+        rep.push(rep_keys, np.full((REP_KEYS, 2), w.rank + 1.0, np.float32))
+        static.push(static_keys, np.full((STATIC_KEYS, 2), w.rank + 1.0, np.float32))
+        w.barrier()
+        w.checkpoint(tmp_path)
+        w.barrier()
+        return rep.pull(rep_keys), static.pull(static_keys)
+
+    with ThreadCluster(nodes=2) as cluster:
+        saved_rep, saved_static = cluster.run_workers(save)[0]
+
+    ask = client_checkpoints._ask_servers
+
+    def commit_reaches_server_1_late(worker, body, servers):
+        if isinstance(body, bodies.Restore) and body.commit and len(servers) > 1:
+            first = ask(worker, body, servers[:1])
+            time.sleep(0.5)  # 50 gossip rounds
+            return first + ask(worker, body, servers[1:])
+        return ask(worker, body, servers)
+
+    monkeypatch.setattr(client_checkpoints, "_ask_servers", commit_reaches_server_1_late)
+
+    def load(w):
+        rep, static = _rep_and_static(w)
+        outcome = None
+        try:
+            w.restore(tmp_path)
+        except shoal.ShoalError as exc:
+            outcome = exc
+        w.barrier()
+        return outcome, rep.pull(rep_keys), static.pull(static_keys)
+
+    with ThreadCluster(nodes=2) as cluster:
+        results = cluster.run_workers(load)
+    for outcome, rep_rows, static_rows in results:
+        assert outcome is None, f"a valid checkpoint was refused: {outcome}"
+        np.testing.assert_array_equal(static_rows, saved_static)
+        np.testing.assert_array_equal(rep_rows, saved_rep)
+
+
+def test_a_dense_table_is_not_restored_into_a_tensor_of_another_shape(tmp_path: Path) -> None:
+    # A dense (3, 5) tensor is one row of 15 values; a (5, 3) one is the same row. With the shape saved
+    # nowhere the two tables' specs were equal, and the saved matrix came back silently reinterpreted
+    # in the other shape. The shape is part of the spec now.
+    with ThreadCluster(nodes=1) as cluster:
+        w = cluster.worker(0)
+        w.dense("W", (3, 5), optimizer=shoal.optim.Sum()).push(np.arange(15, dtype=np.float32).reshape(3, 5))
+        w.checkpoint(tmp_path)
+    with ThreadCluster(nodes=1) as cluster:
+        w = cluster.worker(0)
+        transposed = w.dense("W", (5, 3), optimizer=shoal.optim.Sum())
+        with pytest.raises(shoal.CheckpointError, match="shape"):
+            w.restore(tmp_path)
+        assert not transposed.pull().any()

@@ -125,3 +125,35 @@ def test_an_embedding_refuses_float_keys_as_a_table_does():
             table.pull(np.array([1.0, 2.0]))
         with pytest.raises(shoal.DTypeError, match="must be integers, got dtype torch.float32"):
             Embedding(table)(torch.tensor([1.0, 2.0]))
+
+
+def _torch_train(w, root: Path, start: int, stop: int, save_at: int | None):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2, bias=False)
+    sync = DenseSync(w, model, prefix="lin", consistency=shoal.BSP())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if start:
+        assert w.restore(root) == start
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 6
+    for step in range(start, stop):
+        if step == save_at:
+            w.checkpoint(root)
+        opt.zero_grad()
+        ((model(x) - 1.0) ** 2).sum().backward()
+        opt.step()
+        sync.step()
+    return model.weight.detach().numpy().copy()
+
+
+def test_a_dense_sync_model_resumed_from_a_checkpoint_trains_from_the_restored_weights(tmp_path: Path) -> None:
+    # DenseSync creates its tables, so a restore comes after it (README: "after creating the
+    # tables"); but DenseSync pulled the weights into the torch model and its _synced copy before the
+    # restore and never again until the next step (integrations/torch/dense.py __init__/_load): the
+    # first resumed step computes its gradient at the initial weights and pushes that change on top of
+    # the restored ones. The run resumed at step 2 does not end where the run never stopped does.
+    pytest.importorskip("torch")
+    with ThreadCluster(nodes=1) as cluster:
+        uninterrupted = _torch_train(cluster.worker(0), tmp_path, 0, 4, save_at=2)
+    with ThreadCluster(nodes=1) as cluster:
+        resumed = _torch_train(cluster.worker(0), tmp_path, 2, 4, save_at=None)
+    np.testing.assert_array_equal(resumed, uninterrupted)

@@ -79,6 +79,9 @@ class TableSpec:
     slices: int = 0
     slice_bytes: int = 4 << 20
     placement: str = "spread"
+    #: a dense table's tensor shape (``Worker.dense``: its values in order, ``dim`` to a row); None for
+    #: other tables. In the spec, so that no worker or checkpoint takes the rows for another shape.
+    shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -97,6 +100,7 @@ class TableSpec:
         self._check_replication()
         self._check_adaptivity()
         self._check_slicing()
+        self._check_shape()
         if not isinstance(self.init, (Constant, Uniform, Normal)):
             raise ConfigError(f"init must be shoal.Constant, Uniform or Normal, got {self.init!r}")
         if not isinstance(self.optimizer, (Sum, SGD, Adagrad, Adam)):
@@ -161,6 +165,16 @@ class TableSpec:
             # With W > 1 a push's origin is the worker: every replica must compute the same delta.
             raise ConfigError("write_quorum > 1 needs an additive update rule (Sum or SGD)")
 
+    def _check_shape(self) -> None:
+        if self.shape is None:
+            return
+        if not isinstance(self.shape, tuple) or not all(type(n) is int and n >= 0 for n in self.shape):
+            raise ConfigError(f"shape must be None or a tuple of sizes (ints >= 0), got {self.shape!r}")
+        rows = dense_rows(self.shape, self.dim)
+        if rows != self.num_keys:
+            raise ConfigError(f"a dense table of shape {self.shape} in rows of {self.dim} values has {rows} rows, "
+                              f"not num_keys={self.num_keys}")
+
     def differences(self, other: TableSpec, mine: str = "here", theirs: str = "asked") -> str:
         """The fields in which ``other`` differs, e.g. ``dim 16 here, 8 asked``: what a mismatch
         error names instead of two whole specs."""
@@ -189,6 +203,7 @@ class TableSpec:
             "slices": self.slices,
             "slice_bytes": self.slice_bytes,
             "placement": self.placement,
+            "shape": None if self.shape is None else list(self.shape),
         }
 
     @classmethod
@@ -202,11 +217,21 @@ class TableSpec:
             fields["consistency"] = consistency_from_dict(fields.get("consistency", {"kind": "asp"}))
             if "read_quorum" in fields:
                 fields["read_quorum"] = read_quorum_from_wire(fields["read_quorum"])
+            if isinstance(fields.get("shape"), list):
+                fields["shape"] = tuple(fields["shape"])
             return cls(**fields)
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError(f"bad table spec {data!r}: {exc}") from exc
+
+
+def dense_rows(shape: tuple[int, ...], width: int) -> int:
+    """The rows of ``width`` values that a dense tensor of ``shape`` takes (one at least)."""
+    size = 1
+    for n in shape:
+        size *= n
+    return max(1, -(-size // width))
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,6 @@ from shoal.cluster.requests import Future
 DEFAULT_SLICE = 4096  # values per row: 16 KB of float32, well above per-message overheads
 
 
-def rows_for(shape: tuple[int, ...], width: int) -> int:
-    return max(1, -(-prod(shape) // width))
-
-
 class DenseTable:
     """A tensor of ``shape`` stored in ``table`` as rows of ``width`` values."""
 

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.config import ClusterSpec, TableSpec
+from shoal.api.config import ClusterSpec, TableSpec, dense_rows
 from shoal.api.errors import ClosedError, ClusterError, RequestTimeoutError, ShoalError, TableError
 from shoal.api.ids import RENDEZVOUS
 from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
 from shoal.client import checkpoints
-from shoal.client.dense import DEFAULT_SLICE, DenseTable, rows_for
+from shoal.client.dense import DEFAULT_SLICE, DenseTable
 from shoal.client.metrics import worker_families
 from shoal.client.replica_view import WATCH_AFTER_S
 from shoal.client.replicated import ReplicaView
@@ -91,6 +91,7 @@ class Worker:
         self._ticks = TickSchedule()  # when servers are told the clock while no read waits on it
         self._tick_due = False  # a clock they have not been told yet
         self._closed = False
+        self._after_restore: list[Callable[[], None]] = []  # ``after_restore``
         timeout = cluster.timeouts.connect_s
         #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token derived from the job's secret
         self.metrics = None if metrics_port is None else MetricsEndpoint(
@@ -168,8 +169,8 @@ class Worker:
             size *= n
         width = max(1, min(slice_size, size))
         options.setdefault("mapping", "round_robin")
-        table = self.table(name, rows_for(shape, width), width, dtype=dtype, init=init, optimizer=optimizer,
-                           **options)
+        table = self.table(name, dense_rows(shape, width), width, dtype=dtype, init=init, optimizer=optimizer,
+                           shape=shape, **options)
         return DenseTable(table, shape, width)
 
     def create_table(self, spec: TableSpec) -> Table:
@@ -471,7 +472,15 @@ class Worker:
         forward, so restoring an earlier clock in a running job would leave the bounds behind.
         """
         self._check_open()
-        return checkpoints.restore(self, root)
+        clock = checkpoints.restore(self, root)
+        for reload in self._after_restore:
+            reload()
+        return clock
+
+    def after_restore(self, reload: Callable[[], None]) -> None:
+        """Call ``reload`` after each restore: for whoever keeps copies of rows it read before (a
+        torch model's parameters, ``DenseSync``)."""
+        self._after_restore.append(reload)
 
     def intent(self, table: Table, keys: Any, start: int, end: int | None = None) -> None:
         """``table.intent(keys, start, end)``: this worker will use ``keys`` in clocks ``[start, end)``."""

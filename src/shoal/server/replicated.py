@@ -36,7 +36,7 @@ from shoal.api.errors import (
     ShoalError,
     TableError,
 )
-from shoal.api.ids import MAX_INCARNATIONS, MAX_RANKS, server_node, worker_origin
+from shoal.api.ids import MAX_INCARNATIONS, MAX_RANKS, RESTORED, server_node, worker_origin
 from shoal.consistency.clocks import FINISHED, ClockTable
 from shoal.placement.layout import TableLayout
 from shoal.replication.bounds import PushCounts
@@ -472,7 +472,9 @@ class ReplicationService:
         wrote a row, its optimiser state is the one it kept. Returns the rows filled (``write`` False:
         that would be filled, writing nothing)."""
         table = self._table(name)
-        if any(any(r.version().values()) for r in table.replicas.values()):
+        # The restored rows of a peer that took the same checkpoint first may be here by gossip: they
+        # are the same values, loaded again below, not updates.
+        if any(any(seq for origin, seq in r.version().items() if origin != RESTORED) for r in table.replicas.values()):
             raise CheckpointError(f"replicated table {table.spec.name!r} has taken updates already: "
                                   "restore right after creating the tables, before training")
         own_last = sorted(entry["parts"], key=lambda part: part.get("node") == self.node)

@@ -42,9 +42,15 @@ class DenseSync:
             for table, (_, p) in zip(self.tables, self.params, strict=True):
                 table.push(to_numpy(p))
         ps.barrier()
+        self.reload()
+        ps.barrier()  # nobody changes a parameter before everyone has read the initial values
+        ps.after_restore(self.reload)  # a restore comes after the tables are made: read its values
+
+    def reload(self) -> None:
+        """Read the parameters' current values into the model (the next ``step`` pushes changes from
+        these)."""
         self._synced = [table.pull() for table in self.tables]
         self._load()
-        ps.barrier()  # nobody changes a parameter before everyone has read the initial values
 
     def _load(self) -> None:
         with torch.no_grad():
