@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.api.config import RebalancePolicy, TableSpec
-from shoal.api.errors import ClusterError, ProtocolError, ReplayError, ShoalError
+from shoal.api.errors import ClusterError, ProtocolError, ReplayError, ServerError, ShoalError
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.roles import RENDEZVOUS_OPS, Roles
 from shoal.cluster.slices import SliceAuthority
 from shoal.cluster.throttle import ThrottledWarnings
+from shoal.placement.layout import check_limits
 from shoal.transport.base import Transport, is_loopback
 from shoal.wire import bodies
 from shoal.wire.codec import Codec
@@ -223,6 +224,10 @@ class Rendezvous:
             self._dispatch(peer, msg)
         except ShoalError as exc:  # a request that cannot be met gets a typed error, not silence
             self._reply(peer, bodies.Error.about(exc, "rendezvous").reply_to(msg))
+        except Exception as exc:  # a bug: report it and answer (unanswered, its repeats would wait for good)
+            log.exception("rendezvous: failure serving %s", msg.op.name)
+            self._reply(peer, bodies.Error.about(ServerError(f"rendezvous failed serving {msg.op.name}: {exc!r}"))
+                        .reply_to(msg))
 
     def _repeated(self, peer: bytes, msg: Message) -> bool:
         """Whether ``msg`` repeats one already here (answered again if its reply was kept); raises
@@ -263,7 +268,12 @@ class Rendezvous:
         elif msg.op == Op.CREATE_TABLE:
             spec = bodies.CreateTable.of(msg).spec
             if msg.table not in self.tables:
-                self.slices.add_table(TableSpec.from_dict(spec))
+                parsed = TableSpec.from_dict(spec)
+                if parsed.name != msg.table:
+                    raise ProtocolError(f"CREATE_TABLE for {msg.table!r} carries a spec named {parsed.name!r}")
+                # As a server does: every status carries the table's layout, and servers build it.
+                check_limits(parsed, self.codec.limits, self.num_nodes)
+                self.slices.add_table(parsed)
             self.tables.setdefault(msg.table, spec)
             self._creators.setdefault(msg.table, set()).add(msg.sender)  # a worker (roles.py)
             if not msg.flags & Flag.NO_REPLY:  # the reply carries where the slices are now

@@ -149,6 +149,8 @@ class ReplayGuard:
         else:
             return
         stream.serving -= 1
+        if len(stream.seen) - stream.serving > self.per_stream:  # many answered at once (given up, say)
+            self._forget_answered(key, stream)
         keep = size <= self.keep_reply_bytes
         stream.seen[req] = frames if keep else True
         if not keep:

@@ -9,6 +9,7 @@ done. One move per table is under way at a time, so epochs are a sequence.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.api.config import RebalancePolicy, TableSpec
-from shoal.api.errors import ClusterError
+from shoal.api.errors import ClusterError, ProtocolError
 from shoal.placement.layout import TableLayout
 from shoal.placement.rebalance import Move, SliceInfo, imbalance, plan_drain, plan_moves
 
@@ -183,12 +184,23 @@ class SliceAuthority:
                                        self._window.get((name, shard), 0.0), nbytes))
         return infos
 
-    def on_load(self, node: int, load: dict[str, list[list[float]]]) -> None:
-        """A server's per-slice load since its last heartbeat."""
+    def on_load(self, node: int, load: dict[str, Any]) -> None:
+        """A server's per-slice load since its last heartbeat: per table, ``[slice, bytes, ...]`` rows.
+        Rows of slices of no table here are left out (the window holds real slices only).
+
+        Raises:
+            ProtocolError: a report of another form (nothing of it is counted).
+        """
+        counted = []
         for table, rows in load.items():
-            for shard, nbytes, *_ in rows:
-                key = (table, int(shard))
-                self._window[key] = self._window.get(key, 0.0) + float(nbytes)
+            if not isinstance(rows, list) or not all(_load_row(row) for row in rows):
+                raise ProtocolError(f"a server's load of {table!r} must be rows of [slice, bytes, ...], got {rows!r}")
+            layout = self.layouts.get(table)
+            if layout is not None:
+                counted += [((table, int(row[0])), float(row[1])) for row in rows
+                            if float(row[0]).is_integer() and 0 <= row[0] < layout.num_shards]
+        for key, nbytes in counted:
+            self._window[key] = self._window.get(key, 0.0) + nbytes
 
     def tick(self) -> None:
         """Close a load window when it is due; plan moves when the imbalance persisted."""
@@ -232,3 +244,9 @@ class SliceAuthority:
         if moves:
             log.info("rebalancer: max/mean %.2f over %d windows; moving %d slice(s)", ratio, policy.windows,
                      len(moves))
+
+
+def _load_row(row: Any) -> bool:
+    """Whether ``row`` is a slice's load as a server reports it: ``[slice, bytes, ...]``, finite numbers."""
+    return (isinstance(row, list) and len(row) >= 2
+            and all(type(v) in (int, float) and math.isfinite(v) for v in row[:2]))

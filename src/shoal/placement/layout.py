@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shoal.api.config import TableSpec
+from shoal.api.config import Limits, TableSpec
+from shoal.api.errors import TableError
 from shoal.placement import kernels
 from shoal.placement.mapping import KeyMapping, make_mapping
 from shoal.storage.state import state_of
@@ -40,6 +41,19 @@ def slice_count(spec: TableSpec, num_servers: int) -> int:
         total = row_bytes(spec) * spec.num_keys
         return max(1, min(spec.num_keys, -(-total // spec.slice_bytes)))
     return min(spec.num_keys, spec.slices or num_servers)
+
+
+def check_limits(spec: TableSpec, limits: Limits, num_servers: int) -> None:
+    """Refuse (``TableError``) a table larger than ``limits`` allow, or cut into more slices: the
+    rendezvous and every server check before they allocate anything of it."""
+    size = spec.num_keys * row_bytes(spec)
+    if size > limits.max_table_bytes:
+        raise TableError(f"table {spec.name!r} needs {size} bytes with its optimiser state; the limit is "
+                         f"{limits.max_table_bytes}")
+    slices = slice_count(spec, num_servers)
+    if slices > limits.max_slices:
+        raise TableError(f"table {spec.name!r} would be cut into {slices} slices; the limit is {limits.max_slices} "
+                         "(fewer slices=, or a larger slice_bytes)")
 
 
 def initial_owners(spec: TableSpec, num_slices: int, servers: list[int]) -> np.ndarray:

@@ -41,7 +41,7 @@ from shoal.cluster.requests import RequestTracker
 from shoal.cluster.roles import SERVER_OPS, Roles
 from shoal.cluster.throttle import ThrottledWarnings
 from shoal.consistency.clocks import ClockTable
-from shoal.placement.layout import slice_count
+from shoal.placement.layout import check_limits
 from shoal.server.adaptive import AdaptiveService
 from shoal.server.builds import TableBuilds
 from shoal.server.checkpoints import CheckpointService
@@ -51,9 +51,9 @@ from shoal.server.replicated import ReplicationService
 from shoal.server.service import TableService
 from shoal.server.slicing import SliceService
 from shoal.server.static import StaticService
-from shoal.server.streams import StreamOrder
+from shoal.server.streams import StaleRequestError, StreamOrder
 from shoal.server.sync import Synchroniser
-from shoal.server.tables import ServedTable, SliceMoving, read_after_push, table_bytes
+from shoal.server.tables import ServedTable, SliceMoving, read_after_push
 from shoal.storage.segment import Segment
 from shoal.transport.base import Transport, is_loopback
 from shoal.wire import bodies
@@ -272,15 +272,17 @@ class ParameterServer:
         layouts = status.get("layouts") or {}
         created = []
         for spec in status.get("tables") or []:
-            parsed = TableSpec.from_dict(spec)
-            if parsed.name in self.services or parsed.name in self.builds.pending:
-                continue
-            if self.node >= self.cluster.num_nodes and not self._service_for(parsed).served_by_joined_servers:
-                continue  # a server that joined later holds only what slices are moved to it
             try:
+                parsed = TableSpec.from_dict(spec)
+                if parsed.name in self.services or parsed.name in self.builds.pending:
+                    continue
+                if self.node >= self.cluster.num_nodes and not self._service_for(parsed).served_by_joined_servers:
+                    continue  # a server that joined later holds only what slices are moved to it
+                self._check_fits(parsed)  # as a CREATE_TABLE sent here is: the rendezvous checks no budget
                 self._add_table(parsed, layouts.get(parsed.name))
-            except ShoalError as exc:
-                log.error("server %d: cannot create table %r: %s", self.node, parsed.name, exc)
+            except ShoalError as exc:  # throttled: every heartbeat brings the table again
+                name = spec.get("name") if isinstance(spec, dict) else None
+                self._warnings.warn(("adopt", str(name)), "server %d: cannot create table %r: %s", self.node, name, exc)
                 continue
             created.append(parsed.name)
             log.info("server %d: created table %r %s", self.node, parsed.name, why)
@@ -372,12 +374,13 @@ class ParameterServer:
             return
         if in_turn:
             self._serve_in_turn(peer, msg)
-            return
-        self.stats["requests_out_of_order"] += 1
-        # Its floor may have skipped requests its worker no longer awaits, up to one already waiting.
-        ready = self.order.next_ready(msg.sender)
-        if ready is not None:
-            self._serve_in_turn(*ready)
+        else:
+            self.stats["requests_out_of_order"] += 1
+            # Its floor may have skipped requests its worker no longer awaits, up to one already waiting.
+            ready = self.order.next_ready(msg.sender)
+            if ready is not None:
+                self._serve_in_turn(*ready)
+        self._answer_given_up()
 
     def _serve_in_turn(self, peer: bytes, msg: Message) -> None:
         """Serve ``msg``, then the requests of its worker that waited for it, in their order."""
@@ -442,13 +445,24 @@ class ParameterServer:
 
     def _expire_out_of_order(self) -> None:
         """Requests that waited a request timeout for an earlier one of their worker that never came
-        (its worker died, say): answered with an error instead of kept."""
+        (its worker died, say), or that their worker gave up on: answered with an error instead of
+        kept (the replay guard keeps a request it saw as being served until it is answered)."""
         for peer, msg in self.order.expire(self.cluster.timeouts.request_s):
             error = RequestTimeoutError(f"server {self.node}: request {msg.body['stream'][1]} of worker "
                                         f"{msg.sender} waited {self.cluster.timeouts.request_s:.0f}s for its "
                                         "earlier requests, which never came")
             self.stats["out_of_order_expired"] += 1
             self._send(peer, bodies.Error.about(error).reply_to(msg), self.codec)
+        self._answer_given_up()
+
+    def _answer_given_up(self) -> None:
+        """Answer the requests dropped unhandled because their worker no longer waits on them."""
+        for peer, msg in self.order.take_given_up():
+            gone = StaleRequestError(f"server {self.node}: request {msg.body['stream'][1]} of worker {msg.sender} "
+                                     "was given up by its worker before its turn came")
+            self.stats["out_of_order_given_up"] += 1
+            if not msg.flags & Flag.NO_REPLY:
+                self._send(peer, bodies.Error.about(gone).reply_to(msg), self.codec)
 
     def _reply_error(self, peer: bytes, exc: ShoalError, codec: Codec) -> None:
         if getattr(exc, "flags", 0) & Flag.NO_REPLY:
@@ -525,15 +539,7 @@ class ParameterServer:
                 self.builds.join(spec.name, peer, msg)
                 return None
         else:
-            size = table_bytes(spec)
-            if size > self.cluster.limits.max_table_bytes:
-                raise TableError(f"table {spec.name!r} needs {size} bytes with its optimiser state; "
-                                 f"the limit is {self.cluster.limits.max_table_bytes}")
-            self._check_budget(spec)
-            slices = slice_count(spec, self.cluster.num_nodes)
-            if slices > self.cluster.limits.max_slices:
-                raise TableError(f"table {spec.name!r} would be cut into {slices} slices; the limit is "
-                                 f"{self.cluster.limits.max_slices} (fewer slices=, or a larger slice_bytes)")
+            self._check_fits(spec)
             self.builds.start(spec, self._service_for(spec), peer, msg)
             return None
         return msg.reply(Op.OK, {"shards": self.services[spec.name].shards(spec.name)})
@@ -558,6 +564,11 @@ class ParameterServer:
                 replies = [m.reply(Op.OK, {"shards": shards}) for _, m in build.waiting]
             for (peer, _), reply in zip(build.waiting, replies, strict=True):
                 self._send(peer, reply, self.codec)
+
+    def _check_fits(self, spec: TableSpec) -> None:
+        """Refuse a table over the limits or this server's budget before allocating anything of it."""
+        check_limits(spec, self.cluster.limits, self.cluster.num_nodes)
+        self._check_budget(spec)
 
     def _check_budget(self, spec: TableSpec) -> None:
         """Refuse a table this server cannot hold before allocating anything of it."""

@@ -103,6 +103,10 @@ class StreamOrder:
         self.num_workers = num_workers
         self.now = now
         self._streams: dict[int, _Stream] = {}
+        #: requests dropped unhandled because their worker no longer waits on them (a floor past them,
+        #: a new incarnation, the worker gone): the server answers them (``take_given_up``), which
+        #: also ends what its replay guard keeps of them as being served
+        self._given_up: list[tuple[bytes, Message]] = []
 
     def admit(self, peer: bytes, msg: Message) -> bool:
         """True: handle ``msg`` now. False: it waits (``next_ready`` hands it back in its turn).
@@ -116,6 +120,8 @@ class StreamOrder:
             raise ProtocolError(f"stream of worker {pos.worker}, which is not a worker of this cluster")
         stream = self._streams.get(pos.worker)
         if stream is None or pos.incarnation > stream.incarnation:  # first contact, or a restarted worker
+            if stream is not None:
+                self._give_up(stream, None)
             stream = self._streams[pos.worker] = _Stream(pos.incarnation, pos.floor, floor=pos.floor)
         elif pos.incarnation < stream.incarnation:
             raise StaleRequestError(f"request {pos.seq} of worker {pos.worker} comes from its incarnation "
@@ -210,13 +216,24 @@ class StreamOrder:
 
     def forget(self, worker: int) -> None:
         """The worker has left: nothing of it waits any more."""
-        self._streams.pop(worker, None)
+        stream = self._streams.pop(worker, None)
+        if stream is not None:
+            self._give_up(stream, None)
+
+    def take_given_up(self) -> list[tuple[bytes, Message]]:
+        """The requests dropped since the last call because their worker no longer waits on them."""
+        given_up, self._given_up = self._given_up, []
+        return given_up
 
     def waiting_count(self) -> int:
         return sum(len(s.waiting) for s in self._streams.values())
 
-    @staticmethod
-    def _skip_to(stream: _Stream, floor: int) -> None:
-        for seq in [s for s in stream.waiting if s < floor]:
-            del stream.waiting[seq]
+    def _skip_to(self, stream: _Stream, floor: int) -> None:
+        self._give_up(stream, floor)
         stream.next_seq = floor
+
+    def _give_up(self, stream: _Stream, floor: int | None) -> None:
+        """Drop the requests of ``stream`` waiting below ``floor`` (None: all of them)."""
+        for seq in [s for s in stream.waiting if floor is None or s < floor]:
+            peer, msg, _ = stream.waiting.pop(seq)
+            self._given_up.append((peer, msg))
