@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 #: the clock of a worker that has left: it never holds anyone back again
@@ -29,8 +31,8 @@ class ClockTable:
         #: per worker, every push of iterations before this was acknowledged (as last reported)
         self.settled = clocks.copy()
         self.fenced: set[int] = set()
-        #: per worker, how often it was started again (``restart``)
-        self.restarts = np.zeros(clocks.shape[0], dtype=np.int64)
+        #: called with a worker's number when it was started again (``restart``), as it is learnt
+        self.on_restart: list[Callable[[int], None]] = []
         self._min = int(clocks.min()) if clocks.size else FINISHED
 
     @classmethod
@@ -66,8 +68,9 @@ class ClockTable:
             return
         self.learned[worker] = clock
         self.settled[worker] = settled
-        self.restarts[worker] += 1
         self._set(worker)
+        for restarted in self.on_restart:
+            restarted(worker)
 
     def finish(self, worker: int) -> bool:
         """The worker has left, every push of it applied: it never holds anyone back again."""

@@ -70,7 +70,7 @@ class AdaptiveService:
         self.cpu = CpuAccount()  # the part of each kind of placement message in the PLACEMENT messages' CPU
         self._clock_seen = (0, now())
         self._clock_s = 0.0
-        self._restarts_seen = 0  # restarts of this node's workers acted on (their intents ended)
+        clocks.on_restart.append(self._worker_restarted)
 
     @property
     def tables(self) -> dict[str, AdaptiveTable]:
@@ -273,14 +273,8 @@ class AdaptiveService:
             self._clock_s = per_clock if self._clock_s == 0 else 0.8 * self._clock_s + 0.2 * per_clock
             self._clock_seen = (slowest, now)
         per_node = self.cluster.workers_per_node
-        mine = slice(self.node * per_node, (self.node + 1) * per_node)
-        local = self.clocks.clocks[mine]
+        local = self.clocks.clocks[self.node * per_node:(self.node + 1) * per_node]
         node_clock = int(local.min()) if local.size else 0
-        restarts = int(self.clocks.restarts[mine].sum())
-        if restarts != self._restarts_seen:  # a worker here was started again: its earlier intents end
-            self._restarts_seen = restarts
-            for machine in self.machines.values():
-                machine.table.intents.end_all()
         effects = Effects()  # every table's: what they send one node in this pass goes as one message
         try:
             for machine in list(self.machines.values()):
@@ -288,6 +282,15 @@ class AdaptiveService:
         finally:  # a state message is the only copy of its rows: what a table decided goes out regardless
             self.carry_out(effects)
         self._resend_and_acknowledge()
+
+    def _worker_restarted(self, worker: int) -> None:
+        """A worker was started again: if it is on this node, the intents declared here so far end
+        (the node clock went back with it; the clocks they name were its earlier process's). Before
+        anything else of the new process is handled: its own intents come after."""
+        per_node = self.cluster.workers_per_node
+        if per_node and worker // per_node == self.node:
+            for machine in self.machines.values():
+                machine.table.intents.end_all()
 
     def next_timer(self) -> float | None:
         deadlines = [m.table.next_sync for m in self.machines.values()]
