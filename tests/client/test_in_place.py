@@ -354,3 +354,33 @@ def test_two_processes_holding_rows_in_place_never_share_a_place_in_the_table_of
             except ChildProcessError:
                 pass
         table.close()
+
+
+def test_a_hold_made_before_another_is_entered_does_not_hang_a_pull_inside_the_block():
+    """``Table._check_not_held`` looks at the last hold made only; a pull inside the block of an earlier
+    one takes the slice's (non-reentrant) thread lock that the block holds: it waits forever instead of
+    raising ``TableError``."""
+    with ThreadCluster(nodes=2) as c:
+        t0 = c.worker(0).table("s", 40, 2)
+        c.worker(1).table("s", 40, 2)
+        keys = np.array([3, 7])  # node 0's slice
+        first = t0.in_place(keys)
+        t0.in_place(keys)  # made, never entered
+        outcome: dict[str, object] = {}
+
+        def body() -> None:
+            try:
+                with first:
+                    outcome["rows"] = t0.pull(keys)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=body, daemon=True)
+        thread.start()
+        thread.join(5.0)
+        hung = thread.is_alive()
+        if hung:  # let the stuck thread go (a threading.Lock may be released by any thread)
+            first.__exit__(None, None, None)
+            thread.join(5.0)
+        assert not hung, "a pull inside an in_place block waited 5 s on the block's own lock"
+        assert isinstance(outcome.get("error"), shoal.TableError), outcome

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed: p
 
 import shoal  # noqa: E402
 from shoal.integrations.torch import DenseSync, Embedding, to_numpy, to_torch  # noqa: E402
-from tests.support.cluster import ThreadCluster  # noqa: E402
+from tests.support.cluster import ThreadCluster, fail_first_static_push  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -157,3 +157,14 @@ def test_a_dense_sync_model_resumed_from_a_checkpoint_trains_from_the_restored_w
     with ThreadCluster(nodes=1) as cluster:
         resumed = _torch_train(cluster.worker(0), tmp_path, 2, 4, save_at=None)
     np.testing.assert_array_equal(resumed, uninterrupted)
+
+
+def test_an_embeddings_failed_push_is_raised_once_not_into_every_later_forward():
+    with ThreadCluster(nodes=2) as c:
+        w = c.worker(0)
+        emb = Embedding(w.table("e", 40, 2))
+        fail_first_static_push(c, 1)
+        emb(torch.tensor([30])).sum().backward()  # its push (to node 1) fails
+        with pytest.raises(shoal.ShoalError, match="injected"):
+            emb(torch.tensor([1]))  # the failure surfaces at the next forward: right
+        emb(torch.tensor([1]))  # an unrelated later forward must not raise the same error again

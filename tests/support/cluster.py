@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shoal.api.config import ClusterSpec, Limits, RebalancePolicy, Timeouts
+from shoal.api.errors import TableError
 from shoal.client.worker import Worker
 from shoal.cluster.rendezvous import Rendezvous
 from shoal.server.server import ParameterServer
@@ -98,3 +99,19 @@ class ThreadCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def fail_first_static_push(cluster: ThreadCluster, node: int) -> None:
+    """Server ``node`` answers the first static push it handles with a typed error (one request
+    failing at a server that goes on serving: no valid push fails there by itself)."""
+    service = cluster.servers[node].static
+    original = service._push
+    calls = {"n": 0}
+
+    def failing(table, msg):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TableError("injected server-side failure of one push")
+        return original(table, msg)
+
+    service._push = failing

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from shoal.api.consistency import Consistency
-from shoal.api.errors import ConfigError, TableError
+from shoal.api.errors import ConfigError, ShoalError, TableError
 from shoal.client.in_place import InPlace
 from shoal.cluster.requests import Future
 from shoal.consistency.cache import RowCache
@@ -48,6 +48,11 @@ class TableAccess:
         """Push, then the updated rows of the same keys (one round trip where a kind can)."""
         self.push(keys, values).wait()
         return self.pull(keys, out)
+
+    def take_unobserved_error(self) -> ShoalError | None:
+        """The error of a call that failed since the last look with nobody asking its future (a push
+        sent with ``push_async`` and left): ``Worker.wait_all`` raises it, so that it does not vanish."""
+        return None
 
     # ------------------------------------------------ what a kind may hold
 

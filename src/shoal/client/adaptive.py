@@ -178,15 +178,19 @@ class AdaptiveAccess(RoutedAccess):
             part.req = self.worker.tracker.request(
                 int(node), msg, functools.partial(self._on_reply, call, part, arrays[0]),
                 f"{op.name} of {part_pos.shape[0]} key(s) of {self.spec.name!r}", reply_bytes=reply_bytes,
-                on_error=functools.partial(self._on_error, call), on_end=functools.partial(self._on_end, call, part))
+                on_error=functools.partial(self._on_error, call, part),
+                on_end=functools.partial(self._on_end, call, part))
             call.parts[part.req] = part
             self.counters["requests"] += 1
 
     def _on_reply(self, call: Call, part: Part, keys: np.ndarray, msg: Message) -> None:
+        part.answered = True
         self.counters["rows_remote"] += self._take_answer(call, part.positions, keys, part.op, msg)
 
-    def _on_error(self, call: Call, error: ShoalError) -> None:
-        call.error = call.error or error
+    def _on_error(self, call: Call, part: Part, error: ShoalError) -> None:
+        part.answered = True
+        self._fail(call, error)
 
     def _on_end(self, call: Call, part: Part) -> None:
         call.parts.pop(part.req, None)
+        self._ended_unanswered(call, part)

@@ -23,11 +23,12 @@ READS = (Op.PULL, Op.PUSH_PULL)
 class Part:
     """One request of a call: where it went, its place in the stream, and which keys it carries."""
 
-    __slots__ = ("node", "seq", "positions", "epoch", "op", "req")
+    __slots__ = ("node", "seq", "positions", "epoch", "op", "req", "answered")
 
     def __init__(self, node: int, seq: int, positions: Positions, epoch: int, op: Op) -> None:
         self.node, self.seq, self.positions, self.epoch, self.op = node, seq, positions, epoch, op
         self.req = 0
+        self.answered = False  # a reply or an error came for it (else it ended given up)
 
 
 class Call:
@@ -51,6 +52,9 @@ class Call:
         self.attempts = 0
         self.started = started  # on the worker's clock
         self.error: ShoalError | None = None
+        #: whether its future's outcome was asked for (an error nobody asked for is raised by
+        #: ``Worker.wait_all``, so that it does not vanish)
+        self.observed = False
         #: pushes are numbered in the order they start (a fence waits for those before a point)
         self.index = 0
 
@@ -80,6 +84,7 @@ class Call:
         return np.arange(self.keys.shape[0]) if part_positions is None else part_positions
 
     def outcome(self) -> Any:
+        self.observed = True
         if self.error is not None:
             raise self.error
         return None if self.result is None else self.result.get()

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import ShapeError
+from shoal.api.errors import DTypeError, ShapeError
 from shoal.client.context import TableView
 from shoal.cluster.requests import Future
+from shoal.storage.validate import as_array
 
 DEFAULT_SLICE = 4096  # values per row: 16 KB of float32, well above per-message overheads
 
@@ -38,9 +39,12 @@ class DenseTable:
         return self.pull_async(out).wait()
 
     def pull_async(self, out: np.ndarray | None = None) -> Future[np.ndarray]:
+        if out is not None and (not isinstance(out, np.ndarray) or out.shape != self.shape
+                                or out.dtype != self.table.dtype or not out.flags.c_contiguous
+                                or not out.flags.writeable):
+            got = f"{out.shape} {out.dtype}" if isinstance(out, np.ndarray) else type(out).__name__
+            raise ShapeError(f"out must be a writable C-contiguous {self.shape} {self.table.dtype} array, got {got}")
         future = self.table.pull_async(self.keys)
-        if out is not None and (out.shape != self.shape or out.dtype != self.table.dtype):
-            raise ShapeError(f"out must be {self.shape} {self.table.dtype}, got {out.shape} {out.dtype}")
 
         def finish() -> np.ndarray:
             flat = future.wait().reshape(-1)[: self.size]
@@ -56,7 +60,10 @@ class DenseTable:
 
     def push_async(self, values: Any) -> Future[None]:
         """Push a whole tensor of changes (or gradients, under a server-side rule)."""
-        arr = np.asarray(values, dtype=self.table.dtype)
+        arr = as_array(values, f"values for dense {self.name!r}")
+        if arr.dtype.kind != "f":  # a cast would take bools, ints or complex values silently
+            raise DTypeError(f"values for dense {self.name!r} must be floats, got {arr.dtype}")
+        arr = arr.astype(self.table.dtype, copy=False)
         if arr.shape != self.shape:
             raise ShapeError(f"dense {self.name!r} has shape {self.shape}, got {arr.shape}")
         rows = np.zeros(self.table.num_keys * self.width, dtype=self.table.dtype)

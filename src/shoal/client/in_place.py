@@ -24,6 +24,7 @@ NaN or Inf.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -35,7 +36,8 @@ from shoal.storage.shard import ShardStore
 class InPlace:
     """The rows of some keys of one table on this node, held for a ``with`` block."""
 
-    __slots__ = ("name", "keys", "values", "state", "slots", "absent", "_rows", "_counters", "_open")
+    __slots__ = ("name", "keys", "values", "state", "slots", "absent", "siblings", "_rows", "_counters", "_open",
+                 "__weakref__")
 
     def __init__(self, name: str, store: ShardStore | None, keys: np.ndarray, dim: int, dtype: np.dtype,
                  counters: Counter[str], rows: np.ndarray | None = None, shards: np.ndarray | None = None
@@ -55,14 +57,16 @@ class InPlace:
         self.slots: np.ndarray = _NONE
         #: positions (in ``keys``) of the keys not on this node: pull and push them after the block
         self.absent: np.ndarray = _NONE
+        #: the other holds of the table: one open holds locks this one would wait for forever
+        self.siblings: Iterable[InPlace] = ()
 
     @property
     def is_open(self) -> bool:
         return self._open
 
     def __enter__(self) -> InPlace:
-        if self._open:
-            raise TableError(f"rows of {self.name!r} are already held in place by this block")
+        if self._open or any(hold.is_open for hold in self.siblings):
+            raise TableError(f"rows of {self.name!r} are already held in place by a block: end it first")
         rows = self._rows
         if rows is not None:
             rows.open()

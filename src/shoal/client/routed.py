@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import ClusterError, ShoalError, SliceMovedError
+from shoal.api.errors import ClosedError, ClusterError, RequestTimeoutError, ShoalError, SliceMovedError
 from shoal.client.access import TableAccess
-from shoal.client.calls import READS, WRITES, Call, Positions, Rows
+from shoal.client.calls import READS, WRITES, Call, Part, Positions, Rows
 from shoal.client.context import TableView
 from shoal.client.replica_view import WATCH_AFTER_S
 from shoal.cluster.requests import Future
@@ -31,6 +31,8 @@ from shoal.storage.shard import ShardStore
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import Moved
+
+_FAILED_KEPT = 64  # failed calls kept for ``take_unobserved_error`` between its looks
 
 
 class RoutedAccess(TableAccess):
@@ -44,6 +46,8 @@ class RoutedAccess(TableAccess):
         self.counters = table.counters
         #: calls with parts answered "moved", waiting to be sent again
         self._moved_calls: list[Call] = []
+        #: calls that failed since ``take_unobserved_error`` last looked
+        self._failed: list[Call] = []
 
     # ------------------------------------------------------ what a kind does
 
@@ -61,6 +65,28 @@ class RoutedAccess(TableAccess):
         """Before a read is sent again: what must land first (a kind's pushes sent by an older map)."""
 
     # ---------------------------------------------------------------- calls
+
+    def _fail(self, call: Call, error: ShoalError) -> None:
+        """``call`` failed with ``error`` (its first error is the one raised)."""
+        if call.error is not None:
+            return
+        call.error = error
+        self._failed.append(call)
+        if len(self._failed) > _FAILED_KEPT:  # nobody asks: keep the latest unobserved ones
+            self._failed = [c for c in self._failed if not c.observed][-_FAILED_KEPT:]
+
+    def _ended_unanswered(self, call: Call, part: Part) -> None:
+        """A part's request ended with neither a reply nor an error: given up at a timeout
+        (``wait_all``), or the worker was closed. Its call fails: its rows were never read."""
+        if part.answered:
+            return
+        what = f"{part.op.name} of {self.spec.name!r} to server {part.node}"
+        self._fail(call, ClosedError(f"the worker was closed before the {what} was answered")
+                   if self.worker.tracker.closed else RequestTimeoutError(f"the {what} was given up unanswered"))
+
+    def take_unobserved_error(self) -> ShoalError | None:
+        failed, self._failed = self._failed, []
+        return next((c.error for c in failed if not c.observed), None)
 
     def _call(self, op: Op, keys: np.ndarray, values: np.ndarray | None, result: Rows | None) -> Call:
         return Call(op, keys, values, result, self.worker.clock, self.reread, self.watch_servers, self.worker.now())
@@ -114,7 +140,7 @@ class RoutedAccess(TableAccess):
         except ShoalError as exc:
             for call in calls:
                 call.moved.clear()
-                call.error = call.error or exc
+                self._fail(call, exc)
             self._moved_calls = [c for c in self._moved_calls if c not in calls]
             return
         for call in calls:
@@ -139,7 +165,7 @@ class RoutedAccess(TableAccess):
                 try:
                     self._resend(call, positions, Op.PUSH)
                 except ShoalError as exc:
-                    call.error = call.error or exc
+                    self._fail(call, exc)
             call.moved = [m for m in call.moved if m is not entry]
 
     def reread(self, call: Call) -> None:
@@ -154,7 +180,7 @@ class RoutedAccess(TableAccess):
             self._before_reread()
             self._resend(call, positions, Op.PULL)
         except ShoalError as exc:
-            call.error = call.error or exc
+            self._fail(call, exc)
 
     def _gave_up(self, call: Call) -> bool:
         """Count another attempt of ``call``; whether it is over (``_expired``)."""
@@ -164,9 +190,9 @@ class RoutedAccess(TableAccess):
     def _expired(self, call: Call) -> bool:
         """Whether ``call`` failed, or its keys kept moving past the request timeout (it fails now)."""
         if call.error is None and self.worker.now() - call.started > self.worker.cluster.timeouts.request_s:
-            call.error = SliceMovedError(
+            self._fail(call, SliceMovedError(
                 f"keys of {self.spec.name!r} kept moving for {self.worker.cluster.timeouts.request_s:.0f}s: "
-                f"sent {call.attempts} times")
+                f"sent {call.attempts} times"))
         return call.error is not None
 
     def watch_servers(self, call: Call) -> None:
@@ -179,7 +205,7 @@ class RoutedAccess(TableAccess):
         self.worker.follow_departures()
         for req, part in list(call.parts.items()):
             if part.node in view.exited:
-                self.worker.tracker.forget(req)
-                call.error = call.error or ClusterError(
+                self._fail(call, ClusterError(
                     f"server {part.node} died while a {part.op.name} of {self.spec.name!r} waited for it: the "
-                    "rows it held are gone")
+                    "rows it held are gone"))
+                self.worker.tracker.forget(req)

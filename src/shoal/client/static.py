@@ -133,9 +133,9 @@ class StaticAccess(RoutedAccess):
         """Read ``slices`` (all: None) under ``model`` from now on. Requests in flight finish first: a
         row they bring back was read under the old model, and a slice whose eager pushes start must
         cache only rows its servers push (``ProcessCache.switched``)."""
-        self.schemes.check(model, slices, self.spec.locking)
+        chosen = self.schemes.check(model, slices, self.spec.locking)  # a generator is read once, here
         self.worker.wait_all()
-        switched = self.schemes.set(model, slices, self.spec.locking)
+        switched = self.schemes.set(model, chosen, self.spec.locking)
         if self.cache is not None and switched:
             self.cache.switched({s: self.layout.mapping.keys_of(s) for s in switched})
         self.counters["scheme_changes"] += 1
@@ -267,6 +267,7 @@ class StaticAccess(RoutedAccess):
         self.counters["requests"] += 1
 
     def _on_reply(self, call: Call, part: Part, keys: np.ndarray, msg: Message) -> None:
+        part.answered = True
         self.worker.streams.answered(part.node, part.seq)
         # Answered: applied, or refused and queued to go again. The cache must not take it for a push
         # still awaiting its answer when it keeps the rows of this very reply.
@@ -280,17 +281,18 @@ class StaticAccess(RoutedAccess):
             self.cache.keep(part.node, msg, keys, msg.arrays[0])
 
     def _on_error(self, call: Call, part: Part, error: ShoalError) -> None:
+        part.answered = True
         if isinstance(error, NotServedError):  # its server left before reading it: as if answered "moved"
             self.refused(call, call.positions(part.positions), part.op)
             return
         self.worker.streams.answered(part.node, part.seq)
-        if call.error is None:
-            call.error = error
+        self._fail(call, error)
 
     def _on_end(self, call: Call, part: Part) -> None:
         self.worker.streams.ended(part.node, part.seq)
         call.parts.pop(part.req, None)
         self._unacked.pop(part.req, None)
+        self._ended_unanswered(call, part)
 
     def after_receive(self) -> None:
         """Send parts answered "moved" where their slices are now, and answer fences once the pushes

@@ -9,6 +9,7 @@ and replicate). This class checks the caller's input and hands it on.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -47,7 +48,8 @@ class Table:
         self.counters: Counter[str] = Counter()
         self.access = self._access_for(current)
         self._sampler: Sampler | None = None
-        self._held: InPlace | None = None  # the last rows held in place (no pull or push while open)
+        #: this table's holds of rows in place (no pull, push or other hold while one is open)
+        self._holds: weakref.WeakSet[InPlace] = weakref.WeakSet()
 
     def _access_for(self, current: Mapping[str, Any]) -> TableAccess:
         """The one place that looks at the table's kind."""
@@ -204,8 +206,10 @@ class Table:
         ``rows.state``, for the kernel to update too).
         """
         self._check_not_held()
-        self._held = self.access.in_place(as_keys(keys, self.spec))
-        return self._held
+        hold = self.access.in_place(as_keys(keys, self.spec))
+        hold.siblings = self._holds  # two made before either is entered must not both be open
+        self._holds.add(hold)
+        return hold
 
     # ------------------------------------------------------------- sampling
 
@@ -241,15 +245,15 @@ class Table:
 
     def _check_not_held(self) -> None:
         # The block holds the rows' locks, which a pull or push of this table would wait for forever.
-        if self._held is not None and self._held.is_open:
+        if any(hold.is_open for hold in self._holds):
             raise TableError(f"rows of {self.name!r} are held in place: end the with block before a pull, push "
                              "or another hold of that table")
 
     def _checked_out(self, n: int, out: np.ndarray | None) -> np.ndarray | None:
-        if out is not None and (out.shape != (n, self.dim) or out.dtype != self.dtype
-                                or not out.flags.c_contiguous or not out.flags.writeable):
-            raise ShapeError(f"out must be a writable C-contiguous ({n}, {self.dim}) {self.dtype} array, "
-                             f"got {out.shape} {out.dtype}")
+        if out is not None and (not isinstance(out, np.ndarray) or out.shape != (n, self.dim)
+                                or out.dtype != self.dtype or not out.flags.c_contiguous or not out.flags.writeable):
+            got = f"{out.shape} {out.dtype}" if isinstance(out, np.ndarray) else type(out).__name__
+            raise ShapeError(f"out must be a writable C-contiguous ({n}, {self.dim}) {self.dtype} array, got {got}")
         return out
 
     def forget_cached(self) -> None:

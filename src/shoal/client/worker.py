@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec, dense_rows
-from shoal.api.errors import ClosedError, ClusterError, RequestTimeoutError, ShoalError, TableError
+from shoal.api.errors import ClosedError, ClusterError, ConfigError, RequestTimeoutError, ShoalError, TableError
 from shoal.api.ids import RENDEZVOUS
 from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
@@ -163,11 +163,13 @@ class Worker:
     ) -> DenseTable:
         """A dense parameter (weight tensor) of ``shape``, split into rows of at most ``slice_size``
         values that spread over the servers (round-robin unless ``mapping`` says otherwise)."""
-        shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+        shape = _dense_shape(shape)
+        if isinstance(slice_size, bool) or not isinstance(slice_size, (int, np.integer)) or slice_size < 1:
+            raise ConfigError(f"slice_size must be an int >= 1, got {slice_size!r}")
         size = 1
         for n in shape:
             size *= n
-        width = max(1, min(slice_size, size))
+        width = max(1, min(int(slice_size), size))
         options.setdefault("mapping", "round_robin")
         table = self.table(name, dense_rows(shape, width), width, dtype=dtype, init=init, optimizer=optimizer,
                            shape=shape, **options)
@@ -502,6 +504,9 @@ class Worker:
                 self.follow_departures()
 
         self.tracker.wait_all(self.cluster.timeouts.request_s, watch)
+        errors = [e for t in self.tables.values() if (e := t.access.take_unobserved_error()) is not None]
+        if errors:
+            raise errors[0]
 
     def barrier(self, note: BarrierNote | None = None) -> dict[int, BarrierNote]:
         """Wait until every worker reaches this barrier; own pushes are applied first.
@@ -617,3 +622,15 @@ class Worker:
 
 def _ignore(msg: Message) -> None:
     pass
+
+
+def _dense_shape(shape: Any) -> tuple[int, ...]:
+    """A dense tensor's shape as a tuple of sizes: an int, or a sequence of them (numpy's too)."""
+    sizes = [shape] if isinstance(shape, (int, np.integer)) else shape
+    try:
+        checked = tuple(sizes)
+    except TypeError:
+        raise ConfigError(f"a dense shape must be an int or a sequence of ints, got {shape!r}") from None
+    if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in checked):
+        raise ConfigError(f"a dense shape must be an int or a sequence of ints >= 0, got {shape!r}")
+    return tuple(int(n) for n in checked)

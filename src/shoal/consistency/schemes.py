@@ -58,7 +58,8 @@ class SliceSchemes:
 
     def set(self, model: Consistency, slices: list[int] | None, locking: str) -> list[int]:
         """Read ``slices`` (all: None) under ``model`` from now on; returns the slices whose eager
-        pushes start or stop (their cached rows must be forgotten)."""
+        pushes start or stop (their cached rows must be forgotten). ``slices`` is read twice: pass
+        a list (``check`` returns one)."""
         chosen = self.check(model, slices, locking)
         bound = model.bound
         assert bound is not None  # check() admits bounded models only

@@ -25,8 +25,16 @@ def as_keys(keys: Any, spec: TableSpec) -> np.ndarray:
     return arr
 
 
+def as_array(values: Any, what: str) -> np.ndarray:
+    """``values`` as a numpy array; ``ShapeError`` for what is none (ragged lists, say)."""
+    try:
+        return np.asarray(values)
+    except (ValueError, TypeError) as exc:
+        raise ShapeError(f"{what} must be an array, got {type(values).__name__}: {exc}") from None
+
+
 def _as_int64_vector(keys: Any, spec: TableSpec) -> np.ndarray:
-    arr = np.asarray(keys)
+    arr = as_array(keys, f"keys of table {spec.name!r}")
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
             arr = arr.astype(np.int64)
@@ -45,7 +53,7 @@ def as_rows(values: Any, n: int, spec: TableSpec, strict_dtype: bool = False) ->
 
     The API converts between float dtypes; the wire (``strict_dtype``) does not.
     """
-    arr = np.asarray(values)
+    arr = as_array(values, f"values for table {spec.name!r}")
     want = np.dtype(spec.dtype)
     if arr.dtype != want:
         if strict_dtype or arr.dtype.kind != "f":

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shoal.api.errors import DTypeError
+from shoal.api.errors import DTypeError, ShoalError
 from shoal.client.table import Table
 
 
@@ -96,6 +96,13 @@ class Embedding(nn.Module):
         self._wait()
 
     def _wait(self) -> None:
-        for f in self._in_flight:
-            f.wait()
-        self._in_flight.clear()
+        """Wait for every push in flight; the first that failed is raised, once."""
+        in_flight, self._in_flight = self._in_flight, []
+        errors = []
+        for f in in_flight:
+            try:
+                f.wait()
+            except ShoalError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
