@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.support.load import BusyCPUs
+from tests.support.waiting import wait_for_json
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "scripts" / "replica_worker.py")
@@ -28,18 +29,6 @@ def launch(args: list[str], policy: str = "continue", nodes: int = 3, options: t
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for(path: Path, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError:
-                pass
-        time.sleep(0.05)
-    raise AssertionError(f"{path} did not appear within {timeout}s")
-
-
 def finish(proc: subprocess.Popen[str], timeout: float = 240) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
@@ -50,11 +39,11 @@ def counting(tmp: Path, write_quorum: int, disturb, policy: str = "continue", pu
              then: str = "", nodes: int = 3, options: tuple[str, ...] = ()) -> dict:
     proc = launch([SCRIPT, str(tmp), str(write_quorum), str(pushes), *([then] if then else [])], policy, nodes,
                   options)
-    servers = wait_for(tmp / "servers.json")["pids"]
+    servers = wait_for_json(tmp / "servers.json")["pids"]
     disturb(servers)
     finish(proc)
-    result = wait_for(tmp / "result.json")
-    ranks = [wait_for(tmp / f"acked{r}.json") for r in range(nodes)]
+    result = wait_for_json(tmp / "result.json")
+    ranks = [wait_for_json(tmp / f"acked{r}.json") for r in range(nodes)]
     return {**result, "acked": sum(r["acked"] for r in ranks), "failed": sum(r["failed"] for r in ranks)}
 
 
@@ -78,7 +67,7 @@ def test_a_checkpoint_after_a_replica_died_keeps_every_acknowledged_push(tmp_pat
     r = counting(tmp_path, 2, kill_one_after(0.4), then="save")
     assert r["live"] == [0, 2]
     finish(launch([SCRIPT, str(tmp_path), "2", "0", "restore"]))
-    restored = wait_for(tmp_path / "restored.json")
+    restored = wait_for_json(tmp_path / "restored.json")
     assert restored["counts"] == [float(r["acked"])] * 90
 
 
@@ -100,11 +89,11 @@ def test_bounded_reads_keep_their_bound_and_count_every_push_once_when_a_replica
     iterations its worker ran."""
     iterations = 60
     proc = launch([BOUNDED, str(tmp_path), str(iterations), "1", model])
-    servers = wait_for(tmp_path / "servers.json")["pids"]
+    servers = wait_for_json(tmp_path / "servers.json")["pids"]
     (kill_one_after(0.4) if disturb == "kill" else pause_one(0.4, 2.0))(servers)
     finish(proc)
     for rank in range(3):
-        result = wait_for(tmp_path / f"rank{rank}.json")
+        result = wait_for_json(tmp_path / f"rank{rank}.json")
         assert result["violations"] == []
         assert result["final"] == [float(iterations)] * 3, result
         if model == "essp":
@@ -186,7 +175,7 @@ def _mf_with_a_killed_replica(tmp_path: Path, write_quorum: int) -> dict[str, fl
         proc = launch([TRAIN, "--quiet", "--epochs", "8", "--replicas", "3", "--write-quorum", str(write_quorum),
                        "--gossip-ms", "20", "--info", str(info), "--out", str(out)])
         if kill:
-            pids = wait_for(info)["server_pids"]
+            pids = wait_for_json(info)["server_pids"]
             time.sleep(2.0)
             os.kill(pids[1], signal.SIGKILL)
         finish(proc)
@@ -199,12 +188,12 @@ POLICY = str(ROOT / "tests" / "scripts" / "policy_worker.py")
 
 def _after_server_1_dies(tmp: Path, policy: str) -> list[dict]:
     proc = launch([POLICY, str(tmp), policy], policy, nodes=2)
-    pid = wait_for(tmp / "servers.json")["pids"][1]
+    pid = wait_for_json(tmp / "servers.json")["pids"][1]
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.3)
     (tmp / "go").touch()
     finish(proc)
-    return [wait_for(tmp / f"result{r}.json") for r in range(2)]
+    return [wait_for_json(tmp / f"result{r}.json") for r in range(2)]
 
 
 def test_continue_fails_calls_that_need_a_dead_servers_rows_at_once_and_goes_on_with_the_rest(tmp_path):
@@ -227,7 +216,7 @@ def test_a_stopped_server_is_waited_for_not_declared_dead(tmp_path):
     calling it alive (2 s) is waited for, under the default policy; the calls made meanwhile complete
     once it resumes, each push counted once (they failed with 'server 1 died')."""
     proc = launch([POLICY, str(tmp_path), "fail"], "fail", nodes=2)
-    pid = wait_for(tmp_path / "servers.json")["pids"][1]
+    pid = wait_for_json(tmp_path / "servers.json")["pids"][1]
     os.kill(pid, signal.SIGSTOP)
     try:
         (tmp_path / "go").touch()
@@ -235,7 +224,7 @@ def test_a_stopped_server_is_waited_for_not_declared_dead(tmp_path):
     finally:
         os.kill(pid, signal.SIGCONT)
     finish(proc)
-    far, near = (wait_for(tmp_path / f"result{r}.json") for r in range(2))
+    far, near = (wait_for_json(tmp_path / f"result{r}.json") for r in range(2))
     for worker in (far, near):
         assert all(worker[call]["ok"] for call in ("pull_node1", "push_node1", "push_node0")), worker
     assert far["pull_node1"]["seconds"] > 1.0, far  # it did wait for the stopped server

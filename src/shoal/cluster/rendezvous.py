@@ -72,6 +72,7 @@ class Rendezvous:
         self.servers: dict[int, Member] = {}
         self.workers: dict[int, Member] = {}
         self.left: set[int] = set()
+        self._exited_workers: set[int] = set()  # ``worker_exited``: taken by the serve loop
         self.shutdown_requested = False
         #: False: the cluster lives on after every worker left, until shut down (embedded clusters, tests)
         self.end_when_workers_leave = end_when_workers_leave
@@ -124,6 +125,8 @@ class Rendezvous:
             try:
                 if item is not None:
                     self._handle(*item)
+                if self._exited_workers - self.left:
+                    self._workers_left(self._exited_workers - self.left)
                 self.slices.tick()
                 self._answer_polls()
             except Exception:  # one bad message must not end the cluster's rendezvous
@@ -173,6 +176,12 @@ class Rendezvous:
         """The process of server ``node`` has ended (its launcher saw it): it is dead now, not once its
         heartbeats have been missed for ``dead_after_s``. Called from the launcher's thread."""
         self.exited.add(node)
+
+    def worker_exited(self, rank: int) -> None:
+        """The process of worker ``rank`` has ended well (its launcher saw it), whether or not it said
+        goodbye: it reaches no barrier any more. Called from the launcher's thread; the serve loop
+        takes it as the worker's leaving."""
+        self._exited_workers.add(rank)
 
     def status(self) -> dict[str, Any]:
         members = {f"{m.role} {m.node if m.role == 'server' else m.rank}": m
@@ -303,12 +312,8 @@ class Rendezvous:
             if leaving.role == "server" and leaving.node is not None:
                 self.gone[leaving.node] = handled
             elif leaving.role == "worker" and leaving.rank is not None:
-                self.left.add(leaving.rank)
                 self._replay.retire(msg.sender)
-                for gen in list(self._barriers):
-                    self._fail_if_unreachable(gen)
-                if len(self.left) >= self.num_workers:
-                    self._warn_of_unshared_tables()
+                self._workers_left({leaving.rank})
         elif msg.op == Op.SHUTDOWN:
             self.shutdown_requested = True
             self._reply(peer, msg.reply(Op.OK))
@@ -377,6 +382,7 @@ class Rendezvous:
                 waiting[:] = [(p, m, b) for p, m, b in waiting if b.rank != member.rank]
         self.workers[member.rank] = member
         self.left.discard(member.rank)
+        self._exited_workers.discard(member.rank)
         self.worker_incarnations[member.rank] = self.worker_incarnations.get(member.rank, 0) + 1
         return self.worker_incarnations[member.rank]
 
@@ -410,6 +416,14 @@ class Rendezvous:
                         sorted(everyone - creators),
                         f" (they created {', '.join(map(repr, others))})" if others else "")
 
+    def _workers_left(self, ranks: set[int]) -> None:
+        """Workers that said goodbye, or whose processes ended: the barriers they never reached fail."""
+        self.left |= ranks
+        for gen in list(self._barriers):
+            self._fail_if_unreachable(gen)
+        if len(self.left) >= self.num_workers:
+            self._warn_of_unshared_tables()
+
     def _fail_if_unreachable(self, gen: int) -> bool:
         """A barrier that a finished worker has not reached can never complete: fail every rank waiting
         in it now, naming the finished ranks, instead of after the barrier timeout."""
@@ -418,8 +432,8 @@ class Rendezvous:
         gone = sorted(self.left - arrived)
         if not gone:
             return False
-        error = ClusterError(f"barrier {gen} cannot complete: rank(s) {gone} finished (called shutdown) "
-                             f"without reaching it; arrived rank(s) {sorted(arrived)}")
+        error = ClusterError(f"barrier {gen} cannot complete: rank(s) {gone} finished (called shutdown, or "
+                             f"their processes ended) without reaching it; arrived rank(s) {sorted(arrived)}")
         for p, m, _ in self._barriers.pop(gen):
             self._reply(p, bodies.Error.about(error, "rendezvous").reply_to(m))
         return True

@@ -79,7 +79,8 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         raise ConfigError(f"{PREFIX}{name} must be an integer, got {raw!r}") from None
 
 
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+def seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """``SHOAL_<name>`` as seconds (``default`` when unset); ``ConfigError`` naming it when it is no number."""
     raw = env.get(PREFIX + name)
     if raw in (None, ""):
         return default
@@ -118,11 +119,11 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterSpec:
         limits=Limits(max_message_bytes=_int(env, "MAX_MESSAGE_BYTES", Limits().max_message_bytes),
                       server_memory_bytes=_int(env, "SERVER_MEMORY", 0)),
         timeouts=Timeouts(
-            connect_s=_seconds(env, "CONNECT_TIMEOUT", defaults.connect_s),
-            request_s=_seconds(env, "REQUEST_TIMEOUT", defaults.request_s),
-            barrier_s=_seconds(env, "BARRIER_TIMEOUT", defaults.barrier_s),
-            replica_s=_seconds(env, "REPLICA_TIMEOUT", defaults.replica_s),
-            resend_s=_seconds(env, "RESEND_TIMEOUT", defaults.resend_s),
+            connect_s=seconds(env, "CONNECT_TIMEOUT", defaults.connect_s),
+            request_s=seconds(env, "REQUEST_TIMEOUT", defaults.request_s),
+            barrier_s=seconds(env, "BARRIER_TIMEOUT", defaults.barrier_s),
+            replica_s=seconds(env, "REPLICA_TIMEOUT", defaults.replica_s),
+            resend_s=seconds(env, "RESEND_TIMEOUT", defaults.resend_s),
         ),
     )
 

@@ -158,25 +158,30 @@ class LocalCluster:
     def run(self) -> int:
         """Run the job to the end; returns the exit status for the shell."""
         opts = self.options
-        if opts.fork_from_launcher:
-            self._fork_children()  # before the transport's threads: a fork copies only this one
-        transport = ZmqTransport()
-        # Every job is authenticated: one secret per job unless given, in a file only this user reads.
+        # Every job is authenticated: one secret per job unless given, in a file only this user reads
+        # (made first: a run directory others may enter refuses the job before anything is forked).
         secret = opts.secret or secrets.token_bytes(32)
         secret_file = keep_secret(self.cluster_id, secret)
-        codec = Codec(opts.limits, secret)
-        num_workers = opts.nodes * opts.workers_per_node
+        transport: ZmqTransport | None = None
         try:
+            if opts.fork_from_launcher:
+                self._fork_children()  # before the transport's threads: a fork copies only this one
+            transport = ZmqTransport()
+            codec = Codec(opts.limits, secret)
+            num_workers = opts.nodes * opts.workers_per_node
             rendezvous = Rendezvous(transport, codec, self._address("rendezvous"), self.cluster_id,
                                     opts.nodes, num_workers, rebalance=opts.rebalance)
         except BaseException:  # e.g. its address is taken: nothing of the job may stay behind
             secret_file.unlink(missing_ok=True)
-            transport.close()
+            if transport is not None:
+                transport.close()
             self._reap_waiting()
             raise
         cluster = ClusterSpec(self.cluster_id, opts.nodes, opts.workers_per_node, rendezvous.address,
                               secret, opts.limits, opts.timeouts)
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP too (the terminal closed): by default it ended the launcher before its teardown, and
+        # what the workers had started outlived them, with the job's secret file.
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         run_file = None
         sampler: LoadSampler | None = None
         if opts.report:
@@ -309,6 +314,7 @@ class LocalCluster:
     def _watch(self, rendezvous: Rendezvous) -> int:
         workers = [c for c in self.children if c.is_worker]
         servers = [c for c in self.children if not c.is_worker]
+        exited: set[str] = set()  # workers that ended well, told to the rendezvous
         while True:
             if self._interrupted is not None:
                 print(f"shoal: interrupted; stopping {len(self.children)} process(es)", file=sys.stderr)
@@ -318,6 +324,9 @@ class LocalCluster:
                 if code not in (None, 0):
                     print(f"shoal: worker {w.name} exited with status {code}; stopping the job", file=sys.stderr)
                     return code if code > 0 else 128 - code
+                if code == 0 and w.name not in exited:  # said goodbye or not: barriers it never reached fail
+                    exited.add(w.name)
+                    rendezvous.worker_exited(int(w.name[1:]))
             for s in list(servers):
                 code = s.proc.poll()
                 if code is None or rendezvous.finished:

@@ -75,7 +75,8 @@ def _local_address(master: str) -> str:
 def role(environ: Mapping[str, str] | None = None) -> ProcessRole:
     environ = os.environ if environ is None else environ
     master = _need(environ, "MASTER_ADDR")
-    port = int(environ.get("SHOAL_RENDEZVOUS_PORT") or _int(environ, "MASTER_PORT") + 1)
+    port = _int(environ, "SHOAL_RENDEZVOUS_PORT") if environ.get("SHOAL_RENDEZVOUS_PORT") else (
+        _int(environ, "MASTER_PORT") + 1)
     run_id = re.sub(r"[^A-Za-z0-9_-]", "-", _need(environ, "TORCHELASTIC_RUN_ID"))[:40]
     nodes = _int(environ, "GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in environ else (
         _int(environ, "WORLD_SIZE") // _int(environ, "LOCAL_WORLD_SIZE"))
@@ -90,7 +91,7 @@ def role(environ: Mapping[str, str] | None = None) -> ProcessRole:
     cluster = ClusterSpec(
         cluster_id=cluster_id, num_nodes=nodes, workers_per_node=_int(environ, "LOCAL_WORLD_SIZE"),
         rendezvous=f"tcp://{master}:{port}", secret=secret, limits=Limits(),
-        timeouts=Timeouts(connect_s=float(environ.get("SHOAL_CONNECT_TIMEOUT", defaults.connect_s))),
+        timeouts=Timeouts(connect_s=shoal_env.seconds(environ, "CONNECT_TIMEOUT", defaults.connect_s)),
     )
     return ProcessRole(cluster=cluster, node=_int(environ, "GROUP_RANK"), rank=_int(environ, "RANK"),
                        local_access=environ.get("SHOAL_LOCAL_ACCESS", "1") not in ("0", "false", "no"),

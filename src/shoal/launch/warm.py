@@ -187,7 +187,7 @@ def run(argv: Sequence[str]) -> int | None:
                               file=sys.stderr, flush=True)
                         return None
                     if "exit" in message:
-                        return int(message["exit"])
+                        return _exit_status(int(message["exit"]))
                 data = conn.recv(65536)
                 if not data:
                     print("shoal: the warm launcher ended before the job did", file=sys.stderr, flush=True)
@@ -290,3 +290,16 @@ def _start(idle_minutes: float) -> int:
         proc.kill()
     proc.wait()
     return 1
+
+
+def _exit_status(code: int) -> int:
+    """The shell's status for the job launcher's exit ``code`` (negative: killed by that signal, said
+    here, as the shell would for a process of its own: 128 + the signal)."""
+    if code >= 0:
+        return code
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    print(f"shoal: the job's launcher was killed by {name}", file=sys.stderr, flush=True)
+    return 128 - code
