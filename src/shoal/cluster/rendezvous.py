@@ -127,6 +127,7 @@ class Rendezvous:
                     self._handle(*item)
                 if self._exited_workers - self.left:
                     self._workers_left(self._exited_workers - self.left)
+                self._end_moves_of_dead_servers()
                 self.slices.tick()
                 self._answer_polls()
             except Exception:  # one bad message must not end the cluster's rendezvous
@@ -176,6 +177,16 @@ class Rendezvous:
         """The process of server ``node`` has ended (its launcher saw it): it is dead now, not once its
         heartbeats have been missed for ``dead_after_s``. Called from the launcher's thread."""
         self.exited.add(node)
+
+    def _end_moves_of_dead_servers(self) -> None:
+        """A move whose source died never reports its end: give it up, or the table's later moves
+        (the rebalancer's, a drain's) wait behind it for good."""
+        if not self.slices.active:
+            return
+        alive = self.alive()
+        for node in {item.move.source for item in self.slices.active.values()}:
+            if node in self.exited or (node in self.last_seen and not alive[node]):
+                self.slices.source_gone(node)
 
     def worker_exited(self, rank: int) -> None:
         """The process of worker ``rank`` has ended well (its launcher saw it), whether or not it said

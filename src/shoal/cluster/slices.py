@@ -172,6 +172,27 @@ class SliceAuthority:
                 self.departed.add(node)
                 for done in self._drains.pop(node):
                     done(None)
+            elif holds and not self._moving_from(node):
+                # A slice that was on its way here when the drain was planned (or a move off that
+                # failed) landed on the leaving server: plan its way off again.
+                for move in plan_drain(self._slices(), node, self.live_servers() + [node]):
+                    self._enqueue(move, None)
+
+    def _moving_from(self, node: int) -> bool:
+        """Whether a move of a slice off ``node`` is active or queued."""
+        if any(m.move.source == node for m in self.active.values()):
+            return True
+        return any(int(self.layouts[table].owners[m.move.shard]) == node
+                   for table, queue in self.queued.items() for m in queue)
+
+    def source_gone(self, node: int) -> None:
+        """Server ``node`` is dead: its moves under way end as failed (the slice stays where the layout
+        has it, with its rows gone), so that the table's later moves are not held behind them."""
+        for table, item in list(self.active.items()):
+            if item.move.source == node:
+                log.warning("slice %d of %r: its server %d died while moving it to %d; the move is given up",
+                            item.move.shard, table, node, item.move.target)
+                self.move_done(table, item.move.shard, item.move.target, item.epoch, ok=False)
 
     # ---------------------------------------------------------- rebalancer
 

@@ -128,6 +128,13 @@ class ShardController(Generic[T]):
         self.held = keep
         return out
 
+    def take(self, which: Callable[[T], bool]) -> list[T]:
+        """The held pulls ``which`` picks, removed (in the order they arrived)."""
+        taken = [p.item for p in self.held if which(p.item)]
+        if taken:
+            self.held = [p for p in self.held if not which(p.item)]
+        return taken
+
     def expire(self, max_age: float) -> list[HeldPull[T]]:
         """Held pulls older than ``max_age`` seconds (their requester has given up): removed and returned."""
         cutoff = self.now() - max_age

@@ -191,6 +191,11 @@ class SliceService:
             elif move.handed:
                 table.release_slice(move.shard, move.to, move.epoch)
                 self.stats["slices_handed"] += 1
+                # Pulls held here for their bound that read the slice can never be served here now
+                # (a drained server leaves with them): answered "moved" below, they go where it is.
+                shard = move.shard
+                self.held += table.controller.take(
+                    lambda item: bool((table.layout.mapping.locate(item[1].arrays[0])[0] == shard).any()))
             else:
                 table.moving.discard(move.shard)
                 move.store.revive()

@@ -1,0 +1,149 @@
+"""Slice moves meeting drains and dead servers: held reads are answered, later moves are not held behind a
+dead one, a drain completes whatever was on its way to the server."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import shoal
+from shoal.api.consistency import BSP
+from shoal.transport.zmq_transport import ZmqTransport
+from tests.support.cluster import ThreadCluster
+from tests.support.waiting import wait_until
+
+KEYS = 400
+
+
+def _table(w, **options):
+    return w.table("moving", KEYS, 4, optimizer=shoal.optim.Sum(), slices=8, **options)
+
+
+def test_a_pull_held_for_its_bound_at_a_server_being_drained_is_answered_after_it_leaves():
+    """Worker 0 reads keys of server 1 at clock 1 under BSP while worker 1 is still at clock 0: the read
+    is held at server 1 for the bound. Server 1 is then drained and leaves; worker 1 reaches clock 1.
+    The held read counts as handled in server 1's goodbye, so the worker waits for an answer that never
+    comes, and the read fails with a request timeout instead of being read where the slice is now."""
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=6.0, barrier_s=20.0)
+    with ThreadCluster(nodes=2, transport=ZmqTransport(), timeouts=timeouts) as c:
+        w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
+        t0, t1 = _table(w0, consistency=BSP()), _table(w1, consistency=BSP())
+        keys = np.arange(KEYS)
+        remote = keys[KEYS // 2 :]  # slices 4..7, on server 1
+        t1.push(remote, np.ones((remote.size, 4), np.float32))  # clock 0
+        w0.advance_clock()
+        future = t0.pull_async(remote)  # clock 1: waits at server 1 for worker 1 to reach clock 1
+        wait_until(lambda: bool(c.servers[1].tables["moving"].controller.held), what="the read held at server 1")
+        w1.remove_server(1)
+        c.threads[1].join(timeout=20)
+        assert not c.threads[1].is_alive(), "the drained server did not leave"
+        w1.advance_clock()
+        started = time.monotonic()
+        got = future.result()
+        assert time.monotonic() - started < timeouts.request_s
+        np.testing.assert_array_equal(got, np.ones((remote.size, 4), np.float32))
+
+
+def test_a_move_whose_old_owner_dies_does_not_stall_every_later_move_of_its_table():
+    """Slice 2 of a table starts moving from server 1 to server 2 (its chunks do not arrive), then
+    server 1 dies (--on-server-failure continue). The rendezvous never ends that move, and moves are one
+    at a time per table: every later move of any slice of the table -- an operator's, the rebalancer's,
+    a drain's -- waits behind it forever."""
+    import threading
+
+    from shoal.api.errors import ShoalError
+    from shoal.wire.ops import Op
+    from tests.server.test_slicing import _move
+    from tests.support.losing import LosingTransport
+
+    def lose(header: dict) -> bool:
+        return header["op"] == int(Op.SLICE_STATE) and header["body"].get("shard") == 2
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=3.0, barrier_s=20.0)
+    with ThreadCluster(nodes=3, transport=LosingTransport(ZmqTransport(), lose), timeouts=timeouts) as c:
+        w0 = c.worker(0, local_access=False)
+        t0 = w0.table("moving", 600, 1, optimizer=shoal.optim.Sum(), slices=6)
+        assert t0.layout.owners.tolist() == [0, 0, 1, 1, 2, 2]
+        first = threading.Thread(target=lambda: _ignore_errors(_move, c, "moving", 2, 2), daemon=True)
+        first.start()
+        wait_until(lambda: 2 in c.servers[1].tables["moving"].moving, what="slice 2 moving off server 1")
+        c.servers[1].stop()
+        c.threads[1].join(timeout=10)
+        wait_until(lambda: not c.rendezvous.alive()[1], timeout=10, what="server 1 called dead")
+        errors: list[ShoalError] = []
+        try:
+            w0.move_slice("moving", 0, to=2, timeout=8)
+        except ShoalError as exc:
+            errors.append(exc)
+        assert not errors, f"moving slice 0 (server 0 -> 2, both alive) failed: {errors[0]!r}"
+        assert c.rendezvous.slices.describe("moving")["owners"][0] == 2
+
+
+def _ignore_errors(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+
+def _operator(c: ThreadCluster, msg, timeout: float) -> None:
+    """An operator outside the job asking the rendezvous for ``msg`` (a move, a drain); returns once done."""
+    from shoal.api.ids import OPERATOR, RENDEZVOUS
+    from shoal.cluster import membership
+    from shoal.cluster.requests import RequestTracker
+    from shoal.wire.codec import Codec
+
+    tracker = RequestTracker(c.transport, Codec(c.spec.limits, c.spec.secret), sender=OPERATOR)
+    tracker.connect(RENDEZVOUS, c.spec.rendezvous)
+    try:
+        membership.call(tracker, RENDEZVOUS, msg, timeout, msg.op.name)
+    finally:
+        tracker.close()
+
+
+def test_draining_a_server_while_a_slice_is_moving_to_it_completes():
+    """Slice 0 is on its way from server 0 to server 1 (its chunks are slow to arrive) when server 1 is
+    drained. The drain plans moves for the slices server 1 holds at that moment; the move under way
+    is left to finish, so slice 0 lands on server 1 afterwards and nothing ever moves it off: the
+    drain never completes (server 1 stays 'leaving', holding slice 0, and never leaves)."""
+    import threading
+
+    from shoal.api.errors import ShoalError
+    from shoal.wire import bodies
+    from shoal.wire.ops import Op
+    from tests.support.losing import LosingTransport
+
+    state = {"armed": True}
+
+    def lose(header: dict) -> bool:
+        return state["armed"] and header["op"] == int(Op.SLICE_STATE)
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=3.0, barrier_s=20.0)
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose), timeouts=timeouts) as c:
+        w0 = c.worker(0, local_access=False)
+        t0 = w0.table("moving", 400, 1, optimizer=shoal.optim.Sum(), slices=8)
+        assert t0.layout.owners.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+        mover = threading.Thread(target=_operator, args=(c, bodies.MoveSlice(0, 1).to_message(table="moving"), 30),
+                                 daemon=True)
+        mover.start()
+        wait_until(lambda: 0 in c.servers[0].tables["moving"].moving, what="slice 0 moving to server 1")
+        drained: list[BaseException | None] = []
+
+        def drain() -> None:
+            try:
+                _operator(c, bodies.Drain(1).to_message(), 15)
+                drained.append(None)
+            except ShoalError as exc:
+                drained.append(exc)
+
+        drainer = threading.Thread(target=drain, daemon=True)
+        drainer.start()
+        wait_until(lambda: 1 in c.rendezvous.slices.leaving, what="server 1 leaving")
+        state["armed"] = False  # the move to server 1 ends now
+        mover.join(timeout=30)
+        drainer.join(timeout=30)
+        owners = c.rendezvous.slices.describe("moving")["owners"]
+        assert drained == [None], f"the drain did not complete: {drained!r}; owners {owners}"
+        assert 1 not in owners
