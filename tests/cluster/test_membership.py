@@ -15,6 +15,7 @@ from shoal.api.ids import RENDEZVOUS
 from shoal.client.worker import Worker
 from shoal.cluster import membership
 from shoal.cluster.rendezvous import Rendezvous
+from shoal.consistency.clocks import FINISHED
 from shoal.launch.env import role_from_env
 from shoal.server.server import ParameterServer
 from shoal.transport.zmq_transport import ZmqTransport
@@ -23,6 +24,8 @@ from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import BarrierNote
 from tests.support.cluster import ThreadCluster
+from tests.support.losing import LosingTransport
+from tests.support.waiting import wait_until
 
 QUICK = Timeouts(connect_s=1.5, request_s=1.5, barrier_s=1.5)
 
@@ -89,6 +92,30 @@ def test_a_worker_leaving_does_not_wait_for_a_dead_servers_acknowledgement_of_it
         started = time.monotonic()
         w.shutdown()
         assert time.monotonic() - started < 4.0
+
+
+def test_a_worker_leaving_waits_for_a_live_server_whose_acknowledgement_needs_a_request_sent_again():
+    # The worker's last tick before it leaves is lost on its way: the server holds the final clock
+    # behind it until it is sent again (about a second). The worker looked for 0.5 s, which forgot
+    # the final clock's request, then found nothing left to wait for and closed: the tick never went
+    # again, and the server counted the worker at its earlier clock until the request timeout.
+    lost: list[dict] = []
+
+    def lose_the_first_tick(header: dict) -> bool:
+        if header["op"] == int(Op.CLOCK) and not (header["body"] or {}).get("final") and not lost:
+            lost.append(header)
+            return True
+        return False
+
+    timeouts = Timeouts(connect_s=30.0, request_s=30.0, barrier_s=30.0)
+    with ThreadCluster(nodes=1, transport=LosingTransport(ZmqTransport(), lose_the_first_tick), timeouts=timeouts) as c:
+        w = c.worker(0, local_access=False)
+        w.table("t", 10, 2, consistency=shoal.BSP())
+        w.advance_clock()  # lost
+        w.shutdown()
+        assert lost
+        wait_until(lambda: c.servers[0].sync.clocks.learned[0] == FINISHED, timeout=3.0,
+                   what="the server counting the worker as finished")
 
 
 def test_init_outside_a_launcher_names_the_missing_variable(monkeypatch):

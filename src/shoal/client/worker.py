@@ -592,8 +592,9 @@ class Worker:
         most ``timeout``: a server that is gone must not keep this worker from leaving, and one the
         rendezvous calls dead is not waited for once the others have had a moment."""
         deadline = time.monotonic() + timeout
-        try:
-            self.tracker.wait(set(final), min(timeout, _FINAL_CLOCK_LOOK_S))
+        waiting = set(final)
+        try:  # a look that gives nothing up (``wait`` forgets what it timed out on)
+            self.tracker.wait_until(lambda: self.tracker.done(waiting), set, min(timeout, _FINAL_CLOCK_LOOK_S))
             return
         except RequestTimeoutError:
             pass
@@ -605,7 +606,7 @@ class Worker:
             if node < len(alive) and not alive[node]:
                 self.tracker.forget(req)
         try:
-            self.tracker.wait(set(final), max(deadline - time.monotonic(), 0.0))  # those forgotten are over
+            self.tracker.wait(waiting, max(deadline - time.monotonic(), 0.0))  # those forgotten are over
         except RequestTimeoutError as exc:
             log.warning("worker %d: leaving without every server's acknowledgement: %s", self.rank, exc)
 
