@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,8 +13,12 @@ import shoal
 from shoal.api.config import Timeouts
 from shoal.client.replica_view import DOWN_FOR_S
 from shoal.client.replicated import QUORUM_EVERY_S
+from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire.ops import Op
 from tests.support.clock import ManualClock
 from tests.support.cluster import ThreadCluster
+from tests.support.losing import LosingTransport
+from tests.support.waiting import wait_until
 
 QUICK = Timeouts(connect_s=10, request_s=10, barrier_s=10, replica_s=0.5)
 
@@ -243,3 +248,142 @@ def test_a_read_after_an_acknowledged_async_push_holds_it() -> None:
             assert pushed.done()
             np.testing.assert_array_equal(t.pull(keys)[:, 0], 1.0)
             pushed.wait()
+
+
+def test_w2_push_delayed_to_both_replicas_is_given_up_after_an_unrelated_death_yet_acknowledged():
+    """W=2 over 3 replicas; replica 2 died long ago (a recorded death). Worker 0's push #2 is lost on
+    the way to both of its write replicas (0 and 1) and sent again by the request tracker; push #3
+    arrives at both. Each replica holds #3 waiting for #2, sees a death of a replica of the shard,
+    asks its only live peer, which lacks #2 as well, and gives #2 up. The resent #2 is then answered
+    as 'already applied' by both: an acknowledged W=2 push that no replica ever applied."""
+    armed = threading.Event()
+    given_up = threading.Event()
+    lost = {"n": 0}
+
+    def lose(header: dict[str, Any]) -> bool:
+        body = header.get("body") or {}
+        if (armed.is_set() and not given_up.is_set() and header.get("op") == int(Op.PUSH)
+                and header.get("table") == "w2gap" and body.get("seq") == 2):
+            lost["n"] += 1
+            return True
+        return False
+
+    timeouts = Timeouts(connect_s=10.0, request_s=20.0, barrier_s=20.0, replica_s=8.0)
+    with ThreadCluster(nodes=3, transport=LosingTransport(ZmqTransport(), lose), timeouts=timeouts) as c:
+        w = c.worker(0, local_access=False)
+        keys = np.arange(30)
+        t = w.table("w2gap", 30, 1, replicas=3, write_quorum=2, gossip_ms=10, optimizer=shoal.optim.Sum())
+        t.push(keys, np.ones((30, 1), np.float32))  # push #1, on replicas 0 and 1
+        c.servers[2].stop()  # replica 2 dies: a death of a replica of every shard, recorded by 0 and 1
+        c.threads[2].join(timeout=10)
+        wait_until(lambda: all(2 in c.servers[n].replication._died_at for n in (0, 1)), timeout=15.0,
+                   what="both live replicas seeing replica 2's death")
+        armed.set()
+        second = t.push_async(keys, np.ones((30, 1), np.float32))  # #2: lost on the way, sent again later
+        third = t.push_async(keys, np.ones((30, 1), np.float32))  # #3: arrives, waits for #2
+        stats = [c.servers[n].replication.stats for n in (0, 1)]
+        # Give the replicas time to give #2 up (they do within a few gossip rounds), then let it through.
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not all(s["pushes_given_up_with_dead_replica"] for s in stats):
+            time.sleep(0.02)
+        given_up.set()
+        second.wait()  # acknowledged by two replicas
+        third.wait()
+        assert lost["n"] >= 2
+        for node in (0, 1):
+            values, version = t.access.replica_values(node, keys)
+            # three acknowledged pushes of 1.0 each: every replica must count 3
+            assert values[:, 0].tolist() == [3.0] * 30, (node, values[:3, 0].tolist(), version,
+                                                         [dict(s) for s in stats])
+
+
+def test_bounded_read_after_a_worker_restarts_behind_the_slowest_clock_is_not_a_server_failure():
+    """SSP(1) on a replicated table; both workers reach clock 5, then worker 1 dies and is started
+    again (a new incarnation, at clock 0: its first tick says so). Worker 0's read at clock 5 must
+    cover every push before clock 4: it is held until the new worker 1 gets there, as on a static
+    table (ClockTable.restart holds readers back again). Instead the server's push counts, whose
+    slowest clock never goes back, index past the restarted worker's single tick and the read fails
+    with ServerError (an IndexError inside the server)."""
+    timeouts = Timeouts(connect_s=10.0, request_s=15.0, barrier_s=15.0)
+    model = shoal.SSP(1)
+    with ThreadCluster(nodes=2, timeouts=timeouts) as c:
+        keys = np.arange(2)
+
+        def make(w):
+            return w.table("restart_bound", 2, 1, replicas=2, consistency=model, gossip_ms=10,
+                           optimizer=shoal.optim.Sum())
+
+        first = [c.worker(r, local_access=False) for r in (0, 1)]
+        tables = [make(w) for w in first]
+
+        def run(rank: int, clocks: int) -> None:
+            for _ in range(clocks):
+                tables[rank].pull(keys)
+                tables[rank].push([rank], [[1.0]])
+                first[rank].advance_clock()
+
+        _on_both_ranks(run, 5)
+        assert [w.clock for w in first] == [5, 5]
+        first[1].tracker.close()  # worker 1 dies without a word
+        restarted = c.worker(1, local_access=False)
+        assert restarted.streams.incarnation == first[1].streams.incarnation + 1
+        again = make(restarted)
+
+        def catch_up() -> None:
+            time.sleep(0.5)
+            for _ in range(6):
+                again.pull(keys)
+                again.push([1], [[1.0]])
+                restarted.advance_clock()
+
+        helper = threading.Thread(target=catch_up)
+        helper.start()
+        try:
+            seen = tables[0].pull(keys)[:, 0]  # clock 5, bound 1: held until the new worker 1 reaches 4
+        finally:
+            helper.join(timeout=30)
+        assert seen[0] >= 4.0 and seen[1] >= 4.0, seen.tolist()
+
+
+def test_bounded_read_after_a_worker_restart_still_covers_its_earlier_incarnations_pushes():
+    """BSP, W=1, R=1, gossip effectively off. Worker 1 pushes 1.0 to its key at clocks 0, 1, 2 (taken by
+    its own node's replica only), then dies and is started again; the new worker 1 catches up to
+    clock 4 without pushing. Worker 0's read at clock 3 must hold every update of every worker
+    from clocks before 3: worker 1's three pushes. The replicas' push counts dropped the earlier
+    incarnation's counts when the new one ticked, so the read no longer requires them and is
+    answered by the replica that lacks them."""
+    timeouts = Timeouts(connect_s=10.0, request_s=15.0, barrier_s=15.0)
+    with ThreadCluster(nodes=2, timeouts=timeouts) as c:
+        keys = np.arange(2)
+
+        def make(w):
+            return w.table("restart_old", 2, 1, replicas=2, write_quorum=1, read_quorum=1,
+                           consistency=shoal.BSP(), gossip_ms=60_000, optimizer=shoal.optim.Sum())
+
+        first = [c.worker(r, local_access=False) for r in (0, 1)]
+        tables = [make(w) for w in first]
+
+        def run(rank: int) -> None:
+            for _ in range(3):
+                tables[rank].push([rank], [[1.0]])
+                first[rank].advance_clock()
+
+        _on_both_ranks(run)
+        assert [w.clock for w in first] == [3, 3]
+        first[1].tracker.close()  # worker 1 dies without a word
+        restarted = c.worker(1, local_access=False)
+        make(restarted)
+        for _ in range(4):
+            restarted.advance_clock()  # catches up (nothing pushed): clock 4
+        restarted.wait_all()
+        seen = tables[0].pull(keys)[:, 0]  # clock 3, BSP: every push of clocks 0..2 of every worker
+        assert seen.tolist() == [3.0, 3.0], seen.tolist()
+
+
+def _on_both_ranks(run: Any, *args: Any) -> None:
+    """``run(rank, *args)`` for ranks 0 and 1 at once, each in a thread; returns when both have."""
+    threads = [threading.Thread(target=run, args=(r, *args)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)

@@ -46,14 +46,15 @@ def test_a_read_must_cover_every_push_each_worker_made_before_its_clock_minus_th
     assert counts.required(0, 2) == {worker_origin(0, 7): 6, worker_origin(1, 9): 2}
 
 
-def test_a_worker_that_left_holds_nobody_back_and_a_restarted_one_is_a_new_origin():
+def test_a_worker_that_left_holds_nobody_back_and_a_restarted_one_is_a_new_origin_beside_its_earlier_one():
     counts = PushCounts(num_workers=2, num_shards=1, bound=0, start=[4, 4])  # made at clock 4: nothing pushed
     assert counts.required(0, 4) == {}
     counts.report(0, 1, 5, [2])
     assert counts.finish(1, 1, [1])
     assert counts.slowest == 5 and counts.required(0, 5) == {worker_origin(0, 1): 2, worker_origin(1, 1): 1}
-    counts.report(0, 2, 6, [1])  # rank 0 started again: its pushes count under a new origin
-    assert counts.required(0, 6) == {worker_origin(0, 2): 1, worker_origin(1, 1): 1}
+    counts.report(0, 2, 6, [1])  # rank 0 started again: its pushes count under a new origin, and its
+    # earlier process's still count (reads left them out, and a replica lacking them could answer)
+    assert counts.required(0, 6) == {worker_origin(0, 2): 1, worker_origin(0, 1): 2, worker_origin(1, 1): 1}
     assert counts.slowest == 6 and counts.finish(0, 2, None) and counts.slowest == FINISHED
 
 
@@ -207,7 +208,7 @@ def test_a_push_waiting_for_one_only_a_peer_had_is_answered_when_that_peer_regis
         spec = TableSpec("rep", 4, 1, replicas=2, write_quorum=1)
         service.install(spec, service.build(spec))
         service.on_status({"alive": [True, False], "incarnations": [1, 0]})  # server 0 registers first
-        second = bodies.Push(shard=0, seq=2, inc=1).to_message(
+        second = bodies.Push(shard=0, seq=2, inc=1, floor=2).to_message(  # push 1 was acknowledged
             table="rep", sender=1, arrays=[np.array([0], np.int64), np.ones((1, 1), np.float32)])
         assert service.handle(b"w1", second) is None  # push 1 went to server 1 only: this one waits
         service.on_status({"alive": [True, False], "incarnations": [1, 1]})  # server 1 came and went
@@ -217,3 +218,16 @@ def test_a_push_waiting_for_one_only_a_peer_had_is_answered_when_that_peer_regis
     finally:
         server.close()
         transport.close()
+
+
+def test_a_worker_started_again_behind_the_slowest_clock_takes_it_back_and_reads_wait_for_it():
+    # Both workers at clock 5; rank 1's new process ticks clock 0. ``slowest`` stayed at 5, and a read
+    # at clock 4 looked past the new process's only report: IndexError at the server.
+    counts = PushCounts(num_workers=2, num_shards=1, bound=1)
+    counts.report(0, 1, 5, [3])
+    counts.report(1, 1, 5, [4])
+    assert counts.slowest == 5
+    assert not counts.report(1, 2, 0, [0])
+    assert counts.slowest == 0 and counts.required(0, 4) is None  # held until rank 1 gets there
+    assert counts.report(1, 2, 4, [1])
+    assert counts.required(0, 4) == {worker_origin(0, 1): 3, worker_origin(1, 1): 4, worker_origin(1, 2): 1}

@@ -156,6 +156,8 @@ def test_a_push_waiting_for_one_only_a_dead_replica_had_is_applied_when_the_gap_
     worker.seq = 4
     worker.push(a, [0], np.ones((1, 1)))  # 5 at the dead a only
     assert worker.push(b, [0], np.ones((1, 1)), token="six") is None  # 6 at b waits for 5
+    assert not b.skip_gaps()  # the worker has not said 5 was acknowledged: it may still be on its way
+    b.note_floor(worker.origin, 6)  # as push 6 says once a has acknowledged 5
     assert [t for t, *_ in b.skip_gaps()] == ["six"]  # 5 died with a: given up, 6 applied
     assert b.read(np.array([0]))[0, 0] == 5.0 and b.version()[worker.origin] == 6
     round_between(b, c, 1)  # a gap leaves no log behind it: c gets b's whole running sum

@@ -76,6 +76,8 @@ class _Shard:
 
     nodes: list[int]
     next_seq: int = 1  # numbering of this worker's pushes to the shard
+    #: our pushes not yet acknowledged by a write quorum (nor failed): seq -> replicas that took it
+    open: dict[int, set[int]] = field(default_factory=dict)
     own: dict[int, int] = field(default_factory=dict)  # origin -> seq of our last acknowledged push
     holders: set[int] = field(default_factory=set)  # replicas that acknowledged our last push
     read_quorum: int = 1
@@ -145,7 +147,9 @@ class ReplicatedAccess(TableAccess):
     def _numbered_push(self, shard_id: int) -> Push:
         """The push's number: the same on every replica it goes to, and when it is sent again."""
         shard = self.shards[shard_id]
-        body = Push(shard=shard_id, seq=shard.next_seq, inc=self.worker.streams.incarnation)
+        seq = shard.next_seq
+        shard.open[seq] = set()
+        body = Push(shard=shard_id, seq=seq, inc=self.worker.streams.incarnation, floor=min(shard.open))
         shard.next_seq += 1
         return body
 
@@ -165,6 +169,11 @@ class ReplicatedAccess(TableAccess):
         least that far, and the replicas that hold the newest of them are the ones to read first."""
         origin, seq = int(reply.body["origin"]), int(reply.body["seq"])
         shard = self.shards[shard_id]
+        taken = shard.open.get(seq)
+        if taken is not None:
+            taken.add(node)
+            if len(taken) >= self.spec.write_quorum:
+                del shard.open[seq]
         newest = shard.own.get(origin, 0)
         if seq > newest:
             shard.holders = {node}
@@ -178,6 +187,8 @@ class ReplicatedAccess(TableAccess):
                        acked: set[int]) -> None:
         """Keep sending to other live replicas until ``write_quorum`` of them acknowledged."""
         shard = self.shards[shard_id]
+        if body.seq is not None:
+            shard.open.setdefault(body.seq, set(acked))  # open again when sent again by retry()
         tried = set(acked)
         deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
         while len(acked) < self.spec.write_quorum:
@@ -189,6 +200,7 @@ class ReplicatedAccess(TableAccess):
                 alive = [n for n in shard.nodes if self.view.alive[n]]
                 # Fewer replicas alive (by the rendezvous' heartbeats) than the quorum: nothing to wait for.
                 if time.monotonic() > deadline or len(alive) < self.spec.write_quorum:
+                    shard.open.pop(body.seq or 0, None)  # failed: replicas may give it up (retry() reopens)
                     raise WriteQuorumError(
                         f"push to shard {shard_id} of {self.spec.name!r} needs {self.spec.write_quorum} replica(s); "
                         f"acknowledged by {sorted(acked)}, no other live replica among {shard.nodes} (alive: "

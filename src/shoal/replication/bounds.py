@@ -40,6 +40,9 @@ class PushCounts:
         self.num_shards = num_shards
         self.bound = bound
         self._workers: dict[int, _Reports] = {}
+        #: per earlier process of a worker started again (its origin): its last push counts per shard,
+        #: which every later read must still cover
+        self._retired: dict[int, list[int]] = {}
         for rank, clock in enumerate(start or []):
             self._workers[rank] = _Reports(_UNKNOWN, [clock], [[0] * num_shards])
         #: every worker has reported a clock of at least this
@@ -54,7 +57,15 @@ class PushCounts:
         reports = self._workers.get(rank)
         if reports is not None and reports.incarnation == _UNKNOWN:
             reports.incarnation = incarnation
-        if reports is None or incarnation != reports.incarnation:  # a restarted worker is a new origin
+        restarted = reports is not None and incarnation != reports.incarnation
+        if reports is not None and restarted:
+            if incarnation < reports.incarnation:
+                return False  # a late tick of an earlier process
+            # A new origin, from its new clock: its earlier process's pushes stay required, and the
+            # slowest clock may go back (the new process holds readers back until it catches up).
+            if reports.counts and any(reports.counts[-1]):
+                self._retired[worker_origin(rank, reports.incarnation)] = list(reports.counts[-1])
+        if reports is None or restarted:
             reports = self._workers[rank] = _Reports(incarnation)
         if reports.clocks and clock <= reports.clocks[-1]:
             return False  # a tick sent again, or overtaken by a later one
@@ -64,6 +75,9 @@ class PushCounts:
             return False
         reports.clocks.append(clock)
         reports.counts.append(list(counts))
+        if restarted and len(self._workers) >= self.num_workers:
+            self.slowest = min(r.clocks[-1] for r in self._workers.values())
+            return False
         return self._advance()
 
     def finish(self, rank: int, incarnation: int, counts: list[int] | None) -> bool:
@@ -77,7 +91,7 @@ class PushCounts:
             return {}
         if clock > self.slowest:
             return None
-        need: dict[int, int] = {}
+        need = {origin: counts[shard] for origin, counts in self._retired.items() if counts[shard]}
         for rank, reports in self._workers.items():
             # A tick may be overtaken: the first clock reported at or after ``clock`` counts a few
             # pushes more than needed, which arrive all the same.

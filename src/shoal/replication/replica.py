@@ -71,6 +71,8 @@ class ShardReplica:
         if isinstance(spec.optimizer, Adagrad):
             self._first[...] = spec.optimizer.initial_accumulator  # type: ignore[index]
         self.held: dict[int, dict[int, HeldPush]] = defaultdict(dict)
+        #: per origin, the lowest of its pushes it still had open when it sent its latest (``note_floor``)
+        self.floors: dict[int, int] = {}
         self.peer_versions: dict[int, dict[int, int]] = {}
         #: per peer, per origin: up to which update we sent it, and when
         #: per peer and origin: the last update sent, when the peer last showed progress on it (or it went
@@ -160,12 +162,19 @@ class ShardReplica:
         """Whether a push waits here for an earlier one of its origin."""
         return any(self.held.values())
 
+    def note_floor(self, origin: int, floor: int) -> None:
+        """``origin``'s pushes from ``floor`` on were still on their way when it sent one: never given up."""
+        if floor > self.floors.get(origin, 0):
+            self.floors[origin] = floor
+
     def skip_gaps(self) -> list[tuple[Any, int, int, float]]:
         """Give up the pushes that held ones wait for (they can only be at a replica that died: the
-        caller checks), apply the held ones, and answer them as ``release_held`` does."""
+        caller checks), apply the held ones, and answer them as ``release_held`` does. Not those its
+        worker still had open (its ``floor``): sent again, they would be answered as applied and
+        never be (a W=2 push lost on its way to both its replicas once any replica had died)."""
         now = self.now()
         for origin, waiting in self.held.items():
-            if waiting and min(waiting) > self.lattice.seq(origin) + 1:
+            if waiting and self.lattice.seq(origin) + 1 < min(waiting) <= self.floors.get(origin, 0):
                 first = min(waiting)
                 push = waiting[first]
                 self.lattice.accept(origin, push.rows, push.delta, now, seq=first, accepted_by=self.node,

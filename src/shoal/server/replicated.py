@@ -327,6 +327,10 @@ class ReplicationService:
         if not 0 <= msg.sender < min(self.cluster.num_workers, MAX_RANKS):  # each origin costs a shard of state
             raise ProtocolError(f"push from sender {msg.sender}, which is no worker")
         origin = worker_origin(msg.sender, incarnation)
+        if body.floor is not None:
+            if not 1 <= body.floor <= seq:
+                raise ProtocolError(f"a push's floor lies in [1, its seq {seq}], got {body.floor!r}")
+            replica.note_floor(origin, body.floor)
         self._tokens += 1
         accepted = replica.push(rows, grads, origin, seq, token=self._tokens)
         self.stats["replicated_pushes"] += 1

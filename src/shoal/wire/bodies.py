@@ -176,13 +176,16 @@ class Pull(Body):
 @dataclass(frozen=True)
 class Push(Body):
     """Static tables: the place in the worker's stream; replicated tables: the shard, and the
-    push's number and the worker's incarnation (the same on every replica and resend)."""
+    push's number and the worker's incarnation (the same on every replica and resend), and ``floor``:
+    the lowest of the worker's numbers still open when it was sent (not yet acknowledged by a write
+    quorum, nor failed): a replica never gives up a push at or above it (it is still on its way)."""
 
     op = Op.PUSH
     stream: list[int] | None = None
     shard: int | None = None
     seq: int | None = None
     inc: int | None = None
+    floor: int | None = None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from enum import IntEnum
 # 3: a placement batch may carry several tables' messages (an older peer would apply them to the first)
 # 4: a replica's sync and each answer name their part of it (an older peer counted answers, and lost count)
 # 5: "moved" may say a push_pull's push went in (an older worker sent the push again: applied twice)
-PROTOCOL_VERSION = 5
+# 6: a replicated push names its worker's lowest open push (``floor``): no replica gives up one above it
+PROTOCOL_VERSION = 6
 
 
 class Op(IntEnum):
