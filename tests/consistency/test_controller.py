@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from shoal.api.consistency import ASP, BSP, ESSP, SSP, LazyPull
+from shoal.api.errors import ConfigError
 from shoal.consistency.cache import RowCache
 from shoal.consistency.clocks import FINISHED, ClockTable
 from shoal.consistency.controller import ShardController
@@ -142,3 +143,9 @@ def test_staleness_histogram_summary():
     assert h.total == 8 and h.max() == 3
     assert h.mean() == pytest.approx((1 + 3 + 8) / 8)
     assert h.as_dict()["counts"] == {"0": 2, "1": 1, "2": 4, "3": 1}
+
+
+def test_asp_takes_no_lazy_pull_buffer():
+    # It was taken, and held ASP reads of a worker ahead of the slowest for the buffer's whole timeout.
+    with pytest.raises(ConfigError, match="ASP reads never wait"):
+        ASP(lazy=LazyPull(timeout_ms=3000))

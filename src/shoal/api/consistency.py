@@ -41,11 +41,15 @@ def _staleness(name: str, value: Any) -> int:
 
 @dataclass(frozen=True)
 class ASP:
-    """Asynchronous: reads never wait; no bound on staleness."""
+    """Asynchronous: reads never wait; no bound on staleness (so no lazy pull buffer either)."""
 
     bound = None
     eager = False
     lazy: LazyPull | None = None
+
+    def __post_init__(self) -> None:
+        if self.lazy is not None:  # it held ASP reads for its whole timeout: reads that never wait
+            raise ConfigError("ASP reads never wait: a lazy pull buffer (lazy=...) needs BSP, SSP or ESSP")
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,20 @@ def read_secret(env: Mapping[str, str]) -> bytes | None:
 def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterSpec:
     env = os.environ if env is None else env
     defaults = Timeouts()
+    try:
+        return _cluster(env, defaults)
+    except ConfigError as exc:  # a value out of range: name the variables it came from
+        raise ConfigError(f"{exc} (from the {PREFIX}* variables: {_SETTINGS})") from None
+
+
+#: the variables ``cluster_from_env`` reads, by the setting they give
+_SETTINGS = ", ".join(f"{field} = {PREFIX}{name}" for field, name in (
+    ("num_nodes", "NUM_NODES"), ("workers_per_node", "WORKERS_PER_NODE"), ("max_message_bytes", "MAX_MESSAGE_BYTES"),
+    ("server_memory_bytes", "SERVER_MEMORY"), ("connect_s", "CONNECT_TIMEOUT"), ("request_s", "REQUEST_TIMEOUT"),
+    ("barrier_s", "BARRIER_TIMEOUT"), ("replica_s", "REPLICA_TIMEOUT"), ("resend_s", "RESEND_TIMEOUT")))
+
+
+def _cluster(env: Mapping[str, str], defaults: Timeouts) -> ClusterSpec:
     return ClusterSpec(
         cluster_id=_get(env, "CLUSTER_ID"),
         num_nodes=_int(env, "NUM_NODES"),
@@ -145,7 +159,7 @@ def role_from_env(server: bool, env: Mapping[str, str] | None = None) -> Process
         cluster=cluster,
         node=node,
         rank=rank,
-        local_access=env.get(PREFIX + "LOCAL_ACCESS", "1") not in ("0", "false", "no"),
+        local_access=_switch(env, "LOCAL_ACCESS"),
         bind=env.get(PREFIX + "BIND") or "tcp://127.0.0.1:0",
     )
 
@@ -156,10 +170,24 @@ def configured(env: Mapping[str, str] | None = None) -> bool:
     return PREFIX + "CLUSTER_ID" in env
 
 
+def _switch(env: Mapping[str, str], name: str, default: bool = True) -> bool:
+    """``SHOAL_<name>`` as on or off (``1/true/yes/on``, ``0/false/no/off``; unset: ``default``)."""
+    raw = env.get(PREFIX + name, "").lower()
+    if not raw:
+        return default
+    if raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ConfigError(f"{PREFIX}{name} must be 1/true/yes/on or 0/false/no/off, got {env[PREFIX + name]!r}")
+    return raw in ("1", "true", "yes", "on")
+
+
 def _pid(env: Mapping[str, str] | None, name: str) -> int | None:
     env = os.environ if env is None else env
     raw = env.get(PREFIX + name)
-    return int(raw) if raw and raw.isdigit() else None
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ConfigError(f"{PREFIX}{name} must be a process id, got {raw!r}")
+    return int(raw)
 
 
 def launcher_pid(env: Mapping[str, str] | None = None) -> int | None:
@@ -171,18 +199,28 @@ def transport(env: Mapping[str, str] | None = None) -> Transport:
     env = os.environ if env is None else env
     zmq_transport: Transport = ZmqTransport()
     spec = env.get(PREFIX + "FAULTS")
-    return FaultyTransport(zmq_transport, Faults.parse(spec)) if spec else zmq_transport
+    if not spec:
+        return zmq_transport
+    try:
+        faults = Faults.parse(spec)
+    except ConfigError as exc:
+        zmq_transport.close()
+        raise ConfigError(f"{PREFIX}FAULTS: {exc}") from None
+    return FaultyTransport(zmq_transport, faults)
 
 
 def metrics_port(node: int, rank: int | None, env: Mapping[str, str] | None = None) -> int | None:
     """Where this process serves Prometheus metrics (0: any free port), or None when turned off."""
     env = os.environ if env is None else env
-    if env.get(PREFIX + "METRICS", "1") in ("0", "false", "no", "off"):
+    if not _switch(env, "METRICS"):
         return None
     if not env.get(PREFIX + "METRICS_PORT"):
         return 0
     base = _int(env, "METRICS_PORT")
-    return base + node if rank is None else base + _int(env, "NUM_NODES") + rank
+    port = base + node if rank is None else base + _int(env, "NUM_NODES") + rank
+    if not (0 <= base and port <= 65535):
+        raise ConfigError(f"{PREFIX}METRICS_PORT={base} gives this process port {port}, outside 0..65535")
+    return port
 
 
 def metrics_host(env: Mapping[str, str] | None = None) -> str:
@@ -229,7 +267,10 @@ def rebalance(env: Mapping[str, str] | None = None) -> RebalancePolicy | None:
 
 def log_level(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
-    return env.get(PREFIX + "LOG_LEVEL", "WARNING").upper()
+    level = env.get(PREFIX + "LOG_LEVEL", "WARNING").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"{PREFIX}LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
+    return level
 
 
 def child_env(cluster: ClusterSpec, node: int, rank: int | None, local_access: bool, bind: str | None,
