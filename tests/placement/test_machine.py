@@ -754,3 +754,34 @@ def test_replicas_that_become_rows_while_their_syncs_travel_read_their_own_chang
             assert (seen[here] >= own).all(), f"node {reader} misses its own pushes: {seen[here]} < {own}"
     net.settle()
     np.testing.assert_array_equal(net.owned_values(), net.pushed)
+
+
+def test_a_push_taken_by_a_replica_at_the_keys_home_is_read_by_its_worker_once_the_key_comes_to_it(network_of):
+    # Key 1 (homed on node 1) is owned by node 0, and node 1 holds a replica. A worker on node 2 pushes
+    # to the key: its location cache names the home, whose server applied the push to its replica
+    # (present there) and acknowledged it. The worker then asked for the key: the owner's rows came
+    # without the push (it waited in node 1's replica for its next sync), and the worker read the
+    # key in shared memory without its own acknowledged push until that sync was passed on to it.
+    # A replica takes only its own node's writes now: the push goes on to the owner.
+    net = network_of(3, "replication", 0)
+    key = np.array([1])
+    net.carry_out(0, net.machines[0].localize(key))
+    net.deliver_all()
+    net.machines[1].intend(key, 0, 10_000)
+    net.carry_out(1, net.machines[1].tick(net.now, 0, 0.01))
+    net.deliver_all()
+    assert [int(t.presence[1]) for t in net.tables] == [OWNED, REPLICA, ABSENT]
+
+    net.push(2, key)  # to the home, whose replica does not take it: answered "moved", on to the owner
+    net.deliver_all()
+    assert not net.unanswered and net.pushed[1] == 1
+    assert net.tables[1].store.values[1, 0] == 0.0 and net.tables[0].store.values[1, 0] == 1.0
+
+    net.carry_out(2, net.machines[2].localize(key))
+    net.deliver(2, 1)  # the home decides for node 2 and asks node 0 for a handover
+    net.deliver(1, 0)  # node 0 sends the rows
+    net.deliver(0, 2)
+    assert net.tables[2].presence[1] == OWNED
+    out = np.zeros((1, 2), np.float32)
+    assert net.tables[2].store.read_present(key, out).size == 0
+    assert out[0, 0] == 1.0, f"node 2's worker reads {out[0, 0]} after its acknowledged push of 1"

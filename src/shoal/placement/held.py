@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from shoal.placement.adaptive_table import AdaptiveTable, Answer, Held
-from shoal.storage.kernels import ABSENT
+from shoal.storage.kernels import ABSENT, REPLICA
 
 HELD_S = 2.0  # a request waiting for rows on their way here longer than this is answered "moved"
 
@@ -34,7 +34,17 @@ def serve_push(table: AdaptiveTable, keys: np.ndarray, grads: np.ndarray, ticket
     """Apply the present part of a push (rows checked and finite); the rest waits for its rows if they
     are on their way here (None), else is answered "moved". ``positions``: where a held rest's keys sat
     in the request the worker sent."""
-    pos, coming = _moved(table, keys, table.store.update_present(keys, grads, table.scale))
+    # A replica here takes only this node's workers' writes (in shared memory): one taken from
+    # another node's worker sits in it until its next sync, and the worker read its row without it
+    # once the key came to its own node. Those go to the owner ("moved").
+    replicas = table.presence[keys] == REPLICA
+    if replicas.any():
+        others = np.flatnonzero(~replicas)
+        absent = others[table.store.update_present(keys[others], grads[others], table.scale)]
+        pos = np.sort(np.concatenate([np.flatnonzero(replicas), absent]))
+    else:
+        pos = table.store.update_present(keys, grads, table.scale)
+    pos, coming = _moved(table, keys, pos)
     if coming.size:
         where = pos if positions is None else positions[pos]
         table.held.append(Held(ticket, keys[pos], grads[pos], coming, where, now))
