@@ -265,3 +265,45 @@ def test_a_malformed_shoal_variable_under_torchrun_is_a_config_error_naming_it(n
         pytest.fail(f"{type(exc).__name__} (not a ShoalError) for {name}={value!r}: {exc}")
     else:
         pytest.fail(f"{name}={value!r} was accepted")
+
+
+# Rank 0 kills node 1's server each time it is back (its pid from the server's stats), at most six
+# times, and says how many it killed; rank 1 only waits for the end.
+KILLS_SERVER_1 = """
+import os, signal, time
+import shoal
+ps = shoal.init()
+ps.barrier()
+kills = 0
+deadline = time.monotonic() + 60
+while ps.rank == 0 and kills < 6 and time.monotonic() < deadline:
+    status = ps.cluster_status()
+    if status["alive"][1] and status["incarnations"][1] == kills + 1:
+        pid = next(s["pid"] for s in ps.server_stats() if s.get("node") == 1 and not s.get("unreachable"))
+        os.kill(pid, signal.SIGKILL)
+        kills += 1
+        print("killed", kills, flush=True)
+    time.sleep(0.05)
+time.sleep(60 if ps.rank == 1 else 0)
+print("worker done", ps.rank, kills, flush=True)
+"""
+
+
+def test_a_server_that_keeps_dying_under_the_restart_policy_ends_the_job_after_its_restarts(tmp_path: Path) -> None:
+    """``--on-server-failure restart`` started a dead server again at once, every time and for good
+    (local.py, ``_watch``): a server that crashes at each start was restarted in a tight loop while
+    the job hung on it. Like torchrun's ``--max-restarts``, a server is now started again at most
+    ``--max-server-restarts`` times (3 by default), each a little later than the one before; its
+    next death ends the job, naming the server and its restarts."""
+    script = tmp_path / "killer.py"
+    script.write_text(KILLS_SERVER_1)
+    started = time.monotonic()
+    done = subprocess.run([PY, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--connect-timeout", "30",
+                           "--on-server-failure", "restart", "--", PY, str(script)],
+                          env=_env(), capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "killed 4" in out and "killed 5" not in out, out
+    assert "server s1 exited" in out and "restarted 3 times" in out, out
+    assert "worker done 1" not in out, out  # the job ended; rank 1 was still waiting
+    assert time.monotonic() - started < 60, out

@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--faults", help="inject network faults into every process, e.g. 'delay_ms=2,loss=0.01'")
     run.add_argument("--on-server-failure", choices=("fail", "continue", "restart"), default="fail",
                      help="when a server dies: stop the job (default), go on without it, or start it again")
+    run.add_argument("--max-server-restarts", type=int, metavar="N",
+                     help="under --on-server-failure restart, start one server again at most N times, each later "
+                          "than the one before; its next death stops the job (default 3)")
     run.add_argument("--rebalance", type=float, metavar="MAX_OVER_MEAN",
                      help="move slices between servers when the busiest serves more than this times the mean "
                           "(e.g. 1.25); off by default")
@@ -182,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeouts=Timeouts(args.connect_timeout, args.request_timeout, args.barrier_timeout, args.replica_timeout,
                               args.resend_timeout),
             prefix_output=not args.no_prefix, on_server_failure=args.on_server_failure,
+            **({} if args.max_server_restarts is None else {"max_server_restarts": args.max_server_restarts}),
             extra_env={"SHOAL_FAULTS": args.faults} if args.faults else {},
             rebalance=RebalancePolicy(threshold=args.rebalance) if args.rebalance else None,
             report=args.report, fork_from_launcher=not args.fresh_interpreters,

@@ -59,6 +59,9 @@ class LaunchOptions:
     #: what a server's death does: end the job ("fail"), nothing ("continue": replicated
     #: tables route around it), or start it again ("restart": it rejoins and catches up)
     on_server_failure: str = "fail"
+    #: under "restart", how often one server is started again; its next death ends the job
+    #: (a server that dies at every start would otherwise be restarted for good)
+    max_server_restarts: int = 3
     #: move slices between servers when load is uneven (None: only when asked)
     rebalance: RebalancePolicy | None = None
     #: write a run report (plots and an HTML page) into this directory
@@ -77,6 +80,8 @@ class LaunchOptions:
             raise ConfigError(f"transport must be 'tcp' or 'ipc', got {self.transport!r}")
         if self.on_server_failure not in ("fail", "continue", "restart"):
             raise ConfigError(f"on_server_failure must be fail, continue or restart, got {self.on_server_failure!r}")
+        if not isinstance(self.max_server_restarts, int) or self.max_server_restarts < 0:
+            raise ConfigError(f"max_server_restarts must be a whole number >= 0, got {self.max_server_restarts!r}")
 
 
 @dataclass
@@ -88,10 +93,15 @@ class Child:
     env: dict[str, str]
     pump: threading.Thread | None = None
     restarts: int = 0
+    #: when a dead server is started again (its restarts come later each time); None: not dead
+    restart_at: float | None = None
 
 
 # A line end: ``\n``, or a ``\r`` that redraws a progress bar (not the ``\r`` of ``\r\n``).
 _LINE_END = re.compile(rb"(?<=\n)|(?<=\r)(?!\n)")
+#: a server's first restart is at once, each later one waits twice as long as the one before (0, 0.5,
+#: 1.5 s...), so a server that dies at every start does not spin the machine before its restarts run out
+RESTART_BACKOFF_S = 0.5
 #: a partial line (a prompt, a progress bar drawn without an end) waits at most this long
 PARTIAL_LINE_S = 0.5
 
@@ -328,6 +338,10 @@ class LocalCluster:
                     exited.add(w.name)
                     rendezvous.worker_exited(int(w.name[1:]))
             for s in list(servers):
+                if s.restart_at is not None:
+                    if time.monotonic() >= s.restart_at:
+                        self._restart(s)
+                    continue
                 code = s.proc.poll()
                 if code is None or rendezvous.finished:
                     continue
@@ -336,6 +350,11 @@ class LocalCluster:
                     continue
                 rendezvous.server_exited(int(s.name[1:]))
                 policy = self.options.on_server_failure
+                if policy == "restart" and s.restarts >= self.options.max_server_restarts:
+                    print(f"shoal: server {s.name} exited with status {code} before the workers finished, and was "
+                          f"restarted {s.restarts} times already (--max-server-restarts); stopping the job",
+                          file=sys.stderr)
+                    return 1
                 print(f"shoal: server {s.name} exited with status {code} before the workers finished; "
                       + {"fail": "stopping the job", "continue": "going on without it",
                          "restart": "starting it again"}[policy], file=sys.stderr)
@@ -344,13 +363,7 @@ class LocalCluster:
                 if policy == "continue":
                     servers.remove(s)
                     continue
-                if s.pump is not None:
-                    s.pump.join(timeout=2)
-                if s.proc.stdout is not None:
-                    s.proc.stdout.close()
-                s.proc = self._popen(s.name, s.command, s.env)
-                s.restarts += 1
-                self._start_pump(s)
+                s.restart_at = time.monotonic() + RESTART_BACKOFF_S * (2 ** s.restarts - 1)
             if all(w.proc.poll() == 0 for w in workers):
                 rendezvous.shutdown_requested = True  # servers see it in their next heartbeat
                 deadline = time.monotonic() + 5.0
@@ -358,6 +371,17 @@ class LocalCluster:
                     wait_for_an_exit((s.proc for s in servers), 0.05)
                 return 0
             wait_for_an_exit((c.proc for c in self.children), 0.05)
+
+    def _restart(self, s: Child) -> None:
+        """Start dead server ``s`` again, once its output pump has drained what the dead one wrote."""
+        if s.pump is not None:
+            s.pump.join(timeout=2)
+        if s.proc.stdout is not None:
+            s.proc.stdout.close()
+        s.proc = self._popen(s.name, s.command, s.env)
+        s.restarts += 1
+        s.restart_at = None
+        self._start_pump(s)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._interrupted = signum
