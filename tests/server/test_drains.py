@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 import shoal
 from shoal.api.consistency import BSP
@@ -78,6 +79,54 @@ def test_a_move_whose_old_owner_dies_does_not_stall_every_later_move_of_its_tabl
             errors.append(exc)
         assert not errors, f"moving slice 0 (server 0 -> 2, both alive) failed: {errors[0]!r}"
         assert c.rendezvous.slices.describe("moving")["owners"][0] == 2
+
+
+@pytest.mark.parametrize("death", ["known before the read", "learnt while the read waits"])
+def test_a_slice_its_new_owner_took_is_served_there_when_the_old_owner_dies_before_reporting_the_move(death):
+    """Slice 2 moves from server 1 to server 2, which takes its last chunk and serves it, but its answer
+    never reaches server 1 (lost each time it is sent); server 1 then dies before reporting the move.
+    Only the old owner told the rendezvous a move was done, so the rendezvous gave the move up and kept
+    naming the dead server 1 as the slice's owner: a read of rows server 2 holds, with every push in
+    them, failed as rows gone with their server. And a worker whose layout still named the dead server
+    failed the read so without asking where the slice is now."""
+    import threading
+
+    from shoal.api.errors import ShoalError
+    from shoal.wire.ops import Op
+    from tests.server.test_slicing import _move
+    from tests.support.losing import LosingTransport
+
+    moves: set[int] = set()
+
+    def lose(header: dict) -> bool:  # the new owner's answers to the chunks of slice 2
+        if header["op"] == int(Op.SLICE_STATE) and header["body"].get("shard") == 2:
+            moves.add(header["req"])
+        return header["op"] == int(Op.OK) and header["req"] in moves and header["table"] == "moving"
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=3.0, barrier_s=20.0)
+    with ThreadCluster(nodes=3, transport=LosingTransport(ZmqTransport(), lose), timeouts=timeouts) as c:
+        w0 = c.worker(0, local_access=False)
+        t0 = w0.table("moving", 600, 1, optimizer=shoal.optim.Sum(), slices=6)
+        assert t0.layout.owners.tolist() == [0, 0, 1, 1, 2, 2]
+        keys = np.arange(200, 300)  # slice 2
+        t0.push(keys, np.ones((keys.size, 1), np.float32))
+        threading.Thread(target=lambda: _ignore_errors(_move, c, "moving", 2, 2), daemon=True).start()
+        wait_until(lambda: 2 in c.servers[2].tables["moving"].stores, what="slice 2 served at server 2")
+        c.servers[1].stop()
+        c.threads[1].join(timeout=10)
+        c.rendezvous.server_exited(1)  # as its launcher says when the process ends
+        wait_until(lambda: not c.rendezvous.alive()[1], timeout=10, what="server 1 called dead")
+        wait_until(lambda: "moving" not in c.rendezvous.slices.active, timeout=10, what="the move settled")
+        assert c.rendezvous.slices.describe("moving")["owners"][2] == 2
+        if death == "known before the read":
+            w0.replica_view.refresh(force=True)
+            assert 1 in w0.replica_view.exited
+        assert t0.layout.owners[2] == 1  # the worker's layout is of before the move
+        try:
+            got = t0.pull(keys)
+        except ShoalError as exc:
+            raise AssertionError(f"the rows server 2 holds were not read: {exc!r}") from exc
+        np.testing.assert_array_equal(got, np.ones((keys.size, 1), np.float32))
 
 
 def _ignore_errors(fn, *args):

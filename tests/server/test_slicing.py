@@ -463,6 +463,7 @@ def test_a_worker_confirms_a_fence_only_once_it_routes_by_the_move_behind_it():
         for w in (pusher, reader):
             w.advance_clock()
         _move(c, "fenced", 0, to=1)  # epoch 1: the rendezvous knows it
+        wait_until(lambda: not c.servers[0].slicing.outgoing, what="server 0 done with moving slice 0")
         reports_held.set()
         mover = threading.Thread(target=_move, args=(c, "fenced", 1, 0))  # epoch 2: reported only later
         mover.start()

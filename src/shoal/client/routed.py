@@ -58,6 +58,10 @@ class RoutedAccess(TableAccess):
     def _learn(self, keys: np.ndarray, owners: np.ndarray) -> None:
         """A server said ``keys`` moved, and where it believes each is now (-1: not known)."""
 
+    def moved_on_from(self, epoch: int) -> bool:
+        """Whether keys routed by the map of ``epoch`` may be elsewhere now (kinds with one map)."""
+        return False
+
     def _find_moved(self) -> None:
         """Before parts answered "moved" are sent again: learn where keys are now, if answers do not say."""
 
@@ -205,6 +209,13 @@ class RoutedAccess(TableAccess):
         self.worker.follow_departures()
         for req, part in list(call.parts.items()):
             if part.node in view.exited:
+                if part.op == Op.PULL and self.moved_on_from(part.epoch):
+                    # A read (done again at no cost) whose slice may have left the server before it
+                    # died: sent where the rows are now (or failed there, if they died with it).
+                    part.answered = True
+                    self.refused(call, call.positions(part.positions), Op.PULL)
+                    self.worker.tracker.forget(req)
+                    continue
                 self._fail(call, ClusterError(
                     f"server {part.node} died while a {part.op.name} of {self.spec.name!r} waited for it: the "
                     "rows it held are gone"))

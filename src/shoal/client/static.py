@@ -195,7 +195,11 @@ class StaticAccess(RoutedAccess):
             order, starts = kernels.partition_by_owner(owner, counts.shape[0])
             groups = [(node, order[starts[node] : starts[node + 1]]) for node in range(counts.shape[0])
                       if starts[node + 1] > starts[node]]
-        self._check_alive([node for node, _ in groups if node != me or not local], layout, shard)
+        needed = [node for node, _ in groups if node != me or not local]
+        if self._routes_to_dead(needed) and self.moved_on_from(layout.epoch):
+            self._route(call, pos, self.layout, self.local, op)  # the slices left before their server died
+            return
+        self._check_alive(needed, layout, shard)
         for node, sub in groups:
             at = pos if sub is None else (sub if pos is None else pos[sub])
             if node == me and local:
@@ -215,6 +219,18 @@ class StaticAccess(RoutedAccess):
             chunks = (at,) if count <= self._chunk else self._chunks(at, count, call.keys.shape[0])
             for chunk in chunks:
                 self._send(call, node, chunk, layout.epoch, op)
+
+    def _routes_to_dead(self, nodes: list[int]) -> bool:
+        exited = self.worker.replica_view.exited
+        return bool(exited) and not exited.isdisjoint(nodes)
+
+    def moved_on_from(self, epoch: int) -> bool:
+        """Whether the rendezvous has a layout newer than ``epoch``: asked when a dead server's slices
+        are needed, for they may have moved off it before it died (its new owner told the rendezvous
+        so, ``server.slicing``)."""
+        if self.layout.epoch <= epoch:
+            self.refresh_layout()
+        return self.layout.epoch > epoch
 
     def _check_alive(self, nodes: list[int], layout: TableLayout, shard: np.ndarray) -> None:
         """A call that needs a dead server's rows fails at once, before any part of it is sent. Only a

@@ -310,7 +310,9 @@ class Rendezvous:
         elif msg.op == Op.MOVE_DONE:
             done = bodies.MoveDone.of(msg)
             self.slices.move_done(msg.table, done.shard, done.to, done.epoch, done.ok)
-            self._reply(peer, msg.reply(Op.OK))
+            # What was decided (the old and the new owner each report; the first settles it), so that
+            # an old owner that saw the move fail does not serve again a slice its new owner took.
+            self._reply(peer, msg.reply(Op.OK, self.slices.describe(msg.table)))
         elif msg.op == Op.DRAIN:
             self.slices.drain(bodies.Drain.of(msg).node, self._answer_when_done(peer, msg))
         elif msg.op == Op.BARRIER:

@@ -11,7 +11,9 @@ its next heartbeat reply. The owner then:
    every worker's clock until the worker confirms that its pushes routed by the
    old layout have landed (``Synchroniser.fence``);
 3. once the new owner has them, tells the rendezvous (``MOVE_DONE``), which
-   bumps the table's epoch;
+   bumps the table's epoch (the new owner tells it too, when it takes the last
+   chunk: the first report settles the move, so the slice is known to be there
+   even if the old owner dies before it hears the new owner's answer);
 4. forgets the slice and answers every held request "moved": the worker
    refreshes its layout and sends them to the new owner.
 
@@ -64,6 +66,7 @@ class _Outgoing:
     handed: bool = False
     started: float = field(default_factory=time.monotonic)
     slow: bool = False  # the new owner has not answered within a request's timeout (said once)
+    asked: bool = False  # reported before the new owner answered, the move being settled already
 
 
 @dataclass
@@ -102,9 +105,18 @@ class SliceService:
         """The moves the rendezvous wants this server to make."""
         self.gone = {n for n, alive in enumerate(status.get("alive") or []) if not alive}
         self.gone.update(int(n) for n in status.get("departed") or [])
+        commanded = set()
         for cmd in status.get("moves") or []:
-            if int(cmd["from"]) == self.node and (cmd["table"], int(cmd["shard"])) not in self.outgoing:
-                self.start(str(cmd["table"]), int(cmd["shard"]), int(cmd["to"]), int(cmd["epoch"]))
+            if int(cmd["from"]) == self.node:
+                commanded.add((cmd["table"], int(cmd["shard"])))
+                if (cmd["table"], int(cmd["shard"])) not in self.outgoing:
+                    self.start(str(cmd["table"]), int(cmd["shard"]), int(cmd["to"]), int(cmd["epoch"]))
+        for key, move in self.outgoing.items():
+            if move.report is None and not move.asked and key not in commanded:
+                # Settled without our report: the new owner said it took the slice (our answer from
+                # it is late). Ask, rather than hold the slice's requests until that answer comes.
+                move.asked = True
+                self._report(move)
         if self.node in (status.get("departed") or []) and not self.outgoing:
             self.leave_requested = True  # every slice is elsewhere now
 
@@ -176,8 +188,23 @@ class SliceService:
 
     def _report(self, move: _Outgoing) -> None:
         msg = bodies.MoveDone(move.shard, move.to, move.epoch, move.handed).to_message(table=move.table)
-        move.report = self.rendezvous.request(RENDEZVOUS, msg, lambda reply: self._finish(move),
+        move.report = self.rendezvous.request(RENDEZVOUS, msg, lambda reply: self._settled(move, reply),
                                               f"MOVE_DONE {move.table!r}/{move.shard}")
+
+    def _settled(self, move: _Outgoing, reply: Message) -> None:
+        """The rendezvous's answer to our report names the slice's owner at the move's epoch: the new
+        owner, if it reported taking the slice first, whatever this server saw (its answer lost, or
+        it called dead by a heartbeat missed); this server then lets the slice go."""
+        owners, epoch = reply.body.get("owners"), reply.body.get("epoch")
+        if (not move.handed and epoch == move.epoch and isinstance(owners, list)
+                and 0 <= move.shard < len(owners) and owners[move.shard] == move.to):
+            move.handed = True
+            for req in move.reqs:
+                self.peers.tracker.forget(req)
+        elif move.asked and not move.handed and not move.failed:
+            move.report = None  # not taken that we know of: the new owner's answer decides, as before
+            return
+        self._finish(move)
 
     def _finish(self, move: _Outgoing) -> None:
         """The rendezvous knows: drop or keep the slice, then answer what waited for it."""
@@ -248,7 +275,20 @@ class SliceService:
             self.sync.adopted(msg.table)
             self.stats["slices_received"] += 1
             log.info("server %d: now serving slice %d of %r", self.node, shard, msg.table)
+            self._report_taken(msg.table, shard, state.epoch)
         return msg.reply(Op.OK)
+
+    def _report_taken(self, table: str, shard: int, epoch: int) -> None:
+        """Tell the rendezvous this server serves the slice now, as its old owner will once it hears
+        our answer (the first report settles the move, the other is ignored): if the old owner died
+        before it heard, the rendezvous would otherwise give the move up and name the dead server."""
+        def failed(exc: Exception) -> None:
+            log.warning("server %d: the rendezvous did not take that slice %d of %r is served here: %s",
+                        self.node, shard, table, exc)
+
+        msg = bodies.MoveDone(shard, self.node, epoch, True).to_message(table=table)
+        self.rendezvous.request(RENDEZVOUS, msg, _ignore, f"MOVE_DONE {table!r}/{shard} (taken)", background=True,
+                                on_error=failed)
 
     def hold(self, peer: bytes, msg: Message) -> None:
         self.stats["requests_held_for_moves"] += 1
