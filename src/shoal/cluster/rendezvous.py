@@ -17,6 +17,7 @@ from typing import Any
 
 from shoal.api.config import RebalancePolicy, TableSpec
 from shoal.api.errors import ClusterError, ProtocolError, ReplayError, ServerError, ShoalError
+from shoal.api.ids import server_sender
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.roles import RENDEZVOUS_OPS, Roles
 from shoal.cluster.slices import SliceAuthority
@@ -309,9 +310,12 @@ class Rendezvous:
             self.slices.request_move(msg.table, move.shard, move.to, self._answer_when_done(peer, msg))
         elif msg.op == Op.MOVE_DONE:
             done = bodies.MoveDone.of(msg)
-            self.slices.move_done(msg.table, done.shard, done.to, done.epoch, done.ok)
-            # What was decided (the old and the new owner each report; the first settles it), so that
-            # an old owner that saw the move fail does not serve again a slice its new owner took.
+            if msg.sender == server_sender(done.to):  # the new owner: it has every row
+                self.slices.taken(msg.table, done.shard, done.to, done.epoch)
+            else:
+                self.slices.move_done(msg.table, done.shard, done.to, done.epoch, done.ok)
+            # What was decided, so that an old owner that saw the move fail does not serve again a
+            # slice its new owner took.
             self._reply(peer, msg.reply(Op.OK, self.slices.describe(msg.table)))
         elif msg.op == Op.DRAIN:
             self.slices.drain(bodies.Drain.of(msg).node, self._answer_when_done(peer, msg))

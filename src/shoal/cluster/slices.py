@@ -32,6 +32,8 @@ class _Move:
     move: Move
     epoch: int = 0
     done: list[Done] = field(default_factory=list)
+    #: the new owner reported having every row: the move is done, whatever the old owner says
+    taken: bool = False
 
 
 class SliceAuthority:
@@ -117,10 +119,17 @@ class SliceAuthority:
         return [{"table": t, "shard": m.move.shard, "from": m.move.source, "to": m.move.target, "epoch": m.epoch}
                 for t, m in self.active.items() if m.move.source == node]
 
+    def taken(self, table: str, shard: int, to: int, epoch: int) -> None:
+        """The new owner of an active move reports having every row of the slice and serving it."""
+        item = self.active.get(table)
+        if item is not None and item.move.shard == shard and item.epoch == epoch and item.move.target == to:
+            item.taken = True
+
     def move_done(self, table: str, shard: int, to: int, epoch: int, ok: bool) -> None:
         item = self.active.get(table)
         if item is None or item.move.shard != shard or item.epoch != epoch or item.move.target != to:
             return  # a report of a move already settled
+        ok = ok or item.taken  # the old owner saw it fail (an answer lost), the new owner took it
         del self.active[table]
         if ok:
             layout = self.layouts[table]
@@ -186,13 +195,15 @@ class SliceAuthority:
                    for table, queue in self.queued.items() for m in queue)
 
     def source_gone(self, node: int) -> None:
-        """Server ``node`` is dead: its moves under way end as failed (the slice stays where the layout
-        has it, with its rows gone), so that the table's later moves are not held behind them."""
+        """Server ``node`` is dead: its moves under way end, as done where the new owner reported
+        having every row, else as failed (the slice stays where the layout has it, with its rows
+        gone), so that the table's later moves are not held behind them."""
         for table, item in list(self.active.items()):
             if item.move.source == node:
-                log.warning("slice %d of %r: its server %d died while moving it to %d; the move is given up",
-                            item.move.shard, table, node, item.move.target)
-                self.move_done(table, item.move.shard, item.move.target, item.epoch, ok=False)
+                log.warning("slice %d of %r: its server %d died while moving it to %d; the move is %s",
+                            item.move.shard, table, node, item.move.target,
+                            "done (the new owner has every row)" if item.taken else "given up")
+                self.move_done(table, item.move.shard, item.move.target, item.epoch, ok=item.taken)
 
     # ---------------------------------------------------------- rebalancer
 

@@ -11,9 +11,9 @@ its next heartbeat reply. The owner then:
    every worker's clock until the worker confirms that its pushes routed by the
    old layout have landed (``Synchroniser.fence``);
 3. once the new owner has them, tells the rendezvous (``MOVE_DONE``), which
-   bumps the table's epoch (the new owner tells it too, when it takes the last
-   chunk: the first report settles the move, so the slice is known to be there
-   even if the old owner dies before it hears the new owner's answer);
+   bumps the table's epoch (the new owner tells it too, when it has every row:
+   a move whose old owner dies or calls it failed after that is settled as
+   done, and the layout names the server that holds the slice);
 4. forgets the slice and answers every held request "moved": the worker
    refreshes its layout and sends them to the new owner.
 
@@ -66,13 +66,16 @@ class _Outgoing:
     handed: bool = False
     started: float = field(default_factory=time.monotonic)
     slow: bool = False  # the new owner has not answered within a request's timeout (said once)
-    asked: bool = False  # reported before the new owner answered, the move being settled already
 
 
 @dataclass
 class _Incoming:
     store: ShardStore
     subscribers: dict[int, np.ndarray]
+    epoch: int
+    #: rows whose chunk has come: chunks are requests of their own, served as they arrive, so the
+    #: last may overtake one lost and sent again; the slice is taken once every row is in
+    arrived: np.ndarray
 
 
 class SliceService:
@@ -105,18 +108,9 @@ class SliceService:
         """The moves the rendezvous wants this server to make."""
         self.gone = {n for n, alive in enumerate(status.get("alive") or []) if not alive}
         self.gone.update(int(n) for n in status.get("departed") or [])
-        commanded = set()
         for cmd in status.get("moves") or []:
-            if int(cmd["from"]) == self.node:
-                commanded.add((cmd["table"], int(cmd["shard"])))
-                if (cmd["table"], int(cmd["shard"])) not in self.outgoing:
-                    self.start(str(cmd["table"]), int(cmd["shard"]), int(cmd["to"]), int(cmd["epoch"]))
-        for key, move in self.outgoing.items():
-            if move.report is None and not move.asked and key not in commanded:
-                # Settled without our report: the new owner said it took the slice (our answer from
-                # it is late). Ask, rather than hold the slice's requests until that answer comes.
-                move.asked = True
-                self._report(move)
+            if int(cmd["from"]) == self.node and (cmd["table"], int(cmd["shard"])) not in self.outgoing:
+                self.start(str(cmd["table"]), int(cmd["shard"]), int(cmd["to"]), int(cmd["epoch"]))
         if self.node in (status.get("departed") or []) and not self.outgoing:
             self.leave_requested = True  # every slice is elsewhere now
 
@@ -193,17 +187,14 @@ class SliceService:
 
     def _settled(self, move: _Outgoing, reply: Message) -> None:
         """The rendezvous's answer to our report names the slice's owner at the move's epoch: the new
-        owner, if it reported taking the slice first, whatever this server saw (its answer lost, or
-        it called dead by a heartbeat missed); this server then lets the slice go."""
+        owner, if it reported taking the slice, whatever this server saw (its answer lost, or it
+        called dead by a heartbeat missed); this server then lets the slice go."""
         owners, epoch = reply.body.get("owners"), reply.body.get("epoch")
         if (not move.handed and epoch == move.epoch and isinstance(owners, list)
                 and 0 <= move.shard < len(owners) and owners[move.shard] == move.to):
             move.handed = True
             for req in move.reqs:
                 self.peers.tracker.forget(req)
-        elif move.asked and not move.handed and not move.failed:
-            move.report = None  # not taken that we know of: the new owner's answer decides, as before
-            return
         self._finish(move)
 
     def _finish(self, move: _Outgoing) -> None:
@@ -234,7 +225,7 @@ class SliceService:
     # ------------------------------------------------------------- receiving
 
     def receive(self, msg: Message) -> Message:
-        """One chunk of a slice moving here; the last one makes this server its owner."""
+        """One chunk of a slice moving here; once every row has come, this server owns the slice."""
         state = bodies.SliceState.of(msg)
         table = self.tables.get(msg.table)
         if table is None:
@@ -246,7 +237,15 @@ class SliceService:
             raise ProtocolError(f"SLICE_STATE names {len(names)} arrays and {len(ranks)} subscribers, "
                                 f"carries {len(msg.arrays)}")
         key = (msg.table, shard)
+        if shard in table.stores and table.layout.epoch >= state.epoch:
+            return msg.reply(Op.OK)  # a chunk sent again after the slice was taken: it is in already
         incoming = self.incoming.get(key)
+        if incoming is not None and incoming.epoch != state.epoch:
+            if incoming.epoch > state.epoch:
+                raise ProtocolError(f"a chunk of an earlier move of slice {shard} of {msg.table!r}")
+            incoming.store.close()  # what came of a move that was given up
+            del self.incoming[key]
+            incoming = None
         if incoming is None:
             if not 0 <= shard < table.layout.num_shards:
                 raise ProtocolError(f"table {msg.table!r} has no slice {shard}")
@@ -254,7 +253,8 @@ class SliceService:
             if state.num_rows != rows:
                 raise ProtocolError(f"slice {shard} of {msg.table!r} has {rows} rows, not {state.num_rows}")
             store = ShardStore.receive(table.spec, shard, rows, self.cluster.cluster_id)
-            incoming = self.incoming[key] = _Incoming(store, {r: np.zeros(rows, dtype=np.bool_) for r in ranks})
+            incoming = self.incoming[key] = _Incoming(store, {r: np.zeros(rows, dtype=np.bool_) for r in ranks},
+                                                      state.epoch, np.zeros(rows, dtype=np.bool_))
         first = state.first_row
         for rank, mask in zip(ranks, msg.arrays[len(names):], strict=True):
             if rank not in incoming.subscribers or mask.ndim != 1 \
@@ -263,10 +263,17 @@ class SliceService:
                                     f"of shape {mask.shape} do not fit the slice or its first chunk")
         if first < 0:
             raise ProtocolError(f"SLICE_STATE of {msg.table!r}/{shard} starts at row {first}")
-        incoming.store.load_rows(first, dict(zip(names, msg.arrays[: len(names)], strict=True)))
+        arrays = dict(zip(names, msg.arrays[: len(names)], strict=True))
+        counts = {a.shape[0] for a in arrays.values()} or {0}
+        count = counts.pop()
+        if counts or not 0 <= first <= first + count <= incoming.store.num_rows:
+            raise ProtocolError(f"SLICE_STATE of {msg.table!r}/{shard}: rows {first}..{first + count} do not fit "
+                                f"its {incoming.store.num_rows} rows")
+        incoming.store.load_rows(first, arrays)
+        incoming.arrived[first : first + count] = True
         for rank, mask in zip(ranks, msg.arrays[len(names):], strict=True):
             incoming.subscribers[rank][first : first + mask.shape[0]] = mask.astype(np.bool_)
-        if state.last:
+        if incoming.arrived.all():
             del self.incoming[key]
             table.adopt_slice(incoming.store, state.epoch, incoming.subscribers)
             # Pushes for the slice may still be on their way elsewhere, to come here once refused:
@@ -279,9 +286,10 @@ class SliceService:
         return msg.reply(Op.OK)
 
     def _report_taken(self, table: str, shard: int, epoch: int) -> None:
-        """Tell the rendezvous this server serves the slice now, as its old owner will once it hears
-        our answer (the first report settles the move, the other is ignored): if the old owner died
-        before it heard, the rendezvous would otherwise give the move up and name the dead server."""
+        """Tell the rendezvous this server serves the slice now. The old owner's report settles the
+        move once it hears our answer; if it dies first, or calls the move failed (our answer lost,
+        this server thought dead), the rendezvous settles it as done from ours instead of naming the
+        old owner, and an old owner alive lets the slice go."""
         def failed(exc: Exception) -> None:
             log.warning("server %d: the rendezvous did not take that slice %d of %r is served here: %s",
                         self.node, shard, table, exc)
