@@ -190,3 +190,20 @@ def test_a_server_vouches_only_for_the_slices_a_worker_reads_under_essp():
         cache.on_server_rows(msg)
         assert cache.rows.versions(key, np.array([shard]))[0] == before  # not vouched for
         assert cache.rows.shard_version[0] == before + 5  # slice 0 is read under ESSP
+
+
+def test_a_staleness_past_the_clock_range_is_refused_with_a_config_error_and_changes_nothing():
+    """Clocks are int64 (an intent's clocks past 2**62 are refused with ConfigError). SSP(2**63) was
+    accepted by ``shoal.SSP``, and ``set_consistency`` with it raised a bare OverflowError (the bound
+    did not fit the per-slice int64 array) after the model list was already changed: ``consistency_of``
+    reported SSP(2**63) while reads were still held to the old bound. Creating a table with it failed
+    the same way, after every server and the rendezvous had created the table. A staleness above 2**62
+    is a ConfigError now."""
+    with ThreadCluster(nodes=1) as c:
+        w0 = c.worker(0)
+        t = w0.table("t", 8, 1, consistency=shoal.SSP(1), slices=2)
+        with pytest.raises(shoal.ShoalError):
+            t.set_consistency(shoal.SSP(2**63), [0])
+        assert t.consistency_of(0) == shoal.SSP(1)
+        with pytest.raises(shoal.ShoalError):
+            w0.table("u", 8, 1, consistency=shoal.SSP(2**63))

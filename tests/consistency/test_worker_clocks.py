@@ -4,6 +4,7 @@ for them, and started over when the worker is."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import pytest
 import shoal
 from shoal.transport.zmq_transport import ZmqTransport
 from shoal.wire.ops import Op
-from tests.support.cluster import ThreadCluster
+from tests.support.cluster import ThreadCluster, table_on_every_worker
 from tests.support.losing import LosingTransport
 from tests.support.waiting import wait_until
 
@@ -143,3 +144,30 @@ def test_a_restarted_worker_is_held_to_the_bound_again(heard_first):
             w1.advance_clock()
         reading.join(timeout=20)
         np.testing.assert_array_equal(read[0][:, 0], np.full(16, 14.0))
+
+
+def test_a_worker_whose_unawaited_push_failed_still_leaves_and_holds_nobody_back():
+    """Worker 1 starts a push that server 1 answers with an error, never waits for it, and shuts down.
+    Leaving must still tell every server its final clock and the rendezvous that it left. ``shutdown``
+    called ``wait_all`` first, which raised the push's unobserved error, logged as an unclean shutdown,
+    and skipped both the final clock and the leave: the servers counted worker 1 at clock 0 for ever,
+    and worker 0's BSP read at clock 1 was held until it expired."""
+    from tests.support.cluster import fail_first_static_push
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=6.0, barrier_s=20.0)
+    with ThreadCluster(nodes=2, timeouts=timeouts) as c:
+        w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
+        t0, t1 = table_on_every_worker([w0, w1], "t", 40, 1, optimizer=shoal.optim.Sum(), slices=2,
+                                          consistency=shoal.BSP())
+        slice0, slice1 = t0.layout.mapping.keys_of(0), t0.layout.mapping.keys_of(1)
+        fail_first_static_push(c, 1)
+        t1.push_async(slice1, np.ones((slice1.shape[0], 1), np.float32))  # fails at server 1; not awaited
+        t1.push(slice0, np.ones((slice0.shape[0], 1), np.float32))  # acknowledged
+        w1.shutdown()
+        w0.advance_clock()
+        started = time.monotonic()
+        got = t0.pull(slice0)
+        waited = time.monotonic() - started
+        assert waited < timeouts.request_s / 2, waited
+        np.testing.assert_array_equal(got[:, 0], np.ones(slice0.shape[0]))
+

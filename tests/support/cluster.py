@@ -115,3 +115,20 @@ def fail_first_static_push(cluster: ThreadCluster, node: int) -> None:
         return original(table, msg)
 
     service._push = failing
+
+
+def table_on_every_worker(workers: list[Worker], name: str, *args: Any, **options: Any) -> list[Any]:
+    """One table made on every worker at once, from threads (making a table waits for every worker)."""
+    out: list[Any] = [None] * len(workers)
+
+    def make(i: int) -> None:
+        out[i] = workers[i].table(name, *args, **options)
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(len(workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(t is not None for t in out), "table creation did not finish"
+    return out
+

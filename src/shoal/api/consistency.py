@@ -33,9 +33,13 @@ class LazyPull:
             raise ConfigError(f"LazyPull.timeout_ms must be > 0, got {self.timeout_ms!r}")
 
 
+#: clocks and bounds travel and are kept as 64-bit ints; a bound this large is no bound at all
+MAX_STALENESS = 1 << 62
+
+
 def _staleness(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name}.staleness must be an int >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STALENESS:
+        raise ConfigError(f"{name}.staleness must be an int from 0 to 2**62, got {value!r}")
     return value
 
 

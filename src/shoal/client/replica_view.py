@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from shoal.api.config import ClusterSpec
 from shoal.api.errors import ShoalError
+from shoal.api.ids import RENDEZVOUS
 from shoal.cluster import membership
 from shoal.cluster.requests import RequestTracker
+from shoal.wire.message import Message
+from shoal.wire.ops import Op
 
 DOWN_FOR_S = 3.0  # how long a replica that failed to answer is left alone
 WATCH_AFTER_S = 0.5  # a wait longer than this asks whether the servers it waits for are still there
@@ -44,6 +47,7 @@ class ReplicaView:
         self.gone: dict[int, list[list[int]]] = {}
         self.down_until: dict[int, float] = {}
         self.checked_at = -1e9
+        self._asking = False  # a status asked for in the background, not answered yet
 
     def refresh(self, force: bool = False) -> None:
         now = self.worker.now()
@@ -54,6 +58,27 @@ class ReplicaView:
             status = membership.status(self.worker.tracker, self.worker.cluster.timeouts.replica_s)
         except ShoalError:
             return  # the rendezvous is slow or gone: keep what we know
+        self._take(status)
+
+    def refresh_in_background(self) -> None:
+        """``refresh`` without waiting: the status is asked for (at most once a period, one at a time)
+        and taken whenever its answer comes in."""
+        now = self.worker.now()
+        if self._asking or now - self.checked_at < _STATUS_EVERY_S:
+            return
+        self.checked_at = now
+        self._asking = True
+
+        def over() -> None:
+            self._asking = False
+
+        def failed(exc: ShoalError) -> None:
+            """The rendezvous is slow or gone: keep what we know."""
+
+        self.worker.tracker.request(RENDEZVOUS, Message(Op.CLUSTER_STATUS), lambda reply: self._take(reply.body),
+                                    "CLUSTER_STATUS", background=True, on_error=failed, on_end=over)
+
+    def _take(self, status: dict[str, Any]) -> None:
         self.alive = [bool(a) for a in status.get("alive", self.alive)]
         self.exited = {int(n) for n in status.get("exited", ())}
         self.gone = {int(n): handled for n, handled in (status.get("gone") or {}).items()}

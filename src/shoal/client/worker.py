@@ -232,7 +232,8 @@ class Worker:
         """A message no request asked for: rows a server pushed eagerly (ESSP), or a fence."""
         table = self.tables.get(msg.table)
         try:
-            if table is not None and 0 <= peer < self.num_nodes and table.access.on_server_message(peer, msg):
+            # Any server known, those that joined the job included (their fences must be answered).
+            if table is not None and 0 <= peer < len(self.servers) and table.access.on_server_message(peer, msg):
                 return
         except ShoalError as exc:
             log.warning("worker %d: ignoring a bad %s from server %d: %s", self.rank, msg.op.name, peer, exc)
@@ -390,6 +391,9 @@ class Worker:
             else:
                 self._tick(now, everywhere=self._ticks.everywhere(now))
             return self.clock
+        # Bounded reads wait on every worker's clock at every server: a server that joined the job
+        # hears ours only once we know it (a status, at most once a period, taken as it comes).
+        self.replica_view.refresh_in_background()
         self._tick(now)
         return self.clock
 
@@ -564,7 +568,10 @@ class Worker:
             return
         self._write_run_record()
         try:
-            self.wait_all()
+            try:
+                self.wait_all()
+            except ShoalError as exc:  # an async call's failure must not keep this worker from leaving
+                log.warning("worker %d: unclean shutdown: %s", self.rank, exc)
             # A worker that left must not hold back anyone's reads: this last clock is a request,
             # sent again until acknowledged (the earlier ones ride on every later message).
             last = bodies.Clock(self.rank, final=True, pushed=self._pushes_numbered())

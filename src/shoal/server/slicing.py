@@ -76,6 +76,8 @@ class _Incoming:
     #: rows whose chunk has come: chunks are requests of their own, served as they arrive, so the
     #: last may overtake one lost and sent again; the slice is taken once every row is in
     arrived: np.ndarray
+    #: every worker's clock and settled clock as the old owner learnt them (with the last chunk)
+    clocks: tuple[list[int], list[int]] | None = None
 
 
 class SliceService:
@@ -142,8 +144,12 @@ class SliceService:
             last_row = min(store.num_rows, first + chunk)
             parts = [arrays[n][first:last_row] for n in names]
             parts += [subscribers[r][first:last_row].view(np.uint8) for r in ranks]
-            msg = bodies.SliceState(shard, epoch, first, store.num_rows, names, last_row >= store.num_rows,
-                                    ranks).to_message(table=name, arrays=parts)
+            last = last_row >= store.num_rows
+            clocks = self.sync.clocks
+            msg = bodies.SliceState(shard, epoch, first, store.num_rows, names, last, ranks,
+                                    [int(c) for c in clocks.learned] if last else None,
+                                    [int(c) for c in clocks.settled] if last else None,
+                                    ).to_message(table=name, arrays=parts)
             move.reqs.add(self.peers.tracker.request(to, msg, _ignore, f"SLICE_STATE {name!r}/{shard} to server {to}"))
 
     def tick(self) -> None:
@@ -269,6 +275,8 @@ class SliceService:
         if counts or not 0 <= first <= first + count <= incoming.store.num_rows:
             raise ProtocolError(f"SLICE_STATE of {msg.table!r}/{shard}: rows {first}..{first + count} do not fit "
                                 f"its {incoming.store.num_rows} rows")
+        if state.clocks is not None or state.settled is not None:
+            incoming.clocks = self._clocks(state, msg.table, shard)
         incoming.store.load_rows(first, arrays)
         incoming.arrived[first : first + count] = True
         for rank, mask in zip(ranks, msg.arrays[len(names):], strict=True):
@@ -279,11 +287,22 @@ class SliceService:
             # Pushes for the slice may still be on their way elsewhere, to come here once refused:
             # until each worker confirms, count it only up to its settled clock.
             self.sync.fence(msg.table)
+            if incoming.clocks is not None:
+                self.sync.learn_clocks(*incoming.clocks)
             self.sync.adopted(msg.table)
             self.stats["slices_received"] += 1
             log.info("server %d: now serving slice %d of %r", self.node, shard, msg.table)
             self._report_taken(msg.table, shard, state.epoch)
         return msg.reply(Op.OK)
+
+    def _clocks(self, state: bodies.SliceState, table: str, shard: int) -> tuple[list[int], list[int]]:
+        learned = _ints(state.clocks, "clocks")
+        settled = _ints(state.settled, "settled")
+        workers = self.sync.clocks.num_workers
+        if len(learned) != workers or len(settled) != workers or min(learned + settled, default=0) < 0:
+            raise ProtocolError(f"SLICE_STATE of {table!r}/{shard}: clocks of {len(learned)} and {len(settled)} "
+                                f"workers, not of the job's {workers}")
+        return learned, settled
 
     def _report_taken(self, table: str, shard: int, epoch: int) -> None:
         """Tell the rendezvous this server serves the slice now. The old owner's report settles the

@@ -120,6 +120,21 @@ class Synchroniser:
         for worker in range(self.clocks.num_workers):
             self.fence_worker(worker, table)
 
+    def learn_clocks(self, learned: list[int], settled: list[int]) -> None:
+        """What a slice's previous owner knew of every worker's clock, come with the slice: a server
+        that joined the job hears nothing from a worker that left, or that works elsewhere, and held
+        reads for it for good. Taken once ``fence`` counts each worker only up to its settled clock
+        (as that server learnt it), so no push still on its way here is counted as in."""
+        advanced = False
+        for worker, (clock, done) in enumerate(zip(learned, settled, strict=True)):
+            if clock >= FINISHED:
+                self.fences.pop(worker, None)
+                advanced |= self.clocks.finish(worker)
+            else:
+                advanced |= self.clocks.observe(worker, clock, done)
+        if advanced:
+            self._advanced()
+
     def refuse_reads(self, worker: int, table: str) -> None:
         """A push of ``worker`` was refused here because part of it moved away; the other part comes
         back here after its later requests. Fence its clock, and refuse its reads of ``table`` (which

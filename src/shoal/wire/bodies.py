@@ -296,6 +296,9 @@ class SliceState(Body):
     names: list[str]
     last: bool
     subscribers: list[int] | None = None
+    #: with the last chunk: every worker's clock as the old owner learnt it, and its settled clock
+    clocks: list[int] | None = None
+    settled: list[int] | None = None
 
 
 @dataclass(frozen=True)
