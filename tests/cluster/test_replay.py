@@ -5,10 +5,13 @@ from __future__ import annotations
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
+import shoal
 from shoal.api.config import Limits, Timeouts
 from shoal.cluster.replay import ENTRIES, PER_STREAM, REPLY_BYTES, STREAMS, ReplayGuard, Verdict, new_incarnation
 from shoal.cluster.requests import RESEND_BYTES_PER_S, RESEND_MIN_S, RequestTracker, RoundTrip
@@ -19,6 +22,7 @@ from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from tests.support.clock import ManualClock
 from tests.support.cluster import ThreadCluster
+from tests.support.losing import workers_with_losses
 
 A = new_incarnation()
 B = new_incarnation()
@@ -333,3 +337,105 @@ def test_a_request_ended_without_a_reply_times_no_round_trip():
         tracker.close()
         listener.close()
         transport.close()
+
+
+def test_a_push_whose_answer_is_lost_once_is_answered_when_sent_again_on_a_busy_server():
+    """A message lost on the way costs a delay, not the request; a repeat of an answered request gets
+    the same reply again. Worker 0's push to server 1 is applied and answered; the answer is lost on
+    the way back once, while another worker reads 250 x 50 KB from server 1. The server kept replies
+    for repeats in one budget, oldest dropped first, the reads' replies with the rest: the push's small
+    answer was dropped, and a repeat of an answered PUSH whose reply is gone can only be dropped. The
+    push failed with RequestTimeoutError although it was applied (a caller that retried it applied it
+    twice). Replies to reads, which are served again, now go first."""
+    state: dict[str, Any] = {"armed": False, "lost": 0}
+    lose = _lose_one_answer(state, lambda header: header.get("table") == "p")
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=6.0, barrier_s=30.0, resend_s=1.0)
+    with ThreadCluster(nodes=2, transport=ZmqTransport(), timeouts=timeouts) as c:
+        w0, w1 = workers_with_losses(c, lose)
+        t0 = w0.table("p", 400, 64, optimizer=shoal.optim.Sum())
+        t1 = w1.table("p", 400, 64, optimizer=shoal.optim.Sum())
+        key = np.array([300])  # range mapping over 2 nodes: server 1
+        state["armed"] = True
+        pending = t0.push_async(key, np.ones((1, 64), np.float32))
+        deadline = time.monotonic() + 10
+        while not state["lost"] and time.monotonic() < deadline:
+            w0.tracker.pump(0.01)
+        assert state["lost"] == 1, "the push's answer was never lost: the test did not run its fault"
+        assert float(t1.pull(key)[0, 0]) == 1.0  # applied at server 1
+        reads = np.arange(200, 400)  # 200 rows x 64 floats: 51 KB, a reply the server keeps
+        for _ in range(250):
+            t1.pull(reads)
+        started = time.monotonic()
+        try:
+            pending.wait()
+        except shoal.ShoalError as exc:
+            raise AssertionError(f"the applied push failed after {time.monotonic() - started:.1f}s: {exc!r}") from None
+        assert float(t1.pull(key)[0, 0]) == 1.0
+
+
+def test_a_barrier_whose_answer_is_lost_once_completes_while_others_ask_the_rendezvous():
+    """Two workers meet at a barrier; the rendezvous's answer to worker 0 is lost once on the network.
+    Before worker 0 sends its barrier request again, worker 1 asks the rendezvous for the cluster
+    status a few thousand times. The rendezvous kept replies for repeats in one budget, oldest dropped
+    first: the barrier's answer was dropped, and a repeat of an answered request whose reply is gone
+    was dropped without a word. Worker 0 waited out the whole barrier timeout although every worker
+    reached the barrier. Replies to status and layout reads, served again on a repeat, now go first."""
+    state: dict[str, Any] = {"armed": False, "lost": 0}
+    lose = _lose_one_answer(state, lambda header: "notes" in (header.get("body") or {}))
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=20.0, barrier_s=25.0, resend_s=1.0)
+    with ThreadCluster(nodes=2, transport=ZmqTransport(), timeouts=timeouts) as c:
+        w0, w1 = workers_with_losses(c, lose)
+        for w in (w0, w1):  # a table of 4000 slices: its layout makes each status reply about 4.6 KB
+            w.table("sliced", 40000, 1, slices=4000)
+        outcome: list[object] = []
+
+        def meet() -> None:
+            started = time.monotonic()
+            try:
+                w0.barrier()
+                outcome.append(time.monotonic() - started)
+            except shoal.ShoalError as exc:
+                outcome.append(exc)
+
+        state["armed"] = True
+        thread = threading.Thread(target=meet)
+        thread.start()
+        time.sleep(7.5)  # worker 0 waits alone: its resends back off (1, 2, 4 s, then 8 s apart)
+        w1.barrier()
+        deadline = time.monotonic() + 10
+        while not state["lost"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state["lost"] == 1, "the barrier's answer was never lost: the test did not run its fault"
+        for _ in range(3000):  # about 4.6 KB each, kept: 14 MB of replies
+            w1.cluster_status()
+        thread.join(timeout=60)
+        assert outcome and not isinstance(outcome[0], BaseException), \
+            f"worker 0's barrier failed although both workers reached it: {outcome[0]!r}"
+
+
+def test_replies_to_reads_are_dropped_before_a_pushs_when_replies_fill_their_budget():
+    """The byte budget of kept replies dropped the oldest first, whatever they answered: a reader's
+    replies pushed out a push's acknowledgement, and a repeat of the push could then only be dropped."""
+    guard = ReplayGuard(reply_bytes=100)
+    push, reads = new_incarnation(), new_incarnation()
+    assert guard.admit(0, push, 1)[0] is Verdict.NEW
+    guard.answered(push, 1, [b"ack"], 10)
+    for req in range(1, 21):
+        assert guard.admit(1, reads, req, redoable=True)[0] is Verdict.NEW
+        guard.answered(reads, req, [b"rows"], 30)
+    assert guard.admit(0, push, 1) == (Verdict.ANSWERED, [b"ack"])
+    assert guard.kept_reply_bytes <= 100
+
+
+def _lose_one_answer(state: dict[str, Any], which: Callable[[dict], bool]) -> Callable[[dict], bool]:
+    """Loses the first OK answer ``which`` picks once ``state["armed"]``, counting it in ``state["lost"]``."""
+    def lose(header: dict) -> bool:
+        if state["armed"] and header["op"] == int(Op.OK) and which(header):
+            state["armed"] = False
+            state["lost"] += 1
+            return True
+        return False
+
+    return lose

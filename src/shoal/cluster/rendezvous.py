@@ -17,7 +17,7 @@ from typing import Any
 
 from shoal.api.config import RebalancePolicy, TableSpec
 from shoal.api.errors import ClusterError, ProtocolError, ReplayError, ServerError, ShoalError
-from shoal.api.ids import server_sender
+from shoal.api.ids import SERVERS, server_sender
 from shoal.cluster.replay import ReplayGuard, Verdict
 from shoal.cluster.roles import RENDEZVOUS_OPS, Roles
 from shoal.cluster.slices import SliceAuthority
@@ -253,14 +253,16 @@ class Rendezvous:
     def _repeated(self, peer: bytes, msg: Message) -> bool:
         """Whether ``msg`` repeats one already here (answered again if its reply was kept); raises
         ``ReplayError`` for one older than what is remembered of its sender."""
-        verdict, reply = self._replay.admit(msg.sender, msg.incarnation, msg.req, bool(msg.flags & Flag.NO_REPLY))
+        redoable = msg.op == Op.LAYOUT or (msg.op == Op.CLUSTER_STATUS and msg.sender < SERVERS)
+        verdict, reply = self._replay.admit(msg.sender, msg.incarnation, msg.req, bool(msg.flags & Flag.NO_REPLY),
+                                            redoable)
         if verdict is Verdict.STALE:
             self._warnings.warn("replayed", "rendezvous: refused a replayed %s from sender %s", msg.op.name,
                                 msg.sender)
             raise ReplayError(f"request {msg.req} of sender {msg.sender} was served already, or is older than "
                               "this rendezvous remembers")
-        if verdict is Verdict.NEW:
-            return False
+        if verdict is Verdict.NEW or (verdict is Verdict.ANSWERED and reply is None and redoable):
+            return False  # new, or a read whose reply was not kept: read again
         if reply is not None and not msg.flags & Flag.NO_REPLY:  # sent again by a peer that did not hear back
             self.listener.send(peer, reply)
         return True

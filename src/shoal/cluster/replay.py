@@ -10,6 +10,11 @@ gets the same reply again, and only a new request is served. A push applied
 twice would be a lost update of another kind, so this sits in front of every
 handler, for one-way messages too.
 
+Replies are kept within a byte budget; those to requests that can be served
+again (reads, which the receiver serves again when a repeat finds no reply)
+are the first to go, so that a read-heavy peer does not push out a push's
+acknowledgement: a repeat of a push whose reply is gone can only be dropped.
+
 Memory is bounded whatever peers send. A request still being served is never
 forgotten (a requester keeps few in flight). Of the answered ones, each stream
 keeps its latest ``PER_STREAM``, and all streams together ``ENTRIES`` (the least
@@ -79,6 +84,8 @@ class _Stream:
     #: request number -> the reply frames kept, True (answered, reply not kept) or None (serving)
     seen: OrderedDict[int, list[Any] | bool | None] = field(default_factory=OrderedDict)
     serving: int = 0  # entries of ``seen`` still being served
+    #: requests being served that can be served again (reads): their replies are the first to go
+    redoable: set[int] = field(default_factory=set)
 
 
 class ReplayGuard:
@@ -96,6 +103,8 @@ class ReplayGuard:
         self._horizon: dict[int, int] = {}  # sender -> birth (ms) of its latest forgotten stream
         self._common_horizon = 0
         self._kept: OrderedDict[tuple[Key, int], int] = OrderedDict()  # replies kept, oldest first: size
+        #: replies to requests that can be served again (reads), oldest first: dropped before any other
+        self._kept_redoable: OrderedDict[tuple[Key, int], int] = OrderedDict()
         self._kept_bytes = 0
 
     @property
@@ -111,10 +120,12 @@ class ReplayGuard:
     def kept_reply_bytes(self) -> int:
         return self._kept_bytes
 
-    def admit(self, sender: int, incarnation: int, req: int,
-              one_way: bool = False) -> tuple[Verdict, list[Any] | None]:
+    def admit(self, sender: int, incarnation: int, req: int, one_way: bool = False,
+              redoable: bool = False) -> tuple[Verdict, list[Any] | None]:
         """Whether request ``req`` of ``sender``'s stream ``incarnation`` is new; for a repeat of an
-        answered one, its reply if kept. A ``one_way`` message needs no reply: it counts as answered."""
+        answered one, its reply if kept. A ``one_way`` message needs no reply: it counts as answered.
+        A ``redoable`` one (a read) can be served again: its reply is dropped first when replies
+        fill their budget, so that one that cannot (a push's acknowledgement) is kept."""
         key = (sender, incarnation)
         stream = self._streams.get(key)
         if stream is None:
@@ -132,6 +143,8 @@ class ReplayGuard:
             return Verdict.STALE, None
         stream.seen[req] = True if one_way else _SERVING
         stream.serving += 0 if one_way else 1
+        if redoable and not one_way:
+            stream.redoable.add(req)
         self._entries += 1
         if len(stream.seen) - stream.serving > self.per_stream:
             self._forget_answered(key, stream)
@@ -151,14 +164,16 @@ class ReplayGuard:
         stream.serving -= 1
         if len(stream.seen) - stream.serving > self.per_stream:  # many answered at once (given up, say)
             self._forget_answered(key, stream)
+        redoable = req in stream.redoable
+        stream.redoable.discard(req)
         keep = size <= self.keep_reply_bytes
         stream.seen[req] = frames if keep else True
         if not keep:
             return
-        self._kept[(key, req)] = size
+        (self._kept_redoable if redoable else self._kept)[(key, req)] = size
         self._kept_bytes += size
         while self._kept_bytes > self.reply_bytes:
-            old_key, old_req = next(iter(self._kept))
+            old_key, old_req = next(iter(self._kept_redoable or self._kept))
             self._forget_reply((old_key, old_req))
             old = self._streams.get(old_key)
             if old is not None and isinstance(old.seen.get(old_req, _ABSENT), list):
@@ -230,5 +245,7 @@ class ReplayGuard:
 
     def _forget_reply(self, key: tuple[Key, int]) -> None:
         size = self._kept.pop(key, None)
+        if size is None:
+            size = self._kept_redoable.pop(key, None)
         if size is not None:
             self._kept_bytes -= size

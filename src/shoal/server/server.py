@@ -72,6 +72,8 @@ _TIMERS_EVERY_S = 0.002  # while requests keep coming, timers run at most this o
 _BUILD_POLL_S = 0.001
 #: requests served again when repeated after their reply was too large to keep
 _IDEMPOTENT = frozenset({Op.PULL, Op.STATS, Op.PING, Op.CLOCK, Op.REPLICA_STATS})
+#: requests whose repeat is served again when its reply was not kept (a push_pull's read alone)
+_REDOABLE = _IDEMPOTENT | {Op.PUSH_PULL}
 #: requests that read or write a table's rows (refused for a table whose rows here were lost)
 _DATA_OPS = frozenset({Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LOCALIZE, Op.INTENT})
 #: requests a table's service serves (each kind serves those it knows)
@@ -402,7 +404,8 @@ class ParameterServer:
     def _repeated(self, peer: bytes, msg: Message) -> bool:
         """Whether ``msg`` repeats a request already here (then answered as a repeat); raises
         ``ReplayError`` for one older than what is remembered of its sender's stream."""
-        verdict, reply = self.replay.admit(msg.sender, msg.incarnation, msg.req, bool(msg.flags & Flag.NO_REPLY))
+        verdict, reply = self.replay.admit(msg.sender, msg.incarnation, msg.req, bool(msg.flags & Flag.NO_REPLY),
+                                           redoable=msg.op in _REDOABLE)
         if verdict is Verdict.NEW:
             return False
         self.stats[f"repeats_{verdict.name.lower()}"] += 1
