@@ -97,3 +97,17 @@ def test_a_replica_reports_the_delays_of_the_last_seconds_so_the_model_follows_a
     assert d.values()[-512:].count(0.2) == 40  # the old way: 472 fast ones besides
     assert len(d.recent(0.01, 32, 512)) == 32  # too few that recent: the latest 32 all the same
     assert len(d.recent(1000.0, 32, 512)) == 512
+
+
+def test_the_delays_reported_of_a_gossip_round_are_spread_over_it_not_its_shortest():
+    """A round brings 2,000 updates at once, oldest first: delays from 2 s down to 0. The replica
+    reported the latest 512 of them, delays under 0.5 s, and the model promised fresh reads that the
+    round's longer delays broke. The samples are thinned evenly; and a window that holds no whole
+    round takes the last round whole rather than its last samples."""
+    t = [0.0]
+    d = DelaySamples(4096, now=lambda: t[0])
+    d.extend([2.0 * (1 - i / 2000) for i in range(2000)])
+    reported = d.recent(5.0, 32, 512)
+    assert len(reported) == 512 and max(reported) > 1.9 and abs(float(np.mean(reported)) - 1.0) < 0.05
+    t[0] += 6.0  # the window holds nothing since
+    assert max(d.recent(5.0, 32, 512)) > 1.9

@@ -112,7 +112,7 @@ class TableLayout:
 
     def replica_nodes(self, shard: int) -> list[int]:
         """Servers holding replicas of ``shard``: its owner, then the next ones round the ring."""
-        num_nodes = int(self.owners.shape[0])
+        num_nodes = self.num_servers  # not the slices: a table of fewer keys than servers has fewer
         owner = int(self.owners[shard])
         return [(owner + i) % num_nodes for i in range(min(self.spec.replicas, num_nodes))]
 

@@ -9,6 +9,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+#: samples taken this close together came with one gossip round (one message's updates, added at once)
+_ONE_ROUND_S = 0.05
+
 
 class DelaySamples:
     """The most recent ``capacity`` delays (seconds) of one kind, with when each was taken."""
@@ -51,9 +54,22 @@ class DelaySamples:
         return list(self._samples)
 
     def recent(self, window_s: float, at_least: int, at_most: int) -> list[float]:
-        """The samples of the last ``window_s`` seconds (at least the ``at_least`` latest, at most the
-        ``at_most`` latest): delays change when gossip does, and a model fitted from older samples
-        goes on promising what the old delays allowed."""
+        """The samples of the last ``window_s`` seconds (at least the ``at_least`` latest), evenly
+        thinned to at most ``at_most``: delays change when gossip does, and a model fitted from older
+        samples goes on promising what the old delays allowed. Thinned, not cut to the latest: a
+        gossip round brings its updates oldest first, so the latest samples of a window are the
+        shortest delays of the last round, and a model fitted from them promised fresh reads that
+        the longer delays broke."""
+        n = len(self._samples)
         start = bisect.bisect_left(self._taken, self.now() - window_s)
-        count = min(max(len(self._samples) - start, at_least), at_most)
-        return list(self._samples)[-count:] if count else []
+        if n - start < at_least and n:
+            # Too few that recent (gossip slower than the window): the latest rounds whole, not only
+            # their last samples, which are their shortest delays.
+            start = bisect.bisect_left(self._taken, self._taken[max(n - at_least, 0)] - _ONE_ROUND_S)
+        count = n - start
+        if not count:
+            return []
+        window = list(self._samples)[-count:]
+        if count <= at_most:
+            return window
+        return [window[i * count // at_most] for i in range(at_most)]

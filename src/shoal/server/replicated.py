@@ -236,7 +236,10 @@ class ReplicationService:
             return msg.reply(Op.OK)
         if msg.op == Op.REPLICA_STATS:
             replica = table.replica(bodies.ReplicaStats.of(msg).shard)
-            delays = [[n, s.recent(DELAY_WINDOW_S, 32, 512)] for n, s in sorted(replica.delays.items())]
+            # At least two rounds of the slowest gossip (+-50%): a window without a whole round sees
+            # only the end of the last one, its shortest delays.
+            window = max(DELAY_WINDOW_S, 3.0 * table.schedule.period_s)
+            delays = [[n, s.recent(window, 32, 512)] for n, s in sorted(replica.delays.items())]
             return msg.reply(Op.OK, {"shard": replica.shard, "node": self.node, "delays": delays,
                                      "rate": replica.accept_rate(), "vv": sorted(replica.version().items())})
         raise ProtocolError(f"replicated table {msg.table!r} does not serve {msg.op.name}")
