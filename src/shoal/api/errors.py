@@ -131,6 +131,14 @@ class NotServedError(ClusterError):
     code = "NotServed"
 
 
+class PeerRestartedError(ClusterError):
+    """The server a request went to was started again before it answered: its previous process may
+    or may not have served it. A replicated push goes on to another replica under its number (served
+    once wherever it lands); other calls fail with this error."""
+
+    code = "PeerRestarted"
+
+
 class ServerError(ShoalError):
     """The server failed while handling a request (a bug, not bad input)."""
 

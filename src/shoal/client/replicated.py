@@ -33,6 +33,7 @@ from shoal.api.errors import (
     CheckpointError,
     ClusterError,
     ConfigError,
+    PeerRestartedError,
     ProtocolError,
     RequestTimeoutError,
     WriteQuorumError,
@@ -600,9 +601,9 @@ class ReplicatedAccess(TableAccess):
         silent: set[int] = set()
         for req, (key, node) in reqs.items():
             error = tracker.take_error(req)
-            if error is not None:
+            if error is not None and not isinstance(error, PeerRestartedError):
                 raise error  # the replica answered, with a typed error: bad input, not a failure
-            if key not in replies:
+            if key not in replies:  # silent, or started again before it answered: go elsewhere
                 silent.add(node)
             elif not patient:  # a bounded read's time includes its wait for the slowest worker
                 self.read_latency[node].add(elapsed / 2)

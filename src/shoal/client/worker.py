@@ -14,7 +14,15 @@ from typing import Any
 import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec, dense_rows
-from shoal.api.errors import ClosedError, ClusterError, ConfigError, RequestTimeoutError, ShoalError, TableError
+from shoal.api.errors import (
+    ClosedError,
+    ClusterError,
+    ConfigError,
+    PeerRestartedError,
+    RequestTimeoutError,
+    ShoalError,
+    TableError,
+)
 from shoal.api.ids import RENDEZVOUS
 from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
@@ -337,8 +345,8 @@ class Worker:
         while len(self.servers) <= node:
             self.servers.append(None)
         self.servers[node] = address
-        self.tracker.fail_peer(node, ClusterError(f"server {node} was started again: what was in flight to "
-                                                  "its previous process was lost with it"))
+        self.tracker.fail_peer(node, PeerRestartedError(f"server {node} was started again: what was in flight "
+                                                        "to its previous process was lost with it"))
         self.streams.reset(node)
         self.tracker.connect(node, address)
         if node == self.node:
