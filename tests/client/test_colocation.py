@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +71,35 @@ def test_local_threads_of_one_worker_process_share_rows(locking):
             np.testing.assert_array_equal(total, 800.0)
         else:
             assert (total <= 800.0).all()
+
+
+def test_an_adaptive_tables_segment_is_not_held_after_the_worker_shut_down_and_the_job_ended():
+    """A worker maps its node's rows and ``Worker.shutdown`` closes each table's access. An adaptive
+    table's store never was closed (``AdaptiveAccess`` had no ``close``, nor did ``lose_local`` keep
+    it to close), so the worker process kept the memfd of the whole node-wide table open after the job
+    ended, even once every object was collected: a notebook, an actor or a process running jobs one
+    after another never freed the table's memory."""
+    with ThreadCluster(nodes=1) as c:
+        cluster_id = c.spec.cluster_id
+        w = c.worker(0)
+        t = w.table("leak", 1000, 16, techniques="relocation")
+        t.push(np.arange(10), np.ones((10, 16), np.float32))
+        assert t.pull(np.arange(10))[0, 0] == 1.0
+        w.shutdown()
+    del t, w, c
+    gc.collect()
+    left = _memfds_of(cluster_id)
+    assert left == [], f"segments of the ended job still open in this process: {left}"
+
+
+def _memfds_of(cluster_id: str) -> list[str]:
+    """The descriptors of this process that are memfd segments of cluster ``cluster_id``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:shoal-{cluster_id}-"):
+            found.append(target)
+    return found

@@ -384,3 +384,62 @@ def test_a_hold_made_before_another_is_entered_does_not_hang_a_pull_inside_the_b
             thread.join(5.0)
         assert not hung, "a pull inside an in_place block waited 5 s on the block's own lock"
         assert isinstance(outcome.get("error"), shoal.TableError), outcome
+
+
+_HELD_WHILE_SERVER_DIES = r'''
+import json, os, select, signal, sys
+import numpy as np
+import shoal
+from shoal.cluster.fdshare import fetch_fds, socket_name
+
+out, kind = sys.argv[1], sys.argv[2]
+ps = shoal.init()
+options = {"techniques": "relocation"} if kind == "adaptive" else {}
+t = ps.table("h", 10, 1, optimizer=shoal.optim.Sum(), **options)
+reply, fds = fetch_fds(socket_name(ps.cluster.cluster_id, ps.node), {"clocks": True})
+for fd in fds:
+    os.close(fd)
+server = int(reply["pid"])
+result = {}
+try:
+    with t.in_place(np.arange(10)) as rows:
+        gone = os.pidfd_open(server)
+        os.kill(server, signal.SIGKILL)
+        select.select([gone], [], [], 30)  # readable once the server has ended
+        rows.values[rows.slots[rows.slots >= 0]] += 1.0  # into the dead server's memory
+    result["in_place"] = "ended without an error"
+except Exception as exc:
+    result["in_place"] = type(exc).__name__
+try:
+    t.push(np.arange(10), np.ones((10, 1), np.float32))
+    result["push"] = "acknowledged"
+except Exception as exc:
+    result["push"] = type(exc).__name__
+with open(os.path.join(out, "result.json"), "w") as fh:
+    json.dump(result, fh)
+os._exit(0)
+'''
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "static"])
+def test_rows_written_in_place_while_the_nodes_server_died_are_not_acknowledged(tmp_path, kind):
+    """Once this node's server has died its shared memory is nobody's: a write into it is lost and may
+    not be acknowledged (a local pull or push raises ``ClusterError``). ``Table.in_place`` checked the
+    server only when the block began: a server killed during the block left the writes made in it in
+    the dead server's memory, and the block ended as if they had landed. The end of the block checks
+    again."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "held.py"
+    script.write_text(_HELD_WHILE_SERVER_DIES)
+    proc = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "1", "--workers-per-node",
+                           "1", "--on-server-failure", "continue", "--", sys.executable, str(script), str(tmp_path),
+                           kind], capture_output=True, text=True, timeout=180)
+    result_file = tmp_path / "result.json"
+    assert result_file.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(result_file.read_text())
+    assert result["push"] == "ClusterError", result  # the node's server is known dead to the worker
+    assert result["in_place"] == "ClusterError", (
+        f"writes in place into the memory of a server that died during the block were acknowledged: {result}")

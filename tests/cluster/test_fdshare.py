@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from shoal.api.errors import TableError
-from shoal.cluster.fdshare import FdShareServer, fetch_fds
+from shoal.api.errors import ShoalError, TableError
+from shoal.cluster.fdshare import FdShareServer, fetch_fds, socket_name
+from tests.support.cluster import ThreadCluster
 
 
 @pytest.fixture
@@ -65,3 +66,28 @@ def test_a_garbled_request_is_dropped_and_the_share_keeps_serving(share: FdShare
     for fd in fds:
         os.close(fd)
     assert reply == {"label": "rows of t"}
+
+
+def test_a_malformed_descriptor_request_does_not_stop_the_nodes_share():
+    """fdshare drops a garbled request and keeps serving. A well-formed map whose ``shards`` is not a list
+    (a string here) made the static table's share raise ``TypeError``, which nothing caught: the
+    share's thread died, and every later request from a co-located worker (attaching a table, a new
+    worker's clock table) waited out its timeout. It is a ProtocolError now, and the share's thread
+    survives anything a request provokes."""
+    with ThreadCluster(nodes=1) as c:
+        w = c.worker(0)
+        w.table("s", 100, 4)
+        name = socket_name(c.spec.cluster_id, 0)
+        try:
+            _, fds = fetch_fds(name, {"table": "s", "shards": "0"}, timeout=5.0)
+            for fd in fds:
+                os.close(fd)
+        except ShoalError:
+            pass  # a typed refusal is fine
+        try:
+            reply, fds = fetch_fds(name, {"table": "s"}, timeout=5.0)
+        except ShoalError as exc:
+            pytest.fail(f"the node's descriptor share stopped serving after one malformed request: {exc!r}")
+        for fd in fds:
+            os.close(fd)
+        assert [s["shard"] for s in reply["shards"]] == [0]

@@ -41,6 +41,7 @@ class AdaptiveAccess(RoutedAccess):
     def __init__(self, table: TableView, layout: TableLayout, store: ShardStore | None) -> None:
         super().__init__(table, layout)
         self.store = store  # None in classic mode: every row is asked for
+        self._dead_stores: list[ShardStore] = []  # mapped from a server that died: unmapped on close
         self.hints = LocationCache(self.spec.num_keys, self.worker.num_nodes)
         #: where this node's server believes keys live (None in classic mode)
         self.node_hints = store.location if store is not None else None
@@ -90,7 +91,8 @@ class AdaptiveAccess(RoutedAccess):
     def in_place(self, keys: np.ndarray) -> InPlace:
         if self.store is not None:
             self.worker.check_local_server(f"rows of {self.spec.name!r} in place")
-        return InPlace(self.spec.name, self.store, keys, self.spec.dim, self.dtype, self.counters)
+        return InPlace(self.spec.name, self.store, keys, self.spec.dim, self.dtype, self.counters,
+                       check=self.worker.check_local_server)
 
     def localize(self, keys: np.ndarray) -> None:
         """Ask for ``keys`` to live on this worker's node (asynchronous)."""
@@ -123,6 +125,18 @@ class AdaptiveAccess(RoutedAccess):
             pause = min(pause * 2, 0.02)
 
     def lose_local(self) -> None:
+        # Unmapped when the table closes, not now: a block in place (or a call under way) may still
+        # hold the dead server's rows.
+        if self.store is not None:
+            self._dead_stores.append(self.store)
+        self.store = self.node_hints = None
+
+    def close(self) -> None:
+        """Unmap this node's rows (the worker shuts down): a process that outlives its job (a notebook,
+        an actor) kept every adaptive table's memory mapped."""
+        for store in [*self._dead_stores, *([self.store] if self.store is not None else [])]:
+            store.close()
+        self._dead_stores = []
         self.store = self.node_hints = None
 
     def take_intents(self) -> list[tuple[np.ndarray, int, int]]:

@@ -24,7 +24,7 @@ NaN or Inf.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -37,17 +37,18 @@ class InPlace:
     """The rows of some keys of one table on this node, held for a ``with`` block."""
 
     __slots__ = ("name", "keys", "values", "state", "slots", "absent", "siblings", "_rows", "_counters", "_open",
-                 "__weakref__")
+                 "_check", "__weakref__")
 
     def __init__(self, name: str, store: ShardStore | None, keys: np.ndarray, dim: int, dtype: np.dtype,
-                 counters: Counter[str], rows: np.ndarray | None = None, shards: np.ndarray | None = None
-                 ) -> None:
+                 counters: Counter[str], rows: np.ndarray | None = None, shards: np.ndarray | None = None,
+                 check: Callable[[str], None] | None = None) -> None:
         """``store``: this node's rows (None: it has none); ``rows`` and ``shards``: in a static slice,
-        each key's row and slice."""
+        each key's row and slice; ``check``: raises if the node's server died (its memory is nobody's)."""
         self.name = name
         self.keys = keys
         self._rows = RowsInPlace(store, keys, rows, shards) if store is not None else None
         self._counters = counters
+        self._check = check
         self._open = False
         #: this node's rows of the table (shared memory; empty where the node has none): valid in the block
         self.values: np.ndarray = self._rows.values if self._rows is not None else np.empty((0, dim), dtype)
@@ -77,12 +78,16 @@ class InPlace:
         self._counters["rows_in_place"] += self.keys.shape[0] - self.absent.shape[0]
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self._open = False
         if self._rows is not None:
             replicas = self._rows.close()
             if replicas:
                 self._counters["replica_rows_in_place"] += replicas
+            # What the block wrote went into the server's memory: not applied if it died meanwhile (an
+            # error the block raised itself goes on as it is).
+            if self._check is not None and kind is None:
+                self._check(f"a block in place on {self.name!r}")
 
 
 _NONE = np.empty(0, dtype=np.int64)

@@ -127,7 +127,8 @@ class StaticAccess(RoutedAccess):
         self.worker.check_local_server(f"rows of {self.spec.name!r} in place")
         store = next(iter(self.local.values()))
         shards, rows = self.layout.mapping.locate(keys)
-        return InPlace(self.spec.name, store, keys, self.spec.dim, self.dtype, self.counters, rows, shards)
+        return InPlace(self.spec.name, store, keys, self.spec.dim, self.dtype, self.counters, rows, shards,
+                       check=self.worker.check_local_server)
 
     def set_consistency(self, model: Consistency, slices: list[int] | None) -> None:
         """Read ``slices`` (all: None) under ``model`` from now on. Requests in flight finish first: a

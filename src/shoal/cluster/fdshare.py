@@ -67,6 +67,8 @@ class FdShareServer:
                     self._answer(conn)
                 except (OSError, ValueError, ConnectionError) as exc:  # msgspec.DecodeError is a ValueError
                     log.warning("fd share: dropped a request: %s", exc)
+                except Exception:  # a bug must not end the node's share: every later attach would wait
+                    log.exception("fd share: failed answering a request")
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(5.0)

@@ -25,6 +25,7 @@ from shoal.storage import checkpoint
 from shoal.storage.validate import as_keys, as_rows
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
+from shoal.wire.schema import is_int64
 
 
 class StaticService:
@@ -99,6 +100,8 @@ class StaticService:
         table = self._table(name)
         stores = dict(table.stores)  # this runs beside the loop, which may move slices meanwhile
         wanted = request.get("shards")
+        if wanted is not None and not (isinstance(wanted, list) and all(is_int64(s) for s in wanted)):
+            raise ProtocolError(f"shards must be a list of slice numbers, got {wanted!r}")
         shards = [s for s in sorted(stores) if (wanted is None or s in wanted) and not stores[s].retired]
         info = [{"shard": s, "num_rows": stores[s].num_rows, "label": stores[s].segment.label} for s in shards]
         return {"spec": table.spec.to_dict(), "shards": info}, [stores[s].fd for s in shards]
