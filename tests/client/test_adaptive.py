@@ -694,3 +694,94 @@ def test_a_pull_answered_moved_goes_where_the_answer_said_not_back_to_the_home()
         pull_requests = t0.counters["requests"] - before
         assert push_requests == 2
         assert pull_requests == push_requests, f"a pull took {pull_requests} requests where a push took 2"
+
+
+def test_an_adaptive_read_holds_the_readers_own_earlier_push_when_that_push_is_lost_once():
+    """Under ASP a read by worker w returns every update w pushed before the read, whatever table kind
+    (DESIGN §10). Worker 0 pushes +1 to a key whose home is node 1 (no intent: the key stays there) with
+    ``push_async`` and then pulls it. The push's message is lost once and sent again; the pull, sent
+    after it, overtook it and read 0: adaptive requests travel outside the workers' ordered streams.
+    A read of keys the worker pushed to other nodes now waits for those pushes' acknowledgements."""
+    lost = []
+
+    def lose(header: dict) -> bool:
+        if header["op"] == int(Op.PUSH) and header.get("table") == "own" and not lost:
+            lost.append(header["req"])
+            return True
+        return False
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=20.0, barrier_s=30.0, resend_s=0.3)
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose), timeouts=timeouts) as c:
+        w0 = c.worker(0)
+        t = w0.table("own", 8, 1, techniques="relocation")
+        key = np.array([3])  # home node 1 (key % nodes); worker 0 is on node 0
+        pending = t.push_async(key, np.ones((1, 1), np.float32))
+        seen = float(t.pull(key)[0, 0])
+        pending.wait()
+        assert lost, "the push was never lost: the test did not run its fault"
+        after = float(t.pull(key)[0, 0])
+        assert after == 1.0  # the push did land, once
+        assert seen == 1.0, f"a read after the worker's own push read {seen}, without it"
+
+
+def test_a_local_read_includes_the_readers_own_push_still_on_its_way_to_the_rows_old_owner():
+    """Worker 0 starts a push to key 1 (owned by node 1), the key then comes to node 0, and worker 0's
+    pull read the row in shared memory at once, without its own push, still on its way to node 1 (to
+    be forwarded from there and land later): 0 where 1 was pushed before the read. Static tables keep
+    this (a read waits for the worker's pushes routed by an older layout); an adaptive read now waits
+    for the worker's own pushes of the keys it reads."""
+    from shoal.wire.ops import Op
+
+    transport, delayed = _delaying_transport(
+        lambda header: header["op"] == int(Op.PUSH) and header.get("table") == "a", delay_s=1.5)
+    with ThreadCluster(nodes=2, transport=transport) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("a", 10, 1, techniques="relocation", init=shoal.Constant(0.0))
+        w1.table("a", 10, 1, techniques="relocation", init=shoal.Constant(0.0))
+        key = np.array([1])  # odd: lives at node 1
+        assert t0.access.presence[1] == 0
+        pushed = t0.push_async(key, np.ones((1, 1), np.float32))
+        t0.localize(key)
+        assert t0.wait_local(key, 10.0) == 0, "key 1 did not come to node 0"
+        assert delayed["held"], "the push was not the one held back"
+        seen = float(t0.pull(key)[0, 0])
+        pushed.wait()
+        final = float(t0.pull(key)[0, 0])
+        assert final == 1.0, f"the push landed {final} times"
+        assert seen == 1.0, (f"worker 0 read key 1 as {seen} after its own push to it (the push was started "
+                             "before the read and landed later)")
+
+
+def _delaying_transport(pick, delay_s: float):  # type: ignore[no-untyped-def]
+    """A ZeroMQ transport whose listeners hold back the first arriving message that ``pick(its decoded
+    header)`` selects for ``delay_s`` (one slow request); every other message passes at once."""
+    import random
+    import time
+
+    import msgspec
+
+    from shoal.transport.faulty import Faults, FaultyTransport, _Delayed
+    from shoal.transport.zmq_transport import ZmqTransport
+
+    state = {"held": False}
+
+    class _Slow(_Delayed):
+        def __init__(self) -> None:
+            super().__init__(Faults(), random.Random(0))
+
+        def admit(self, item):  # type: ignore[no-untyped-def]
+            frames = item[1] if isinstance(item, tuple) else item
+            if not state["held"] and pick(msgspec.msgpack.decode(bytes(frames[0]))):
+                state["held"] = True
+                import heapq
+                heapq.heappush(self.heap, (time.monotonic() + delay_s, next(self._seq), item))
+                return
+            super().admit(item)
+
+    class _Transport(FaultyTransport):
+        def listen(self, address, max_frame_bytes=None):  # type: ignore[no-untyped-def]
+            listener = super().listen(address, max_frame_bytes)
+            listener.delayed = _Slow()
+            return listener
+
+    return _Transport(ZmqTransport(), Faults()), state

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.api.errors import CheckpointError, ShoalError
+from shoal.api.errors import CheckpointError, RequestTimeoutError, ShoalError
 from shoal.client.calls import READS, WRITES, Call, Part
 from shoal.client.context import TableView
 from shoal.client.in_place import InPlace
@@ -42,6 +42,7 @@ class AdaptiveAccess(RoutedAccess):
         super().__init__(table, layout)
         self.store = store  # None in classic mode: every row is asked for
         self._dead_stores: list[ShardStore] = []  # mapped from a server that died: unmapped on close
+        self._pushes_open: list[Call] = []  # pushes sent to other nodes, maybe not acknowledged yet
         self.hints = LocationCache(self.spec.num_keys, self.worker.num_nodes)
         #: where this node's server believes keys live (None in classic mode)
         self.node_hints = store.location if store is not None else None
@@ -62,6 +63,7 @@ class AdaptiveAccess(RoutedAccess):
         return True
 
     def pull(self, keys: np.ndarray, out: np.ndarray | None) -> Future[np.ndarray]:
+        self._after_own_pushes(keys)
         rows = np.empty((keys.shape[0], self.spec.dim), dtype=self.spec.dtype) if out is None else out
         if self.store is not None:
             pos = self.store.read_present(keys, rows)
@@ -86,7 +88,25 @@ class AdaptiveAccess(RoutedAccess):
             return Future.done_with(None)
         call = self._call(Op.PUSH, keys, values, None)
         self._send(call, pos, Op.PUSH)
+        self._pushes_open.append(call)
         return self._future(call)
+
+    def _after_own_pushes(self, keys: np.ndarray) -> None:
+        """Read-your-writes: a read of keys this worker pushed to other nodes waits for those pushes'
+        acknowledgements. Adaptive requests travel outside the workers' ordered streams (a key's
+        owner changes under them): a read sent after a push could overtake it, or, the key come here
+        meanwhile, read this node's row before the push reached it (the push lost once and sent
+        again, or slow on its way to the key's old owner)."""
+        if not self._pushes_open:
+            return
+        self._pushes_open = [c for c in self._pushes_open if not c.finished()]
+        for call in self._pushes_open:
+            if not call.finished() and np.isin(call.keys, keys).any():
+                try:
+                    self.worker.tracker.wait_until(call.finished, call.awaited,
+                                                   self.worker.cluster.timeouts.request_s, call.step)
+                except RequestTimeoutError:
+                    pass  # the push failed (its own future says so): this read does not
 
     def in_place(self, keys: np.ndarray) -> InPlace:
         if self.store is not None:
