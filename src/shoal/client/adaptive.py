@@ -42,7 +42,8 @@ class AdaptiveAccess(RoutedAccess):
         super().__init__(table, layout)
         self.store = store  # None in classic mode: every row is asked for
         self._dead_stores: list[ShardStore] = []  # mapped from a server that died: unmapped on close
-        self._pushes_open: list[Call] = []  # pushes sent to other nodes, maybe not acknowledged yet
+        #: pushes sent to other nodes, maybe not acknowledged yet, with the keys they sent there
+        self._pushes_open: list[tuple[Call, np.ndarray]] = []
         self.hints = LocationCache(self.spec.num_keys, self.worker.num_nodes)
         #: where this node's server believes keys live (None in classic mode)
         self.node_hints = store.location if store is not None else None
@@ -88,7 +89,7 @@ class AdaptiveAccess(RoutedAccess):
             return Future.done_with(None)
         call = self._call(Op.PUSH, keys, values, None)
         self._send(call, pos, Op.PUSH)
-        self._pushes_open.append(call)
+        self._pushes_open.append((call, keys[pos]))
         return self._future(call)
 
     def _after_own_pushes(self, keys: np.ndarray) -> None:
@@ -99,9 +100,9 @@ class AdaptiveAccess(RoutedAccess):
         again, or slow on its way to the key's old owner)."""
         if not self._pushes_open:
             return
-        self._pushes_open = [c for c in self._pushes_open if not c.finished()]
-        for call in self._pushes_open:
-            if not call.finished() and np.isin(call.keys, keys).any():
+        self._pushes_open = [(c, sent) for c, sent in self._pushes_open if not c.finished()]
+        for call, sent in self._pushes_open:
+            if not call.finished() and np.isin(sent, keys).any():
                 try:
                     self.worker.tracker.wait_until(call.finished, call.awaited,
                                                    self.worker.cluster.timeouts.request_s, call.step)

@@ -38,6 +38,21 @@ class SampleHandle:
     rows: Future[np.ndarray] | _Later | np.ndarray
 
 
+_MOST = 1 << 40  # reuse counts and pool sizes past this are mistakes (and overflow the counters)
+
+
+def _weights(weights: Any, num_keys: int) -> np.ndarray:
+    """``weights`` as float64, one finite non-negative number per key with a positive sum, scaled
+    to a maximum of 1 (their sum of huge weights overflowed to inf, and every key was drawn alike)."""
+    try:
+        array = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        array = np.empty(0)
+    if array.shape != (num_keys,) or not np.isfinite(array).all() or (array < 0).any() or not array.max() > 0:
+        raise ConfigError(f"weights must be {num_keys} finite non-negative numbers with a positive sum")
+    return array / array.max()
+
+
 class Sampler:
     """Samples keys of one table under one scheme."""
 
@@ -46,12 +61,12 @@ class Sampler:
         if scheme not in SCHEMES:
             raise ConfigError(f"sampling scheme must be one of {SCHEMES}, got {scheme!r}")
         if weights is not None:
-            weights = np.asarray(weights, dtype=np.float64)
-            if weights.shape != (table.num_keys,) or not np.isfinite(weights).all() or (weights < 0).any() \
-                    or not weights.sum() > 0:
-                raise ConfigError(f"weights must be {table.num_keys} finite non-negative numbers with a positive sum")
-        if reuse < 1 or pool_size < 1:
-            raise ConfigError(f"reuse and pool_size must be >= 1, got {reuse}, {pool_size}")
+            weights = _weights(weights, table.num_keys)
+        for name, value in (("reuse", reuse), ("pool_size", pool_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MOST:
+                raise ConfigError(f"{name} must be an int from 1 to 2**40, got {value!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"seed must be an int >= 0, got {seed!r}")
         if scheme == "preloc" and not table.access.relocates:
             raise ConfigError(f"the preloc scheme brings sampled keys here before use: table {table.name!r} "
                               "needs techniques other than 'static'")

@@ -496,13 +496,21 @@ class Worker:
         torch model's parameters, ``DenseSync``)."""
         self._after_restore.append(reload)
 
-    def intent(self, table: Table, keys: Any, start: int, end: int | None = None) -> None:
+    def intent(self, table: str | Table, keys: Any, start: int, end: int | None = None) -> None:
         """``table.intent(keys, start, end)``: this worker will use ``keys`` in clocks ``[start, end)``."""
-        table.intent(keys, start, end)
+        self._own_table(table).intent(keys, start, end)
 
-    def localize(self, table: Table, keys: Any) -> None:
+    def localize(self, table: str | Table, keys: Any) -> None:
         """``table.localize(keys)``: move ``keys`` to this worker's node."""
-        table.localize(keys)
+        self._own_table(table).localize(keys)
+
+    def _own_table(self, table: str | Table) -> Table:
+        """One of this worker's tables, given as itself or by name."""
+        name = table if isinstance(table, str) else getattr(table, "name", None)
+        found = self.tables.get(name) if isinstance(name, str) else None
+        if found is None or (not isinstance(table, str) and found is not table):
+            raise TableError(f"{table!r} is not a table of this worker (its tables: {sorted(self.tables)})")
+        return found
 
     def wait_all(self) -> None:
         """Wait for every request still in flight (async pushes included); a clock not told yet goes first."""
