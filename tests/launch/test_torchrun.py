@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import shoal
+
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 
@@ -98,3 +100,33 @@ def test_workers_restarted_by_the_elastic_agent_rejoin_and_keep_the_parameters(t
     assert counts[1] == 25.0  # 5 before the crash + 20 after the restart: the server kept them
     assert counts[0] >= 20.0
     _assert_servers_leave()
+
+
+_TORCHRUN_ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none",
+                 "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "RANK": "0",
+                 "LOCAL_RANK": "0", "WORLD_SIZE": "2", "SHOAL_SECRET": "ab" * 16}
+
+
+def test_an_ipv6_master_address_fails_with_a_shoal_error():
+    """``shoal.init()`` under torchrun reads MASTER_ADDR; input it cannot use must fail with a ShoalError
+    naming the variable. An IPv6 master (torchrun accepts one) made the local address probe open an
+    AF_INET socket and raise a bare ``socket.gaierror``."""
+    from shoal.launch import torchrun
+    try:
+        torchrun.role({**_TORCHRUN_ENV, "MASTER_ADDR": "fd00::1"})
+    except shoal.ShoalError:
+        pass
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"untyped {type(exc).__name__}: {exc}")
+
+
+def test_torchrun_ranks_that_disagree_on_the_world_are_refused_at_once():
+    """torchrun allows a different --nproc-per-node on each node; Shoal takes LOCAL_WORLD_SIZE as every
+    node's worker count and never checked it against WORLD_SIZE. Run for real (node 0 with 2
+    processes, node 1 with 1), node 1's rank 2 got a RoleError from its own server while node 0's
+    workers stalled for the whole request timeout on a PUSH to node 1. The inconsistent world is
+    visible in the environment: a ConfigError at init now."""
+    from shoal.launch import torchrun
+    with pytest.raises(shoal.ConfigError):
+        r = torchrun.role({**_TORCHRUN_ENV, "GROUP_RANK": "1", "RANK": "2", "WORLD_SIZE": "3"})
+        pytest.fail(f"accepted rank {r.rank} of a cluster of {r.cluster.num_workers} workers")

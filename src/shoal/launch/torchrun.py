@@ -68,6 +68,9 @@ def _local_address(master: str) -> str:
     try:
         probe.connect((master, 9))
         return str(probe.getsockname()[0])
+    except OSError as exc:  # no IPv4 route to it (an IPv6 master), or a name that does not resolve
+        raise ConfigError(f"MASTER_ADDR {master!r} is no IPv4 host this machine can route to: {exc} (Shoal's "
+                          "addresses are IPv4; set SHOAL_BIND_HOST to this host's address)") from None
     finally:
         probe.close()
 
@@ -81,6 +84,14 @@ def role(environ: Mapping[str, str] | None = None) -> ProcessRole:
     nodes = _int(environ, "GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in environ else (
         _int(environ, "WORLD_SIZE") // _int(environ, "LOCAL_WORLD_SIZE"))
     cluster_id = f"{run_id}-{port}"
+    per_node, node, rank = _int(environ, "LOCAL_WORLD_SIZE"), _int(environ, "GROUP_RANK"), _int(environ, "RANK")
+    world = _int(environ, "WORLD_SIZE") if "WORLD_SIZE" in environ else nodes * per_node
+    # Every node runs LOCAL_WORLD_SIZE workers here: torchrun allows a different --nproc-per-node on
+    # each node, which would make ranks that no server knows (they failed only at their first call).
+    if per_node < 1 or nodes < 1 or world != nodes * per_node or not 0 <= node < nodes or not 0 <= rank < world:
+        raise ConfigError(f"torchrun's world does not fit one job of equal nodes: WORLD_SIZE {world}, GROUP_WORLD_SIZE "
+                          f"{nodes}, LOCAL_WORLD_SIZE {per_node}, GROUP_RANK {node}, RANK {rank} (every node must "
+                          "run the same --nproc-per-node)")
     secret = shoal_env.read_secret(environ)
     if secret is None:
         if not master.startswith(_LOOPBACK):
@@ -89,11 +100,11 @@ def role(environ: Mapping[str, str] | None = None) -> ProcessRole:
     host = environ.get("SHOAL_BIND_HOST") or _local_address(master)
     defaults = Timeouts()
     cluster = ClusterSpec(
-        cluster_id=cluster_id, num_nodes=nodes, workers_per_node=_int(environ, "LOCAL_WORLD_SIZE"),
+        cluster_id=cluster_id, num_nodes=nodes, workers_per_node=per_node,
         rendezvous=f"tcp://{master}:{port}", secret=secret, limits=Limits(),
         timeouts=Timeouts(connect_s=shoal_env.seconds(environ, "CONNECT_TIMEOUT", defaults.connect_s)),
     )
-    return ProcessRole(cluster=cluster, node=_int(environ, "GROUP_RANK"), rank=_int(environ, "RANK"),
+    return ProcessRole(cluster=cluster, node=node, rank=rank,
                        local_access=environ.get("SHOAL_LOCAL_ACCESS", "1") not in ("0", "false", "no"),
                        bind=f"tcp://{host}:0")
 
