@@ -97,3 +97,27 @@ def test_the_mf_example_trains_on_ray(local_ray, tmp_path):
                             str(tmp_path / "local.json")], capture_output=True, text=True, timeout=300)
     assert local.returncode == 0, local.stdout + local.stderr
     assert abs(rmse - json.loads((tmp_path / "local.json").read_text())["rmse"][-1]) <= 0.01
+
+
+def shutdown_then_finish(seconds: float) -> int:
+    ps = shoal.init()
+    table = ps.table("ray.after", num_keys=4, dim=1, init=shoal.Constant(0.0))
+    table.push(np.arange(4), np.ones((4, 1), np.float32))
+    ps.barrier()
+    rank = ps.rank
+    ps.shutdown()  # done with the parameter server; the function goes on (write results, evaluate)
+    time.sleep(seconds)
+    return rank
+
+
+@pytest.mark.xfail(
+    strict=True, reason="open: the Ray backend takes a server's exit 0 after every worker left as a failure")
+def test_a_worker_that_goes_on_after_shutdown_does_not_fail_the_ray_job(local_ray):
+    """shoal.ray.run returns every worker's result when every worker succeeded. The servers leave
+    once every worker has called ``ps.shutdown()`` (the rendezvous is finished), which can be before
+    the training functions return; ray_backend._collect then sees a server process exited (status 0)
+    while a worker call is still pending and raises ``ClusterError: the server of node 0 exited with
+    status 0 before the workers finished`` for a job in which nothing failed. (Even with no work after
+    shutdown this is a race between Ray returning the result and the 1 s poll.)"""
+    assert shoal.ray.run(shutdown_then_finish, nodes=1, workers_per_node=1, args=(4.0,),
+                         job_timeout_s=120) == [0]
