@@ -171,15 +171,12 @@ def test_an_embeddings_failed_push_is_raised_once_not_into_every_later_forward()
         emb(torch.tensor([1]))  # an unrelated later forward must not raise the same error again
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: DenseSync makes float32 tables (a float64 model's small updates are rounded away)")
 def test_dense_sync_keeps_a_float64_models_updates():
     """DenseSync promises that after ``optimizer.step(); sync.step()`` the model holds its own change
-    (on one worker: exactly what plain torch computed). Shoal has float64 tables, but DenseSync makes
-    every table with the default dtype float32 (dense.py: ``ps.dense(...)`` without ``dtype``), so a
-    float64 model is rounded to float32 at construction and at every step; a change below float32's
-    resolution (1e-9 on a weight of 1.0) is pushed, rounded away and lost: the weight is 1.0 again.
-    (A float64 value such as 0.1 also comes back as 0.10000000149 right after construction.)"""
+    (on one worker: exactly what plain torch computed). Shoal has float64 tables, but DenseSync made
+    every table with the default dtype float32, so a float64 model was rounded to float32 at
+    construction and at every step; a change below float32's resolution (1e-9 on a weight of 1.0)
+    was pushed, rounded away and lost: the weight was 1.0 again."""
     with ThreadCluster(nodes=1) as c:
         w = c.worker(0)
         model = torch.nn.Linear(1, 1, bias=False).double()
@@ -194,33 +191,42 @@ def test_dense_sync_keeps_a_float64_models_updates():
         assert abs(model.weight.item() - (1.0 + 1e-8)) < 1e-12, model.weight.item() - 1.0
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: a bfloat16 model reaches numpy's TypeError in to_numpy")
-def test_dense_sync_of_a_bfloat16_model_fails_with_a_shoal_error():
-    """Bad or unsupported input must fail with a ShoalError (README: every error is a ShoalError
-    subclass). DenseSync of a bfloat16 model (a common training dtype) raises torch's bare
-    ``TypeError: Got unsupported ScalarType BFloat16`` from ``to_numpy`` (embedding.py ``t.numpy()``,
-    called by dense.py's rank-0 push) instead of a DTypeError, or instead of keeping it (as float32)."""
+def test_dense_sync_keeps_a_bfloat16_model_in_float32_tables():
+    """DenseSync of a bfloat16 model (a common training dtype) raised torch's bare ``TypeError: Got
+    unsupported ScalarType BFloat16`` (numpy has no bfloat16). Narrow floats are kept in float32
+    tables now; what a step pushes is the model's own change, not the rounding of loading the
+    table's values into bfloat16."""
     with ThreadCluster(nodes=1) as c:
         w = c.worker(0)
-        model = torch.nn.Linear(3, 2).to(torch.bfloat16)
-        try:
-            DenseSync(w, model, prefix="bf16")
-        except shoal.ShoalError:
-            pass  # a typed refusal would be acceptable
-        except Exception as exc:  # noqa: BLE001
-            pytest.fail(f"untyped {type(exc).__name__}: {exc}")
+        model = torch.nn.Linear(3, 2, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            model.weight.fill_(0.1)
+        sync = DenseSync(w, model, prefix="bf16")
+        start = model.weight.detach().float().numpy().copy()
+        np.testing.assert_array_equal(sync.tables[0].pull(), start)
+        for _ in range(3):
+            sync.step()  # no change of the model's: the table must not move
+        np.testing.assert_array_equal(sync.tables[0].pull(), start)
+        with torch.no_grad():
+            model.weight.add_(0.5)
+        changed = model.weight.detach().float().numpy().copy()
+        sync.step()
+        np.testing.assert_array_equal(sync.tables[0].pull(), changed)
+        assert model.weight.dtype == torch.bfloat16
+        np.testing.assert_array_equal(model.weight.detach().float().numpy(), changed)
+        with pytest.raises(shoal.DTypeError, match="floating-point"):
+            holder = torch.nn.Module()
+            holder.w = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+            DenseSync(w, holder, prefix="complex")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: a second DenseSync adds the model's values to the tables that hold them already")
 def test_a_second_dense_sync_does_not_change_the_model_it_wraps():
-    """DenseSync: 'Rank 0's initial values become everyone's'. Its tables are assumed to start at
-    zero (dense.py: rank 0 *adds* its values), but ``ps.dense`` hands back the existing table when a
-    table of that name and spec exists. So a second DenseSync on the same model (a new training
-    phase, a rebuilt optimiser) doubles its weights, and two models with the default prefix
-    ``"dense"`` and same-shaped parameters silently share (sum) their parameters: neither keeps its
-    own values and no error is raised."""
+    """DenseSync: 'Rank 0's initial values become everyone's'. Its tables were assumed to start at
+    zero (rank 0 *added* its values), but ``ps.dense`` hands back the existing table when a table of
+    that name and spec exists: a second DenseSync on the same model (a new training phase, a rebuilt
+    optimiser) doubled its weights, and two models under the default prefix ``"dense"`` with
+    same-shaped parameters silently shared (summed) their parameters. Rank 0 now sets the tables to
+    its values, and a prefix another live model holds is refused."""
     with ThreadCluster(nodes=1) as c:
         w = c.worker(0)
         model = torch.nn.Linear(2, 2)
@@ -228,25 +234,27 @@ def test_a_second_dense_sync_does_not_change_the_model_it_wraps():
             model.weight.fill_(1.0)
             model.bias.fill_(0.5)
         DenseSync(w, model)
-        DenseSync(w, model)  # again, same model, same (default) prefix
-        assert torch.equal(model.weight, torch.full((2, 2), 1.0)), model.weight  # seen: all 2.0
+        with torch.no_grad():
+            model.weight.fill_(2.0)
+        DenseSync(w, model)  # again, same model, same (default) prefix: from the model's values now
+        assert torch.equal(model.weight, torch.full((2, 2), 2.0)), model.weight  # seen: all 3.0
         other = torch.nn.Linear(2, 2)
         with torch.no_grad():
             other.weight.fill_(3.0)
-        DenseSync(w, other)  # another model, default prefix: must not be mixed with the first one
-        assert torch.equal(other.weight, torch.full((2, 2), 3.0)), other.weight  # seen: all 5.0
+        with pytest.raises(shoal.ConfigError, match="prefix 'dense'"):
+            DenseSync(w, other)  # another model, default prefix: would be mixed with the first one
+        DenseSync(w, other, prefix="other")
+        assert torch.equal(other.weight, torch.full((2, 2), 3.0)), other.weight
+        assert torch.equal(model.weight, torch.full((2, 2), 2.0)), model.weight
 
 
-@pytest.mark.xfail(
-    strict=True, reason='open: each use of an Embedding in one backward pushes alone (two Adagrad steps, torch one)')
 def test_an_embedding_used_twice_in_one_batch_takes_one_adagrad_step_like_torch():
     """Embedding: 'Duplicate keys are summed by the table, whose update rule (SGD, Adagrad, Adam)
     runs where the rows live' — one rule step per batch, as torch's sparse nn.Embedding + Adagrad
     takes. With push='backward', a module called twice in one forward (user and item ids from one
-    table, a shared vocabulary) gets one autograd backward call per use, and each
-    (embedding.py ``_gradient``) pushes on its own: keys in both uses get two Adagrad steps with
-    partial gradients (0.3293 instead of 0.4 below). The same happens with two Embedding modules on
-    one table. push='step' (one concatenated push) matches torch."""
+    table, a shared vocabulary) gets one autograd backward call per use, and each pushed on its own:
+    keys in both uses got two Adagrad steps with partial gradients (0.3293 instead of 0.4 below).
+    The module now pushes once, at the end of the backward pass."""
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     u, i = torch.tensor([0, 1, 2]), torch.tensor([1, 2, 3])
     ref = torch.nn.Embedding(4, 2, sparse=True)
@@ -264,15 +272,13 @@ def test_an_embedding_used_twice_in_one_batch_takes_one_adagrad_step_like_torch(
         np.testing.assert_allclose(table.pull(np.arange(4)), ref.weight.detach().numpy(), atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: zero_grad does not discard an Embedding's kept gradients under push='step'")
 def test_zero_grad_discards_an_embeddings_kept_gradients():
     """With push='step' an Embedding keeps its row gradients until ``step()``, as torch keeps
     ``.grad`` until ``optimizer.step()``. torch's ``model.zero_grad()`` (or the optimiser's) discards
     gradients of a batch the loop decided not to apply (a skipped step: NaN loss, AMP overflow, a
-    gradient-accumulation restart); the Embedding ignores it (no ``zero_grad`` handling; ``_pending``
-    is cleared only by ``step()``), so the discarded batch is applied at the next step: with plain
-    torch the rows do not move, here they do."""
+    gradient-accumulation restart); the Embedding ignored it (its kept batches were cleared only by
+    ``step()``), so the discarded batch was applied at the next step: with plain torch the rows do
+    not move, here they did. A batch kept after the ``zero_grad`` is applied."""
     with ThreadCluster(nodes=1) as c:
         table = c.worker(0).table("e", 4, 2, init=shoal.Constant(1.0), optimizer=shoal.optim.SGD(lr=0.5))
         model = torch.nn.Sequential(Embedding(table, push="step"))
@@ -280,3 +286,8 @@ def test_zero_grad_discards_an_embeddings_kept_gradients():
         model.zero_grad()  # discard this batch
         model[0].step()  # nothing left to apply
         np.testing.assert_array_equal(table.pull(np.arange(4)), np.ones((4, 2), np.float32))
+        model(torch.tensor([0])).sum().backward()
+        model.zero_grad()
+        model(torch.tensor([3])).sum().backward()  # only this batch is applied
+        model[0].step()
+        np.testing.assert_array_equal(table.pull(np.arange(4)), [[1, 1], [1, 1], [1, 1], [0.5, 0.5]])

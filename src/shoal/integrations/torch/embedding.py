@@ -44,11 +44,15 @@ class _Rows(torch.autograd.Function):
 class Embedding(nn.Module):
     """Rows of ``table`` as an embedding layer.
 
-    ``push="backward"`` pushes each batch's row gradients during ``backward()``
+    ``push="backward"`` pushes each backward pass's row gradients at its end
     (asynchronously; they are waited for at the next ``forward`` or ``step``);
-    ``push="step"`` keeps them until ``step()``. Duplicate keys are summed by the
-    table, whose update rule (``SGD``, ``Adagrad``, ``Adam``) runs where the rows
-    live, so no torch optimiser is needed for these rows.
+    ``push="step"`` keeps them until ``step()``, and ``zero_grad()`` (setting
+    gradients to None, torch's default) discards them. Duplicate keys, within a
+    batch and across the module's uses in one backward pass, are summed by the
+    table, whose update rule (``SGD``, ``Adagrad``, ``Adam``) runs once per push
+    where the rows live, so no torch optimiser is needed for these rows. Two
+    modules on one table push apart: use one module where torch would share one
+    weight.
     """
 
     def __init__(self, table: Table, push: str = "backward") -> None:
@@ -57,8 +61,14 @@ class Embedding(nn.Module):
             raise ValueError(f"push must be 'backward' or 'step', got {push!r}")
         self.table = table
         self.push = push
-        # Autograd calls backward only for outputs that depend on a parameter: this one does.
+        # Autograd calls backward only for outputs that depend on a parameter: this one does. Its
+        # gradient is accumulated once per backward pass, after every use of the module in it: the
+        # hooks on that accumulation mark the pass's end, and a gradient of None (zero_grad) tells
+        # that the kept batches were discarded.
         self._anchor = nn.Parameter(torch.zeros(()), requires_grad=True)
+        self._anchor.register_hook(self._before_accumulation)
+        self._anchor.register_post_accumulate_grad_hook(self._after_backward)
+        self._this_pass: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._in_flight: list[Any] = []
 
@@ -73,6 +83,7 @@ class Embedding(nn.Module):
     def forward(self, keys: torch.Tensor) -> torch.Tensor:
         if keys.is_floating_point() or keys.is_complex() or keys.dtype == torch.bool:
             raise DTypeError(f"keys of table {self.table.name!r} must be integers, got dtype {keys.dtype}")
+        self._end_pass()  # a pass that did not reach the anchor (torch.autograd.grad of other inputs)
         self._wait()
         flat = keys.reshape(-1)
         rows = _Rows.apply(self._anchor, flat, self)
@@ -80,19 +91,30 @@ class Embedding(nn.Module):
 
     def _gradient(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
         k = to_numpy(keys).astype(np.int64, copy=False)
-        g = np.ascontiguousarray(to_numpy(grad), dtype=self.table.dtype)
+        self._this_pass.append((k, np.ascontiguousarray(to_numpy(grad), dtype=self.table.dtype)))
+
+    def _before_accumulation(self, grad: torch.Tensor) -> None:
+        if self._anchor.grad is None:  # zero_grad since the kept batches' backward: they are dropped
+            self._pending.clear()
+
+    def _after_backward(self, anchor: torch.Tensor) -> None:
+        self._end_pass()
+
+    def _end_pass(self) -> None:
+        if not self._this_pass:
+            return
+        this_pass, self._this_pass = self._this_pass, []
         if self.push == "backward":
-            self._in_flight.append(self.table.push_async(k, g))
+            self._in_flight.append(self.table.push_async(*_joined(this_pass)))
         else:
-            self._pending.append((k, g))
+            self._pending.extend(this_pass)
 
     def step(self) -> None:
         """Push gradients kept since the last step (``push="step"``) and wait for every push."""
-        if self._pending:
-            keys = np.concatenate([k for k, _ in self._pending])
-            grads = np.concatenate([g for _, g in self._pending])
-            self._pending.clear()
-            self._in_flight.append(self.table.push_async(keys, grads))
+        self._end_pass()
+        if self._pending and self._anchor.grad is not None:
+            self._in_flight.append(self.table.push_async(*_joined(self._pending)))
+        self._pending.clear()
         self._wait()
 
     def _wait(self) -> None:
@@ -106,3 +128,10 @@ class Embedding(nn.Module):
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+def _joined(batches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Several batches' keys and row gradients as one push."""
+    if len(batches) == 1:
+        return batches[0]
+    return np.concatenate([k for k, _ in batches]), np.concatenate([g for _, g in batches])
