@@ -110,14 +110,25 @@ def shutdown_then_finish(seconds: float) -> int:
     return rank
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: the Ray backend takes a server's exit 0 after every worker left as a failure")
 def test_a_worker_that_goes_on_after_shutdown_does_not_fail_the_ray_job(local_ray):
     """shoal.ray.run returns every worker's result when every worker succeeded. The servers leave
     once every worker has called ``ps.shutdown()`` (the rendezvous is finished), which can be before
-    the training functions return; ray_backend._collect then sees a server process exited (status 0)
-    while a worker call is still pending and raises ``ClusterError: the server of node 0 exited with
-    status 0 before the workers finished`` for a job in which nothing failed. (Even with no work after
-    shutdown this is a race between Ray returning the result and the 1 s poll.)"""
+    the training functions return; the backend saw a server process exited (status 0) while a
+    worker call was still pending and raised ``ClusterError: the server of node 0 exited with
+    status 0 before the workers finished`` for a job in which nothing failed."""
     assert shoal.ray.run(shutdown_then_finish, nodes=1, workers_per_node=1, args=(4.0,),
                          job_timeout_s=120) == [0]
+
+
+def kill_the_server_then_wait(seconds: float) -> None:
+    ps = shoal.init()
+    os.kill(ps.server_stats()[0]["pid"], 9)
+    time.sleep(seconds)  # the job must end on the server's death, not on this worker
+
+
+def test_a_server_that_dies_while_the_workers_run_fails_the_ray_job(local_ray):
+    """A server's clean exit (0, after every worker's goodbye) is no failure; its death is, at once."""
+    started = time.monotonic()
+    with pytest.raises(shoal.ClusterError, match="server of node 0 exited with status -9"):
+        shoal.ray.run(kill_the_server_then_wait, nodes=1, workers_per_node=1, args=(60.0,), job_timeout_s=90)
+    assert time.monotonic() - started < 45

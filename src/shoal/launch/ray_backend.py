@@ -227,7 +227,9 @@ def _collect(calls: list[Any], servers: list[Any], timeout_s: float | None) -> l
                 raise ClusterError(f"worker {calls.index(ref)} failed: {exc}") from exc
         codes = ray.get([s.poll.remote() for s in servers], timeout=30)
         for node, code in enumerate(codes):
-            if code is not None and pending:
+            # A server leaves with 0 once every worker has said goodbye, which can come before the
+            # workers' functions return (they may go on after ps.shutdown()): only other codes fail.
+            if code not in (None, 0) and pending:
                 raise ClusterError(f"the server of node {node} exited with status {code} before the workers finished")
         if deadline is not None and time.monotonic() > deadline:
             raise ClusterError(f"the job did not finish within {timeout_s}s ({len(pending)} worker(s) still running)")
