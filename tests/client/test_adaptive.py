@@ -558,23 +558,23 @@ def test_preloc_samples_are_here_by_the_clock_they_were_prepared_for():
 def test_local_sampling_draws_only_keys_still_here_after_some_moved_away():
     with ThreadCluster(nodes=2) as c:
         w0, w1 = c.worker(0), c.worker(1)
-        t0 = w0.table("neg", 40, 2, techniques="relocation")
-        t1 = w1.table("neg", 40, 2, techniques="relocation")
+        t0 = w0.table("neg", 4000, 2, techniques="relocation")
+        t1 = w1.table("neg", 4000, 2, techniques="relocation")
         t0.register_sampling(scheme="local")
         keys, _ = t0.pull_sample(t0.prepare_sample(50))  # lists node 0's keys: the even ones
         assert (keys % 2 == 0).all()
-        leaving = np.arange(0, 20, 2)
+        leaving = np.arange(0, 2000, 2)
         t1.localize(leaving)
-        wait_until(lambda: c.servers[0].adaptive.describe()["neg"]["owned"] == 10)
+        wait_until(lambda: c.servers[0].adaptive.describe()["neg"]["owned"] == 1000)
         requests = t0.counters["requests"]
-        for _ in range(5):  # the list of local keys is older than the move
-            keys, rows = t0.pull_sample(t0.prepare_sample(200))
-            assert ((keys % 2 == 0) & (keys >= 20)).all(), "drew a key that left this node"
-            assert rows.shape == (200, 2)
+        for _ in range(4):  # the list is made again after 250 keys drawn: it is older than the move
+            keys, rows = t0.pull_sample(t0.prepare_sample(50))
+            assert ((keys % 2 == 0) & (keys >= 2000)).all(), "drew a key that left this node"
+            assert rows.shape == (50, 2)
         assert t0.counters["requests"] == requests  # nothing asked of a server
         assert t0.counters["samples_redrawn"] > 0
         keys = t0.sample_keys(100)  # keys only, for the caller's own pull
-        assert ((keys % 2 == 0) & (keys >= 20)).all()
+        assert ((keys % 2 == 0) & (keys >= 2000)).all()
         t0.pull(keys)
         assert t0.counters["requests"] == requests
 
@@ -595,16 +595,16 @@ def test_weighted_samples_follow_the_weights_renormalised_to_the_keys_drawn_from
         assert (np.abs(counts / counts.sum() - want) <= 5 * np.sqrt(want * (1 - want) / counts.sum())).all()
 
 
-def test_sample_keys_follows_the_scheme_and_refuses_pools():
+def test_sample_keys_follows_the_scheme():
     with ThreadCluster(nodes=2) as c:
         t = c.worker(0).table("neg", 100, 1, techniques="auto")
         weights = np.zeros(100)
         weights[[3, 7]] = 1.0
         t.register_sampling(weights, scheme="naive")
         assert set(t.sample_keys(50).tolist()) <= {3, 7}
-        t.register_sampling(scheme="pool")
-        with pytest.raises(shoal.TableError, match="pool"):
-            t.sample_keys(5)
+        t.register_sampling(scheme="pool", pool_size=4, reuse=3, seed=5)
+        keys = np.concatenate([t.sample_keys(1) for _ in range(12)])
+        assert len(set(keys.tolist())) <= 4  # one pool of 4 draws, each handed out 3 times
 
 
 def test_relocation_under_concurrent_pushes_from_four_processes_loses_nothing(tmp_path):

@@ -78,14 +78,12 @@ def test_weights_accepted_as_valid_are_drawn_by_their_weights_even_when_their_su
         assert others == 0, f"{others} of {keys.size} draws were keys of weight 1 beside two of weight 1e308"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: 'local' sampling of a static table keeps the key list of its first layout")
 def test_local_sampling_of_a_static_table_follows_its_slices_when_they_move() -> None:
     """Promised (sampling.py docstring, README): ``local`` draws among keys present on this node
     ("drawn among the rows present on this node when the sample is drawn ... so the sample costs no
     message"), falling back to the true distribution when none is here. For a static table the list
     of local keys is made once (``Sampler._static_local_keys``, client/sampling.py:179-184) and never
-    again: after this node's slice moves away the sampler still draws only that slice's keys, now
+    again: after this node's slice moved away the sampler still drew only that slice's keys, now
     all remote, and never the other half of the table (here 10,000 draws: none of keys 50..99)."""
     with ThreadCluster(nodes=2) as c:
         w0, w1 = c.worker(0), c.worker(1)
@@ -102,15 +100,13 @@ def test_local_sampling_of_a_static_table_follows_its_slices_when_they_move() ->
         assert (keys >= 50).sum() > 3000, f"{(keys >= 50).sum()} of {keys.size} draws among keys 50..99"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: a pool's rows are pulled once and handed out without the worker's later pushes")
 def test_pool_samples_hold_the_workers_own_earlier_pushes() -> None:
     """Promised (DESIGN §10, "whatever table kind, placement or fault": a read by worker w returns
     every update w itself pushed before the read; NuPS's pool scheme reuses sampled *keys*): a row
-    handed out by ``pull_sample`` includes the worker's own acknowledged pushes. The pool scheme pulls
-    the pool's rows once (``Sampler._from_pool``, client/sampling.py:120-121) and hands the same
-    copies out ``reuse`` times: after pushing 1.0 to every key of a first sample, the next samples
-    from the same pool return those keys with their rows as they were before the push."""
+    handed out by ``pull_sample`` includes the worker's own acknowledged pushes. The pool scheme
+    pulled the pool's rows once and handed the same copies out ``reuse`` times: after pushing 1.0
+    to every key of a first sample, the next samples from the same pool returned those keys with
+    their rows as they were before the push. Rows are pulled per sample now."""
     with ThreadCluster(nodes=1) as c:
         t = c.worker(0).table("neg", 8, 1, techniques="auto", init=shoal.Constant(0.0))
         t.register_sampling(scheme="pool", pool_size=8, reuse=4, seed=3)
@@ -125,15 +121,13 @@ def test_pool_samples_hold_the_workers_own_earlier_pushes() -> None:
         assert stale == 0, f"{stale} of 32 sampled rows lacked this worker's own earlier pushes"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: 'local' sampling of an adaptive table refreshes its key list every 64 draws only")
 def test_local_sampling_draws_keys_that_came_to_this_node_since_its_list_was_made() -> None:
     """Promised (README, Sampling schemes): ``local`` draws "among the rows present on this node when
-    the sample is drawn", weights renormalised over them. The list of local keys is refreshed only
-    every 64 draws (``_LOCAL_REFRESH``, client/sampling.py:32 and 132-137); keys that left are caught
-    (``gone``), keys that arrived are not: after node 1's keys all move here, the next 20 samples of
-    500 (all within the list's 64 draws) never draw one of them, though they are half the rows
-    present here."""
+    the sample is drawn", weights renormalised over them. The list of local keys was refreshed only
+    every 64 draws; keys that left were caught, keys that arrived were not: after node 1's keys all
+    moved here, the next 20 samples of 500 never drew one of them, though they were half the rows
+    present here. The list is made again once the keys drawn since number a sixteenth of the
+    table's."""
     from shoal.storage.kernels import ABSENT
     from tests.support.waiting import wait_until
     with ThreadCluster(nodes=2) as c:

@@ -8,10 +8,15 @@ sends a message for almost every sample. Schemes trade exactness for locality:
 * ``preloc``: draw when the sample is prepared for a later clock and declare
   intent for its keys at that clock, so the table's technique brings them here
   in time; pull when it is used (exact, and local if prepared early enough);
-* ``pool``: draw a pool once, pull it, and hand each pooled key out ``reuse``
-  times before drawing a new pool;
+* ``pool``: draw a pool of keys once and hand each out ``reuse`` times before
+  drawing a new pool; rows are pulled per sample (reused keys of a relocating
+  table stay here), so they hold the worker's own pushes;
 * ``local``: draw only among keys present on this node (owned or replicated),
-  with their weights renormalised: no message at all, slightly biased.
+  with their weights renormalised: no message at all, slightly biased. The
+  list of present keys is made again once the keys drawn since it was made
+  number a sixteenth of the table's (so making it costs less than the draws),
+  and a drawn key that has left is drawn again; a static table's list follows
+  its layout.
 """
 
 from __future__ import annotations
@@ -28,14 +33,14 @@ from shoal.cluster.requests import Future
 from shoal.storage.kernels import ABSENT, alias_draw, alias_table
 
 SCHEMES = ("naive", "preloc", "pool", "local")
-_LOCAL_REFRESH = 64  # draws between refreshes of the list of local keys
+_LOCAL_REFRESH = 16  # the list of local keys is made again after num_keys / this keys were drawn
 
 
 @dataclass
 class SampleHandle:
     id: int
     keys: np.ndarray
-    rows: Future[np.ndarray] | _Later | np.ndarray
+    rows: Future[np.ndarray] | _Later
 
 
 _MOST = 1 << 40  # reuse counts and pool sizes past this are mistakes (and overflow the counters)
@@ -81,11 +86,11 @@ class Sampler:
         self._ids = itertools.count()
         self._handles: dict[int, SampleHandle] = {}
         self._pool = np.empty(0, dtype=np.int64)
-        self._pool_rows = np.empty((0, table.dim), dtype=table.dtype)
         self._pool_left = np.empty(0, dtype=np.int64)
         self._local: np.ndarray | None = None
         self._local_alias: tuple[np.ndarray, np.ndarray] | None = None
-        self._local_age = 0
+        self._local_drawn = 0  # keys drawn from the list since it was made
+        self._local_made_for: tuple[object, tuple[int, ...]] | None = None  # a static table's layout and slices
 
     def _draw(self, n: int) -> np.ndarray:
         if self._alias is None:
@@ -103,8 +108,8 @@ class Sampler:
             self.table.intent(keys, at, at + 1)
             handle = SampleHandle(next(self._ids), keys, _Later(self.table, keys))
         elif self.scheme == "pool":
-            keys, rows = self._from_pool(n)
-            handle = SampleHandle(next(self._ids), keys, rows)
+            keys = self._from_pool(n)
+            handle = SampleHandle(next(self._ids), keys, self.table.pull_async(keys))
         else:
             keys = self._draw_local(n)
             handle = SampleHandle(next(self._ids), keys, self.table.pull_async(keys))
@@ -113,11 +118,14 @@ class Sampler:
         return handle.id
 
     def draw(self, n: int) -> np.ndarray:
-        """Keys only; the caller pulls them (a pool hands out rows with its keys, so it has no part here;
-        ``preloc`` draws as ``naive``: without a clock there is nothing to bring here ahead)."""
-        if self.scheme == "pool":
-            raise TableError("the pool scheme hands out pooled rows: use prepare_sample and pull_sample")
-        keys = self._draw_local(n) if self.scheme == "local" else self._draw(n)
+        """Keys only; the caller pulls them (``preloc`` draws as ``naive``: without a clock there is
+        nothing to bring here ahead)."""
+        if self.scheme == "local":
+            keys = self._draw_local(n)
+        elif self.scheme == "pool":
+            keys = self._from_pool(n)
+        else:
+            keys = self._draw(n)
         self.table.counters[f"samples_{self.scheme}"] += n
         return keys
 
@@ -125,31 +133,29 @@ class Sampler:
         handle = self._handles.pop(handle_id, None)
         if handle is None:
             raise TableError(f"no prepared sample {handle_id} (each handle is pulled once)")
-        rows = handle.rows.wait() if isinstance(handle.rows, (Future, _Later)) else handle.rows
-        return handle.keys, rows
+        return handle.keys, handle.rows.wait()
 
-    def _from_pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys (and their rows) from the pool, each used at most ``reuse`` times."""
+    def _from_pool(self, n: int) -> np.ndarray:
+        """Keys from the pool, each used at most ``reuse`` times."""
         if np.count_nonzero(self._pool_left) < n:  # a sample's keys are distinct: as many left as asked for
             size = max(self.pool_size, n)
             self._pool = self._draw(size)
-            self._pool_rows = self.table.pull(self._pool)
             self._pool_left = np.full(size, self.reuse, dtype=np.int64)
             self.table.counters["sample_pools"] += 1
         available = np.flatnonzero(self._pool_left > 0)
         chosen = self.rng.choice(available, size=n, replace=False) if available.size >= n else available[:n]
         self._pool_left[chosen] -= 1
-        return self._pool[chosen], self._pool_rows[chosen]
+        return self._pool[chosen]
 
     def _draw_local(self, n: int) -> np.ndarray:
         presence = self.table.access.presence
         if presence is None:
             local = self._static_local_keys()
-        elif self._local is None or self._local_age >= _LOCAL_REFRESH:
+        elif self._local is None or self._local_drawn * _LOCAL_REFRESH >= self.table.num_keys:
             local = self._refresh_local(presence)
         else:
             local = self._local
-        self._local_age += 1
+        self._local_drawn += n
         if not self._drawable(local):
             return self._draw(n)  # nothing here yet (or nothing of weight): fall back to the true distribution
         keys = self._draw_among(local, n)
@@ -166,9 +172,10 @@ class Sampler:
         return keys
 
     def _refresh_local(self, presence: np.ndarray) -> np.ndarray:
-        self._local = np.flatnonzero(presence != ABSENT)
-        self._local_alias = None
-        self._local_age = 0
+        local = np.flatnonzero(presence != ABSENT)
+        if self._local is None or not np.array_equal(local, self._local):
+            self._local, self._local_alias = local, None  # the alias table is remade only for a changed list
+        self._local_drawn = 0
         return self._local
 
     def _drawable(self, local: np.ndarray) -> bool:
@@ -184,10 +191,13 @@ class Sampler:
         return local[alias_draw(*self._local_alias, self.rng.random(n))]
 
     def _static_local_keys(self) -> np.ndarray:
-        if self._local is None:
-            mapping = self.table.layout.mapping
-            parts = [mapping.keys_of(s) for s in self.table.local]
+        layout, slices = self.table.layout, tuple(self.table.local)
+        made_for = self._local_made_for
+        if self._local is None or made_for is None or made_for[0] is not layout or made_for[1] != slices:
+            parts = [layout.mapping.keys_of(s) for s in slices]
             self._local = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            self._local_alias = None
+            self._local_made_for = (layout, slices)
         return self._local
 
 

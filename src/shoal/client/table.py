@@ -228,9 +228,8 @@ class Table:
         return self._sampler.prepare(_count(n), None if clock is None else _clock(clock, "clock"))
 
     def sample_keys(self, n: int) -> np.ndarray:
-        """Draw ``n`` keys under the ``naive``, ``preloc`` (drawn as ``naive``) or ``local`` scheme
-        without their rows, for a caller that pulls them together with other keys (one gather, one
-        request per server)."""
+        """Draw ``n`` keys under the table's scheme (``preloc`` draws as ``naive``) without their rows,
+        for a caller that pulls them together with other keys (one gather, one request per server)."""
         if self._sampler is None:
             raise TableError(f"register_sampling() on table {self.name!r} first")
         return self._sampler.draw(_count(n))
