@@ -105,6 +105,12 @@ def create_frames(**changes: Any) -> list[bytes]:
     return frames_of(Message(Op.CREATE_TABLE, table="t", body={"spec": spec}))
 
 
+def create_new_frames(layout: Any) -> list[bytes]:
+    """A new table ("w", laid out by the rendezvous) whose layout is ``layout``."""
+    spec = {**SPEC.to_dict(), "name": "w"}
+    return frames_of(Message(Op.CREATE_TABLE, table="w", body={"spec": spec, "layout": layout}))
+
+
 # --------------------------------------------------------------- bad input
 
 
@@ -138,6 +144,11 @@ BAD_REQUESTS = [
     pytest.param(create_frames(dim=SPEC.dim + 1), TableError, REQ, id="create existing table with another spec"),
     pytest.param(create_frames(name="u"), ProtocolError, REQ, id="create with a spec of another name"),
     pytest.param(create_frames(dim=0), ConfigError, REQ, id="create with an invalid spec"),
+    pytest.param(create_new_frames({"owners": [0, 0], "epoch": 0}), ProtocolError, REQ,
+                 id="create with a layout of too many slices"),
+    pytest.param(create_new_frames({"owners": [2**40], "epoch": 0}), ProtocolError, REQ,
+                 id="create with a layout naming a server past any job"),
+    pytest.param(create_new_frames({"owners": [0]}), ProtocolError, REQ, id="create with a layout without an epoch"),
 ]
 
 

@@ -194,15 +194,17 @@ class Worker:
         # on a busy machine can outlast a request timeout chosen to notice a stalled peer.
         timeout = max(self.cluster.timeouts.request_s, self.cluster.timeouts.connect_s)
         warming = kernels.warm_up_meanwhile(spec.dtype)  # while the servers build it; not on the first batches
-        create = bodies.CreateTable(spec.to_dict())
+        # The rendezvous first: it keeps every table's spec, so that a restarted server can recreate
+        # it, and lays a new static table out over the servers live now; it answers with the current
+        # layout (slices may have moved since the table was made), which the servers build.
+        current = membership.call(self.tracker, RENDEZVOUS, bodies.CreateTable(spec.to_dict()).to_message(
+            table=spec.name), timeout, f"CREATE_TABLE {spec.name!r} at the rendezvous").body
+        self.follow_servers(current.get("servers") or [])
+        layout = {"owners": current["owners"], "epoch": current["epoch"]} if "owners" in current else None
+        create = bodies.CreateTable(spec.to_dict(), layout)
         self.tracker.gather(self.live_servers(),
                             lambda n: create.to_message(table=spec.name),
                             f"CREATE_TABLE {spec.name!r}", timeout)
-        # The rendezvous keeps every table's spec, so that a restarted server can recreate it; it
-        # answers with the current layout (slices may have moved since the table was made).
-        current = membership.call(self.tracker, RENDEZVOUS, create.to_message(table=spec.name), timeout,
-                                  f"CREATE_TABLE {spec.name!r} at the rendezvous").body
-        self.follow_servers(current.get("servers") or [])
         table = Table(self, spec, current)
         self.tables[spec.name] = table
         if spec.consistency.bound is not None and self._tick_due:

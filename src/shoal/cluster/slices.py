@@ -18,7 +18,7 @@ from typing import Any
 
 from shoal.api.config import RebalancePolicy, TableSpec
 from shoal.api.errors import ClusterError, ProtocolError
-from shoal.placement.layout import TableLayout
+from shoal.placement.layout import TableLayout, initial_owners
 from shoal.placement.rebalance import Move, SliceInfo, imbalance, plan_drain, plan_moves
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,11 @@ class SliceAuthority:
     # ------------------------------------------------------------ tables
 
     def add_table(self, spec: TableSpec) -> None:
+        """Lay a new static table out over the servers live now (every node cuts it into as many
+        slices as the job started with servers, so the mapping is the same everywhere)."""
         if spec.name not in self.layouts and not spec.replicated and not spec.adaptive:
-            self.layouts[spec.name] = TableLayout.initial(spec, self.initial_nodes)
+            layout = TableLayout.initial(spec, self.initial_nodes)
+            self.layouts[spec.name] = layout.at(initial_owners(spec, layout.num_shards, self.live_servers()), 0)
 
     def describe(self, name: str) -> dict[str, Any]:
         layout = self.layouts.get(name)

@@ -529,7 +529,8 @@ class ParameterServer:
 
     def _create_table(self, peer: bytes, msg: Message) -> Message | None:
         """Answered at once for a table held here; else once it is built, off the request loop."""
-        spec = TableSpec.from_dict(bodies.CreateTable.of(msg).spec)
+        create = bodies.CreateTable.of(msg)
+        spec = TableSpec.from_dict(create.spec)
         if spec.name != msg.table:
             raise ProtocolError(f"CREATE_TABLE for {msg.table!r} carries a spec named {spec.name!r}")
         existing = self.services.get(spec.name)
@@ -543,7 +544,7 @@ class ParameterServer:
                 return None
         else:
             self._check_fits(spec)
-            self.builds.start(spec, self._service_for(spec), peer, msg)
+            self.builds.start(spec, self._service_for(spec), peer, msg, create.layout)
             return None
         return msg.reply(Op.OK, {"shards": self.services[spec.name].shards(spec.name)})
 

@@ -27,6 +27,8 @@ from shoal.wire.message import Message
 from shoal.wire.ops import Op
 from shoal.wire.schema import is_int64
 
+_MOST_SERVERS = 1 << 16  # a layout naming a server beyond would size every routing count by it
+
 
 class StaticService:
     """The static tables of one server (the same dict the synchroniser and the slice mover use)."""
@@ -46,7 +48,12 @@ class StaticService:
     def build(self, spec: TableSpec, current: dict[str, Any] | None = None) -> ServedTable:
         layout = TableLayout.initial(spec, self.num_nodes)
         if current is not None:  # slices may have moved since the table was created
-            layout = layout.at(current["owners"], int(current["epoch"]))
+            owners, epoch = current.get("owners"), current.get("epoch")
+            if (not isinstance(owners, list) or len(owners) != layout.num_shards or not isinstance(epoch, int)
+                    or epoch < 0 or not all(type(o) is int and 0 <= o < _MOST_SERVERS for o in owners)):
+                raise ProtocolError(f"the layout of table {spec.name!r} must name a server for each of its "
+                                    f"{layout.num_shards} slices and an epoch, got {current!r:.200}")
+            layout = layout.at(owners, epoch)
         return ServedTable(spec, layout, self.node, self.cluster_id, self.clocks, now=self.sync.now)
 
     def install(self, spec: TableSpec, built: ServedTable) -> None:

@@ -151,8 +151,12 @@ class Leave(Body):
 
 @dataclass(frozen=True)
 class CreateTable(Body):
+    """A table's spec, and (a static table, to servers) its layout as the rendezvous made it: over
+    the servers live then, which need not be those the job started with."""
+
     op = Op.CREATE_TABLE
     spec: dict[str, Any]  # ``TableSpec.to_dict``
+    layout: dict[str, Any] | None = None  # ``{"owners": [...], "epoch": e}``
 
 
 # ------------------------------------------------------ rows and clocks
