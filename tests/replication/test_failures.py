@@ -7,13 +7,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+import shoal
+from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire.ops import Op
+from tests.support.cluster import ThreadCluster
 from tests.support.load import BusyCPUs
+from tests.support.losing import LosingTransport
 from tests.support.waiting import wait_for_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,3 +249,54 @@ def test_restart_brings_the_server_back_its_plain_rows_refused_as_lost_and_repli
             assert "lost with" in worker[call]["message"] or "died" in worker[call]["message"], worker[call]
         assert worker["push_node0"]["ok"] and worker["rep_push"]["ok"] and worker["rep_pull"]["ok"], worker
     assert far["node1_replicated_pushes"] > 0
+
+
+def _losing_push(seq: int) -> tuple[threading.Event, Any]:
+    """An event, and a loss rule: every copy of a worker's push ``seq`` (each shard's) is lost while
+    the event is set (a link down for longer than the request timeout)."""
+    blocked = threading.Event()
+
+    def lose(header: dict[str, Any]) -> bool:
+        body = header.get("body") or {}
+        return blocked.is_set() and Op(header["op"]) == Op.PUSH and body.get("seq") == seq
+
+    return blocked, lose
+
+
+@pytest.mark.parametrize("form", ["sync", "async"])
+def test_a_push_that_failed_its_quorum_is_applied_once_and_does_not_hold_the_workers_later_pushes(form):
+    """A push that failed its write quorum (every copy lost) and was not sent again left a hole in its
+    worker's numbering: the worker gave it up, so its floor moved past it, but replicas apply a
+    worker's pushes in order and held every later one for it while no replica had died. Every later
+    push of the worker to the shard failed with WriteQuorumError, for good. A failed push is now
+    kept and sent again ahead of the worker's next push to the shard: applied once, the next one
+    too, and a retry() after that applies nothing more."""
+    blocked, lose = _losing_push(2)
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=2.0, barrier_s=10.0, replica_s=0.5)
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose), timeouts=timeouts) as c:
+        w = c.worker(0, local_access=False)
+        t = w.table("c", 4, 1, replicas=2, write_quorum=2, read_quorum=2, gossip_ms=20)
+        keys, ones = np.arange(4), np.ones((4, 1), np.float32)
+        t.push(keys, ones)
+        blocked.set()
+        failed = []
+        if form == "sync":
+            with pytest.raises(shoal.WriteQuorumError) as caught:
+                t.push(keys, ones)  # every copy lost, also those its failover sends
+            failed.append(caught.value)
+        else:  # the lost one, and two after it that replicas hold for it
+            futures = [t.push_async(keys, ones) for _ in range(3)]
+            for f in futures:
+                with pytest.raises(shoal.WriteQuorumError) as caught:
+                    f.wait()
+                failed.append(caught.value)
+        blocked.clear()
+        t.push(keys, ones)  # the link is back: sent with the failed ones ahead of it
+        pushed = 2 + len(failed)
+        np.testing.assert_array_equal(t.pull(keys)[:, 0], pushed)
+        for error in failed:
+            error.retry()  # taken already: nothing is applied again
+        np.testing.assert_array_equal(t.pull(keys)[:, 0], pushed)
+        for server in c.servers:  # each replica counted each push once
+            replicas = server.replication.tables["c"].replicas
+            assert [float(r.lattice.value().sum()) for r in replicas.values()] == [2 * pushed] * 2

@@ -77,8 +77,11 @@ class _Shard:
 
     nodes: list[int]
     next_seq: int = 1  # numbering of this worker's pushes to the shard
-    #: our pushes not yet acknowledged by a write quorum (nor failed): seq -> replicas that took it
+    #: our pushes not yet acknowledged by a write quorum: seq -> replicas that took it
     open: dict[int, set[int]] = field(default_factory=dict)
+    #: those of them that failed their quorum: sent again ahead of the next push (replicas hold every
+    #: later push of ours until they have these), until a quorum took them
+    failed: dict[int, tuple[np.ndarray, np.ndarray, Push]] = field(default_factory=dict)
     own: dict[int, int] = field(default_factory=dict)  # origin -> seq of our last acknowledged push
     holders: set[int] = field(default_factory=set)  # replicas that acknowledged our last push
     read_quorum: int = 1
@@ -129,21 +132,40 @@ class ReplicatedAccess(TableAccess):
                 seq = numbered[shard_id].seq
                 assert seq is not None
                 self.cache.own_push(shard_id, self._rows(k, shard_id), v, seq)
-        batch = []
+        batch, again = [], []
         for shard_id, k, v in parts:
-            for node in self._write_targets(self.shards[shard_id], set()):
+            shard = self.shards[shard_id]
+            targets = self._write_targets(shard, set())
+            again += self._failed_before(shard_id, numbered[shard_id], targets)
+            for node in targets:
                 batch.append(((shard_id, node), node, self._message(numbered[shard_id], [k, v])))
         # Each acknowledgement is noted as it arrives, not when the push is waited for: a read after an
         # acknowledged push_async, before its wait, must find a replica that holds it.
-        sent = self._send_all(batch, lambda key, reply: self._note_ack(key[0], reply, key[1]))
-        return Future.running(lambda: self._finish_push(parts, numbered, self._gather(sent)), self._answered(sent))
+        noted = lambda key, reply: self._note_ack(key[0], reply, key[1])  # noqa: E731
+        resent = self._send_all(again, noted)
+        sent = self._send_all(batch, noted)
+
+        def finish() -> None:
+            self._gather(resent)  # acknowledged or not, noted: a push short of its quorum stays failed
+            self._finish_push(parts, numbered, self._gather(sent))
+
+        return Future.running(finish, lambda: self._answered(resent)() and self._answered(sent)())
 
     def _finish_push(self, parts: list[tuple[int, np.ndarray, np.ndarray]], numbered: dict[int, Push],
                      replies: dict[Any, Message]) -> None:
-        for shard_id, k, v in parts:
+        failures: list[WriteQuorumError] = []
+        for shard_id, k, v in parts:  # every shard, also after one failed: each failure is kept
             acked = {node for (s, node) in replies if s == shard_id}
             if len(acked) < self.spec.write_quorum:
-                self._complete_push(shard_id, k, v, numbered[shard_id], acked)
+                try:
+                    self._complete_push(shard_id, k, v, numbered[shard_id], acked)
+                except WriteQuorumError as exc:
+                    failures.append(exc)
+        if len(failures) == 1:
+            raise failures[0]
+        if failures:
+            raise WriteQuorumError(f"{failures[0]} (and {len(failures) - 1} other shard(s) of this push)",
+                                   failures[0].applied_at, lambda: _retry_each(failures))
 
     def _numbered_push(self, shard_id: int) -> Push:
         """The push's number: the same on every replica it goes to, and when it is sent again."""
@@ -175,6 +197,7 @@ class ReplicatedAccess(TableAccess):
             taken.add(node)
             if len(taken) >= self.spec.write_quorum:
                 del shard.open[seq]
+                shard.failed.pop(seq, None)
         newest = shard.own.get(origin, 0)
         if seq > newest:
             shard.holders = {node}
@@ -188,8 +211,10 @@ class ReplicatedAccess(TableAccess):
                        acked: set[int]) -> None:
         """Keep sending to other live replicas until ``write_quorum`` of them acknowledged."""
         shard = self.shards[shard_id]
-        if body.seq is not None:
-            shard.open.setdefault(body.seq, set(acked))  # open again when sent again by retry()
+        assert body.seq is not None
+        if body.seq not in shard.open:
+            return  # a quorum took it meanwhile (sent again ahead of a later push)
+        acked = acked | shard.open[body.seq]
         tried = set(acked)
         deadline = time.monotonic() + self.worker.cluster.timeouts.request_s
         while len(acked) < self.spec.write_quorum:
@@ -201,22 +226,35 @@ class ReplicatedAccess(TableAccess):
                 alive = [n for n in shard.nodes if self.view.alive[n]]
                 # Fewer replicas alive (by the rendezvous' heartbeats) than the quorum: nothing to wait for.
                 if time.monotonic() > deadline or len(alive) < self.spec.write_quorum:
-                    shard.open.pop(body.seq or 0, None)  # failed: replicas may give it up (retry() reopens)
+                    # Kept, not given up: replicas hold this worker's later pushes until they have it.
+                    shard.failed[body.seq] = (keys, values, body)
                     raise WriteQuorumError(
                         f"push to shard {shard_id} of {self.spec.name!r} needs {self.spec.write_quorum} replica(s); "
                         f"acknowledged by {sorted(acked)}, no other live replica among {shard.nodes} (alive: "
-                        f"{alive}). Replicas "
-                        "apply it once, whatever they get; send it again with this error's retry(), not by "
-                        "pushing the same values again", sorted(acked),
+                        f"{alive}). It is sent again ahead of this worker's next push to the shard, or by this "
+                        "error's retry(); replicas apply it once, whatever they get (do not push the same values "
+                        "again)", sorted(acked),
                         functools.partial(self._complete_push, shard_id, keys, values, body, set(acked)))
                 time.sleep(0.05)
                 tried = set(acked)
                 continue
             tried.update(targets)
+            resent = self._send_all(self._failed_before(shard_id, body, targets),
+                                    lambda key, reply: self._note_ack(key[0], reply, key[1]))
             batch = [(node, node, self._message(body, [keys, values])) for node in targets]
             for node, reply in self._ask_all(batch).items():
                 acked.add(node)
                 self._note_ack(shard_id, reply, node)
+            self._gather(resent)
+
+    def _failed_before(self, shard_id: int, body: Push, targets: list[int]) -> list[tuple[Any, int, Message]]:
+        """The worker's pushes to the shard before ``body`` that failed their quorum, to each target
+        that has not taken them: a replica holds ``body`` until it has them."""
+        shard = self.shards[shard_id]
+        assert body.seq is not None
+        return [((shard_id, node), node, self._message(earlier, [keys, values]))
+                for seq, (keys, values, earlier) in sorted(shard.failed.items()) if seq < body.seq
+                for node in targets if node not in shard.open.get(seq, ())]
 
     # ----------------------------------------------------------------- pulls
 
@@ -618,6 +656,18 @@ class ReplicatedAccess(TableAccess):
         self.view.refresh(force=True)
         silent = {node for key, node in reqs.values() if key not in replies}
         return all(self.view.alive[n] and n not in self.view.exited for n in silent)
+
+
+def _retry_each(failures: list[WriteQuorumError]) -> None:
+    """Send every shard's failed part again; raise the first that fails again, after trying all."""
+    again = []
+    for failure in failures:
+        try:
+            failure.retry()
+        except WriteQuorumError as exc:
+            again.append(exc)
+    if again:
+        raise again[0]
 
 
 def _required(replies: dict[int, Message]) -> dict[int, int]:
