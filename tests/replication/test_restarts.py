@@ -199,8 +199,6 @@ main()
 
 
 @pytest.mark.heavy  # 20 s
-@pytest.mark.xfail(
-    strict=True, reason="open: a replica that gave up a dead peer's pushes diverges from it revived")
 def test_a_replica_paused_past_its_heartbeats_converges_with_the_others_when_it_resumes(tmp_path):
     """README (Replication): replicas converge by gossip; the SumLattice merge means "replicas holding
     the same updates hold bit-identical values"; "a stalled replica's pushes reach the others when it
@@ -212,11 +210,11 @@ def test_a_replica_paused_past_its_heartbeats_converges_with_the_others_when_it_
     pushes 1-10, and once server 1 is dead by the heartbeats gives them up and applies push 11 alone
     (``skip_gaps``). Server 1 then resumes (alive again) and gossip runs at 20 ms for many seconds.
 
-    Expected: both live replicas end with the same value (whichever it is). Instead they never
-    converge: server 0 reads 1.0, server 1 reads 11.0, both at version {worker: 11}: gossip compares
-    sequence numbers only, and the two replicas hold different sums under the same number, forever.
-    A read at R=1 returns 1 or 11 depending on the replica it picks; a checkpoint (which checks only
-    that version vectors agree) writes both."""
+    Expected: both live replicas end with the same value. They never converged: server 0 read 1.0,
+    server 1 11.0, both at version {worker: 11}: gossip compared sequence numbers only, and the two
+    replicas held different sums under the same number, forever (a read at R=1 returned 1 or 11 by
+    the replica it picked). A state now counts the updates it gave up, and of two states at one
+    version the one with fewer gaps wins."""
     proc = _launch(tmp_path, PAUSE_WORKER, [], nodes=2)
     try:
         pids = wait_for_json(tmp_path / "servers.json")["pids"]
@@ -241,3 +239,4 @@ def test_a_replica_paused_past_its_heartbeats_converges_with_the_others_when_it_
     assert reads["0"]["vv"] == reads["1"]["vv"], result
     assert reads["0"]["values"] == reads["1"]["values"], (
         f"live replicas at the same version vector hold different values after 15 s of gossip: {result}")
+    assert set(reads["0"]["values"]) == {11.0}, result  # the ten pushes server 0 gave up came back with server 1

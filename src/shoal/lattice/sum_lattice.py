@@ -11,6 +11,11 @@ replicas holding the same entries hold bit-identical values.
 Deltas carry the accepted updates themselves (``from_seq -> to_seq``), and a
 receiver replays them in order: replaying the same float64 additions in the
 same order yields the same bits as the origin's own total.
+
+An origin's state may lack updates it counts (``gaps``): a replica that gave up
+updates only a dead peer had accepts the next one as number ``seq`` all the
+same. Of two states at one ``seq`` the one with fewer gaps wins a merge, so a
+peer that comes back with the updates given up brings them to every replica.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ class Delta:
 class OriginState:
     seq: int
     total: np.ndarray
+    gaps: int = 0  # updates up to ``seq`` given up, not in ``total``
+
+    def behind(self, seq: int, gaps: int) -> bool:
+        """Whether a state at ``seq`` with ``gaps`` holds more than this one (it wins a merge)."""
+        return seq > self.seq or (seq == self.seq and gaps < self.gaps)
 
 
 @dataclass
@@ -76,6 +86,10 @@ class SumLattice:
         state = self.origins.get(origin)
         return state.seq if state else 0
 
+    def gaps(self) -> dict[int, int]:
+        """Per origin whose state lacks updates it counts, how many."""
+        return {o: s.gaps for o, s in self.origins.items() if s.gaps}
+
     def origin_state(self, origin: int) -> OriginState:
         """``origin``'s running sum (made, at seq 0, if it has none yet)."""
         state = self.origins.get(origin)
@@ -101,10 +115,12 @@ class SumLattice:
         if gap and not skip:
             raise ValueError(f"origin {origin}: update {seq} arrived before {state.seq + 1}")
         rows, values = _canonical(rows, values)
+        prior = state.seq
         update = Update(state.seq + 1 if seq is None else seq, rows, values, accepted_at, accepted_by)
         self._replay(origin, state, update)
         if gap:
-            self.log[origin] = []  # the log no longer leads up to this state
+            state.gaps += update.seq - 1 - prior
+            self.log[origin] = [update]  # the log no longer leads up to this state
         return update
 
     def apply(self, delta: Delta) -> int:
@@ -126,12 +142,13 @@ class SumLattice:
         state.seq = update.seq
         self.log.setdefault(origin, []).append(update)
 
-    def merge_state(self, origin: int, seq: int, total: np.ndarray) -> bool:
-        """State-based merge of one origin: keep the larger ``seq``. True if it changed."""
+    def merge_state(self, origin: int, seq: int, total: np.ndarray, gaps: int = 0) -> bool:
+        """State-based merge of one origin: keep the larger ``seq``, at one ``seq`` the fewer gaps.
+        True if it changed."""
         state = self.origin_state(origin)
-        if seq <= state.seq:
+        if not state.behind(seq, gaps):
             return False
-        state.seq = seq
+        state.seq, state.gaps = seq, gaps
         state.total = np.array(total, dtype=np.float64, copy=True)
         self.log[origin] = []  # the log no longer leads up to this state
         return True
@@ -139,7 +156,7 @@ class SumLattice:
     def merge(self, other: SumLattice) -> None:
         """Join with another replica's whole state."""
         for origin, state in other.origins.items():
-            self.merge_state(origin, state.seq, state.total)
+            self.merge_state(origin, state.seq, state.total, state.gaps)
 
     # ---------------------------------------------------------------- deltas
 

@@ -38,7 +38,9 @@ class GossipPayload:
     version: dict[int, int]
     stage: int
     deltas: list[Delta] = field(default_factory=list)
-    states: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (origin, seq, total)
+    states: list[tuple[int, int, np.ndarray, int]] = field(default_factory=list)  # (origin, seq, total, gaps)
+    #: per origin whose state lacks updates it counts (``SumLattice`` gaps), how many
+    gaps: dict[int, int] = field(default_factory=dict)
 
     def to_wire(self, dim: int) -> tuple[dict[str, Any], list[np.ndarray]]:
         rows: list[np.ndarray] = []
@@ -49,11 +51,13 @@ class GossipPayload:
                            "times": [u.accepted_at for u in d.updates], "nodes": [u.accepted_by for u in d.updates]})
             rows += [u.rows for u in d.updates]
             values += [u.values for u in d.updates]
-        body = {"shard": self.shard, "vv": [[o, s] for o, s in sorted(self.version.items())], "stage": self.stage,
-                "deltas": deltas, "states": [[o, s] for o, s, _ in self.states]}
+        # An origin's entry carries its gaps third where it has any.
+        body = {"shard": self.shard, "stage": self.stage, "deltas": deltas,
+                "vv": [[o, s, *([self.gaps[o]] if self.gaps.get(o) else [])] for o, s in sorted(self.version.items())],
+                "states": [[o, s, *([g] if g else [])] for o, s, _, g in self.states]}
         arrays = [np.concatenate(rows) if rows else np.empty(0, np.int64),
                   np.concatenate(values) if values else np.empty((0, dim), np.float64)]
-        arrays += [np.ascontiguousarray(t, dtype=np.float64) for _, _, t in self.states]
+        arrays += [np.ascontiguousarray(t, dtype=np.float64) for _, _, t, _ in self.states]
         return body, arrays
 
     @classmethod
@@ -61,11 +65,13 @@ class GossipPayload:
         """Parse and check; raises ``ValueError`` on anything inconsistent."""
         try:
             shard = _int(body["shard"])
-            version = {_int(o): _int(s) for o, s in body["vv"]}
+            entries = [_entry(e) for e in body["vv"]]
+            version = {o: s for o, s, _ in entries}
+            gaps = {o: g for o, _, g in entries if g}
             stage = _int(body["stage"])
             if stage not in (DIGEST, ANSWER, FINAL):
                 raise ValueError(f"unknown gossip stage {stage}")
-            states_meta = [(_int(o), _int(s)) for o, s in body["states"]]
+            states_meta = [_entry(e) for e in body["states"]]
             deltas_meta = body["deltas"]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed gossip header: {exc!r}") from None
@@ -99,13 +105,23 @@ class GossipPayload:
         if at != all_rows.shape[0]:
             raise ValueError("gossip carries rows no delta accounts for")
         states = []
-        for (origin, seq), total in zip(states_meta, arrays[2:], strict=True):
+        for (origin, seq, gaps_of), total in zip(states_meta, arrays[2:], strict=True):
             if total.shape != (num_rows, dim):
                 raise ValueError(f"gossip state of shape {total.shape}, expected {(num_rows, dim)}")
             if any_nonfinite(total):
                 raise ValueError("gossip state carries NaN/Inf values")
-            states.append((origin, seq, total.astype(np.float64, copy=False)))
-        return cls(shard, version, stage, deltas, states)
+            states.append((origin, seq, total.astype(np.float64, copy=False), gaps_of))
+        return cls(shard, version, stage, deltas, states, gaps)
+
+
+def _entry(entry: Any) -> tuple[int, int, int]:
+    """``[origin, seq]`` or ``[origin, seq, gaps]``, checked: gaps are fewer than seq."""
+    if not isinstance(entry, list) or len(entry) not in (2, 3):
+        raise ValueError(f"expected [origin, seq(, gaps)], got {entry!r}")
+    origin, seq, gaps = _int(entry[0]), _int(entry[1]), _int(entry[2]) if len(entry) == 3 else 0
+    if not 0 <= gaps < max(seq, 1):
+        raise ValueError(f"{gaps} gaps at seq {seq}")
+    return origin, seq, gaps
 
 
 def _int(value: Any) -> int:

@@ -230,14 +230,16 @@ class ShardReplica:
     # ----------------------------------------------------------------- gossip
 
     def digest(self) -> GossipPayload:
-        return GossipPayload(self.shard, self.version(), DIGEST)
+        return GossipPayload(self.shard, self.version(), DIGEST, gaps=self.lattice.gaps())
 
-    def answer(self, peer: int, peer_version: dict[int, int], stage: int, budget: int = 1 << 62) -> GossipPayload:
+    def answer(self, peer: int, peer_version: dict[int, int], stage: int, budget: int = 1 << 62,
+               peer_gaps: dict[int, int] | None = None) -> GossipPayload:
         """What ``peer`` lacks, as deltas where the log reaches back, else whole states, up to
         ``budget`` bytes of rows (the rest goes in later rounds); one state or update larger than
-        the budget goes alone."""
+        the budget goes alone. A state the peer holds at the same seq with more gaps goes whole."""
         self.peer_versions[peer] = peer_version
-        payload = GossipPayload(self.shard, self.version(), stage)
+        peer_gaps = peer_gaps or {}
+        payload = GossipPayload(self.shard, self.version(), stage, gaps=self.lattice.gaps())
         used = 0
         now = self.now()
         sent = self._sent[peer]
@@ -251,6 +253,10 @@ class ShardReplica:
                 theirs = upto  # on their way to the peer
             else:
                 since = now  # what goes now starts a window of its own
+            if state.seq == held and state.gaps < peer_gaps.get(origin, 0) and used < budget:
+                payload.states.append((origin, state.seq, state.total, state.gaps))  # it gave up what we hold
+                used += state.total.nbytes
+                continue
             if state.seq <= theirs or used >= budget:
                 if upto > held:
                     sent[origin] = (upto, since, held)
@@ -259,7 +265,7 @@ class ShardReplica:
             if delta is None:
                 if used and used + state.total.nbytes > budget:
                     continue  # the next round's (checked against the budget alone, it went over the limit)
-                payload.states.append((origin, state.seq, state.total))
+                payload.states.append((origin, state.seq, state.total, state.gaps))
                 used += state.total.nbytes
                 sent[origin] = (state.seq, since, held)
                 continue
@@ -292,11 +298,11 @@ class ShardReplica:
                     if 0 <= update.accepted_by != self.node:
                         self.delays[update.accepted_by].add(now - update.accepted_at)
                 new += applied
-        for origin, seq, total in payload.states:
+        for origin, seq, total, gaps in payload.states:
             before = self.lattice.seq(origin)
-            if self.lattice.merge_state(origin, seq, total):
+            if self.lattice.merge_state(origin, seq, total, gaps):
                 self._changed(None)
-                new += seq - before
+                new += max(1, seq - before)
         return new
 
     def trim_log(self, live_peers: set[int]) -> None:

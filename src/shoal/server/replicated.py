@@ -442,9 +442,9 @@ class ReplicationService:
         self._answer_held(replica)
         budget = self.cluster.limits.max_message_bytes // 2
         if payload.stage == DIGEST:
-            self._send_gossip(table, sender, replica.answer(sender, payload.version, ANSWER, budget))
+            self._send_gossip(table, sender, replica.answer(sender, payload.version, ANSWER, budget, payload.gaps))
         elif payload.stage == ANSWER:
-            final = replica.answer(sender, payload.version, FINAL, budget)
+            final = replica.answer(sender, payload.version, FINAL, budget, payload.gaps)
             if final.deltas or final.states:
                 self._send_gossip(table, sender, final)
 
