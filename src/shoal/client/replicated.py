@@ -141,9 +141,8 @@ class ReplicatedAccess(TableAccess):
                 batch.append(((shard_id, node), node, self._message(numbered[shard_id], [k, v])))
         # Each acknowledgement is noted as it arrives, not when the push is waited for: a read after an
         # acknowledged push_async, before its wait, must find a replica that holds it.
-        noted = lambda key, reply: self._note_ack(key[0], reply, key[1])  # noqa: E731
-        resent = self._send_all(again, noted)
-        sent = self._send_all(batch, noted)
+        resent = self._send_all(again, self._noted)
+        sent = self._send_all(batch, self._noted)
 
         def finish() -> None:
             self._gather(resent)  # acknowledged or not, noted: a push short of its quorum stays failed
@@ -186,6 +185,10 @@ class ReplicatedAccess(TableAccess):
             order.insert(0, self.worker.node)
         live = self.view.reachable(nodes)
         return [n for n in order if n in live and n not in exclude][: self.spec.write_quorum]
+
+    def _noted(self, key: tuple[int, int], reply: Message) -> None:
+        """``_note_ack`` for a reply to a push sent under ``(shard, node)``."""
+        self._note_ack(key[0], reply, key[1])
 
     def _note_ack(self, shard_id: int, reply: Message, node: int) -> None:
         """Replica ``node`` acknowledged a push to ``shard_id``: the worker's own writes there reach at
@@ -239,8 +242,7 @@ class ReplicatedAccess(TableAccess):
                 tried = set(acked)
                 continue
             tried.update(targets)
-            resent = self._send_all(self._failed_before(shard_id, body, targets),
-                                    lambda key, reply: self._note_ack(key[0], reply, key[1]))
+            resent = self._send_all(self._failed_before(shard_id, body, targets), self._noted)
             batch = [(node, node, self._message(body, [keys, values])) for node in targets]
             for node, reply in self._ask_all(batch).items():
                 acked.add(node)
