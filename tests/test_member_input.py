@@ -195,3 +195,18 @@ def test_rendezvous_answers_a_malformed_server_heartbeat_with_a_typed_error(load
             assert_typed_error(server_member.send(cluster.rendezvous.address, heartbeat), "ProtocolError")
     finally:
         server_member.close()
+
+
+@pytest.mark.parametrize("layout", [{"owners": [7], "epoch": 0}, {"owners": [0, 0], "epoch": 0}, {"owners": "0"}],
+                         ids=["a server of no job", "too many slices", "no list"])
+def test_a_table_laid_out_where_no_server_is_is_refused_by_the_rendezvous(member: Member, layout: dict) -> None:
+    """A CREATE_TABLE names the layout its servers built, which the rendezvous keeps for every status
+    and move: one naming servers the job does not have, or another number of slices, is refused and
+    the table left unknown."""
+    spec = TableSpec("laid_out", num_keys=64, dim=1)
+    with ThreadCluster(nodes=1, transport=ZmqTransport(), secret=SECRET) as cluster:
+        message = Message(Op.CREATE_TABLE, table=spec.name, body={"spec": spec.to_dict(), "layout": layout})
+        assert_typed_error(member.send(cluster.rendezvous.address, message), "ProtocolError")
+        assert spec.name not in cluster.rendezvous.tables
+        status = member.send(cluster.rendezvous.address, Message(Op.CLUSTER_STATUS))
+        assert status is not None and status.op == Op.OK

@@ -143,6 +143,10 @@ def test_a_table_over_the_servers_memory_budget_is_refused_before_anything_is_al
             worker.table("huge", 1_000_000, 8)  # 32 MB: 16 MB a server
         assert set(os.listdir("/dev/shm")) <= before | {n for n in os.listdir("/dev/shm") if "fits" in n}
         assert all("huge" not in s.services for s in cluster.servers)
+        assert "huge" not in cluster.rendezvous.tables  # a refused table is no table: the name stays free
+        smaller = worker.table("huge", 1000, 8)
+        smaller.push(np.arange(1000), np.ones((1000, 8), np.float32))
+        assert smaller.pull(np.arange(1000)).sum() == 8000
         worker.shutdown()
 
 

@@ -194,17 +194,22 @@ class Worker:
         # on a busy machine can outlast a request timeout chosen to notice a stalled peer.
         timeout = max(self.cluster.timeouts.request_s, self.cluster.timeouts.connect_s)
         warming = kernels.warm_up_meanwhile(spec.dtype)  # while the servers build it; not on the first batches
-        # The rendezvous first: it keeps every table's spec, so that a restarted server can recreate
-        # it, and lays a new static table out over the servers live now; it answers with the current
-        # layout (slices may have moved since the table was made), which the servers build.
-        current = membership.call(self.tracker, RENDEZVOUS, bodies.CreateTable(spec.to_dict()).to_message(
-            table=spec.name), timeout, f"CREATE_TABLE {spec.name!r} at the rendezvous").body
-        self.follow_servers(current.get("servers") or [])
-        layout = {"owners": current["owners"], "epoch": current["epoch"]} if "owners" in current else None
+        # The rendezvous lays a new static table out over the servers live now (the plan, or the
+        # layout of a table it knows); the servers build that; then the rendezvous keeps the spec, so
+        # that a restarted server can recreate it (not before: a table the servers refused, over
+        # their memory budget, say, is no table), and answers with the current layout (slices may
+        # have moved since the table was made).
+        plan = bodies.CreateTable(spec.to_dict(), plan=True).to_message(table=spec.name)
+        planned = membership.call(self.tracker, RENDEZVOUS, plan, timeout,
+                                  f"CREATE_TABLE {spec.name!r} at the rendezvous").body
+        self.follow_servers(planned.get("servers") or [])
+        layout = {"owners": planned["owners"], "epoch": planned["epoch"]} if "owners" in planned else None
         create = bodies.CreateTable(spec.to_dict(), layout)
         self.tracker.gather(self.live_servers(),
                             lambda n: create.to_message(table=spec.name),
                             f"CREATE_TABLE {spec.name!r}", timeout)
+        current = membership.call(self.tracker, RENDEZVOUS, create.to_message(table=spec.name), timeout,
+                                  f"CREATE_TABLE {spec.name!r} at the rendezvous").body
         table = Table(self, spec, current)
         self.tables[spec.name] = table
         if spec.consistency.bound is not None and self._tick_due:

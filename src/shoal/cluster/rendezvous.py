@@ -289,14 +289,20 @@ class Rendezvous:
                 return
             self._reply(peer, msg.reply(Op.OK, self.status()))
         elif msg.op == Op.CREATE_TABLE:
-            spec = bodies.CreateTable.of(msg).spec
+            create = bodies.CreateTable.of(msg)
+            spec = create.spec
             if msg.table not in self.tables:
                 parsed = TableSpec.from_dict(spec)
                 if parsed.name != msg.table:
                     raise ProtocolError(f"CREATE_TABLE for {msg.table!r} carries a spec named {parsed.name!r}")
                 # As a server does: every status carries the table's layout, and servers build it.
                 check_limits(parsed, self.codec.limits, self.num_nodes)
-                self.slices.add_table(parsed)
+                if create.plan:  # where its slices would go; registered once the servers built it
+                    body = self.slices.plan(parsed) or {}
+                    body["servers"] = self.status()["servers"]
+                    self._reply(peer, msg.reply(Op.OK, body))
+                    return
+                self.slices.add_table(parsed, create.layout)
             self.tables.setdefault(msg.table, spec)
             self._creators.setdefault(msg.table, set()).add(msg.sender)  # a worker (roles.py)
             if not msg.flags & Flag.NO_REPLY:  # the reply carries where the slices are now

@@ -61,12 +61,25 @@ class SliceAuthority:
 
     # ------------------------------------------------------------ tables
 
-    def add_table(self, spec: TableSpec) -> None:
-        """Lay a new static table out over the servers live now (every node cuts it into as many
-        slices as the job started with servers, so the mapping is the same everywhere)."""
-        if spec.name not in self.layouts and not spec.replicated and not spec.adaptive:
-            layout = TableLayout.initial(spec, self.initial_nodes)
-            self.layouts[spec.name] = layout.at(initial_owners(spec, layout.num_shards, self.live_servers()), 0)
+    def plan(self, spec: TableSpec) -> dict[str, Any] | None:
+        """Where a new static table's slices go: over the servers live now (every node cuts it into
+        as many slices as the job started with servers, so the mapping is the same everywhere)."""
+        if spec.replicated or spec.adaptive:
+            return None
+        num_slices = TableLayout.initial(spec, self.initial_nodes).num_shards
+        return {"owners": [int(o) for o in initial_owners(spec, num_slices, self.live_servers())], "epoch": 0}
+
+    def add_table(self, spec: TableSpec, planned: dict[str, Any] | None = None) -> None:
+        """Register a table at the layout its servers built (``planned``), else as ``plan`` lays it out."""
+        if spec.name in self.layouts or spec.replicated or spec.adaptive:
+            return
+        layout = TableLayout.initial(spec, self.initial_nodes)
+        owners = (planned or self.plan(spec) or {}).get("owners")
+        if not isinstance(owners, list) or len(owners) != layout.num_shards or not all(
+                type(o) is int and o in self.servers for o in owners):
+            raise ProtocolError(f"a layout of table {spec.name!r} names a server for each of its "
+                                f"{layout.num_shards} slices among {sorted(self.servers)}, got {owners!r:.200}")
+        self.layouts[spec.name] = layout.at(owners, 0)
 
     def describe(self, name: str) -> dict[str, Any]:
         layout = self.layouts.get(name)

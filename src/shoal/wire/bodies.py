@@ -151,12 +151,14 @@ class Leave(Body):
 
 @dataclass(frozen=True)
 class CreateTable(Body):
-    """A table's spec, and (a static table, to servers) its layout as the rendezvous made it: over
-    the servers live then, which need not be those the job started with."""
+    """A table's spec, and (a static table) its layout as the rendezvous planned it: over the
+    servers live then, which need not be those the job started with. To the rendezvous, ``plan``
+    asks for that layout without registering the table (the servers build it first)."""
 
     op = Op.CREATE_TABLE
     spec: dict[str, Any]  # ``TableSpec.to_dict``
     layout: dict[str, Any] | None = None  # ``{"owners": [...], "epoch": e}``
+    plan: bool | None = None
 
 
 # ------------------------------------------------------ rows and clocks
