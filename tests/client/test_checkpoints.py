@@ -446,6 +446,7 @@ def test_a_restored_replicated_table_read_by_merging_replicas_keeps_its_restored
         w.restore(tmp_path)
         w.barrier()
         merged = t.pull(keys)
+        w.barrier()  # every worker has read before any pushes (a read after the other's push saw 4.5)
         t.push(keys, np.ones((20, 1), np.float32))
         w.barrier()
         wait_until(lambda: (t.pull(keys) == 5.5).all(), what="both pushes, over the restored rows")
