@@ -70,9 +70,10 @@ def test_a_reply_read_before_a_lost_eager_message_is_not_vouched_for_after_the_c
         assert state["replies_lost"] >= 1, "the pull's answer was never lost"
         np.testing.assert_array_equal(first[:, 0], [0.0])  # fine for a read at clock 3 under ESSP(3)
 
+        # Counted before the clocks move: advance_clock takes in what has arrived, eager message 4 too.
+        eager = t0.counters["eager_messages"]
         w1.advance_clock()
         w0.advance_clock()  # slowest 4 at server 1: eager message 4 bumps slice 1 to clock 4
-        eager = t0.counters["eager_messages"]
         wait_until(lambda: _pumped(w0) and t0.counters["eager_messages"] > eager, what="eager message 4")
         np.testing.assert_array_equal(server1.tables["t"].pull(j)[:, 0], [1.0])
         read = t0.pull(j)  # clock 4, ESSP(3): must hold worker 1's clock-0 push
