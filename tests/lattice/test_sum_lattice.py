@@ -125,3 +125,32 @@ def test_readers_merge_per_origin_totals_from_several_replicas():
     value, version = merged_value(np.zeros((3, 1)), [stale.totals(rows), other.totals(rows)])
     assert version == {0: 3, 1: 3}
     np.testing.assert_array_equal(value[:, 0], [6, 0, 6])
+
+
+def test_a_reader_merging_two_replicas_at_one_version_takes_the_one_that_gave_up_nothing():
+    """One replica gave up update 2 (only a peer taken for dead had it) and took 3; the other holds all
+    three. Both stand at seq 3: the reader took whichever replied first, and read 4 for 7."""
+    fuller, gapped = SumLattice.zeros(1, 1), SumLattice.zeros(1, 1)
+    for seq, value in ((1, 1.0), (2, 2.0), (3, 4.0)):
+        fuller.accept(0, np.array([0]), np.full((1, 1), value), seq=seq)
+    gapped.accept(0, np.array([0]), np.ones((1, 1)), seq=1)
+    gapped.accept(0, np.array([0]), np.full((1, 1), 4.0), seq=3, skip=True)
+    rows = np.array([0])
+    for replies in ([gapped.totals(rows), fuller.totals(rows)], [fuller.totals(rows), gapped.totals(rows)]):
+        value, version = merged_value(np.zeros((1, 1)), replies)
+        assert version == {0: 3} and value[0, 0] == 7.0
+
+
+def test_a_state_lacking_an_update_is_filled_from_the_log_and_then_covers_the_other():
+    a, b = SumLattice.zeros(2, 1), SumLattice.zeros(2, 1)
+    a.accept(0, np.array([0]), np.ones((1, 1)), seq=1)
+    a.accept(0, np.array([1]), np.full((1, 1), 3.0), seq=3, skip=True)  # a gave up 2
+    b.accept(0, np.array([0]), np.ones((1, 1)), seq=1)
+    b.accept(0, np.array([1]), np.full((1, 1), 2.0), seq=2)  # b lacks 3: neither covers the other
+    assert a.gaps() == {0: (2,)} and not a.merge_state(0, 2, b.origins[0].total)
+    (two,) = b.logged(0, (2,))
+    assert a.fill(0, two) and not a.fill(0, two)  # once
+    assert a.gaps() == {} and b.merge_state(0, 3, a.origins[0].total, ())
+    np.testing.assert_array_equal(a.value(), b.value())
+    np.testing.assert_array_equal(a.value()[:, 0], [1.0, 5.0])
+    assert a.delta_since(0, 0) is not None  # the filled log leads up to the state again

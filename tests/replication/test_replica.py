@@ -179,7 +179,7 @@ def test_a_replica_that_gave_up_a_peers_push_takes_it_when_the_peer_comes_back()
     assert worker.push(b, [0], np.ones((1, 1)), token="six") is None  # 6 at b waits for 5
     b.note_floor(worker.origin, 6)
     assert [t for t, *_ in b.skip_gaps()] == ["six"]  # a taken for dead: 5 given up
-    assert b.read(np.array([0]))[0, 0] == 5.0 and b.lattice.gaps() == {worker.origin: 1}
+    assert b.read(np.array([0]))[0, 0] == 5.0 and b.lattice.gaps() == {worker.origin: (5,)}
     for first, second in ((a, b), (b, a), (a, b)):  # a resumes: rounds either way
         round_between(first, second, 1)
     assert a.version() == b.version() == {worker.origin: 6}
@@ -203,6 +203,10 @@ def test_a_restarted_worker_is_a_new_origin_its_pushes_are_not_taken_for_retries
     lambda body, arrays: arrays.__setitem__(0, np.array([1000], dtype=np.int64)),
     lambda body, arrays: body.update(vv=[["x", 1]]),
     lambda body, arrays: arrays.__setitem__(1, np.full_like(arrays[1], np.nan)),
+    lambda body, arrays: body["vv"][0].append([1, 1]),  # gaps that do not ascend
+    lambda body, arrays: body["vv"][0].append([1]),  # a gap at the state's own seq
+    lambda body, arrays: body.update(fills=[[body["vv"][0][0], 1, 5, 0.0, 0]]),  # a fill past the rows
+    lambda body, arrays: body.update(fills=[[body["vv"][0][0], 0, 0, 0.0, 0]]),  # update number 0
 ])
 def test_malformed_gossip_is_refused(mutate):
     spec = TableSpec("t", 20, 2, replicas=2)
@@ -308,3 +312,90 @@ def test_an_answer_of_deltas_and_a_whole_state_keeps_within_its_budget():
     assert used <= budget and first.deltas and not first.states
     second = a.answer(1, {wa: 15}, ANSWER, budget)  # the state alone, the next round
     assert [origin for origin, _, _, _ in second.states] == [wb]
+
+
+def _settle(reps: list[ShardReplica], dim: int, passes: int = 100) -> list[tuple]:
+    """Full rounds between every pair, either way, until the replicas stand at one version and no push
+    waits, or ``passes`` ran (what was sent and lost goes again only after ``_IN_FLIGHT_S`` of the
+    replicas' clock); returns the held pushes answered."""
+    answered: list[tuple] = []
+    for _ in range(passes):
+        for first, second in itertools.permutations(reps, 2):
+            round_between(first, second, dim)
+            for rep in reps:
+                answered += rep.release_held()
+        states = {repr((r.version(), r.lattice.gaps())) for r in reps}
+        if len(states) == 1 and not any(r.waiting() for r in reps):
+            break
+    return answered
+
+
+def test_two_replicas_that_each_gave_up_the_others_push_both_end_with_every_push():
+    """A partition between two replicas (W=1, each takes the other for dead): b gave up push 5, which
+    only a had, and a gave up push 6, which only b had. Both then stood at version 8 with one gap each,
+    a without 6 and b without 5: gossip compared how many updates each state lacked, not which, so
+    the two never converged, and each lost an acknowledged push for good."""
+    spec = TableSpec("t", 20, 1, replicas=2)
+    a, b = replicas(spec, 2)
+    worker = Pusher()
+    for _ in range(4):
+        worker.push(a, [0], [[float(worker.seq + 1)]])  # push k adds k
+    round_between(a, b, 1)
+    worker.push(a, [0], [[5.0]])  # 5 at a only
+    assert worker.push(b, [0], [[6.0]], token="six") is None  # 6 at b waits for 5
+    b.note_floor(worker.origin, 6)
+    assert [t for t, *_ in b.skip_gaps()] == ["six"]  # a taken for dead: 5 given up at b
+    assert worker.push(a, [0], [[7.0]], token="seven") is None  # 7 at a waits for 6
+    a.note_floor(worker.origin, 7)
+    assert [t for t, *_ in a.skip_gaps()] == ["seven"]  # b taken for dead: 6 given up at a
+    worker.push(a, [0], [[8.0]])
+    _settle([a, b], 1)  # the partition heals
+    assert a.version() == b.version() == {worker.origin: 8}
+    assert a.read(np.array([0]))[0, 0] == b.read(np.array([0]))[0, 0] == sum(range(1, 9))  # every push once
+    assert a.lattice.gaps() == b.lattice.gaps() == {}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_replicas_that_give_up_pushes_at_random_end_with_every_acknowledged_push_once(seed):
+    """Three replicas, two workers pushing with W=1 to replicas at random, gossip between random pairs
+    (some answers lost), and replicas giving up the pushes they wait for at random (a peer taken for
+    dead that was not). Once gossip runs between every pair, every replica holds every acknowledged
+    push exactly once: counted by giving each push its own power of two."""
+    rng = random.Random(seed)
+    spec = TableSpec("t", 20, 1, replicas=3)
+    reps = replicas(spec, 3)
+    workers = [Pusher(rank) for rank in range(2)]
+    acknowledged = {w.origin: 0.0 for w in workers}
+    values: dict[tuple[int, int], float] = {}  # pushes not answered yet
+
+    def note(answers):
+        for _, origin, seq, _ in answers:
+            acknowledged[origin] += values.pop((origin, seq), 0.0)
+
+    def floor(origin: int) -> int:  # the worker's lowest push still open, as it tells the replicas
+        return min(seq for o, seq in values if o == origin)
+
+    for step in range(60):
+        event = rng.random()
+        if event < 0.5:
+            worker, rep = rng.choice(workers), rng.choice(reps)
+            value = float(2 ** (step % 40))
+            values[(worker.origin, worker.seq + 1)] = value
+            rep.note_floor(worker.origin, floor(worker.origin))
+            if worker.push(rep, [rng.randrange(20)], [[value]]) is not None:
+                note([(None, worker.origin, worker.seq, 0.0)])
+        elif event < 0.8:
+            first, second = rng.sample(reps, 2)
+            digest = wire(first.digest(), 1)
+            answer = wire(second.answer(first.node, digest.version, ANSWER, peer_gaps=digest.gaps), 1)
+            if rng.random() < 0.8:  # else the answer is lost
+                first.absorb(answer)
+                note(first.release_held())
+        else:
+            note(rng.choice(reps).skip_gaps())
+    note(_settle(reps, 1))
+    expected = sum(acknowledged.values())
+    for rep in reps:
+        assert not rep.waiting()
+        assert sum(state.total.sum() for state in rep.lattice.origins.values()) == expected, rep.node
+        assert np.array_equal(rep.lattice.value(), reps[0].lattice.value())  # the same bits

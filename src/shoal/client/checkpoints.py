@@ -136,8 +136,9 @@ def _settle(worker: WorkerContext, names: list[str], servers: list[int]) -> None
         time.sleep(0.02)
 
 
-def _frozen(version: list[list[int]]) -> tuple[tuple[int, int], ...]:
-    return tuple((int(origin), int(seq)) for origin, seq in version)
+def _frozen(version: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    """A replica's ``[origin, seq, gaps...]`` entries, hashable."""
+    return tuple(tuple(int(n) for n in entry) for entry in version)
 
 
 def _write(worker: WorkerContext, root: Path, names: list[str], keep: int) -> Path:

@@ -478,9 +478,9 @@ class ReplicatedAccess(TableAccess):
         fill_initial(self.spec, keys, base)
         per_replica = []
         for reply in replies.values():
-            origins, seqs, totals = reply.arrays
-            pairs = zip(origins, seqs, strict=True)
-            per_replica.append({int(o): (int(s), totals[i]) for i, (o, s) in enumerate(pairs)})
+            origins, seqs, gaps, totals = reply.arrays
+            per_replica.append({int(o): (int(s), int(g), totals[i])
+                                for i, (o, s, g) in enumerate(zip(origins, seqs, gaps, strict=True))})
         return merged_value(base, per_replica)
 
     def _forget_writes_of_dead(self, shard: _Shard) -> None:
@@ -533,9 +533,9 @@ class ReplicatedAccess(TableAccess):
 
     def check_checkpoint(self, parts: list[dict[str, Any]], staging: Path) -> None:
         """Every shard written by at least one replica, and its replicas at one version."""
-        versions: dict[int, set[tuple[tuple[int, int], ...]]] = defaultdict(set)
-        for p in parts:
-            versions[int(p["shard"])].add(tuple((int(o), int(s)) for o, s in p["version"]))
+        versions: dict[int, set[tuple[tuple[int, ...], ...]]] = defaultdict(set)
+        for p in parts:  # [origin, seq, gaps...] each
+            versions[int(p["shard"])].add(tuple(tuple(int(n) for n in entry) for entry in p["version"]))
         missing = [s for s in range(self.layout.num_shards) if s not in versions]
         differ = sorted(s for s, seen in versions.items() if len(seen) > 1)
         if missing or differ:

@@ -12,14 +12,20 @@ Deltas carry the accepted updates themselves (``from_seq -> to_seq``), and a
 receiver replays them in order: replaying the same float64 additions in the
 same order yields the same bits as the origin's own total.
 
-An origin's state may lack updates it counts (``gaps``): a replica that gave up
-updates only a dead peer had accepts the next one as number ``seq`` all the
-same. Of two states at one ``seq`` the one with fewer gaps wins a merge, so a
-peer that comes back with the updates given up brings them to every replica.
+An origin's state may lack updates it counts (``gaps``, their numbers): a
+replica that gave up updates only a dead peer had accepts the next one as number
+``seq`` all the same. A state *covers* another when it holds every update the
+other holds; a merge takes a state only if it covers ours. Two states that each
+hold an update the other lacks (two replicas that each gave up a push only the
+other had, across a partition) are joined by *fills*: the lacking updates
+themselves, kept in the log, sent to the state that ``ranks`` higher, which then
+covers the other and goes to it whole. So every replica ends with the same bits
+and every update the replicas held between them, once.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,15 +56,33 @@ class Delta:
         return self.from_seq + len(self.updates)
 
 
+Gaps = tuple[int, ...]  # the numbers of the updates up to a state's seq it lacks, ascending
+
+
+def covers(seq: int, gaps: Gaps, other_seq: int, other_gaps: Gaps) -> bool:
+    """Whether a state at ``seq`` lacking ``gaps`` holds every update one at ``other_seq`` lacking
+    ``other_gaps`` holds."""
+    return seq >= other_seq and set(g for g in gaps if g <= other_seq).issubset(other_gaps)
+
+
+def rank(seq: int, gaps: Gaps) -> tuple[int, int, Gaps]:
+    """An order of states in which one that covers another (and differs) ranks higher; between two
+    that each hold what the other lacks it picks the one that is filled (any fixed choice would do)."""
+    return seq, -len(gaps), gaps
+
+
 @dataclass
 class OriginState:
     seq: int
     total: np.ndarray
-    gaps: int = 0  # updates up to ``seq`` given up, not in ``total``
+    gaps: Gaps = ()  # updates up to ``seq`` given up, not in ``total``
 
-    def behind(self, seq: int, gaps: int) -> bool:
-        """Whether a state at ``seq`` with ``gaps`` holds more than this one (it wins a merge)."""
-        return seq > self.seq or (seq == self.seq and gaps < self.gaps)
+    def holds(self, seq: int) -> bool:
+        return seq <= self.seq and seq not in self.gaps
+
+    def covered_by(self, seq: int, gaps: Gaps) -> bool:
+        """Whether a state at ``seq`` lacking ``gaps`` holds all this one does, and more (it wins a merge)."""
+        return (seq, gaps) != (self.seq, self.gaps) and covers(seq, gaps, self.seq, self.gaps)
 
 
 @dataclass
@@ -86,8 +110,8 @@ class SumLattice:
         state = self.origins.get(origin)
         return state.seq if state else 0
 
-    def gaps(self) -> dict[int, int]:
-        """Per origin whose state lacks updates it counts, how many."""
+    def gaps(self) -> dict[int, Gaps]:
+        """Per origin whose state lacks updates it counts, their numbers."""
         return {o: s.gaps for o, s in self.origins.items() if s.gaps}
 
     def origin_state(self, origin: int) -> OriginState:
@@ -105,8 +129,8 @@ class SumLattice:
 
         Returns the update, or None if ``seq`` is one this lattice already holds
         (a retry: nothing changes). Raises ``ValueError`` for a gap, unless ``skip``:
-        then the updates before ``seq`` that never arrived are given up (their origin's
-        log starts afresh, so peers that lack them get the whole running sum).
+        then the updates before ``seq`` that never arrived are given up (the log
+        keeps a hole there: no delta spans it, and a peer that holds them fills it).
         """
         state = self.origin_state(origin)
         if seq is not None and seq <= state.seq:
@@ -119,8 +143,7 @@ class SumLattice:
         update = Update(state.seq + 1 if seq is None else seq, rows, values, accepted_at, accepted_by)
         self._replay(origin, state, update)
         if gap:
-            state.gaps += update.seq - 1 - prior
-            self.log[origin] = [update]  # the log no longer leads up to this state
+            state.gaps += tuple(range(prior + 1, update.seq))
         return update
 
     def apply(self, delta: Delta) -> int:
@@ -142,15 +165,38 @@ class SumLattice:
         state.seq = update.seq
         self.log.setdefault(origin, []).append(update)
 
-    def merge_state(self, origin: int, seq: int, total: np.ndarray, gaps: int = 0) -> bool:
-        """State-based merge of one origin: keep the larger ``seq``, at one ``seq`` the fewer gaps.
-        True if it changed."""
+    def fill(self, origin: int, update: Update) -> bool:
+        """Add an update this lattice gave up (a gap), from a peer that holds it. True if it was one."""
+        state = self.origins.get(origin)
+        if state is None or update.seq not in state.gaps:
+            return False
+        state.total[update.rows] += update.values
+        state.gaps = tuple(g for g in state.gaps if g != update.seq)
+        entries = self.log.setdefault(origin, [])
+        at = bisect.bisect_left([u.seq for u in entries], update.seq)
+        if at == len(entries) or entries[at].seq != update.seq:
+            entries.insert(at, update)
+        return True
+
+    def logged(self, origin: int, seqs: Gaps) -> list[Update]:
+        """The updates of ``seqs`` still in the log."""
+        wanted = set(seqs)
+        return [u for u in self.log.get(origin, []) if u.seq in wanted]
+
+    def merge_state(self, origin: int, seq: int, total: np.ndarray, gaps: Gaps = (), force: bool = False) -> bool:
+        """State-based merge of one origin: take the other state if it covers ours (or ``force``: one
+        that lacks updates ours holds, which nothing can fill any more), and fill its gaps from our
+        log. True if it changed.
+
+        The log stays: its updates are the same wherever they are held (a delta from it is right
+        for any peer), and they fill gaps, ours and the peers'."""
         state = self.origin_state(origin)
-        if not state.behind(seq, gaps):
+        if not (state.covered_by(seq, gaps) or force and (seq, gaps) != (state.seq, state.gaps)):
             return False
         state.seq, state.gaps = seq, gaps
         state.total = np.array(total, dtype=np.float64, copy=True)
-        self.log[origin] = []  # the log no longer leads up to this state
+        for update in self.logged(origin, gaps):
+            self.fill(origin, update)
         return True
 
     def merge(self, other: SumLattice) -> None:
@@ -161,21 +207,24 @@ class SumLattice:
     # ---------------------------------------------------------------- deltas
 
     def delta_since(self, origin: int, seq: int) -> Delta | None:
-        """Updates after ``seq`` from the log, or None if the log no longer reaches back that far."""
+        """Updates after ``seq`` from the log, or None if the log no longer reaches back that far or
+        has a hole (a gap) after it."""
         state = self.origins.get(origin)
         if state is None or state.seq <= seq:
             return Delta(origin, seq, ())
         entries = self.log.get(origin, [])
-        if not entries or entries[0].seq > seq + 1:
+        start = bisect.bisect([u.seq for u in entries], seq)
+        after = entries[start:]
+        if not after or after[0].seq != seq + 1 or after[-1].seq - after[0].seq != len(after) - 1:
             return None
-        start = seq + 1 - entries[0].seq
-        return Delta(origin, seq, tuple(entries[start:]))
+        return Delta(origin, seq, tuple(after))
 
-    def truncate_log(self, origin: int, upto_seq: int) -> None:
-        """Forget logged updates every peer already holds."""
+    def truncate_log(self, origin: int, upto_seq: int, wanted: set[int] | frozenset[int] = frozenset()) -> None:
+        """Forget logged updates every peer already holds (up to ``upto_seq``, but those ``wanted``:
+        gaps of a peer, to fill them)."""
         entries = self.log.get(origin)
         if entries:
-            keep = [u for u in entries if u.seq > upto_seq]
+            keep = [u for u in entries if u.seq > upto_seq or u.seq in wanted]
             self.log[origin] = keep
 
     # ----------------------------------------------------------------- reads
@@ -192,9 +241,10 @@ class SumLattice:
             out += self.origins[origin].total[rows]
         return out
 
-    def totals(self, rows: np.ndarray) -> dict[int, tuple[int, np.ndarray]]:
-        """Per origin, ``(seq, total rows)``: what a reader merging several replicas needs."""
-        return {o: (s.seq, s.total[rows]) for o, s in self.origins.items()}
+    def totals(self, rows: np.ndarray) -> dict[int, tuple[int, int, np.ndarray]]:
+        """Per origin, ``(seq, gaps, total rows)`` (gaps counted): what a reader merging several
+        replicas needs."""
+        return {o: (s.seq, len(s.gaps), s.total[rows]) for o, s in self.origins.items()}
 
 
 def _canonical(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -209,18 +259,19 @@ def _canonical(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nda
     return rows, values
 
 
-def merged_value(base: np.ndarray, replies: list[dict[int, tuple[int, np.ndarray]]]
+def merged_value(base: np.ndarray, replies: list[dict[int, tuple[int, int, np.ndarray]]]
                  ) -> tuple[np.ndarray, dict[int, int]]:
-    """Join per-origin totals read from several replicas: per origin the largest seq wins.
+    """Join per-origin ``(seq, gaps, total)`` read from several replicas: per origin the largest seq
+    wins, and of two at one seq the one lacking fewer updates.
 
     Returns the value (float64) and the merged version vector.
     """
-    best: dict[int, tuple[int, np.ndarray]] = {}
+    best: dict[int, tuple[int, int, np.ndarray]] = {}
     for reply in replies:
-        for origin, (seq, total) in reply.items():
-            if origin not in best or seq > best[origin][0]:
-                best[origin] = (seq, total)
+        for origin, (seq, gaps, total) in reply.items():
+            if origin not in best or (seq, -gaps) > (best[origin][0], -best[origin][1]):
+                best[origin] = (seq, gaps, total)
     out = np.array(base, dtype=np.float64, copy=True)
     for origin in sorted(best):
-        out += best[origin][1]
-    return out, {o: s for o, (s, _) in best.items()}
+        out += best[origin][2]
+    return out, {o: s for o, (s, _, _) in best.items()}

@@ -9,8 +9,9 @@ One round between replicas A and B of a shard is push-pull, three messages:
 
 Updates travel as deltas (the accepted updates themselves, replayed in order)
 when the sender's log reaches back far enough, else as an origin's whole
-running sum. Every update carries when and by which replica it was accepted, so
-the receiver measures propagation delay per pair of replicas.
+running sum; an update a peer gave up (one of its gaps) travels alone, as a
+fill. Every update carries when and by which replica it was accepted, so the
+receiver measures propagation delay per pair of replicas.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.lattice.sum_lattice import Delta, Update
+from shoal.lattice.sum_lattice import Delta, Gaps, Update
 from shoal.storage.kernels import any_nonfinite
 
 DIGEST, ANSWER, FINAL = 0, 1, 2
@@ -38,9 +39,11 @@ class GossipPayload:
     version: dict[int, int]
     stage: int
     deltas: list[Delta] = field(default_factory=list)
-    states: list[tuple[int, int, np.ndarray, int]] = field(default_factory=list)  # (origin, seq, total, gaps)
-    #: per origin whose state lacks updates it counts (``SumLattice`` gaps), how many
-    gaps: dict[int, int] = field(default_factory=dict)
+    states: list[tuple[int, int, np.ndarray, Gaps]] = field(default_factory=list)  # (origin, seq, total, gaps)
+    #: per origin whose state lacks updates it counts (``SumLattice`` gaps), their numbers
+    gaps: dict[int, Gaps] = field(default_factory=dict)
+    #: updates the peer gave up, each ``(origin, update)``
+    fills: list[tuple[int, Update]] = field(default_factory=list)
 
     def to_wire(self, dim: int) -> tuple[dict[str, Any], list[np.ndarray]]:
         rows: list[np.ndarray] = []
@@ -52,9 +55,15 @@ class GossipPayload:
             rows += [u.rows for u in d.updates]
             values += [u.values for u in d.updates]
         # An origin's entry carries its gaps third where it has any.
-        body = {"shard": self.shard, "stage": self.stage, "deltas": deltas,
-                "vv": [[o, s, *([self.gaps[o]] if self.gaps.get(o) else [])] for o, s in sorted(self.version.items())],
-                "states": [[o, s, *([g] if g else [])] for o, s, _, g in self.states]}
+        body: dict[str, Any] = {
+            "shard": self.shard, "stage": self.stage, "deltas": deltas,
+            "vv": [[o, s, *([list(self.gaps[o])] if self.gaps.get(o) else [])]
+                   for o, s in sorted(self.version.items())],
+            "states": [[o, s, *([list(g)] if g else [])] for o, s, _, g in self.states]}
+        if self.fills:  # their rows and values follow the deltas'
+            body["fills"] = [[o, u.seq, int(u.rows.shape[0]), u.accepted_at, u.accepted_by] for o, u in self.fills]
+            rows += [u.rows for _, u in self.fills]
+            values += [u.values for _, u in self.fills]
         arrays = [np.concatenate(rows) if rows else np.empty(0, np.int64),
                   np.concatenate(values) if values else np.empty((0, dim), np.float64)]
         arrays += [np.ascontiguousarray(t, dtype=np.float64) for _, _, t, _ in self.states]
@@ -73,6 +82,7 @@ class GossipPayload:
                 raise ValueError(f"unknown gossip stage {stage}")
             states_meta = [_entry(e) for e in body["states"]]
             deltas_meta = body["deltas"]
+            fills_meta = [_fill(f) for f in body.get("fills", [])]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed gossip header: {exc!r}") from None
         if len(arrays) != 2 + len(states_meta):
@@ -102,6 +112,12 @@ class GossipPayload:
                                       _int(node)))
                 at += n
             deltas.append(Delta(origin, start, tuple(updates)))
+        fills = []
+        for origin, seq, n, t, node in fills_meta:
+            if at + n > all_rows.shape[0]:
+                raise ValueError("gossip fill overruns its rows")
+            fills.append((origin, Update(seq, all_rows[at : at + n], all_values[at : at + n], t, node)))
+            at += n
         if at != all_rows.shape[0]:
             raise ValueError("gossip carries rows no delta accounts for")
         states = []
@@ -111,17 +127,32 @@ class GossipPayload:
             if any_nonfinite(total):
                 raise ValueError("gossip state carries NaN/Inf values")
             states.append((origin, seq, total.astype(np.float64, copy=False), gaps_of))
-        return cls(shard, version, stage, deltas, states, gaps)
+        return cls(shard, version, stage, deltas, states, gaps, fills)
 
 
-def _entry(entry: Any) -> tuple[int, int, int]:
-    """``[origin, seq]`` or ``[origin, seq, gaps]``, checked: gaps are fewer than seq."""
+def _entry(entry: Any) -> tuple[int, int, Gaps]:
+    """``[origin, seq]`` or ``[origin, seq, gaps]``, checked: gaps ascend, each in ``[1, seq)``."""
     if not isinstance(entry, list) or len(entry) not in (2, 3):
         raise ValueError(f"expected [origin, seq(, gaps)], got {entry!r}")
-    origin, seq, gaps = _int(entry[0]), _int(entry[1]), _int(entry[2]) if len(entry) == 3 else 0
-    if not 0 <= gaps < max(seq, 1):
-        raise ValueError(f"{gaps} gaps at seq {seq}")
+    origin, seq = _int(entry[0]), _int(entry[1])
+    gaps: Gaps = ()
+    if len(entry) == 3:
+        if not isinstance(entry[2], list) or not entry[2]:
+            raise ValueError(f"gaps must be a list of update numbers, got {entry[2]!r}")
+        gaps = tuple(_int(g) for g in entry[2])
+        if not (1 <= gaps[0] and gaps[-1] < seq and all(a < b for a, b in zip(gaps, gaps[1:], strict=False))):
+            raise ValueError(f"gaps {list(gaps)} at seq {seq} do not ascend within [1, {seq})")
     return origin, seq, gaps
+
+
+def _fill(entry: Any) -> tuple[int, int, int, float, int]:
+    """``[origin, seq, rows, accepted_at, accepted_by]``, checked."""
+    if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[3], (int, float)):
+        raise ValueError(f"expected [origin, seq, rows, time, node], got {entry!r}")
+    origin, seq, n, node = _int(entry[0]), _int(entry[1]), _int(entry[2]), _int(entry[4])
+    if seq < 1 or n < 0:
+        raise ValueError(f"fill of update {seq} with {n} rows")
+    return origin, seq, n, float(entry[3]), node
 
 
 def _int(value: Any) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from shoal.api.config import TableSpec
 from shoal.api.ids import RESTORED
 from shoal.api.optim import SGD, Adagrad, Adam, Sum
-from shoal.lattice.sum_lattice import Delta, SumLattice, Update
+from shoal.lattice.sum_lattice import Delta, Gaps, SumLattice, Update, covers, rank
 from shoal.replication.delays import DelaySamples
 from shoal.replication.gossip import DIGEST, GossipPayload
 from shoal.storage.checkpoint import place_saved
@@ -74,6 +74,7 @@ class ShardReplica:
         #: per origin, the lowest of its pushes it still had open when it sent its latest (``note_floor``)
         self.floors: dict[int, int] = {}
         self.peer_versions: dict[int, dict[int, int]] = {}
+        self.peer_gaps: dict[int, dict[int, Gaps]] = {}  # per peer, its gaps as its last digest said
         #: per peer, per origin: up to which update we sent it, and when
         #: per peer and origin: the last update sent, when the peer last showed progress on it (or it went
         #: first), and the peer's version of the origin then
@@ -218,14 +219,16 @@ class ShardReplica:
     def version(self) -> dict[int, int]:
         return self.lattice.version()
 
-    def totals(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(origins, seqs, totals)`` of ``rows``, for a reader merging several replicas."""
+    def totals(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(origins, seqs, gaps, totals)`` of ``rows`` (gaps counted), for a reader merging several
+        replicas."""
         per = self.lattice.totals(rows)
         origins = np.array(sorted(per), dtype=np.int64)
         seqs = np.array([per[o][0] for o in origins], dtype=np.int64)
-        totals = (np.stack([per[o][1] for o in origins]) if origins.size
+        gaps = np.array([per[o][1] for o in origins], dtype=np.int64)
+        totals = (np.stack([per[o][2] for o in origins]) if origins.size
                   else np.zeros((0, rows.shape[0], self.spec.dim)))
-        return origins, seqs, totals
+        return origins, seqs, gaps, totals
 
     # ----------------------------------------------------------------- gossip
 
@@ -233,18 +236,23 @@ class ShardReplica:
         return GossipPayload(self.shard, self.version(), DIGEST, gaps=self.lattice.gaps())
 
     def answer(self, peer: int, peer_version: dict[int, int], stage: int, budget: int = 1 << 62,
-               peer_gaps: dict[int, int] | None = None) -> GossipPayload:
+               peer_gaps: dict[int, Gaps] | None = None) -> GossipPayload:
         """What ``peer`` lacks, as deltas where the log reaches back, else whole states, up to
         ``budget`` bytes of rows (the rest goes in later rounds); one state or update larger than
-        the budget goes alone. A state the peer holds at the same seq with more gaps goes whole."""
+        the budget goes alone. Where the peer and this replica each hold an update the other gave
+        up, the one of higher ``rank`` is filled (``_mend``)."""
         self.peer_versions[peer] = peer_version
-        peer_gaps = peer_gaps or {}
+        self.peer_gaps[peer] = peer_gaps = peer_gaps or {}
         payload = GossipPayload(self.shard, self.version(), stage, gaps=self.lattice.gaps())
         used = 0
         now = self.now()
         sent = self._sent[peer]
         for origin, state in self.lattice.origins.items():
-            held = peer_version.get(origin, 0)
+            held, their_gaps = peer_version.get(origin, 0), peer_gaps.get(origin, ())
+            if state.gaps or their_gaps:
+                if not covers(state.seq, state.gaps, held, their_gaps) or state.seq == held:
+                    used = self._mend(payload, origin, held, their_gaps, used, budget)
+                    continue
             upto, since, seen = sent.get(origin, (0, 0.0, 0))
             if held > seen:
                 since = now  # the peer took some in: what follows is on its way
@@ -253,10 +261,6 @@ class ShardReplica:
                 theirs = upto  # on their way to the peer
             else:
                 since = now  # what goes now starts a window of its own
-            if state.seq == held and state.gaps < peer_gaps.get(origin, 0) and used < budget:
-                payload.states.append((origin, state.seq, state.total, state.gaps))  # it gave up what we hold
-                used += state.total.nbytes
-                continue
             if state.seq <= theirs or used >= budget:
                 if upto > held:
                     sent[origin] = (upto, since, held)
@@ -281,6 +285,28 @@ class ShardReplica:
                 sent[origin] = (taken[-1].seq, since, held)
         return payload
 
+    def _mend(self, payload: GossipPayload, origin: int, held: int, their_gaps: Gaps, used: int, budget: int) -> int:
+        """One origin where the peer's state (``held``, lacking ``their_gaps``) and ours are at one seq,
+        or each holds an update the other lacks; returns the bytes used now. Our state goes whole where
+        it covers the peer's, or ranks higher (the peer takes it only once it cannot fill ours). The
+        updates the peer lacks go as fills where its state ranks higher: filled, it covers ours, and
+        comes back whole, so both end with the same bits."""
+        state = self.lattice.origins[origin]
+        if (state.seq, state.gaps) == (held, their_gaps) or covers(held, their_gaps, state.seq, state.gaps):
+            return used  # nothing it lacks (it sends us what we lack)
+        if covers(state.seq, state.gaps, held, their_gaps) or rank(state.seq, state.gaps) > rank(held, their_gaps):
+            if used >= budget or used and used + state.total.nbytes > budget:
+                return used  # the next round's
+            payload.states.append((origin, state.seq, state.total, state.gaps))
+            return used + int(state.total.nbytes)
+        for update in self.lattice.logged(origin, tuple(g for g in their_gaps if state.holds(g))):
+            size = update.values.nbytes + update.rows.nbytes
+            if used and used + size > budget:
+                break
+            payload.fills.append((origin, update))
+            used += size
+        return used
+
     def forget_sent(self, peer: int) -> None:
         """What was last sent to ``peer`` did not leave: answer its next digest in full."""
         self._sent.pop(peer, None)
@@ -298,9 +324,18 @@ class ShardReplica:
                     if 0 <= update.accepted_by != self.node:
                         self.delays[update.accepted_by].add(now - update.accepted_at)
                 new += applied
+        for origin, update in payload.fills:
+            if self.lattice.fill(origin, update):
+                self._changed(update.rows)
+                new += 1
         for origin, seq, total, gaps in payload.states:
             before = self.lattice.seq(origin)
-            if self.lattice.merge_state(origin, seq, total, gaps):
+            # A state that lacks some update ours holds is taken only if we cannot fill it (the update
+            # is no longer in our log): then nothing can, and the replicas agree on the fuller state.
+            ours = self.lattice.origin_state(origin)
+            unfillable = (rank(seq, gaps) > rank(ours.seq, ours.gaps)
+                          and not self.lattice.logged(origin, tuple(g for g in gaps if ours.holds(g))))
+            if self.lattice.merge_state(origin, seq, total, gaps, force=unfillable):
                 self._changed(None)
                 new += max(1, seq - before)
         return new
@@ -312,9 +347,11 @@ class ShardReplica:
         it gets whole states instead of deltas.
         """
         versions = [v for p, v in self.peer_versions.items() if p in live_peers]
+        gaps = [g for p, g in self.peer_gaps.items() if p in live_peers]
         for origin, entries in self.lattice.log.items():
             if not entries:
                 continue
+            wanted = set().union(*(g.get(origin, ()) for g in gaps))  # to fill a peer's gaps
             held_by_all = min((v.get(origin, 0) for v in versions), default=0) if versions else 0
             kept, upto = 0, held_by_all
             for update in reversed(entries):
@@ -323,7 +360,7 @@ class ShardReplica:
                     upto = max(upto, update.seq)
                     break
             if entries[0].seq <= upto:
-                self.lattice.truncate_log(origin, upto)
+                self.lattice.truncate_log(origin, upto, wanted)
 
     def accept_rate(self, window_s: float = 5.0) -> float:
         """Pushes per second accepted here over the last ``window_s``."""

@@ -221,8 +221,7 @@ class ReplicationService:
                 need["rows_seq"] = table.subscribers.subscribe(msg.sender, peer, replica, rows)
                 need["series"] = self._series
             if pull.totals:
-                origins, seqs, totals = replica.totals(rows)
-                return msg.reply(Op.TOTALS, need or None, arrays=[origins, seqs, totals])
+                return msg.reply(Op.TOTALS, need or None, arrays=list(replica.totals(rows)))
             version = [[o, s] for o, s in sorted(replica.version().items())]
             return msg.reply(Op.VALUES, {"vv": version, **need}, arrays=[replica.read(rows)])
         if msg.op == Op.GOSSIP:
@@ -452,7 +451,8 @@ class ReplicationService:
 
     def settle(self, name: str) -> tuple[list[str], list[list[Any]] | None]:
         """Gossip with every live peer replica now. Returns what else keeps the replicas from being final
-        and this server's version vector per shard (the replicas of a shard agree once theirs are equal)."""
+        and this server's version per shard (``state_version``: the replicas of a shard agree once theirs
+        are equal)."""
         table = self._table(name)
         why = []
         for shard, replica in sorted(table.replicas.items()):
@@ -460,7 +460,7 @@ class ReplicationService:
                 self._send_gossip(table, node, replica.digest())
             if any(replica.held.values()):
                 why.append(f"shard {shard} holds pushes that wait for earlier ones")
-        return why, [[shard, wire_version(replica)] for shard, replica in sorted(table.replicas.items())]
+        return why, [[shard, state_version(replica)] for shard, replica in sorted(table.replicas.items())]
 
     def write(self, name: str, staging: Path, index: int) -> list[dict[str, Any]]:
         """Every replica here writes its rows with its own optimiser state."""
@@ -471,7 +471,7 @@ class ReplicationService:
                 raise CheckpointError(f"shard {shard} of {name!r} holds pushes that wait for earlier ones; try again")
             entry = checkpoint.write_part(staging, index, f"n{self.node}-s{shard}",
                                           table.layout.mapping.keys_of(shard), replica.state_arrays())
-            entries.append({**entry, "shard": shard, "node": self.node, "version": wire_version(replica)})
+            entries.append({**entry, "shard": shard, "node": self.node, "version": state_version(replica)})
         return entries
 
     def restore(self, name: str, path: Path, entry: dict[str, Any], write: bool) -> int:
@@ -500,3 +500,11 @@ class ReplicationService:
 def wire_version(replica: ShardReplica) -> list[list[int]]:
     """A replica's version vector as sorted ``[origin, seq]`` pairs (origins it has no update of left out)."""
     return sorted([origin, seq] for origin, seq in replica.version().items() if seq)
+
+
+def state_version(replica: ShardReplica) -> list[list[int]]:
+    """``wire_version`` with the numbers of the updates an origin's state lacks after its seq: two
+    replicas hold the same values exactly when theirs are equal (at one version, one may have given
+    up a push the other holds)."""
+    gaps = replica.lattice.gaps()
+    return sorted([origin, seq, *gaps.get(origin, ())] for origin, seq in replica.version().items() if seq)

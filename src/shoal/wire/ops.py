@@ -8,7 +8,9 @@ from enum import IntEnum
 # 4: a replica's sync and each answer name their part of it (an older peer counted answers, and lost count)
 # 5: "moved" may say a push_pull's push went in (an older worker sent the push again: applied twice)
 # 6: a replicated push names its worker's lowest open push (``floor``): no replica gives up one above it
-PROTOCOL_VERSION = 6
+# 7: a replica's gaps are the numbers of the updates it lacks (a count before), gossip may carry fills,
+#    and a TOTALS reply counts each origin's gaps (an older peer took two different states for one)
+PROTOCOL_VERSION = 7
 
 
 class Op(IntEnum):

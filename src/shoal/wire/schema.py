@@ -71,7 +71,9 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.STATS: _schema(Op.STATS),
     Op.ROWS: _schema(Op.ROWS, arrays=(KEYS, ROWS), same_rows=True, needs_table=True),
     Op.GOSSIP: _schema(Op.GOSSIP, needs_table=True, variadic=True),
-    Op.TOTALS: _schema(Op.TOTALS, arrays=(ArrayRule("i", 1), ArrayRule("i", 1), ArrayRule("f", 3))),
+    # per origin: its number, seq, gaps counted, and running sums of the rows asked for
+    Op.TOTALS: _schema(Op.TOTALS, arrays=(ArrayRule("i", 1), ArrayRule("i", 1), ArrayRule("i", 1), ArrayRule("f", 3)),
+                       same_rows=True),
     Op.REPLICA_STATS: _schema(Op.REPLICA_STATS, needs_table=True),
     Op.LOCALIZE: _schema(Op.LOCALIZE, arrays=(KEYS,), needs_table=True),
     Op.INTENT: _schema(Op.INTENT, needs_table=True, variadic=True),
