@@ -240,3 +240,125 @@ def test_a_replica_paused_past_its_heartbeats_converges_with_the_others_when_it_
     assert reads["0"]["values"] == reads["1"]["values"], (
         f"live replicas at the same version vector hold different values after 15 s of gossip: {result}")
     assert set(reads["0"]["values"]) == {11.0}, result  # the ten pushes server 0 gave up came back with server 1
+
+
+PARTITION_WORKER = """
+import json, os, sys, time
+import numpy as np
+import shoal
+
+KEYS = np.arange(8)
+
+
+def wait_file(p, t=90):
+    end = time.monotonic() + t
+    while not os.path.exists(p):
+        if time.monotonic() > end:
+            raise SystemExit(f"no {p}")
+        time.sleep(0.02)
+
+
+def main():
+    d = sys.argv[1]
+    ps = shoal.init()
+    table = ps.table("c", 8, 1, replicas=2, write_quorum=1, read_quorum=1, gossip_ms=60000)  # no gossip yet
+    if ps.rank == 0:
+        with open(os.path.join(d, "servers.json"), "w") as fh:
+            json.dump({"pids": [s["pid"] for s in ps.server_stats()]}, fh)
+    ps.barrier()
+    acked = 0
+    view = table.access.view
+    if ps.rank == 1:
+        for k in range(1, 11):  # push k adds 2**k: taken by this node's replica (server 1)
+            table.push(KEYS, np.full((8, 1), 2.0**k, np.float32))
+            acked += 1
+        open(os.path.join(d, "pushed"), "w").close()
+        wait_file(os.path.join(d, "paused"))
+        deadline = time.monotonic() + 30  # until the heartbeats call server 1 dead: push 11 never reaches it
+        while view.alive[1] and time.monotonic() < deadline:
+            view.refresh(force=True)
+            time.sleep(0.05)
+        table.push(KEYS, np.full((8, 1), 2.0**11, np.float32))  # taken by server 0 alone
+        acked += 1
+        open(os.path.join(d, "pushed2"), "w").close()
+        wait_file(os.path.join(d, "paused2"))  # server 1 runs again, server 0 is stopped
+        deadline = time.monotonic() + 10  # until server 1 is alive again for this worker
+        while not view.live([1]) and time.monotonic() < deadline:
+            view.refresh(force=True)
+            time.sleep(0.05)
+        table.push(KEYS, np.full((8, 1), 2.0**12, np.float32))  # server 1 gives up 11 to apply it
+        acked += 1
+        open(os.path.join(d, "pushed3"), "w").close()
+        wait_file(os.path.join(d, "resumed"))
+        deadline = time.monotonic() + 10  # both alive again for this worker: the gossip period goes to both
+        while view.live([0, 1]) != [0, 1] and time.monotonic() < deadline:
+            view.refresh(force=True)
+            time.sleep(0.05)
+        table.set_gossip_ms(20)
+        deadline = time.monotonic() + 15
+        while True:
+            view.refresh(force=True)
+            reads = {}
+            for n in (0, 1):
+                try:
+                    rows, vv = table.access.replica_values(n, KEYS)
+                    reads[str(n)] = {"values": rows[:, 0].tolist(), "vv": sorted(vv.items())}
+                except shoal.ShoalError as exc:
+                    reads[str(n)] = {"error": repr(exc)}
+            values = {json.dumps(r.get("values")) for r in reads.values()}
+            if (len(values) == 1 and "error" not in reads["0"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        stats = ps.server_stats()
+        given_up = [st["stats"].get("pushes_given_up_with_dead_replica", 0) for st in stats]
+        with open(os.path.join(d, "result.json"), "w") as fh:
+            json.dump({"acked": acked, "reads": reads, "given_up": given_up}, fh)
+    ps.barrier()
+    ps.shutdown()
+
+
+main()
+"""
+
+
+@pytest.mark.heavy  # 30 s
+def test_two_replicas_that_each_gave_up_a_push_the_other_had_end_with_every_push(tmp_path):
+    """W=1, 2 replicas, no gossip until the end. Worker 1 pushes 2**1 .. 2**10 (taken by server 1).
+    Server 1 is stopped: push 11 goes to server 0, which gives up 1-10 once server 1 is dead by the
+    heartbeats. Server 1 runs again and server 0 is stopped: push 12 goes to server 1, which gives up
+    11, only server 0 had it. Server 0 runs again, and gossip runs at 20 ms.
+
+    Every push was acknowledged once, so each replica must read the sum of 2**1 .. 2**12. Before: the
+    replicas compared how many updates each lacked, not which: server 1's state (one gap) won over
+    server 0's (ten), and both read without push 11, for good."""
+    proc = _launch(tmp_path, PARTITION_WORKER, [], nodes=2)
+    try:
+        pids = wait_for_json(tmp_path / "servers.json")["pids"]
+        _wait_file(tmp_path / "pushed")
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            (tmp_path / "paused").touch()
+            _wait_file(tmp_path / "pushed2")  # server 0 waits for the failure detector
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        time.sleep(1.5)  # server 1 alive again for the rendezvous and the worker
+        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            (tmp_path / "paused2").touch()
+            _wait_file(tmp_path / "pushed3")
+            time.sleep(0.5)
+        finally:
+            os.kill(pids[0], signal.SIGCONT)
+        (tmp_path / "resumed").touch()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    reads = result["reads"]
+    assert result["acked"] == 12 and all("values" in r for r in reads.values()), result
+    assert result["given_up"] == [20, 2], result  # the scenario (two shards): each gave up the other's pushes
+    assert reads["0"] == reads["1"], (result, out[-6000:])
+    assert set(reads["0"]["values"]) == {float(sum(2**k for k in range(1, 13)))}, result  # every push once
