@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from shoal.api.config import RebalancePolicy, TableSpec
 from shoal.cluster.slices import SliceAuthority
@@ -75,3 +76,23 @@ def test_the_rebalancer_moves_slices_only_after_the_imbalance_persists():
         authority.move_done("t", move.move.shard, move.move.target, move.epoch, ok=True)
     owners = authority.layouts["t"].owners
     assert np.count_nonzero(owners == owner) == 4 and authority.layouts["t"].epoch == len(moved) == 4
+
+
+def test_a_drain_waits_for_a_table_planned_over_its_server_but_not_for_a_worker_that_never_registers_it():
+    from shoal.api.errors import ClusterError
+    from shoal.cluster.slices import PLAN_HOLDS_DRAIN_S
+
+    clock = ManualClock(0.0)
+    authority = SliceAuthority(2, now=clock)
+    spec = TableSpec("t", 400, 1, slices=4)
+    planned = authority.plan(spec)
+    assert planned is not None and planned["owners"] == [0, 0, 1, 1]
+    done: list[ClusterError | None] = []
+    authority.drain(1, done.append)
+    authority.tick()
+    assert done == [] and 1 not in authority.departed  # the planned table may still come
+    clock.advance(PLAN_HOLDS_DRAIN_S + 1)  # its worker died before registering it
+    authority.tick()
+    assert done == [None] and 1 in authority.departed
+    with pytest.raises(ClusterError, match="left before it was registered"):
+        authority.add_table(spec, planned)

@@ -21,6 +21,19 @@ def _table(w, **options):
     return w.table("moving", KEYS, 4, optimizer=shoal.optim.Sum(), slices=8, **options)
 
 
+def _every_key_counted_once(t, what: str) -> None:
+    """A push of 1 to every key of ``t`` (a fresh 1-wide table) reads back as 1 everywhere."""
+    keys = np.arange(KEYS)
+    errors = []
+    try:
+        t.push(keys, np.ones((KEYS, 1), np.float32))
+        got = t.pull(keys)[:, 0]
+    except shoal.ShoalError as exc:
+        errors.append(exc)
+    assert not errors, f"{what}: {errors[0]!r}"
+    np.testing.assert_array_equal(got, np.ones(KEYS))
+
+
 def test_a_pull_held_for_its_bound_at_a_server_being_drained_is_answered_after_it_leaves():
     """Worker 0 reads keys of server 1 at clock 1 under BSP while worker 1 is still at clock 0: the read
     is held at server 1 for the bound. Server 1 is then drained and leaves; worker 1 reaches clock 1.
@@ -214,12 +227,45 @@ def test_a_table_created_after_a_server_was_drained_is_served():
         t = w0.table("after", KEYS, 1, optimizer=shoal.optim.Sum(), slices=4)
         owners = t.layout.owners.tolist()
         assert owners == [0, 0, 0, 0]
-        keys = np.arange(KEYS)
-        errors = []
-        try:
-            t.push(keys, np.ones((KEYS, 1), np.float32))
-            got = t.pull(keys)[:, 0]
-        except shoal.ShoalError as exc:
-            errors.append(exc)
-        assert not errors, f"table made after the drain has owners {owners}: {errors[0]!r}"
-        np.testing.assert_array_equal(got, np.ones(KEYS))
+        _every_key_counted_once(t, f"table made after the drain, owners {owners}")
+
+
+def test_a_table_planned_before_a_drain_and_built_after_it_began_moves_off_the_leaving_server():
+    """Worker 0 creates a table: the rendezvous plans it over servers 0 and 1. Before the servers build
+    it, server 1 begins to leave (``remove_server(1)`` from worker 1). The drain moved the slices of the
+    tables the rendezvous knew, none, and completed at once: server 1 left, and the new table was
+    registered with slices on it that no server serves (pushes to them failed). A drain now waits for
+    the tables planned over its server to be registered, and moves their slices off too."""
+    import threading
+
+    timeouts = shoal.Timeouts(connect_s=10.0, request_s=5.0, barrier_s=20.0)
+    with ThreadCluster(nodes=2, transport=ZmqTransport(), timeouts=timeouts) as c:
+        w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
+        drained: list[BaseException | None] = []
+
+        def drain() -> None:
+            try:
+                w1.remove_server(1)
+                drained.append(None)
+            except shoal.ShoalError as exc:
+                drained.append(exc)
+
+        drainer = threading.Thread(target=drain, daemon=True)
+        follow = w0.follow_servers
+
+        def drain_after_the_plan(servers):  # the plan's reply is in: server 1 starts leaving now
+            drainer.start()
+            wait_until(lambda: 1 in c.rendezvous.slices.leaving, what="server 1 leaving")
+            time.sleep(0.3)  # time for a drain of nothing to complete (it did at once before)
+            return follow(servers)
+
+        w0.follow_servers = drain_after_the_plan
+        t = w0.table("planned", KEYS, 1, optimizer=shoal.optim.Sum(), slices=4)
+        w0.follow_servers = follow
+        assert t.layout.owners.tolist() == [0, 0, 1, 1]  # as planned: the servers built this
+        drainer.join(timeout=30)
+        assert drained == [None], f"the drain did not complete: {drained!r}"
+        c.threads[1].join(timeout=20)
+        assert not c.threads[1].is_alive(), "the drained server did not leave"
+        assert c.rendezvous.slices.describe("planned")["owners"] == [0, 0, 0, 0]
+        _every_key_counted_once(t, "the table planned before the drain")

@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 #: called when a move ends: the error, or None when it succeeded
 Done = Callable[[ClusterError | None], None]
 
+#: how long the plan of a new table holds back the drain of a server it puts slices on: the worker
+#: registers the table a round trip after its servers built it, and a drain that completed meanwhile
+#: left those slices on no server; a worker that died in between holds a drain back this long at most
+PLAN_HOLDS_DRAIN_S = 60.0
+
 
 @dataclass
 class _Move:
@@ -51,6 +56,8 @@ class SliceAuthority:
         self.leaving: set[int] = set()
         self.departed: set[int] = set()
         self._drains: dict[int, list[Done]] = {}
+        #: per table planned and not registered yet: the servers its slices go to, and when
+        self._plans: dict[str, tuple[frozenset[int], float]] = {}
         #: per (table, slice): bytes served in the current window
         self._window: dict[tuple[str, int], float] = {}
         self._window_start = now()
@@ -67,7 +74,9 @@ class SliceAuthority:
         if spec.replicated or spec.adaptive:
             return None
         num_slices = TableLayout.initial(spec, self.initial_nodes).num_shards
-        return {"owners": [int(o) for o in initial_owners(spec, num_slices, self.live_servers())], "epoch": 0}
+        owners = [int(o) for o in initial_owners(spec, num_slices, self.live_servers())]
+        self._plans[spec.name] = (frozenset(owners), self.now())
+        return {"owners": owners, "epoch": 0}
 
     def add_table(self, spec: TableSpec, planned: dict[str, Any] | None = None) -> None:
         """Register a table at the layout its servers built (``planned``), else as ``plan`` lays it out."""
@@ -79,7 +88,13 @@ class SliceAuthority:
                 type(o) is int and o in self.servers for o in owners):
             raise ProtocolError(f"a layout of table {spec.name!r} names a server for each of its "
                                 f"{layout.num_shards} slices among {sorted(self.servers)}, got {owners!r:.200}")
+        gone = sorted(set(owners) & self.departed)
+        if gone:
+            raise ClusterError(f"table {spec.name!r} was laid out over server(s) {gone}, which left before it "
+                               "was registered; create it again")
+        self._plans.pop(spec.name, None)
         self.layouts[spec.name] = layout.at(owners, 0)
+        self._check_drains()  # its slices on a server that began to leave since the plan move off
 
     def describe(self, name: str) -> dict[str, Any]:
         layout = self.layouts.get(name)
@@ -193,15 +208,24 @@ class SliceAuthority:
     def _check_drains(self) -> None:
         for node in list(self._drains):
             holds = any((layout.owners == node).any() for layout in self.layouts.values())
-            if not holds and not any(m.move.source == node for m in self.active.values()):
+            if holds:
+                if not self._moving_from(node):
+                    # A slice that was on its way here when the drain was planned (or a move off that
+                    # failed, or a table planned before the drain) is on the leaving server: plan its
+                    # way off again.
+                    for move in plan_drain(self._slices(), node, self.live_servers() + [node]):
+                        self._enqueue(move, None)
+            elif not self._planned_on(node) and not any(m.move.source == node for m in self.active.values()):
                 self.departed.add(node)
                 for done in self._drains.pop(node):
                     done(None)
-            elif holds and not self._moving_from(node):
-                # A slice that was on its way here when the drain was planned (or a move off that
-                # failed) landed on the leaving server: plan its way off again.
-                for move in plan_drain(self._slices(), node, self.live_servers() + [node]):
-                    self._enqueue(move, None)
+
+    def _planned_on(self, node: int) -> bool:
+        """Whether a table planned with slices on ``node`` may still be registered (plans older than
+        ``PLAN_HOLDS_DRAIN_S`` are dropped)."""
+        now = self.now()
+        self._plans = {name: plan for name, plan in self._plans.items() if now - plan[1] <= PLAN_HOLDS_DRAIN_S}
+        return any(node in owners for owners, _ in self._plans.values())
 
     def _moving_from(self, node: int) -> bool:
         """Whether a move of a slice off ``node`` is active or queued."""
@@ -251,7 +275,10 @@ class SliceAuthority:
             self._window[key] = self._window.get(key, 0.0) + nbytes
 
     def tick(self) -> None:
-        """Close a load window when it is due; plan moves when the imbalance persisted."""
+        """Complete the drains whose held plans ran out; close a load window when it is due, and plan
+        moves when the imbalance persisted."""
+        if self._drains and self._plans:
+            self._check_drains()
         policy = self.policy
         if policy is None or not policy.enabled:
             return
