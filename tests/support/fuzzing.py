@@ -248,6 +248,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "path": st.sampled_from(_PATHS) | st.text(max_size=12),
     "vv": PAIRS,
     "states": PAIRS,
+    "fills": st.lists(st.lists(NUMBERS, min_size=5, max_size=5) | HOSTILE, max_size=2),
     "deltas": st.lists(st.fixed_dictionaries({
         "origin": NUMBERS, "from": NUMBERS, "nrows": st.lists(st.integers(-1, 8) | HOSTILE, max_size=3),
         "times": st.lists(HOSTILE, max_size=3), "nodes": st.lists(st.integers(-1, 3) | HOSTILE, max_size=3),
@@ -297,9 +298,19 @@ def gossip_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
                        "times": [float(t) for t in range(len(nrows))]})
     if deltas and draw(one_in(4)):
         deltas[draw(INDEX) % len(deltas)] = draw(HOSTILE)
+    fills = []
+    for _ in range(draw(st.integers(0, 2))):  # updates a peer gave up: [origin, seq, rows, time, node]
+        n = draw(st.integers(0, 3))
+        total += n
+        fills.append([draw(SMALL_INTS), draw(SMALL_INTS), n, 0.0, draw(st.integers(-1, 3))])
+    if fills and draw(one_in(4)):
+        fills[draw(INDEX) % len(fills)] = draw(HOSTILE)
     states = draw(st.lists(st.tuples(SMALL_INTS, SMALL_INTS).map(list), max_size=2))
-    body = {"shard": draw(st.integers(0, 1)), "vv": draw(PAIRS), "stage": draw(st.integers(0, 3)),
-            "deltas": deltas, "states": states}
+    vv = draw(PAIRS)
+    if vv and draw(one_in(3)):  # an entry with the numbers of the updates its state gave up
+        vv[draw(INDEX) % len(vv)] = [draw(SMALL_INTS), draw(SMALL_INTS), draw(st.lists(SMALL_INTS, max_size=3))]
+    body = {"shard": draw(st.integers(0, 1)), "vv": vv, "stage": draw(st.integers(0, 3)),
+            "deltas": deltas, "states": states, **({"fills": fills} if fills else {})}
     rows = draw(key_arrays(total)).astype(np.int64)
     values = draw(row_arrays(total)).astype(np.float64)
     whole = [draw(row_arrays(32)).astype(np.float64) for _ in states]

@@ -333,8 +333,9 @@ class ShardReplica:
             # A state that lacks some update ours holds is taken only if we cannot fill it (the update
             # is no longer in our log): then nothing can, and the replicas agree on the fuller state.
             ours = self.lattice.origin_state(origin)
-            unfillable = (rank(seq, gaps) > rank(ours.seq, ours.gaps)
-                          and not self.lattice.logged(origin, tuple(g for g in gaps if ours.holds(g))))
+            lacking = tuple(g for g in gaps if ours.holds(g))
+            unfillable = (bool(lacking) and rank(seq, gaps) > rank(ours.seq, ours.gaps)
+                          and not self.lattice.logged(origin, lacking))
             if self.lattice.merge_state(origin, seq, total, gaps, force=unfillable):
                 self._changed(None)
                 new += max(1, seq - before)
