@@ -307,8 +307,11 @@ def gossip_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
         fills[draw(INDEX) % len(fills)] = draw(HOSTILE)
     states = draw(st.lists(st.tuples(SMALL_INTS, SMALL_INTS).map(list), max_size=2))
     vv = draw(PAIRS)
-    if vv and draw(one_in(3)):  # an entry with the numbers of the updates its state gave up
-        vv[draw(INDEX) % len(vv)] = [draw(SMALL_INTS), draw(SMALL_INTS), draw(st.lists(SMALL_INTS, max_size=3))]
+    if vv and draw(one_in(3)):  # an entry with the numbers of the updates its state gave up, and its fills
+        entry = [draw(SMALL_INTS), draw(SMALL_INTS), draw(st.lists(SMALL_INTS, max_size=3))]
+        if draw(st.booleans()):
+            entry.append(draw(st.lists(st.lists(SMALL_INTS, min_size=2, max_size=2), max_size=3)))
+        vv[draw(INDEX) % len(vv)] = entry
     body = {"shard": draw(st.integers(0, 1)), "vv": vv, "stage": draw(st.integers(0, 3)),
             "deltas": deltas, "states": states, **({"fills": fills} if fills else {})}
     rows = draw(key_arrays(total)).astype(np.int64)

@@ -137,7 +137,7 @@ def _settle(worker: WorkerContext, names: list[str], servers: list[int]) -> None
 
 
 def _frozen(version: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    """A replica's ``[origin, seq, gaps...]`` entries, hashable."""
+    """A replica's ``state_version`` entries, hashable."""
     return tuple(tuple(int(n) for n in entry) for entry in version)
 
 

@@ -534,7 +534,7 @@ class ReplicatedAccess(TableAccess):
     def check_checkpoint(self, parts: list[dict[str, Any]], staging: Path) -> None:
         """Every shard written by at least one replica, and its replicas at one version."""
         versions: dict[int, set[tuple[tuple[int, ...], ...]]] = defaultdict(set)
-        for p in parts:  # [origin, seq, gaps...] each
+        for p in parts:  # [origin, seq, gaps counted, gaps..., fills...] each (``state_version``)
             versions[int(p["shard"])].add(tuple(tuple(int(n) for n in entry) for entry in p["version"]))
         missing = [s for s in range(self.layout.num_shards) if s not in versions]
         differ = sorted(s for s, seen in versions.items() if len(seen) > 1)

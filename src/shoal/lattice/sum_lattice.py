@@ -19,8 +19,11 @@ other holds; a merge takes a state only if it covers ours. Two states that each
 hold an update the other lacks (two replicas that each gave up a push only the
 other had, across a partition) are joined by *fills*: the lacking updates
 themselves, kept in the log, sent to the state that ``ranks`` higher, which then
-covers the other and goes to it whole. So every replica ends with the same bits
-and every update the replicas held between them, once.
+covers the other and goes to it whole. A fill adds its update out of order, so a
+state records its fills (``filled``); of two states holding the same updates
+added in different orders, a merge takes the one a fixed order prefers. So every
+replica ends with the same bits and every update the replicas held between them,
+once.
 """
 
 from __future__ import annotations
@@ -65,6 +68,18 @@ def covers(seq: int, gaps: Gaps, other_seq: int, other_gaps: Gaps) -> bool:
     return seq >= other_seq and set(g for g in gaps if g <= other_seq).issubset(other_gaps)
 
 
+Filled = tuple[tuple[int, int], ...]  # updates added out of order: (number, the state's seq then), in order
+
+
+def replaces(seq: int, gaps: Gaps, filled: Filled, other_seq: int, other_gaps: Gaps, other_filled: Filled) -> bool:
+    """Whether a merge takes a state at ``seq`` lacking ``gaps`` with ``filled`` over the other: it holds
+    every update the other holds and more, or the same ones added in an order preferred (the fewest
+    fills first), so that replicas holding the same updates end with the same bits."""
+    if (seq, gaps) != (other_seq, other_gaps):
+        return covers(seq, gaps, other_seq, other_gaps)
+    return filled < other_filled
+
+
 def rank(seq: int, gaps: Gaps) -> tuple[int, int, Gaps]:
     """An order of states in which one that covers another (and differs) ranks higher; between two
     that each hold what the other lacks it picks the one that is filled (any fixed choice would do)."""
@@ -76,13 +91,14 @@ class OriginState:
     seq: int
     total: np.ndarray
     gaps: Gaps = ()  # updates up to ``seq`` given up, not in ``total``
+    filled: Filled = ()  # gaps filled since: in ``total``, added out of order
 
     def holds(self, seq: int) -> bool:
         return seq <= self.seq and seq not in self.gaps
 
-    def covered_by(self, seq: int, gaps: Gaps) -> bool:
-        """Whether a state at ``seq`` lacking ``gaps`` holds all this one does, and more (it wins a merge)."""
-        return (seq, gaps) != (self.seq, self.gaps) and covers(seq, gaps, self.seq, self.gaps)
+    def replaced_by(self, seq: int, gaps: Gaps, filled: Filled) -> bool:
+        """Whether a merge takes a state at ``seq`` lacking ``gaps`` with ``filled`` over this one."""
+        return replaces(seq, gaps, filled, self.seq, self.gaps, self.filled)
 
 
 @dataclass
@@ -113,6 +129,10 @@ class SumLattice:
     def gaps(self) -> dict[int, Gaps]:
         """Per origin whose state lacks updates it counts, their numbers."""
         return {o: s.gaps for o, s in self.origins.items() if s.gaps}
+
+    def filled(self) -> dict[int, Filled]:
+        """Per origin whose state took fills, which and when."""
+        return {o: s.filled for o, s in self.origins.items() if s.filled}
 
     def origin_state(self, origin: int) -> OriginState:
         """``origin``'s running sum (made, at seq 0, if it has none yet)."""
@@ -172,6 +192,7 @@ class SumLattice:
             return False
         state.total[update.rows] += update.values
         state.gaps = tuple(g for g in state.gaps if g != update.seq)
+        state.filled += ((update.seq, state.seq),)
         entries = self.log.setdefault(origin, [])
         at = bisect.bisect_left([u.seq for u in entries], update.seq)
         if at == len(entries) or entries[at].seq != update.seq:
@@ -183,17 +204,18 @@ class SumLattice:
         wanted = set(seqs)
         return [u for u in self.log.get(origin, []) if u.seq in wanted]
 
-    def merge_state(self, origin: int, seq: int, total: np.ndarray, gaps: Gaps = (), force: bool = False) -> bool:
-        """State-based merge of one origin: take the other state if it covers ours (or ``force``: one
-        that lacks updates ours holds, which nothing can fill any more), and fill its gaps from our
+    def merge_state(self, origin: int, seq: int, total: np.ndarray, gaps: Gaps = (), filled: Filled = (),
+                    force: bool = False) -> bool:
+        """State-based merge of one origin: take the other state if it ``replaces`` ours (or ``force``:
+        one that lacks updates ours holds, which nothing can fill any more), and fill its gaps from our
         log. True if it changed.
 
         The log stays: its updates are the same wherever they are held (a delta from it is right
         for any peer), and they fill gaps, ours and the peers'."""
         state = self.origin_state(origin)
-        if not (state.covered_by(seq, gaps) or force and (seq, gaps) != (state.seq, state.gaps)):
+        if not (state.replaced_by(seq, gaps, filled) or force and (seq, gaps) != (state.seq, state.gaps)):
             return False
-        state.seq, state.gaps = seq, gaps
+        state.seq, state.gaps, state.filled = seq, gaps, filled
         state.total = np.array(total, dtype=np.float64, copy=True)
         for update in self.logged(origin, gaps):
             self.fill(origin, update)
@@ -202,7 +224,7 @@ class SumLattice:
     def merge(self, other: SumLattice) -> None:
         """Join with another replica's whole state."""
         for origin, state in other.origins.items():
-            self.merge_state(origin, state.seq, state.total, state.gaps)
+            self.merge_state(origin, state.seq, state.total, state.gaps, state.filled)
 
     # ---------------------------------------------------------------- deltas
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.lattice.sum_lattice import Delta, Gaps, Update
+from shoal.lattice.sum_lattice import Delta, Filled, Gaps, Update
 from shoal.storage.kernels import any_nonfinite
 
 DIGEST, ANSWER, FINAL = 0, 1, 2
@@ -39,9 +39,12 @@ class GossipPayload:
     version: dict[int, int]
     stage: int
     deltas: list[Delta] = field(default_factory=list)
-    states: list[tuple[int, int, np.ndarray, Gaps]] = field(default_factory=list)  # (origin, seq, total, gaps)
+    #: whole states: (origin, seq, total, gaps, filled)
+    states: list[tuple[int, int, np.ndarray, Gaps, Filled]] = field(default_factory=list)
     #: per origin whose state lacks updates it counts (``SumLattice`` gaps), their numbers
     gaps: dict[int, Gaps] = field(default_factory=dict)
+    #: per origin whose state took fills, which and when (``SumLattice`` filled)
+    filled: dict[int, Filled] = field(default_factory=dict)
     #: updates the peer gave up, each ``(origin, update)``
     fills: list[tuple[int, Update]] = field(default_factory=list)
 
@@ -54,19 +57,18 @@ class GossipPayload:
                            "times": [u.accepted_at for u in d.updates], "nodes": [u.accepted_by for u in d.updates]})
             rows += [u.rows for u in d.updates]
             values += [u.values for u in d.updates]
-        # An origin's entry carries its gaps third where it has any.
         body: dict[str, Any] = {
             "shard": self.shard, "stage": self.stage, "deltas": deltas,
-            "vv": [[o, s, *([list(self.gaps[o])] if self.gaps.get(o) else [])]
+            "vv": [_entry_of(o, s, self.gaps.get(o, ()), self.filled.get(o, ()))
                    for o, s in sorted(self.version.items())],
-            "states": [[o, s, *([list(g)] if g else [])] for o, s, _, g in self.states]}
+            "states": [_entry_of(o, s, g, f) for o, s, _, g, f in self.states]}
         if self.fills:  # their rows and values follow the deltas'
             body["fills"] = [[o, u.seq, int(u.rows.shape[0]), u.accepted_at, u.accepted_by] for o, u in self.fills]
             rows += [u.rows for _, u in self.fills]
             values += [u.values for _, u in self.fills]
         arrays = [np.concatenate(rows) if rows else np.empty(0, np.int64),
                   np.concatenate(values) if values else np.empty((0, dim), np.float64)]
-        arrays += [np.ascontiguousarray(t, dtype=np.float64) for _, _, t, _ in self.states]
+        arrays += [np.ascontiguousarray(t, dtype=np.float64) for _, _, t, _, _ in self.states]
         return body, arrays
 
     @classmethod
@@ -75,8 +77,9 @@ class GossipPayload:
         try:
             shard = _int(body["shard"])
             entries = [_entry(e) for e in body["vv"]]
-            version = {o: s for o, s, _ in entries}
-            gaps = {o: g for o, _, g in entries if g}
+            version = {o: s for o, s, _, _ in entries}
+            gaps = {o: g for o, _, g, _ in entries if g}
+            filled = {o: f for o, _, _, f in entries if f}
             stage = _int(body["stage"])
             if stage not in (DIGEST, ANSWER, FINAL):
                 raise ValueError(f"unknown gossip stage {stage}")
@@ -121,28 +124,44 @@ class GossipPayload:
         if at != all_rows.shape[0]:
             raise ValueError("gossip carries rows no delta accounts for")
         states = []
-        for (origin, seq, gaps_of), total in zip(states_meta, arrays[2:], strict=True):
+        for (origin, seq, gaps_of, filled_of), total in zip(states_meta, arrays[2:], strict=True):
             if total.shape != (num_rows, dim):
                 raise ValueError(f"gossip state of shape {total.shape}, expected {(num_rows, dim)}")
             if any_nonfinite(total):
                 raise ValueError("gossip state carries NaN/Inf values")
-            states.append((origin, seq, total.astype(np.float64, copy=False), gaps_of))
-        return cls(shard, version, stage, deltas, states, gaps, fills)
+            states.append((origin, seq, total.astype(np.float64, copy=False), gaps_of, filled_of))
+        return cls(shard, version, stage, deltas, states, gaps, filled, fills)
 
 
-def _entry(entry: Any) -> tuple[int, int, Gaps]:
-    """``[origin, seq]`` or ``[origin, seq, gaps]``, checked: gaps ascend, each in ``[1, seq)``."""
-    if not isinstance(entry, list) or len(entry) not in (2, 3):
-        raise ValueError(f"expected [origin, seq(, gaps)], got {entry!r}")
+def _entry_of(origin: int, seq: int, gaps: Gaps, filled: Filled) -> list[Any]:
+    """An origin's state on the wire: ``[origin, seq]``, its gaps third and its fills fourth where it has any."""
+    if filled:
+        return [origin, seq, list(gaps), [list(f) for f in filled]]
+    return [origin, seq, list(gaps)] if gaps else [origin, seq]
+
+
+def _entry(entry: Any) -> tuple[int, int, Gaps, Filled]:
+    """``[origin, seq(, gaps(, filled))]``, checked: gaps ascend within ``[1, seq)``; each fill is
+    ``[number, seq then]`` with the number below the seq then, which is at most ``seq``."""
+    if not isinstance(entry, list) or not 2 <= len(entry) <= 4:
+        raise ValueError(f"expected [origin, seq(, gaps(, filled))], got {entry!r}")
     origin, seq = _int(entry[0]), _int(entry[1])
     gaps: Gaps = ()
-    if len(entry) == 3:
-        if not isinstance(entry[2], list) or not entry[2]:
+    filled: Filled = ()
+    if len(entry) >= 3:
+        if not isinstance(entry[2], list) or not entry[2] and len(entry) == 3:
             raise ValueError(f"gaps must be a list of update numbers, got {entry[2]!r}")
         gaps = tuple(_int(g) for g in entry[2])
-        if not (1 <= gaps[0] and gaps[-1] < seq and all(a < b for a, b in zip(gaps, gaps[1:], strict=False))):
+        if gaps and not (1 <= gaps[0] and gaps[-1] < seq and all(a < b for a, b in zip(gaps, gaps[1:], strict=False))):
             raise ValueError(f"gaps {list(gaps)} at seq {seq} do not ascend within [1, {seq})")
-    return origin, seq, gaps
+    if len(entry) == 4:
+        if not isinstance(entry[3], list) or not entry[3] or not all(
+                isinstance(f, list) and len(f) == 2 for f in entry[3]):
+            raise ValueError(f"fills must be a list of [number, seq then], got {entry[3]!r}")
+        filled = tuple((_int(f[0]), _int(f[1])) for f in entry[3])
+        if not all(1 <= number < then <= seq for number, then in filled):
+            raise ValueError(f"fills {entry[3]!r} at seq {seq} lie outside it")
+    return origin, seq, gaps, filled
 
 
 def _fill(entry: Any) -> tuple[int, int, int, float, int]:

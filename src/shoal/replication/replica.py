@@ -23,7 +23,7 @@ import numpy as np
 from shoal.api.config import TableSpec
 from shoal.api.ids import RESTORED
 from shoal.api.optim import SGD, Adagrad, Adam, Sum
-from shoal.lattice.sum_lattice import Delta, Gaps, SumLattice, Update, covers, rank
+from shoal.lattice.sum_lattice import Delta, Filled, Gaps, SumLattice, Update, covers, rank, replaces
 from shoal.replication.delays import DelaySamples
 from shoal.replication.gossip import DIGEST, GossipPayload
 from shoal.storage.checkpoint import place_saved
@@ -233,25 +233,28 @@ class ShardReplica:
     # ----------------------------------------------------------------- gossip
 
     def digest(self) -> GossipPayload:
-        return GossipPayload(self.shard, self.version(), DIGEST, gaps=self.lattice.gaps())
+        return GossipPayload(self.shard, self.version(), DIGEST, gaps=self.lattice.gaps(),
+                             filled=self.lattice.filled())
 
-    def answer(self, peer: int, peer_version: dict[int, int], stage: int, budget: int = 1 << 62,
-               peer_gaps: dict[int, Gaps] | None = None) -> GossipPayload:
-        """What ``peer`` lacks, as deltas where the log reaches back, else whole states, up to
-        ``budget`` bytes of rows (the rest goes in later rounds); one state or update larger than
-        the budget goes alone. Where the peer and this replica each hold an update the other gave
-        up, the one of higher ``rank`` is filled (``_mend``)."""
-        self.peer_versions[peer] = peer_version
-        self.peer_gaps[peer] = peer_gaps = peer_gaps or {}
-        payload = GossipPayload(self.shard, self.version(), stage, gaps=self.lattice.gaps())
+    def answer(self, peer: int, digest: GossipPayload, stage: int, budget: int = 1 << 62) -> GossipPayload:
+        """What ``peer`` lacks by what it sent (``digest``: its version, gaps and fills), as deltas
+        where the log reaches back, else whole states, up to ``budget`` bytes of rows (the rest goes
+        in later rounds); one state or update larger than the budget goes alone. Where the peer and
+        this replica each hold an update the other gave up, or took fills, ``_mend`` decides."""
+        self.peer_versions[peer] = peer_version = digest.version
+        self.peer_gaps[peer] = peer_gaps = digest.gaps
+        peer_filled = digest.filled
+        payload = GossipPayload(self.shard, self.version(), stage, gaps=self.lattice.gaps(),
+                                filled=self.lattice.filled())
         used = 0
         now = self.now()
         sent = self._sent[peer]
         for origin, state in self.lattice.origins.items():
             held, their_gaps = peer_version.get(origin, 0), peer_gaps.get(origin, ())
-            if state.gaps or their_gaps:
-                if not covers(state.seq, state.gaps, held, their_gaps) or state.seq == held:
-                    used = self._mend(payload, origin, held, their_gaps, used, budget)
+            their_filled = peer_filled.get(origin, ())
+            if state.gaps or their_gaps or state.filled or their_filled:
+                if state.seq == held or not covers(state.seq, state.gaps, held, their_gaps):
+                    used = self._mend(payload, origin, (held, their_gaps, their_filled), used, budget)
                     continue
             upto, since, seen = sent.get(origin, (0, 0.0, 0))
             if held > seen:
@@ -269,7 +272,7 @@ class ShardReplica:
             if delta is None:
                 if used and used + state.total.nbytes > budget:
                     continue  # the next round's (checked against the budget alone, it went over the limit)
-                payload.states.append((origin, state.seq, state.total, state.gaps))
+                payload.states.append((origin, state.seq, state.total, state.gaps, state.filled))
                 used += state.total.nbytes
                 sent[origin] = (state.seq, since, held)
                 continue
@@ -285,19 +288,22 @@ class ShardReplica:
                 sent[origin] = (taken[-1].seq, since, held)
         return payload
 
-    def _mend(self, payload: GossipPayload, origin: int, held: int, their_gaps: Gaps, used: int, budget: int) -> int:
-        """One origin where the peer's state (``held``, lacking ``their_gaps``) and ours are at one seq,
-        or each holds an update the other lacks; returns the bytes used now. Our state goes whole where
-        it covers the peer's, or ranks higher (the peer takes it only once it cannot fill ours). The
-        updates the peer lacks go as fills where its state ranks higher: filled, it covers ours, and
-        comes back whole, so both end with the same bits."""
+    def _mend(self, payload: GossipPayload, origin: int, theirs: tuple[int, Gaps, Filled], used: int,
+              budget: int) -> int:
+        """One origin where the peer's state (``theirs``: seq, gaps, fills) and ours are at one seq, or
+        each holds an update the other lacks; returns the bytes used now. Our state goes whole where
+        it ``replaces`` the peer's, or ranks higher (the peer takes it only once it cannot fill ours).
+        The updates the peer lacks go as fills where its state ranks higher: filled, it covers ours,
+        and comes back whole, so both end with the same bits."""
         state = self.lattice.origins[origin]
-        if (state.seq, state.gaps) == (held, their_gaps) or covers(held, their_gaps, state.seq, state.gaps):
+        held, their_gaps, _ = theirs
+        if (state.seq, state.gaps, state.filled) == theirs or state.replaced_by(*theirs):
             return used  # nothing it lacks (it sends us what we lack)
-        if covers(state.seq, state.gaps, held, their_gaps) or rank(state.seq, state.gaps) > rank(held, their_gaps):
+        ours = (state.seq, state.gaps, state.filled)
+        if replaces(*ours, *theirs) or rank(state.seq, state.gaps) > rank(held, their_gaps):
             if used >= budget or used and used + state.total.nbytes > budget:
                 return used  # the next round's
-            payload.states.append((origin, state.seq, state.total, state.gaps))
+            payload.states.append((origin, state.seq, state.total, state.gaps, state.filled))
             return used + int(state.total.nbytes)
         for update in self.lattice.logged(origin, tuple(g for g in their_gaps if state.holds(g))):
             size = update.values.nbytes + update.rows.nbytes
@@ -328,7 +334,7 @@ class ShardReplica:
             if self.lattice.fill(origin, update):
                 self._changed(update.rows)
                 new += 1
-        for origin, seq, total, gaps in payload.states:
+        for origin, seq, total, gaps, filled in payload.states:
             before = self.lattice.seq(origin)
             # A state that lacks some update ours holds is taken only if we cannot fill it (the update
             # is no longer in our log): then nothing can, and the replicas agree on the fuller state.
@@ -336,7 +342,7 @@ class ShardReplica:
             lacking = tuple(g for g in gaps if ours.holds(g))
             unfillable = (bool(lacking) and rank(seq, gaps) > rank(ours.seq, ours.gaps)
                           and not self.lattice.logged(origin, lacking))
-            if self.lattice.merge_state(origin, seq, total, gaps, force=unfillable):
+            if self.lattice.merge_state(origin, seq, total, gaps, filled, force=unfillable):
                 self._changed(None)
                 new += max(1, seq - before)
         return new

@@ -441,10 +441,11 @@ class ReplicationService:
         self._answer_held(replica)
         budget = self.cluster.limits.max_message_bytes // 2
         if payload.stage == DIGEST:
-            self._send_gossip(table, sender, replica.answer(sender, payload.version, ANSWER, budget, payload.gaps))
+            answer = replica.answer(sender, payload, ANSWER, budget)
+            self._send_gossip(table, sender, answer)
         elif payload.stage == ANSWER:
-            final = replica.answer(sender, payload.version, FINAL, budget, payload.gaps)
-            if final.deltas or final.states:
+            final = replica.answer(sender, payload, FINAL, budget)
+            if final.deltas or final.states or final.fills:
                 self._send_gossip(table, sender, final)
 
     # ----------------------------------------------------------- checkpoints
@@ -503,8 +504,13 @@ def wire_version(replica: ShardReplica) -> list[list[int]]:
 
 
 def state_version(replica: ShardReplica) -> list[list[int]]:
-    """``wire_version`` with the numbers of the updates an origin's state lacks after its seq: two
-    replicas hold the same values exactly when theirs are equal (at one version, one may have given
-    up a push the other holds)."""
-    gaps = replica.lattice.gaps()
-    return sorted([origin, seq, *gaps.get(origin, ())] for origin, seq in replica.version().items() if seq)
+    """``wire_version`` with, after each seq, how many updates the origin's state lacks, their numbers,
+    and the fills it took (number, seq then): two replicas hold the same bits exactly when theirs are
+    equal (at one version, one may have given up a push the other holds, or added one in another
+    order)."""
+    entries = []
+    for origin, state in replica.lattice.origins.items():
+        if state.seq:
+            fills = [n for fill in state.filled for n in fill]
+            entries.append([origin, state.seq, len(state.gaps), *state.gaps, *fills])
+    return sorted(entries)
