@@ -296,10 +296,10 @@ class ShardReplica:
         The updates the peer lacks go as fills where its state ranks higher: filled, it covers ours,
         and comes back whole, so both end with the same bits."""
         state = self.lattice.origins[origin]
-        held, their_gaps, _ = theirs
-        if (state.seq, state.gaps, state.filled) == theirs or state.replaced_by(*theirs):
-            return used  # nothing it lacks (it sends us what we lack)
         ours = (state.seq, state.gaps, state.filled)
+        held, their_gaps, _ = theirs
+        if ours == theirs or replaces(*theirs, *ours):
+            return used  # nothing it lacks (it sends us what we lack)
         if replaces(*ours, *theirs) or rank(state.seq, state.gaps) > rank(held, their_gaps):
             if used >= budget or used and used + state.total.nbytes > budget:
                 return used  # the next round's
