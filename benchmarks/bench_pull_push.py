@@ -15,13 +15,22 @@ float32 values it times, alternating round by round:
 Each is timed with one request at a time (latency-bound) and with four in
 flight (``pull_async`` / ``push_async``, and four raw requests before the first
 reply is read), which is how a training loop overlaps its calls.
+
+For the 1-key pull it also counts CPU per call on each side (the calling
+process's CPU time, and the serving process's from ``/proc``, alternating
+rounds of ``CPU_CALLS`` calls): on 2 cores a round trip's wall time is about
+the caller's and the server's CPU in a row, so the sides say where a ratio's
+shortfall lies.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import numpy as np
 import zmq
@@ -35,6 +44,8 @@ NUM_KEYS = 200_000
 DIM = 64
 BATCHES = (1, 100, 10_000)
 IN_FLIGHT = 4
+CPU_CALLS = 5_000  # calls per round of the CPU count (/proc's clock ticks are 10 ms)
+CPU_ROUNDS = 5
 
 RAW_SERVER = r"""
 import sys, zmq, numpy as np
@@ -56,6 +67,47 @@ while True:
 s.close(0)
 ctx.term()
 """
+
+
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far, every thread included."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serving_pid() -> int:
+    """The job's server process: the launcher's other child (this worker's sibling)."""
+    launcher = os.getppid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                server = b"server_main" in f.read()
+        except OSError:  # ended meanwhile
+            continue
+        if parent == launcher and server:
+            return int(entry)
+    raise RuntimeError("the job's server process was not found")
+
+
+def cpu_per_call(contenders: dict[str, tuple[Callable[[], object], int]]) -> dict[str, dict[str, float]]:
+    """Per contender (a call and the pid serving it): median wall, caller CPU and server CPU, in µs
+    per call, over alternating rounds."""
+    per: dict[str, list[tuple[float, float, float]]] = {name: [] for name in contenders}
+    for _ in range(CPU_ROUNDS):
+        for name, (fn, pid) in contenders.items():
+            served, caller, wall = process_cpu_s(pid), time.process_time(), time.perf_counter()
+            for _ in range(CPU_CALLS):
+                fn()
+            per[name].append(((time.perf_counter() - wall) / CPU_CALLS * 1e6,
+                              (time.process_time() - caller) / CPU_CALLS * 1e6,
+                              (process_cpu_s(pid) - served) / CPU_CALLS * 1e6))
+    return {name: {what: statistics.median(r[i] for r in rounds) for i, what in enumerate(("wall", "caller", "server"))}
+            for name, rounds in per.items()}
 
 
 def worker() -> None:
@@ -126,6 +178,13 @@ def worker() -> None:
             print(f"{n:>6} keys: pull ratio {row['pull_ratio']:.2f} ({row['pull_ratio_4']:.2f} with "
                   f"{IN_FLIGHT} in flight); push ratio {row['push_ratio']:.2f} ({row['push_ratio_4']:.2f})",
                   flush=True)
+        one = np.array([12_345], dtype=np.int64)
+
+        def raw_pull_one() -> None:
+            sock.send_multipart([b"pull", one], copy=False)
+            np.frombuffer(sock.recv_multipart(copy=False)[0].buffer, dtype=np.float32)
+
+        cpu = cpu_per_call({"raw": (raw_pull_one, raw.pid), "shoal": (lambda: table.pull(one), serving_pid())})
         sock.send_multipart([b"quit", b""])
     finally:
         raw.wait(timeout=10)
@@ -146,9 +205,16 @@ def worker() -> None:
     lines.append(f"\nRemote pull of 10,000 x 64 float32: {big['shoal_pull_keys_per_s'] / 1e6:.2f} M keys/s one at a "
                  f"time (ratio {big['pull_ratio']:.2f}), {big['shoal_pull_4_keys_per_s'] / 1e6:.2f} M keys/s with "
                  f"{IN_FLIGHT} in flight (ratio {big['pull_ratio_4']:.2f}).")
+    lines += ["", f"CPU per 1-key pull (µs; median of {CPU_ROUNDS} alternating rounds of {CPU_CALLS:,} calls; caller: "
+              "the worker process, every thread; server: the serving process, every thread)", "",
+              "| contender | wall µs | caller CPU µs | server CPU µs |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {c['wall']:.1f} | {c['caller']:.1f} | {c['server']:.1f} |" for name, c in cpu.items()]
+    extra = {side: cpu["shoal"][side] - cpu["raw"][side] for side in ("wall", "caller", "server")}
+    lines.append(f"| Shoal beyond raw | {extra['wall']:.1f} | {extra['caller']:.1f} | {extra['server']:.1f} |")
     table_md = "\n".join(lines)
     print("\n" + table_md)
-    write_results("pull_push", {"dim": DIM, "num_keys": NUM_KEYS, "results": results}, table_md)
+    write_results("pull_push", {"dim": DIM, "num_keys": NUM_KEYS, "results": results, "cpu_per_1key_pull_us": cpu},
+                  table_md)
 
 
 def main() -> int:

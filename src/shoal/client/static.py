@@ -188,10 +188,10 @@ class StaticAccess(RoutedAccess):
         if local and me < counts.shape[0] and counts[me] == n:
             self._local(call, local, shard, rows, pos, op)
             return
-        single = np.flatnonzero(counts == n)
+        first = int(owner[0])  # if one node holds every key, it holds the first
         groups: list[tuple[int, np.ndarray | None]]
-        if single.size:  # every key on one remote node: the batch goes as it is
-            groups = [(int(single[0]), None)]
+        if counts[first] == n:  # every key on one remote node: the batch goes as it is
+            groups = [(first, None)]
         else:
             order, starts = kernels.partition_by_owner(owner, counts.shape[0])
             groups = [(node, order[starts[node] : starts[node + 1]]) for node in range(counts.shape[0])

@@ -265,6 +265,9 @@ class AdaptiveService:
 
     def tick(self) -> None:
         """Feed each table's machine the time and its node's clock; carry out what it decides."""
+        if not self.machines:  # no adaptive table (yet): every timer pass of a static job came here
+            self._resend_and_acknowledge()
+            return
         slowest = self.clocks.slowest
         seen, at = self._clock_seen
         now = self.now()
