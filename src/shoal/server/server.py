@@ -486,11 +486,15 @@ class ParameterServer:
             error = bodies.Error.about(exc, f"server {self.node}: reply refused").to_message(req=reply.req,
                                                                                              sender=self.node)
             frames = codec.encode(error)
-        size = frames_nbytes(frames)
-        self.stats["bytes_out"] += size
-        if reply.req:  # every answer: a repeat of its request is answered again, never taken as in progress
-            self.replay.answered(reply.incarnation, reply.req, frames, size)
-        self.listener.send(peer, frames)
+        try:
+            self.listener.send(peer, frames)
+        finally:
+            # Kept once it has gone, off the requester's wait: nothing else is handled in between (one
+            # thread), so a repeat of the request still finds it answered.
+            size = frames_nbytes(frames)
+            self.stats["bytes_out"] += size
+            if reply.req:  # every answer: a repeat of its request is answered again, never taken as in progress
+                self.replay.answered(reply.incarnation, reply.req, frames, size)
 
     def dispatch(self, msg: Message, peer: bytes = b"") -> Message | None:
         """Serve one checked request; None means no reply now (a held pull, or none at all)."""
