@@ -39,6 +39,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import critical_path  # noqa: E402
 import shoal  # noqa: E402
 from common import write_results  # noqa: E402
 from shoal.api.config import ClusterSpec, Limits  # noqa: E402
@@ -179,6 +180,7 @@ def floor() -> list[tuple[str, float]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--trips", type=int, default=5000, help="round trips timed segment by segment")
     args = parser.parse_args()
     results = [measure(op, args.requests) for op in ("pull", "push")]
     lines = ["Python work per remote request of one 64-float row (authenticated, loopback tcp).", "",
@@ -201,10 +203,18 @@ def main() -> int:
     beyond_raw = shoal_steps - sum(us for what, us in steps if what in RAW_ROWS)
     lines.append(f"| **sum of Shoal's steps: both sides of one round trip** | **{shoal_steps:.1f}** |")
     lines.append(f"| **beyond raw pyzmq's round trip (its frames' rows taken off)** | **{beyond_raw:.1f}** |")
+    raw, ours = critical_path.raw_segments(args.trips), critical_path.shoal_segments(args.trips)
+    lines += ["", f"A 1-key pull's round trip, worker and server in two processes: median µs of each segment over "
+              f"{args.trips:,} calls (the wire: sending, ZeroMQ's I/O threads, the receiver's wake-up, receiving)", "",
+              "| segment | raw pyzmq | Shoal | Shoal - raw |", "|---|---:|---:|---:|"]
+    lines += [f"| {what} | {r:.1f} | {o:.1f} | {o - r:+.1f} |"
+              for what, r, o in zip(critical_path.SEGMENTS, raw, ours, strict=True)]
     text = "\n".join(lines)
     print(text)
     write_results("request_cost", {"dim": DIM, "results": results, "floor_us": dict(steps),
-                                   "beyond_raw_us": round(beyond_raw, 1)}, text)
+                                   "beyond_raw_us": round(beyond_raw, 1),
+                                   "round_trip_us": {"segments": list(critical_path.SEGMENTS), "raw": raw,
+                                                     "shoal": ours}}, text)
     return 0
 
 

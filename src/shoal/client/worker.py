@@ -275,8 +275,9 @@ class Worker:
 
     def settled_clock(self) -> int:
         """Every push this worker made to a bounded table in iterations before this clock is acknowledged."""
-        oldest = [t.access.oldest_open_push() for t in self.tables.values() if t.bound is not None]
-        return min([self.clock, *(c for c in oldest if c is not None)])
+        oldest = [c for t in self.tables.values() if t.bound is not None
+                  and (c := t.access.oldest_open_push()) is not None]
+        return min(self.clock, *oldest) if oldest else self.clock  # every request asks: no list for none
 
     def local_slices(self, spec: TableSpec, layout: TableLayout, mapped: dict[int, ShardStore]
                      ) -> dict[int, ShardStore]:
