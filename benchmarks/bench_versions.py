@@ -13,7 +13,11 @@ pointing at its own ``src``. Measured per contender:
   exit (the median of 3 per round);
 * remote pulls through ``shoal run --nodes 1 --classic`` (every key to the
   server over loopback tcp, authenticated): microseconds per pull of 1 key and
-  of 10,000 keys of 64 float32, one request at a time;
+  of 10,000 keys of 64 float32, one request at a time; and the same again with
+  both contenders' jobs running at once, taking turns every ``TURN_CALLS``
+  pulls (a turn of one against the next turn of the other sees the machine in
+  the same state: on a shared machine a round of jobs one after the other can
+  land in a faster or slower minute than the next);
 * KGE (synthetic Zipf graph, ComplEx) with ``--mode auto`` on 2 nodes: triples/s, and the cores
   both servers used; and triples/s again with 5% of all messages lost (``shoal run --faults``,
   seeded by the round, so both contenders lose the same draws of the dice).
@@ -26,12 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TextIO
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -57,6 +63,37 @@ for n, calls in ((1, 3000), (10_000, 300)):
 ps.shutdown()
 open(sys.argv[1], "w").write(json.dumps(out))
 """
+
+
+# A worker that pulls a turn of calls when its driver asks (a line on one FIFO) and tells the time per
+# call (a line on the other); the job's stdin is not the driver's.
+TURNS = r"""
+import sys, time
+import numpy as np
+import shoal
+
+ps = shoal.init()
+table = ps.table("versions", 200_000, 64)
+keys = {n: np.arange(0, 200_000, 20)[:n] for n in (1, 10_000)}
+for n, calls in ((1, 1000), (10_000, 100)):
+    for _ in range(calls):
+        table.pull(keys[n])
+with open(sys.argv[2], "w") as answers:
+    answers.write("ready\n")
+    answers.flush()
+    for line in open(sys.argv[1]):
+        n, calls = map(int, line.split())
+        if not calls:
+            break
+        start = time.perf_counter()
+        for _ in range(calls):
+            table.pull(keys[n])
+        answers.write(f"{(time.perf_counter() - start) / calls * 1e6}\n")
+        answers.flush()
+ps.shutdown()
+"""
+TURN_CALLS = {1: 1500, 10_000: 100}
+TURNS_EACH = 12
 
 
 TRIVIAL = r"""
@@ -90,6 +127,56 @@ def shoal_run(src: Path, nodes: int, args: list[str], classic: bool = False, fau
         return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
+def _answer(process: subprocess.Popen[bytes], answers: TextIO, timeout_s: float = 300.0) -> str:
+    """The job's next line, once it comes; raises if the job ends or stays silent first."""
+    deadline = time.monotonic() + timeout_s
+    while not select.select([answers], [], [], 1.0)[0]:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("a pulling job ended, or fell silent, before it answered")
+    return answers.readline()
+
+
+def pulls_in_turns(contenders: dict[str, Path], script: Path, tmp: Path) -> dict[str, dict[str, list[float]]]:
+    """Microseconds per remote pull of each contender, turn by turn, both jobs running at once."""
+    jobs: dict[str, tuple[subprocess.Popen[bytes], TextIO, TextIO]] = {}
+    for i, (name, src) in enumerate(contenders.items()):
+        asks_at, answers_at = tmp / f"asks{i}", tmp / f"answers{i}"
+        os.mkfifo(asks_at)
+        os.mkfifo(answers_at)
+        cmd = [sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "1", "--classic", "--", sys.executable,
+               str(script), str(asks_at), str(answers_at)]
+        process = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(src)}, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, cwd=ROOT)
+        # Read-write: opening a FIFO so never waits for its other end (a job that fails to start would
+        # never open its end); ``_answer`` waits for the job's lines, a bounded time.
+        jobs[name] = (process, open(os.open(asks_at, os.O_RDWR), "w"),  # noqa: SIM115 - held for every turn
+                      open(os.open(answers_at, os.O_RDWR)))  # noqa: SIM115
+    try:
+        for process, _, answers in jobs.values():
+            if _answer(process, answers).strip() != "ready":
+                raise SystemExit("a pulling job said something else than that it was ready")
+        times: dict[str, dict[str, list[float]]] = {name: {str(n): [] for n in TURN_CALLS} for name in jobs}
+        for turn in range(TURNS_EACH):
+            order = list(jobs) if turn % 2 == 0 else list(reversed(jobs))
+            for n, calls in TURN_CALLS.items():
+                for name in order:
+                    process, asks, answers = jobs[name]
+                    asks.write(f"{n} {calls}\n")
+                    asks.flush()
+                    times[name][str(n)].append(float(_answer(process, answers)))
+        return times
+    finally:
+        for process, asks, answers in jobs.values():
+            asks.write("0 0\n")
+            asks.close()
+            answers.close()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 def measure(src: Path, seconds: float, pulls_script: Path, trivial_script: Path, seed: int) -> dict[str, float]:
     startup = statistics.median(trivial_job(src, trivial_script) for _ in range(3))
     pulls = shoal_run(src, 1, [str(pulls_script), "{out}"], classic=True)
@@ -120,6 +207,8 @@ def main() -> None:
             pulls_script.write_text(PULLS)
             trivial_script = Path(tmp) / "trivial.py"
             trivial_script.write_text(TRIVIAL)
+            turns_script = Path(tmp) / "turns.py"
+            turns_script.write_text(TURNS)
             contenders = {"this tree": ROOT / "src", rev: old / "src"}
             for src in contenders.values():
                 # Both start from bytecode, as an installed package does: a fresh worktree has none, and
@@ -127,6 +216,7 @@ def main() -> None:
                 # again (0.4-0.5 s of the trivial job here).
                 subprocess.run([sys.executable, "-m", "compileall", "-q", str(src)], check=True,
                                env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
+            turns = pulls_in_turns(contenders, turns_script, Path(tmp))
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
             for round_ in range(args.rounds):
                 for name, src in contenders.items():
@@ -146,9 +236,19 @@ def main() -> None:
     for label, key, lower_is_better in rows:
         ratio = base[key] / new[key] if lower_is_better else new[key] / base[key]
         lines.append(f"| {label} | {new[key]:,.2f} | {base[key]:,.2f} | {ratio:.2f} |")
+    lines += ["", f"Remote pulls with both jobs running at once, taking turns ({TURNS_EACH} turns each, the first "
+              "turn alternating); median µs per pull, and the turns where this tree was faster than the other's "
+              "turn next to it.", "", f"| keys | this tree | {rev} | ratio | this tree faster |",
+              "|---:|---:|---:|---:|---:|"]
+    for n in TURN_CALLS:
+        ours, theirs = turns["this tree"][str(n)], turns[rev][str(n)]
+        faster = sum(a < b for a, b in zip(ours, theirs, strict=True))
+        lines.append(f"| {n:,} | {statistics.median(ours):,.1f} | {statistics.median(theirs):,.1f} | "
+                     f"{statistics.median(theirs) / statistics.median(ours):.2f} | {faster} of {len(ours)} |")
     table = "\n".join(lines)
     print("\n" + table)
-    write_results("versions", {"against": rev, "rounds": args.rounds, "runs": runs, "medians": medians}, table)
+    write_results("versions", {"against": rev, "rounds": args.rounds, "runs": runs, "medians": medians,
+                               "pull_turns_us": turns}, table)
 
 
 if __name__ == "__main__":
