@@ -277,7 +277,7 @@ class Worker:
         """Every push this worker made to a bounded table in iterations before this clock is acknowledged."""
         oldest = [c for t in self.tables.values() if t.bound is not None
                   and (c := t.access.oldest_open_push()) is not None]
-        return min(self.clock, *oldest) if oldest else self.clock  # every request asks: no list for none
+        return min(self.clock, *oldest) if oldest else self.clock  # asked per request: no min() in the usual case
 
     def local_slices(self, spec: TableSpec, layout: TableLayout, mapped: dict[int, ShardStore]
                      ) -> dict[int, ShardStore]:
