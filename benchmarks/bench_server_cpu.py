@@ -47,23 +47,27 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
     """The servers' CPU during training, summed over servers, from the app's stats before and after."""
     activities: Split = {}
     placement: Split = {}
+    passes: Split = {}
     loop_s = process_s = 0.0
     for after, before in zip(result["servers"], result["servers_before"], strict=True):
         _add(activities, _delta(after["cpu"]["activities"], before["cpu"]["activities"]))
         _add(placement, _delta(after["cpu"]["placement"], before["cpu"]["placement"]))
+        _add(passes, _delta(after["cpu"]["adaptive_passes"], before["cpu"]["adaptive_passes"]))
         loop_s += after["cpu"]["loop_s"] - before["cpu"]["loop_s"]
         process_s += after["cpu_s"] - before["cpu_s"]
     return {"seconds": result["seconds"], "triples_per_s": result["triples_per_s"], "activities": activities,
-            "placement": placement, "loop_s": loop_s, "process_s": process_s}
+            "placement": placement, "adaptive_passes": passes, "loop_s": loop_s, "process_s": process_s}
 
 
 def report(runs: list[dict[str, Any]]) -> str:
     seconds = sum(r["seconds"] for r in runs)
     activities: Split = {}
     placement: Split = {}
+    passes: Split = {}
     for r in runs:
         _add(activities, r["activities"])
         _add(placement, r["placement"])
+        _add(passes, r["adaptive_passes"])
     loop_s = sum(r["loop_s"] for r in runs)
     process_s = sum(r["process_s"] for r in runs)
     charged = sum(s for _, s in activities.values())
@@ -86,7 +90,10 @@ def report(runs: list[dict[str, Any]]) -> str:
              "| activity (a message's op: decoded, served, answered; or a timer pass) | per s | µs CPU each | cores |",
              "|---|---:|---:|---:|", *rows(activities), "",
              "The PLACEMENT messages' share by kind (each message carries one or more):", "",
-             "| placement message | per s | µs CPU each | cores |", "|---|---:|---:|---:|", *rows(placement)]
+             "| placement message | per s | µs CPU each | cores |", "|---|---:|---:|---:|", *rows(placement), "",
+             "The adaptive timer's passes, by whether they sent placement messages (a sync of the replicas, "
+             "intents acted on) or found nothing due:", "",
+             "| timer adaptive: pass | per s | µs CPU each | cores |", "|---|---:|---:|---:|", *rows(passes)]
     return "\n".join(lines)
 
 

@@ -91,6 +91,23 @@ def test_each_kind_of_placement_message_is_charged_its_cpu_where_it_is_received(
         assert received() == [{"state": 1}, {"relocate": 1}]
         assert c.servers[0].cpu_use()["activities"]["LOCALIZE"][0] == 1
 
+def test_the_adaptive_timers_passes_are_charged_by_whether_they_sent_placement_messages():
+    with ThreadCluster(nodes=2) as c:
+        c.worker(0).table("b", 8, 2, techniques="replication", init=shoal.Constant(1.0))
+        c.servers[0].adaptive.carry_out(Effects(sends=[Send("b", 1, Replicate(np.array([0]), np.ones((1, 2),
+                                                                                                np.float32)))]))
+
+        def passes() -> dict[str, int]:
+            return {outcome: count for outcome, (count, _) in c.servers[1].cpu_use()["adaptive_passes"].items()}
+
+        # Node 1 has no interest in the replica it was given: its next sync sends it back, a pass that
+        # sends; the passes around it find nothing due.
+        wait_until(lambda: passes().get("sent placement messages", 0) >= 1 and passes().get("nothing due", 0) >= 1)
+        counted = sum(passes().values())
+        timer_runs = c.servers[1].cpu_use()["activities"]["timer adaptive"][0]
+        assert counted <= timer_runs + 1  # a pass inside each run of the timer (the one running may be half-charged)
+
+
 def test_what_one_event_sends_one_node_goes_as_one_message():
     with ThreadCluster(nodes=2) as c:
         c.worker(0).table("b", 8, 2, techniques="replication", init=shoal.Constant(1.0))

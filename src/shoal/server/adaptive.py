@@ -45,6 +45,9 @@ from shoal.wire.schema import Moved, intents_of
 
 log = logging.getLogger(__name__)
 
+_SENT = "sent placement messages"
+_NOTHING_DUE = "nothing due"
+
 
 class AdaptiveService:
     """The adaptive tables of one server and the messages that move their keys."""
@@ -68,6 +71,9 @@ class AdaptiveService:
         self._warnings = ThrottledWarnings(log)
         self._own_stats: Counter[str] = Counter()
         self.cpu = CpuAccount()  # the part of each kind of placement message in the PLACEMENT messages' CPU
+        #: the timer's passes over the tables, by whether they sent placement messages (a sync of the
+        #: replicas, intents acted on) or found nothing due: what the timer's CPU is spent on
+        self.passes = CpuAccount()
         self._clock_seen = (0, now())
         self._clock_s = 0.0
         clocks.on_restart.append(self._worker_restarted)
@@ -268,6 +274,7 @@ class AdaptiveService:
         if not self.machines:  # no adaptive table (yet): every timer pass of a static job came here
             self._resend_and_acknowledge()
             return
+        started = time.thread_time()
         slowest = self.clocks.slowest
         seen, at = self._clock_seen
         now = self.now()
@@ -285,6 +292,7 @@ class AdaptiveService:
         finally:  # a state message is the only copy of its rows: what a table decided goes out regardless
             self.carry_out(effects)
         self._resend_and_acknowledge()
+        self.passes.charge(_SENT if effects.sends else _NOTHING_DUE, time.thread_time() - started)
 
     def _worker_restarted(self, worker: int) -> None:
         """A worker was started again: if it is on this node, the intents declared here so far end

@@ -628,13 +628,15 @@ class ParameterServer:
 
     def cpu_use(self) -> dict[str, Any]:
         """Where the request loop's CPU went: ``loop_s`` in all (the rest of it: waiting for and
-        reading messages), each op's messages and each timer (``[times, seconds]``), and the part of
-        the PLACEMENT messages' each kind of placement message took."""
+        reading messages), each op's messages and each timer (``[times, seconds]``), the part of the
+        PLACEMENT messages' each kind of placement message took, and the adaptive timer's passes by
+        whether they sent anything."""
         try:
             loop_s = time.clock_gettime(self._loop_clock) if self._loop_clock is not None else 0.0
         except OSError:  # the loop has ended: its thread's clock with it
             loop_s = 0.0
-        return {"loop_s": loop_s, "activities": self.cpu.describe(), "placement": self.adaptive.cpu.describe()}
+        return {"loop_s": loop_s, "activities": self.cpu.describe(), "placement": self.adaptive.cpu.describe(),
+                "adaptive_passes": self.adaptive.passes.describe()}
 
     # --------------------------------------------------- shared-memory access
 
