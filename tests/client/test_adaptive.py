@@ -106,6 +106,9 @@ def test_the_adaptive_timers_passes_are_charged_by_whether_they_sent_placement_m
         counted = sum(passes().values())
         timer_runs = c.servers[1].cpu_use()["activities"]["timer adaptive"][0]
         assert counted <= timer_runs + 1  # a pass inside each run of the timer (the one running may be half-charged)
+        metric = "shoal_server_adaptive_pass_cpu_seconds_total"
+        (family,) = [f for f in server_families(c.servers[1]) if f.name == metric]
+        assert {labels["outcome"] for labels, _ in family.samples} >= {"sent placement messages", "nothing due"}
 
 
 def test_what_one_event_sends_one_node_goes_as_one_message():

@@ -53,6 +53,9 @@ def server_families(server: Measured) -> list[Family]:
                           "messages, and each timer.", "activity"),
         server.adaptive.cpu.family("shoal_server_placement_cpu_seconds_total", "The part of PLACEMENT "
                                    "messages' CPU time each kind of placement message took.", "kind"),
+        server.adaptive.passes.family("shoal_server_adaptive_pass_cpu_seconds_total", "The adaptive timer's CPU "
+                                      "time, by whether a pass sent placement messages or found nothing due.",
+                                      "outcome"),
         Family("shoal_server_bytes_total", "counter", "Bytes received and sent.")
         .add(stats.get("bytes_in", 0), direction="in").add(stats.get("bytes_out", 0), direction="out"),
         counters("shoal_server_errors_total", "Requests answered with an error, by error code.", errors, "code"),
