@@ -63,7 +63,9 @@ def test_a_bsp_read_at_a_joined_server_does_not_wait_for_ever_on_a_worker_busy_e
     The joined server learnt worker 1's clock from nothing (worker 1 never heard of it: no request
     of it was refused, and the joined server's fence is told only to workers it has heard from), so
     it counted worker 1 at clock 0 and held the read until it expired. A worker under a bound now
-    asks the rendezvous for the servers at most once a second, in the background."""
+    asks the rendezvous for the servers at most once a second, in the background. Worker 1 trains on
+    while worker 0 reads (three clocks and then nothing left the answer to its question unread on a
+    busy machine: it learnt of the joined server after its last tick, and the read waited for ever)."""
     with ThreadCluster(nodes=2, timeouts=TIMEOUTS) as c:
         w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
         t0, t1 = table_on_every_worker([w0, w1], "t", 40, 1, optimizer=shoal.optim.Sum(), slices=2,
@@ -72,14 +74,30 @@ def test_a_bsp_read_at_a_joined_server_does_not_wait_for_ever_on_a_worker_busy_e
         _join_server(c, 2)
         w0.move_slice("t", 0, to=2)
         assert int(t0.layout.owners[0]) == 2
-        for _ in range(3):  # worker 1 trains on slice 1 alone
+        read = threading.Event()
+
+        def train_elsewhere() -> None:  # worker 1 trains on slice 1 alone until worker 0's read is in
+            for _ in range(2000):
+                if read.is_set():
+                    return
+                t1.push(slice1, np.ones((slice1.shape[0], 1), np.float32))
+                w1.advance_clock()
+                time.sleep(0.002)
+
+        for _ in range(3):
             t1.push(slice1, np.ones((slice1.shape[0], 1), np.float32))
             w1.advance_clock()
-        t0.push(slice0, np.ones((slice0.shape[0], 1), np.float32))
-        w0.advance_clock()  # clock 1; worker 1 is at clock 3
-        started = time.monotonic()
-        got = t0.pull(slice0)
-        waited = time.monotonic() - started
+        elsewhere = threading.Thread(target=train_elsewhere, name="worker-1")
+        elsewhere.start()
+        try:
+            t0.push(slice0, np.ones((slice0.shape[0], 1), np.float32))
+            w0.advance_clock()  # clock 1; worker 1 is at clock 3 and on
+            started = time.monotonic()
+            got = t0.pull(slice0)
+            waited = time.monotonic() - started
+        finally:
+            read.set()
+            elsewhere.join(30)
         assert waited < TIMEOUTS.request_s / 2, waited
         np.testing.assert_array_equal(got[:, 0], np.ones(slice0.shape[0]))
 
