@@ -27,11 +27,16 @@ from tests.support.fuzzing import HOSTILE, INDEX, encoded, on_the_wire, op_messa
 
 
 def sign(frames: list[bytes], secret: bytes) -> list[bytes]:
-    """``frames`` with a tag over all of them, as a codec off loopback makes it."""
+    """``frames`` with a tag over all of them after the first, as a codec off loopback makes it."""
     mac = blake3.blake3(key=tag_key(secret))
     for f in frames:
         mac.update(f)
-    return [*frames, mac.digest()]
+    return with_tag(frames, mac.digest())
+
+
+def with_tag(frames: list[bytes], tag: bytes) -> list[bytes]:
+    """``frames`` with ``tag`` after the first (an empty first frame if there is none)."""
+    return [(frames[0] if frames else b"") + tag, *frames[1:]]
 
 
 # ------------------------------------------------------------------ breaking frames
@@ -121,11 +126,11 @@ def _broken_frames(draw: st.DrawFn, secret: bytes | None) -> list[bytes]:
     if how == "sign":
         return sign(frames, secret)
     if how == "stale tag":
-        return [*frames, draw(raw_bytes(TAG_BYTES))]
+        return with_tag(frames, draw(raw_bytes(TAG_BYTES)))
     if how == "other secret":
         return sign(frames, secret[::-1])
     if how == "bad tag":
-        return [*frames, draw(st.binary(max_size=TAG_BYTES + 8))]
+        return with_tag(frames, draw(st.binary(max_size=TAG_BYTES + 8)))
     return frames
 
 

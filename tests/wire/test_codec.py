@@ -109,12 +109,12 @@ def test_message_without_arrays_round_trips(secret: bytes | None) -> None:
                         flags=Flag.SIGNED if secret else 0)
 
 
-def test_signed_message_carries_a_tag_frame_and_the_signed_flag() -> None:
+def test_signed_message_ends_its_header_frame_with_a_tag_and_carries_the_signed_flag() -> None:
     frames = Codec(secret=SECRET).encode(push())
 
-    assert len(frames) == 1 + 2 + 1
-    assert len(frames[-1]) == 32
-    assert msgspec.msgpack.decode(frames[0])["flags"] & Flag.SIGNED
+    assert len(frames) == 1 + 2  # no frame of its own: one more to send and receive on every message
+    assert msgspec.msgpack.decode(frames[0][:-32])["flags"] & Flag.SIGNED
+
 
 
 def test_encode_sends_contiguous_arrays_without_copying() -> None:
@@ -380,15 +380,28 @@ def signed_push() -> list[bytes]:
     return on_the_wire(Codec(secret=SECRET).encode(push()))
 
 
+def untagged(frames: list[bytes]) -> list[bytes]:
+    """A signed message's frames with the tag cut off the end of frame 0."""
+    return [frames[0][:-32], *frames[1:]]
+
+
+def tagged(frames: list[bytes], tag: bytes) -> list[bytes]:
+    return [frames[0] + tag, *frames[1:]]
+
+
+def tag_of(frames: list[bytes]) -> bytes:
+    return frames[0][-32:]
+
+
 @pytest.mark.parametrize("frames", [
     pytest.param(push_frames(), id="unsigned"),
     pytest.param(on_the_wire(Codec().encode(Message(Op.PING, req=REQ))), id="unsigned, header only"),
     pytest.param(on_the_wire(Codec(secret=OTHER_SECRET).encode(push())), id="other secret"),
-    pytest.param(signed_push()[:-1], id="tag dropped"),
-    pytest.param([*signed_push()[:-1], signed_push()[-1][:16]], id="tag truncated"),
-    pytest.param([*signed_push()[:-1], flip_byte(signed_push()[-1])], id="tag altered"),
-    pytest.param([*signed_push()[:2], flip_byte(signed_push()[2], 4), signed_push()[3]], id="values altered"),
-    pytest.param([*with_header(signed_push()[:-1], table="u"), signed_push()[-1]], id="header altered"),
+    pytest.param(untagged(signed_push()), id="tag dropped"),
+    pytest.param(tagged(untagged(signed_push()), flip_byte(tag_of(signed_push()))), id="tag altered"),
+    pytest.param([*signed_push()[:2], flip_byte(signed_push()[2], 4)], id="values altered"),
+    pytest.param(tagged(with_header(untagged(signed_push()), table="u"), tag_of(signed_push())),
+                 id="header altered"),
 ])
 def test_message_without_a_valid_tag_is_refused(frames: list[bytes]) -> None:
     err = rejects(Codec(secret=SECRET), frames, AuthError)
@@ -396,8 +409,13 @@ def test_message_without_a_valid_tag_is_refused(frames: list[bytes]) -> None:
     assert err.req == REQ  # type: ignore[attr-defined]
 
 
-def test_signed_message_to_a_peer_without_a_secret_is_a_frame_count_error() -> None:
-    # The tag travels as one more frame, which a peer without a secret cannot place.
+def test_a_truncated_tag_leaves_a_malformed_header() -> None:
+    # The tag's 32 bytes end frame 0: cut short, the bytes before them are no longer the header.
+    rejects(Codec(secret=SECRET), tagged(untagged(signed_push()), tag_of(signed_push())[:16]), ProtocolError)
+
+
+def test_signed_message_to_a_peer_without_a_secret_is_malformed_to_it() -> None:
+    # The tag follows the header in frame 0, which a peer without a secret cannot read past.
     rejects(Codec(), signed_push(), ProtocolError)
 
 

@@ -13,8 +13,10 @@ in 2.3 against 3.1, on every message on both sides). A header it refuses is
 decoded again as plain msgpack, to say what is wrong with it.
 
 The tag is keyed BLAKE3 (about 4 GB/s a core, against under 2 for
-HMAC-SHA256), under a key derived from the job's secret. Off this machine it
-covers every frame. On a wire only this machine reaches (loopback tcp, ipc) it
+HMAC-SHA256), under a key derived from the job's secret, and ends frame 0, after
+the header: a frame of its own cost every message a frame more to send and to
+receive on both sides (6-8 us of CPU against 1-2 for the 32 bytes' copy). Off
+this machine it covers every frame. On a wire only this machine reaches (loopback tcp, ipc) it
 covers the header alone: a local process that does not hold the secret can
 neither forge a header nor see or alter traffic on loopback without the
 privileges that would let it read the secret anyway, and the arrays are then
@@ -59,7 +61,8 @@ _Dim = Annotated[int, msgspec.Meta(ge=0, lt=_MAX_DIM)]
 
 
 class Header(msgspec.Struct):
-    """Frame 0: a msgpack map of these fields (a peer may add others; they are ignored)."""
+    """Frame 0: a msgpack map of these fields (a peer may add others; they are ignored), then the tag
+    when the message is signed."""
 
     v: int
     op: int
@@ -205,7 +208,8 @@ class Codec:
                 f"{msg.op.name} message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}"
             )
         if self._key is not None:
-            frames.append(self._tag([_view(f) for f in (frames[:1] if self.local else frames)]))
+            head = frames[0]
+            frames[0] = head + self._tag([_view(f) for f in ([head] if self.local else frames)])
         return frames
 
     def _tag(self, views: Sequence[memoryview]) -> bytes:
@@ -224,17 +228,23 @@ class Codec:
         views = [_view(f) for f in frames]
         if not views:
             raise _failure(ProtocolError("empty message"), None)
-        header = self._header(views[0])
         size = 0
         for v in views:
             size += v.nbytes
-        if size > self.limits.max_message_bytes + (TAG_BYTES if self._key is not None else 0):
+        if self._key is None:
+            header = self._header(views[0])
+            tag = None
+        else:
+            header, tag = self._signed_header(views[0])
+            views[0] = views[0][:-TAG_BYTES]
+            size -= TAG_BYTES
+        if size > self.limits.max_message_bytes:
             raise _failure(
                 MessageTooLargeError(f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}"),
                 header,
             )
-        if self._key is not None:
-            views = self._verified(views, header)
+        if tag is not None:
+            self._verify(views, header, tag)
         try:
             msg = self._message(header, views[1:])
             check_schema(msg)
@@ -244,20 +254,33 @@ class Codec:
             raise _failure(ProtocolError(f"malformed message: {type(exc).__name__}: {exc}"), header) from None
         return msg
 
-    def _verified(self, views: list[memoryview], header: Header | dict[str, Any]) -> list[memoryview]:
-        """The frames without their tag, once the tag is checked."""
+    def _signed_header(self, first: memoryview) -> tuple[Header | dict[str, Any], memoryview]:
+        """Frame 0 of a signed message: its header and the tag after it. A frame 0 that is a header
+        with no tag after it is refused as unsigned (``AuthError``), one that is neither as malformed."""
+        refused: ProtocolError | None = None
+        if first.nbytes > TAG_BYTES:
+            try:
+                return self._header(first[:-TAG_BYTES]), first[-TAG_BYTES:]
+            except ProtocolError as exc:
+                refused = exc
+        try:
+            header = self._header(first)
+        except ProtocolError:
+            if refused is None:
+                raise
+            raise refused from None
+        raise _failure(AuthError("message is not signed; this peer requires a tag made with the job's secret"),
+                       header)
+
+    def _verify(self, views: list[memoryview], header: Header | dict[str, Any], tag: memoryview) -> None:
+        """Check ``tag`` against the frames (frame 0 without it) it says it covers."""
         flags = header.flags if isinstance(header, Header) else header.get("flags")
         header_only = isinstance(flags, int) and not isinstance(flags, bool) and bool(flags & Flag.SIGNED_HEADER)
-        if len(views) < 2 or views[-1].nbytes != TAG_BYTES:
-            raise _failure(AuthError("message is not signed; this peer requires a tag made with the job's secret"),
-                           header)
         if header_only and not self.local:
             raise _failure(AuthError("message is signed over its header only, which is enough only on a "
                                      "wire this machine alone reaches; this one is not"), header)
-        covered = views[:1] if header_only else views[:-1]
-        if not hmac.compare_digest(self._tag(covered), views[-1]):
+        if not hmac.compare_digest(self._tag(views[:1] if header_only else views), tag):
             raise _failure(AuthError("message has a wrong tag (different shared secret?)"), header)
-        return views[:-1]
 
     def _header(self, view: memoryview) -> Header | dict[str, Any]:
         """The header, typed; or, where it is not a well-formed one, the plain map it is (for

@@ -10,7 +10,8 @@ from enum import IntEnum
 # 6: a replicated push names its worker's lowest open push (``floor``): no replica gives up one above it
 # 7: a replica's gaps are the numbers of the updates it lacks (a count before), gossip may carry fills,
 #    and a TOTALS reply counts each origin's gaps (an older peer took two different states for one)
-PROTOCOL_VERSION = 7
+# 8: the tag ends frame 0 instead of being a frame of its own (an older peer takes it for part of the header)
+PROTOCOL_VERSION = 8
 
 
 class Op(IntEnum):
@@ -61,5 +62,5 @@ class Flag:
     """Bits of the header's ``flags`` field."""
 
     NO_REPLY = 1  # one-way message: the receiver sends nothing back
-    SIGNED = 2  # the last frame is a tag over every frame (keyed BLAKE3)
-    SIGNED_HEADER = 4  # the last frame is a tag over the header only: for a wire only this machine reaches
+    SIGNED = 2  # frame 0 ends with a tag over every frame (keyed BLAKE3)
+    SIGNED_HEADER = 4  # frame 0 ends with a tag over the header only: for a wire only this machine reaches
