@@ -3,6 +3,7 @@ what the bound promises. Each docstring says what went wrong before."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -98,6 +99,45 @@ def test_a_bsp_read_at_a_joined_server_does_not_wait_for_ever_on_a_worker_busy_e
         finally:
             read.set()
             elsewhere.join(30)
+        assert waited < TIMEOUTS.request_s / 2, waited
+        np.testing.assert_array_equal(got[:, 0], np.ones(slice0.shape[0]))
+
+
+def test_a_bsp_read_at_a_joined_server_is_answered_while_the_worker_ahead_waits_at_a_barrier():
+    """A server joins and slice 0 moves to it while worker 1 last asked for the servers under a second
+    ago (it asks at most once a second, as it advances its clock): worker 1 runs three clocks ahead
+    knowing nothing of the joined server, and waits at a barrier. Worker 0 at clock 1 reads slice 0
+    under BSP: the joined server holds the read for worker 1's clock, which it had only from the move
+    (clock 0), while worker 1 waits for worker 0 at the barrier. The read waited until it expired.
+    A worker under a bound now asks for the servers while it waits too, and tells a server it learns
+    of its clock at once."""
+    with ThreadCluster(nodes=2, timeouts=TIMEOUTS) as c:
+        w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
+        t0, t1 = table_on_every_worker([w0, w1], "t", 40, 1, optimizer=shoal.optim.Sum(), slices=2,
+                                          consistency=shoal.BSP())
+        slice0, slice1 = t0.layout.mapping.keys_of(0), t0.layout.mapping.keys_of(1)
+        # Worker 1 asked for the servers just before the join, and its next question falls after its
+        # three clocks (held here: on a busy machine the join may take longer than the period).
+        w1.replica_view.refresh(force=True)
+        w1.replica_view.checked_at = math.inf
+        _join_server(c, 2)
+        w0.move_slice("t", 0, to=2)
+        for _ in range(3):
+            t1.push(slice1, np.ones((slice1.shape[0], 1), np.float32))
+            w1.advance_clock()
+        assert len(w1.servers) == 2, "worker 1 learnt of the joined server: the test sets up nothing"
+        w1.replica_view.checked_at = w1.now()  # from here on it asks at most once a period, as always
+        at_barrier = threading.Thread(target=w1.barrier, name="worker-1")
+        at_barrier.start()
+        try:
+            t0.push(slice0, np.ones((slice0.shape[0], 1), np.float32))
+            w0.advance_clock()  # clock 1; worker 1 is at clock 3, waiting at the barrier
+            started = time.monotonic()
+            got = t0.pull(slice0)
+            waited = time.monotonic() - started
+            w0.barrier()
+        finally:
+            at_barrier.join(30)
         assert waited < TIMEOUTS.request_s / 2, waited
         np.testing.assert_array_equal(got[:, 0], np.ones(slice0.shape[0]))
 

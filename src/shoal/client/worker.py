@@ -116,6 +116,7 @@ class Worker:
         self.follow_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
         self.tracker.on_unsolicited = self._on_server_message
         self.tracker.after_receive = self._after_receive
+        self.tracker.while_waiting = self._while_waiting
         self.replica_view = ReplicaView(self)
         #: the local server's clock table in shared memory: local reads check bounds here
         self.local_clocks: np.ndarray | None = None
@@ -260,6 +261,14 @@ class Worker:
         for table in self.tables.values():
             table.access.after_receive()
 
+    def _while_waiting(self) -> None:
+        """However long a worker under a bound waits (at a barrier, for a read), servers that joined
+        meanwhile learn its clock: it asks for the servers (at most once a period) and ticks any new
+        one it hears of (``follow_servers``). A worker ahead that waited at a barrier knowing nothing
+        of a joined server held back every read there for its clock, and the barrier for those reads."""
+        if any(t.bound is not None for t in self.tables.values()):
+            self.replica_view.refresh_in_background()
+
     def send_ordered(self, server: int, msg: Message, what: str, on_reply: Callable[[Message], None] | None = None,
                      background: bool = False) -> int:
         """A request in this worker's stream to ``server``: handled there after every earlier one."""
@@ -311,7 +320,10 @@ class Worker:
         return reply.body
 
     def follow_servers(self, addresses: list[str | None]) -> None:
-        """Connect to servers that joined, drop those that left, follow those started again."""
+        """Connect to servers that joined, drop those that left, follow those started again. A server
+        that joined hears this worker's clock at once when a table is bounded: its bounded reads wait
+        on every worker's clock, and it knew ours only as its slices' old owners did when they moved."""
+        joined = []
         for n, address in enumerate(addresses):
             known = self.servers[n] if n < len(self.servers) else None
             if address == known:
@@ -331,7 +343,14 @@ class Worker:
                                                            "to it were in flight"))
                     self.tracker.disconnect(n)
                 self.tracker.connect(n, address)
+                if known is None:
+                    joined.append(n)
         self.servers = list(addresses)
+        if joined and self.clock and any(t.bound is not None for t in self.tables.values()):
+            tick = bodies.Clock(self.rank, pushed=self._pushes_numbered())
+            for n in joined:
+                self.send_ordered(n, tick.to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}",
+                                  background=True)
 
     def follow_departures(self) -> None:
         """Requests in flight to servers that left: those a server never read (its goodbye says which,

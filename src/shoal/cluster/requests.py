@@ -139,6 +139,9 @@ class RequestTracker:
         #: for anything that needs it to run
         self.after_receive: Callable[[], None] | None = None
         self._in_after_receive = False
+        #: called while a wait hears nothing (about every ``RESEND_CHECK_S``): what the waiter must keep
+        #: doing however long it waits (a worker under a bound looks for servers that joined); cheap
+        self.while_waiting: Callable[[], None] | None = None
         #: one-way messages dropped since the last warning, and when it was, per (peer, op)
         self._warnings = ThrottledWarnings(log)
 
@@ -284,12 +287,14 @@ class RequestTracker:
                         self._run_after_receive()
                     else:  # a long wait also hears the other peers (a fence, rows pushed eagerly)
                         self.pump(0)
+                        self._run_while_waiting()
                 elif not peers and not idle:  # nothing in flight: what is left is ours to do, now
                     idle = True
                     self.pump(0)
                 else:
                     idle = False
-                    self.pump(min(remaining, self._until_resend()))
+                    if not self.pump(min(remaining, self._until_resend())):
+                        self._run_while_waiting()
 
     def _receive_from(self, peer: int, timeout: float) -> int:
         """Wait on one peer's connection only: cheaper than polling them all. Returns the messages handled."""
@@ -425,6 +430,10 @@ class RequestTracker:
             self.after_receive()
         finally:
             self._in_after_receive = False
+
+    def _run_while_waiting(self) -> None:
+        if self.while_waiting is not None:
+            self.while_waiting()
 
     def _until_resend(self) -> float:
         """Seconds a wait may go before a request falls due to be sent again (at most ``RESEND_CHECK_S``)."""
