@@ -414,6 +414,14 @@ def test_a_truncated_tag_leaves_a_malformed_header() -> None:
     rejects(Codec(secret=SECRET), tagged(untagged(signed_push()), tag_of(signed_push())[:16]), ProtocolError)
 
 
+def test_a_message_of_the_protocol_before_is_refused_by_its_version() -> None:
+    # Protocol 7 sent the tag as a frame of its own: frame 0 is a header with no tag after it.
+    older = with_header(untagged(signed_push()), v=PROTOCOL_VERSION - 1)
+    err = rejects(Codec(secret=SECRET), [*older, tag_of(signed_push())], ProtocolError)
+
+    assert "unsupported protocol version" in str(err)
+
+
 def test_signed_message_to_a_peer_without_a_secret_is_malformed_to_it() -> None:
     # The tag follows the header in frame 0, which a peer without a secret cannot read past.
     rejects(Codec(), signed_push(), ProtocolError)

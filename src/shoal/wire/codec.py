@@ -145,6 +145,28 @@ def _typed(header: dict[str, Any]) -> Header:
                   header["body"])
 
 
+def _decoded(view: memoryview) -> Header | dict[str, Any]:
+    """The header, typed; or, where it is not a well-formed one, the plain map it is (for ``_typed``
+    to say what is wrong, once the tag is checked)."""
+    if view.nbytes > _HEADER_LIMIT:
+        raise _failure(ProtocolError(f"header of {view.nbytes} bytes is too large"), None)
+    try:
+        return _DECODER.decode(view)
+    except Exception:  # msgspec.DecodeError, or whatever else garbage provokes
+        return _plain_header(view)
+
+
+def _versioned(header: Header | dict[str, Any]) -> Header | dict[str, Any]:
+    """``header``, if it is of this protocol's version."""
+    version = header.v if isinstance(header, Header) else header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise _failure(
+            ProtocolError(f"unsupported protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}"),
+            header,
+        )
+    return header
+
+
 def _view(frame: Frame) -> memoryview:
     """The frame's bytes, flat (arrays of any dtype and shape are cast to bytes for the tag)."""
     if type(frame) is bytes:  # headers and tags: no attribute lookup that fails
@@ -256,19 +278,16 @@ class Codec:
 
     def _signed_header(self, first: memoryview) -> tuple[Header | dict[str, Any], memoryview]:
         """Frame 0 of a signed message: its header and the tag after it. A frame 0 that is a header
-        with no tag after it is refused as unsigned (``AuthError``), one that is neither as malformed."""
-        refused: ProtocolError | None = None
+        with no tag after it is refused as unsigned (``AuthError``; an older peer's, by its version),
+        one that is neither as malformed."""
         if first.nbytes > TAG_BYTES:
             try:
-                return self._header(first[:-TAG_BYTES]), first[-TAG_BYTES:]
-            except ProtocolError as exc:
-                refused = exc
-        try:
-            header = self._header(first)
-        except ProtocolError:
-            if refused is None:
-                raise
-            raise refused from None
+                header = _decoded(first[:-TAG_BYTES])
+            except ProtocolError:
+                pass
+            else:
+                return _versioned(header), first[-TAG_BYTES:]
+        header = _versioned(_decoded(first))
         raise _failure(AuthError("message is not signed; this peer requires a tag made with the job's secret"),
                        header)
 
@@ -283,21 +302,8 @@ class Codec:
             raise _failure(AuthError("message has a wrong tag (different shared secret?)"), header)
 
     def _header(self, view: memoryview) -> Header | dict[str, Any]:
-        """The header, typed; or, where it is not a well-formed one, the plain map it is (for
-        ``_typed`` to say what is wrong, once the tag is checked)."""
-        if view.nbytes > _HEADER_LIMIT:
-            raise _failure(ProtocolError(f"header of {view.nbytes} bytes is too large"), None)
-        try:
-            header: Header | dict[str, Any] = _DECODER.decode(view)
-        except Exception:  # msgspec.DecodeError, or whatever else garbage provokes
-            header = _plain_header(view)
-        version = header.v if isinstance(header, Header) else header.get("v")
-        if type(version) is not int or version != PROTOCOL_VERSION:
-            raise _failure(
-                ProtocolError(f"unsupported protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}"),
-                header,
-            )
-        return header
+        """The header of an unsigned message (``_decoded``), of this protocol version."""
+        return _versioned(_decoded(view))
 
     def _message(self, header: Header | dict[str, Any], frames: Sequence[memoryview]) -> Message:
         h = header if isinstance(header, Header) else _typed(header)
