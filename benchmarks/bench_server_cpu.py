@@ -1,6 +1,6 @@
 """Where the servers' CPU goes on KGE auto with 2 nodes: per op, per timer, per kind of placement message.
 
-    python benchmarks/bench_server_cpu.py [--seconds 15] [--runs 2]
+    python benchmarks/bench_server_cpu.py [--seconds 15] [--runs 2] [--sync-ms 50,200]
 
 Runs the KGE app on the synthetic Zipf graph (``bench_kge.py``'s job) on a local
 cluster of 2 nodes x 1 worker and reads each server's CPU account
@@ -12,11 +12,17 @@ and the process's other threads (ZeroMQ's I/O thread). Thread CPU, not wall
 time: on 2 cores shared by four busy processes a handler is often preempted, and
 wall time would charge it for the processes that ran meanwhile. Writes
 ``results/server_cpu.{json,md}``.
+
+With ``--sync-ms``, each run is made once per replica sync period (the app's
+``--sync-ms``; the periods take turns run by run) and a first table compares the
+periods: servers' cores, triples/s, and the time to the training loss
+``bench_kge.py`` times (what a staler replica would cost shows there).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_kge import LOSS_TARGET, time_to  # noqa: E402
 from common import run_example, write_results  # noqa: E402
 
 KGE = HERE.parent / "examples" / "kge" / "train.py"
@@ -56,7 +63,25 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
         loop_s += after["cpu"]["loop_s"] - before["cpu"]["loop_s"]
         process_s += after["cpu_s"] - before["cpu_s"]
     return {"seconds": result["seconds"], "triples_per_s": result["triples_per_s"], "activities": activities,
-            "placement": placement, "adaptive_passes": passes, "loop_s": loop_s, "process_s": process_s}
+            "placement": placement, "adaptive_passes": passes, "loop_s": loop_s, "process_s": process_s,
+            "time_to_loss_s": time_to(result["losses"], LOSS_TARGET)}
+
+
+def compare_periods(by_period: dict[str, list[dict[str, Any]]]) -> str:
+    """One line per sync period: medians over its runs."""
+    lines = [f"Replica sync periods side by side (medians of {len(next(iter(by_period.values())))} run(s) each, "
+             "taking turns):", "",
+             f"| sync period | servers' cores | triples/s | servers' CPU per 1,000 triples (ms) | time to loss "
+             f"{LOSS_TARGET} s |", "|---|---:|---:|---:|---:|"]
+    for period, runs in by_period.items():
+        cores = statistics.median(r["process_s"] / r["seconds"] for r in runs)
+        rate = statistics.median(r["triples_per_s"] for r in runs)
+        per_1k = statistics.median(r["process_s"] / (r["seconds"] * r["triples_per_s"]) * 1e6 for r in runs)
+        reached = [r["time_to_loss_s"] for r in runs if r.get("time_to_loss_s") is not None]
+        when = (f"{statistics.median(reached):.1f}" if len(reached) == len(runs)
+                else f"{len(reached)} of {len(runs)} reached")
+        lines.append(f"| {period} | {cores:.3f} | {rate:,.0f} | {per_1k:.2f} | {when} |")
+    return "\n".join(lines)
 
 
 def report(runs: list[dict[str, Any]]) -> str:
@@ -101,16 +126,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--sync-ms", default="",
+                   help="replica sync periods to compare, comma-separated (ms; default: the app's own)")
     args = p.parse_args()
-    runs = []
+    periods = [f"{float(ms):g} ms" for ms in args.sync_ms.split(",") if ms] or ["the app's"]
+    by_period: dict[str, list[dict[str, Any]]] = {period: [] for period in periods}
     for _ in range(args.runs):
-        result = run_example(KGE, ["--data", "zipf", "--mode", "auto", "--seconds", str(args.seconds)], nodes=2)
-        runs.append(servers_cpu(result))
-        print(f"run: {result['triples_per_s']:,.0f} triples/s, servers {runs[-1]['process_s'] / result['seconds']:.3f} "
-              "cores", flush=True)
-    table = report(runs)
+        for period in periods:
+            extra = ["--sync-ms", period.removesuffix(" ms")] if period != "the app's" else []
+            result = run_example(KGE, ["--data", "zipf", "--mode", "auto", "--seconds", str(args.seconds), *extra],
+                                 nodes=2)
+            by_period[period].append(servers_cpu(result))
+            print(f"run, sync {period}: {result['triples_per_s']:,.0f} triples/s, servers "
+                  f"{by_period[period][-1]['process_s'] / result['seconds']:.3f} cores", flush=True)
+    tables = [compare_periods(by_period)] if len(periods) > 1 else []
+    for period, runs in by_period.items():
+        tables.append((f"Sync period {period}: " if len(periods) > 1 else "") + report(runs))
+    table = "\n\n".join(tables)
     print("\n" + table)
-    write_results("server_cpu", {"seconds": args.seconds, "runs": runs}, table)
+    write_results("server_cpu", {"seconds": args.seconds, "runs": by_period}, table)
 
 
 if __name__ == "__main__":

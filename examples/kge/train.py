@@ -56,7 +56,7 @@ def main() -> None:
                         "modes), triples with a row elsewhere through pull and push")
     p.add_argument("--lookahead", type=int, default=4, help="batches ahead declared as intent")
     p.add_argument("--sync-ms", type=float, default=None,
-                   help="how often replicas send their changes to the owner (default: 50 ms on the Zipf graph, "
+                   help="how often replicas send their changes to the owner (default: 200 ms on the Zipf graph, "
                         "the tables' default on the others: at each clock, at most every 10 ms)")
     p.add_argument("--loss-target", type=float, default=None)
     p.add_argument("--eval-every", type=float, default=None,
@@ -79,8 +79,10 @@ def main() -> None:
         # On the small graphs every entity is in nearly every batch, so each node holds replicas of the
         # whole (small) table: a sync is cheap, and at 50 ms a replica lagged the other node by more than
         # an epoch (2-node test MRR after 100 epochs 0.77-0.79 against 0.80-0.82 synced every 10 ms, at
-        # the same speed). On the Zipf graph 10 ms cost the servers a tenth of a core for no gain.
-        options["sync_ms"] = args.sync_ms if args.sync_ms is not None else 50.0 if args.data == "zipf" else None
+        # the same speed). On the Zipf graph the replicas are of the hot rows, which both nodes update at
+        # every clock: syncs every 10 ms cost the servers a tenth of a core for no gain, and every 200 ms
+        # 0.05 cores less than every 50, at the same speed and time to loss (``server_cpu.md``).
+        options["sync_ms"] = args.sync_ms if args.sync_ms is not None else 200.0 if args.data == "zipf" else None
     ent = ps.table("kge.entities", graph.num_entities, row_width(h), **options)
     rel = ps.table("kge.relations", graph.num_relations, row_width(h), **options)
     ent.register_sampling(scheme="local" if adaptive else "naive")
