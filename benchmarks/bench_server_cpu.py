@@ -129,19 +129,21 @@ def main() -> None:
     p.add_argument("--sync-ms", default="",
                    help="replica sync periods to compare, comma-separated (ms; default: the app's own)")
     args = p.parse_args()
-    periods = [f"{float(ms):g} ms" for ms in args.sync_ms.split(",") if ms] or ["the app's"]
-    by_period: dict[str, list[dict[str, Any]]] = {period: [] for period in periods}
+    periods = [f"{float(ms):g}" for ms in args.sync_ms.split(",") if ms] or [None]  # None: the app's default
+    by_period: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.runs):
-        for period in periods:
-            extra = ["--sync-ms", period.removesuffix(" ms")] if period != "the app's" else []
+        for ms in periods:
+            label = f"{ms} ms" if ms is not None else "the app's"
+            extra = ["--sync-ms", ms] if ms is not None else []
             result = run_example(KGE, ["--data", "zipf", "--mode", "auto", "--seconds", str(args.seconds), *extra],
                                  nodes=2)
-            by_period[period].append(servers_cpu(result))
-            print(f"run, sync {period}: {result['triples_per_s']:,.0f} triples/s, servers "
-                  f"{by_period[period][-1]['process_s'] / result['seconds']:.3f} cores", flush=True)
+            runs = by_period.setdefault(label, [])
+            runs.append(servers_cpu(result))
+            print(f"run, sync {label}: {result['triples_per_s']:,.0f} triples/s, servers "
+                  f"{runs[-1]['process_s'] / result['seconds']:.3f} cores", flush=True)
     tables = [compare_periods(by_period)] if len(periods) > 1 else []
-    for period, runs in by_period.items():
-        tables.append((f"Sync period {period}: " if len(periods) > 1 else "") + report(runs))
+    for label, runs in by_period.items():
+        tables.append((f"Sync period {label}: " if len(periods) > 1 else "") + report(runs))
     table = "\n\n".join(tables)
     print("\n" + table)
     write_results("server_cpu", {"seconds": args.seconds, "runs": by_period}, table)

@@ -79,9 +79,9 @@ def main() -> None:
         # On the small graphs every entity is in nearly every batch, so each node holds replicas of the
         # whole (small) table: a sync is cheap, and at 50 ms a replica lagged the other node by more than
         # an epoch (2-node test MRR after 100 epochs 0.77-0.79 against 0.80-0.82 synced every 10 ms, at
-        # the same speed). On the Zipf graph the replicas are of the hot rows, which both nodes update at
-        # every clock: syncs every 10 ms cost the servers a tenth of a core for no gain, and every 200 ms
-        # 0.05 cores less than every 50, at the same speed and time to loss (``server_cpu.md``).
+        # the same speed). On the Zipf graph syncs every 10 ms cost the servers a tenth of a core for no
+        # gain, and every 200 ms 0.05 cores less than every 50, at the same speed and time to loss
+        # (``server_cpu.md``).
         options["sync_ms"] = args.sync_ms if args.sync_ms is not None else 200.0 if args.data == "zipf" else None
     ent = ps.table("kge.entities", graph.num_entities, row_width(h), **options)
     rel = ps.table("kge.relations", graph.num_relations, row_width(h), **options)
