@@ -485,6 +485,28 @@ def test_an_intent_that_ends_while_the_node_clock_stands_still_is_withdrawn_with
     assert withdrawn and now <= 0.02 + ACT_EVERY_S + 0.006
 
 
+def test_keys_moved_to_the_node_that_announced_them_carry_its_interest_and_no_announcement_follows(network_of):
+    # An owner that moves keys to the one node that wants them sends that node's interest with their
+    # rows. It also passed the announcement on to where the keys now were: back to the node that
+    # sent it, where it changed nothing (KGE on 2 nodes: a third of the announcements received, 39%
+    # of the keys announced). Counted: what each node sent, and the interest at the new owner.
+    net = network_of(2, "relocation", 0)
+    keys = np.arange(0, NUM_KEYS, 2)  # homed, and owned, on node 0
+    net.machines[1].intend(keys, 0, 5)
+    net.tick(ACT_EVERY_S)
+    net.deliver_all()
+
+    assert (net.tables[1].presence[keys] == OWNED).all()
+    assert net.tables[1].stats["placement_announce_sent"] == 1
+    assert net.tables[0].stats["placement_announce_sent"] == 0
+    assert (net.tables[1].interest.interest[keys] == 1 << 1).all()
+    net.clock = 10  # the intent is over: withdrawn where the keys are now
+    net.tick(ACT_EVERY_S)
+    net.deliver_all()
+    assert (net.tables[1].interest.interest == 0).all() and (net.tables[0].interest.interest == 0).all()
+    assert net.tables[0].stats["placement_announce_sent"] == 0
+
+
 def test_a_handover_chases_a_key_its_owner_moved_on_intent_past_the_homes_newer_decision(network_of):
     # Key 0 (homed on node 0) goes to node 1 (relocate), and node 0 asks for it back (its handover
     # follows the rows to node 1). Node 1 sends it back on intent first, and node 0 sends it on to

@@ -714,7 +714,10 @@ class PlacementMachine:
     def _announce(self, keys: np.ndarray, active: bool, node: int, hops: int) -> None:
         """At (what we think is) the owner: note a node's interest and act on it."""
         table = self.table
-        owned = keys[table.presence[keys] == OWNED]
+        # Which keys are owned here is read before acting: a key moved to ``node`` now carries its
+        # interest with its rows, and passing the announcement on after it would only bring it back.
+        here = table.presence[keys] == OWNED
+        owned, rest = keys[here], keys[~here]
         if owned.size:
             if active:
                 table.interest.announce(owned, node)
@@ -725,7 +728,6 @@ class PlacementMachine:
                         self._replicate_to(part, node)
             else:
                 table.interest.withdraw(owned, node)
-        rest = keys[table.presence[keys] != OWNED]
         if rest.size and hops <= MAX_HOPS:
             for owner, part in _group(table.where(rest) if hops < MAX_HOPS else home_of(rest, table.num_nodes), rest):
                 if owner != self.node:
