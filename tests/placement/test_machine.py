@@ -507,6 +507,30 @@ def test_keys_moved_to_the_node_that_announced_them_carry_its_interest_and_no_an
     assert net.tables[0].stats["placement_announce_sent"] == 0
 
 
+def test_an_announcement_for_a_key_on_its_way_to_the_node_it_reaches_waits_there_for_the_key(network_of):
+    # Key 1 (homed on node 1) lives on node 0; node 2 announces that it will use it, to the home,
+    # and the home asks for the key back before the announcement arrives. The home, whose directory
+    # names itself now, dropped the announcement (its route led to itself), and the key came with
+    # no interest of node 2: node 2 read it remotely for as long as its intent lasted. It waits for
+    # the key now: once the key is there, node 2 alone wants it, and it goes to node 2.
+    net = network_of(3, "relocation", 0)
+    key = np.array([1])
+    net.carry_out(0, net.machines[0].localize(key))
+    net.deliver_all()
+    assert net.tables[0].presence[1] == OWNED
+    net.machines[2].intend(key, 0, 50)
+    net.tick(ACT_EVERY_S)  # node 2's announcement goes to the home (channel 2 -> 1)
+    net.carry_out(1, net.machines[1].localize(key))  # the home asks node 0 for it (channel 1 -> 0)
+    net.deliver(2, 1)  # the announcement: the key is on its way to the home
+    assert net.tables[1].presence[1] != OWNED
+
+    net.settle()
+
+    assert net.tables[2].presence[1] == OWNED
+    assert net.tables[2].interest.interest[1] == 1 << 2
+    assert sum(t.stats["announcements_lost"] for t in net.tables) == 0
+
+
 def test_a_handover_chases_a_key_its_owner_moved_on_intent_past_the_homes_newer_decision(network_of):
     # Key 0 (homed on node 0) goes to node 1 (relocate), and node 0 asks for it back (its handover
     # follows the rows to node 1). Node 1 sends it back on intent first, and node 0 sends it on to

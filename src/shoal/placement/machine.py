@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 
 SYNC_HOPS = 16  # a replica's change chasing a key that keeps moving: after this many hops it is logged and lost
 HANDOVER_HOPS = 16  # the same for a handover
+ANNOUNCE_HOPS = 16  # ... and for an announcement
 HOLD_CHECK_S = 1.0  # how often a server looks for rows held in place by a process that died
 # Tables without a sync period of their own: replicas sync at each clock of the node's workers, at
 # most this often (a sync costs a server about a millisecond of CPU per 800 KB of changed rows) ...
@@ -321,8 +322,9 @@ class PlacementMachine:
         table.incoming[superseded] = False  # a request of this node's for them is superseded
         for owner, (part, epochs) in table.directory.move(keys, to).items():
             self._send(owner, Handover(part, epochs, to))
-        if superseded.size and table.deferred_syncs:  # changes that waited for them follow them
+        if superseded.size:  # changes and announcements that waited for them follow them
             self._retry_deferred_syncs()
+            self._retry_deferred_announcements()
 
     def _handover(self, keys: np.ndarray, epochs: np.ndarray, to: int, hops: int) -> None:
         """Give owned keys to ``to`` unless a newer move brought them here; chase the others.
@@ -497,6 +499,7 @@ class PlacementMachine:
             self._send(holder, Owner(mine, table.epoch[mine], table.step[mine], self.node))
         self._retry_deferred_handovers()
         self._retry_deferred_syncs()
+        self._retry_deferred_announcements()
         for answer in held.replay_held(table, self._now):
             self._answer(answer)
 
@@ -512,6 +515,13 @@ class PlacementMachine:
         for keys, deltas, drop, origin, target, hops, part, parent in deferred:
             self._sync_at_owner(keys, deltas, drop, origin, target, hops, part, parent)
 
+    def _retry_deferred_announcements(self) -> None:
+        """Announcements that waited for keys on their way here: taken where the keys came, passed on
+        where they will not come."""
+        deferred, self.table.deferred_announcements = self.table.deferred_announcements, []
+        for keys, active, node, hops in deferred:
+            self._announce(keys, active, node, hops)
+
     def _learn_owner(self, keys: np.ndarray, owner: int, epochs: np.ndarray, steps: np.ndarray) -> None:
         """Keys moved to ``owner`` without this node asking: as their home (the newest report wins),
         as a replica's holder, or as the node a superseded move was for."""
@@ -526,6 +536,7 @@ class PlacementMachine:
             table.incoming[awaited] = False
             self._retry_deferred_handovers()
             self._retry_deferred_syncs()
+            self._retry_deferred_announcements()
             for answer in held.replay_held(table, self._now):
                 self._answer(answer)
 
@@ -617,7 +628,7 @@ class PlacementMachine:
         rest = np.flatnonzero(~(owned | waits))
         parts = 0
         if rest.size:
-            dest = self._sync_route(keys[rest], hops)
+            dest = self._route_after_keys(keys[rest], hops)
             here = dest == self.node
             if here.all() and not (owned | waits).any():
                 table.deferred_syncs.append((keys, deltas, drop, origin, target, hops, part, parent))
@@ -662,12 +673,13 @@ class PlacementMachine:
         table.interest.replicas[keys[owned & drop.astype(bool)]] &= ~(1 << origin)
         self._send(origin, Synced(keys, values, drop, target, parts, part, parent))
 
-    def _sync_route(self, keys: np.ndarray, hops: int) -> np.ndarray:
-        """Where a replica's change for keys not owned here goes next (this node: it waits for them). As a
-        handover does: behind a key's rows where this node sent them (the same channel), else to its
-        owner as known here (the home after ``MAX_HOPS``), and it waits for a key asked for here that
-        never left (the home's directory may name this node before the key arrives, and the hint
-        here the home: passed back and forth, the change was lost after ``SYNC_HOPS``)."""
+    def _route_after_keys(self, keys: np.ndarray, hops: int) -> np.ndarray:
+        """Where a message about keys not owned here (a replica's change, an announcement) goes next
+        (this node: it waits for them). As a handover does: behind a key's rows where this node sent
+        them (the same channel), else to its owner as known here (the home after ``MAX_HOPS``), and it
+        waits for a key asked for here that never left (the home's directory may name this node before
+        the key arrives, and the hint here the home: passed back and forth, a change was lost after
+        ``SYNC_HOPS``)."""
         table = self.table
         dest = table.where(keys)
         if hops >= MAX_HOPS:  # the home knows the owner
@@ -728,10 +740,23 @@ class PlacementMachine:
                         self._replicate_to(part, node)
             else:
                 table.interest.withdraw(owned, node)
-        if rest.size and hops <= MAX_HOPS:
-            for owner, part in _group(table.where(rest) if hops < MAX_HOPS else home_of(rest, table.num_nodes), rest):
-                if owner != self.node:
-                    self._send(owner, Announce(part, active, node, hops + 1))
+        if not rest.size:
+            return
+        # Routed as a replica's change is, never dropped: one for keys on their way here waits for them
+        # (it was dropped, and the rows came with the interest it withdrew still counted, or without
+        # what it announced), one past ``MAX_HOPS`` goes on to the owner the home knows.
+        dest = self._route_after_keys(rest, hops)
+        waits = dest == self.node
+        if waits.any():
+            table.deferred_announcements.append((rest[waits], active, node, hops))
+        onward, dest = rest[~waits], dest[~waits]
+        if onward.size and hops >= ANNOUNCE_HOPS:
+            table.stats["announcements_lost"] += int(onward.size)
+            log.error("server %d: an announcement of %d key(s) of %r found no owner in %d hops: dropped",
+                      self.node, onward.size, table.spec.name, hops)
+        elif onward.size:
+            for owner, part in _group(dest, onward):
+                self._send(owner, Announce(part, active, node, hops + 1))
 
     def _act_on_intents(self, clock: int, clock_s: float, syncing: bool) -> None:
         table = self.table
