@@ -80,7 +80,7 @@ def test_intents_ended_at_once_are_withdrawn_at_any_clock_and_those_not_started_
 
 
 def test_owner_decisions_per_technique():
-    interest = OwnerInterest(num_keys=10)
+    interest = OwnerInterest(num_keys=10, num_nodes=3)
     keys = np.array([1, 2])
     interest.announce(keys, node=1)
     assert interest.decide("auto", keys, node=1, owner=0)[Action.RELOCATE].tolist() == [1, 2]

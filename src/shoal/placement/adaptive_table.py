@@ -80,13 +80,14 @@ class WaitingState:
     keys: np.ndarray
     values: np.ndarray
     interest: np.ndarray
+    generations: np.ndarray
     replicas: np.ndarray
     epochs: np.ndarray
     steps: np.ndarray
 
     def split(self, keep: np.ndarray) -> WaitingState:
         """The part of ``keep`` (a mask); this keeps the rest."""
-        fields = ("keys", "values", "interest", "replicas", "epochs", "steps")
+        fields = ("keys", "values", "interest", "generations", "replicas", "epochs", "steps")
         taken = WaitingState(*(getattr(self, name)[keep] for name in fields))
         for name in fields:
             setattr(self, name, getattr(self, name)[~keep])
@@ -177,7 +178,7 @@ class AdaptiveTable:
         #: a move on intent, to); given once their holds end
         self.held_back: list[tuple[np.ndarray, np.ndarray | None, int]] = []
         self.next_hold_check = 0.0  # when to look next for holds of processes that died
-        self.interest = OwnerInterest(spec.num_keys)
+        self.interest = OwnerInterest(spec.num_keys, num_nodes)
         self.intents = NodeIntents(spec.num_keys)
         self.replica_owner = np.full(spec.num_keys, -1, dtype=np.int64)
         self.dropping = np.zeros(spec.num_keys, dtype=np.bool_)
@@ -193,8 +194,9 @@ class AdaptiveTable:
         #: parts of replicas' syncs (keys, changes, drop, origin, target, hops, part, parent) for keys on
         #: their way here: added when the keys arrive
         self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int, int, int]] = []
-        #: announcements (keys, active, node, hops) for keys on their way here: taken when the keys arrive
-        self.deferred_announcements: list[tuple[np.ndarray, bool, int, int]] = []
+        #: announcements (keys, their numbers, active, node, hops) for keys on their way here: taken when
+        #: the keys arrive
+        self.deferred_announcements: list[tuple[np.ndarray, np.ndarray, bool, int, int]] = []
         self.parts_made = 0  # parts of syncs named here (``new_part``)
         self.next_sync = 0.0  # when replicas sync at the latest
         self.synced_at = 0.0  # when they last did

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -48,6 +49,14 @@ class NodeIntents:
     def __post_init__(self) -> None:
         self.until = np.zeros(self.num_keys, dtype=np.int64)
         self.announced = np.zeros(self.num_keys, dtype=np.bool_)
+        #: per key, the announcements (and withdrawals) of it made here: each carries its number, so that
+        #: an owner takes one only if it is newer than the last it took from here (they may take
+        #: different routes, and an older one come last)
+        self.generation = np.zeros(self.num_keys, dtype=np.int64)
+        # Counted from the time in microseconds: a server started again numbers past its earlier
+        # process (a key is announced far less often than once a microsecond), whose numbers the
+        # owners still hold.
+        self._first_generation = time.time_ns() // 1000
         self._seen = np.zeros(self.num_keys, dtype=np.bool_)  # ``distinct``'s scratch flags, kept clear
 
     def add(self, keys: np.ndarray, start: int, end: int) -> None:
@@ -57,6 +66,11 @@ class NodeIntents:
     def _distinct(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(keys.shape[0], dtype=np.int64)
         return out[:distinct(keys, self._seen, out)]
+
+    def stamp(self, keys: np.ndarray) -> np.ndarray:
+        """The numbers of the announcements of ``keys`` (distinct) made now."""
+        self.generation[keys] += 1
+        return self._first_generation + self.generation[keys]
 
     def end_all(self) -> None:
         """Every intent declared so far ends now: a worker of this node was started again, and the
@@ -108,15 +122,26 @@ class NodeIntents:
 
 @dataclass
 class OwnerInterest:
-    """At an owner: which nodes announced interest in each of its keys (a bit per node)."""
+    """At an owner: which nodes announced interest in each of its keys (a bit per node), and the
+    number of the last announcement of each node taken for each key (they travel with the key)."""
 
     num_keys: int
+    num_nodes: int
     interest: np.ndarray = field(init=False)
     replicas: np.ndarray = field(init=False)  # nodes holding a replica (a bit per node)
+    generations: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.interest = np.zeros(self.num_keys, dtype=np.int64)
         self.replicas = np.zeros(self.num_keys, dtype=np.int64)
+        self.generations = np.zeros((self.num_keys, self.num_nodes), dtype=np.int64)
+
+    def take(self, keys: np.ndarray, generations: np.ndarray, node: int) -> np.ndarray:
+        """The announcements of ``node`` (``keys``, distinct, with their numbers) newer than the last
+        taken here for each key, now the last ones; a mask over ``keys``."""
+        newer = generations > self.generations[keys, node]
+        self.generations[keys[newer], node] = generations[newer]
+        return newer
 
     def announce(self, keys: np.ndarray, node: int) -> None:
         self.interest[keys] |= 1 << node

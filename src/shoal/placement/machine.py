@@ -272,10 +272,10 @@ class PlacementMachine:
             case Owner():
                 self._learn_owner(message.keys, message.owner, message.epochs, message.steps)
             case Announce():
-                self._announce(message.keys, message.active, message.node, message.hops)
+                self._announce(message.keys, message.generations, message.active, message.node, message.hops)
             case State():
-                self._receive_state(message.keys, message.rows, message.interest, message.replicas, message.epochs,
-                                    message.steps)
+                self._receive_state(message.keys, message.rows, message.interest, message.generations,
+                                    message.replicas, message.epochs, message.steps)
             case Replicate():
                 self._receive_replica(message.keys, message.rows, sender)
             case Sync():
@@ -309,6 +309,8 @@ class PlacementMachine:
                               self.node, message.kind, table.spec.name, sender)
                     raise ProtocolError(f"placement {message.kind!r} from server {sender} carries NaN/Inf")
             elif kind == "i":
+                if value.ndim == 2 and value.shape[1] != table.num_nodes:  # a number per node of the table
+                    raise ValueError(f"{name} must have a column per node ({table.num_nodes}), got {value.shape}")
                 fixed[name] = value.astype(np.int64, copy=False)
         return dataclasses.replace(message, **fixed)
 
@@ -397,11 +399,12 @@ class PlacementMachine:
             table.hints.learn(keys, to)
             table.sent_to[keys] = to
             interest = table.interest.interest[keys]  # indexing by an array copies
+            generations = table.interest.generations[keys]
             replicas = table.interest.replicas[keys]
             table.interest.interest[keys] = 0
             table.interest.replicas[keys] = 0
             table.stats["keys_relocated_away"] += int(keys.size)
-            self._send(to, State(keys, values, interest, replicas, epochs, steps))
+            self._send(to, State(keys, values, interest, generations, replicas, epochs, steps))
         return kept_at
 
     def _give_held_later(self) -> None:
@@ -427,24 +430,24 @@ class PlacementMachine:
             self._move_on_intent(table.interest.decide(table.spec.techniques, wanted, to, self.node)
                                  .get(Action.RELOCATE, _NO_KEYS), to)
 
-    def _receive_state(self, keys: np.ndarray, values: np.ndarray, interest: np.ndarray, replicas: np.ndarray,
-                       epochs: np.ndarray, steps: np.ndarray) -> None:
+    def _receive_state(self, keys: np.ndarray, values: np.ndarray, interest: np.ndarray, generations: np.ndarray,
+                       replicas: np.ndarray, epochs: np.ndarray, steps: np.ndarray) -> None:
         """Rows that come to be owned here. Where a sync of a replica here is on its way with a change
         the rows may lack, they wait for its answer (``WaitingState``): taken now, the row read here
         lacked this node's own write until the old owner's pass of the change came back."""
         table = self.table
         waits = table.unanswered[keys] > 0
         if waits.any():
-            state = WaitingState(keys, values, interest, replicas, epochs, steps)
+            state = WaitingState(keys, values, interest, generations, replicas, epochs, steps)
             table.waiting_states.append(state.split(waits))
             table.state_waits[keys[waits]] = True
             table.incoming[keys[waits]] = True  # requests for them wait here
             table.stats["states_waiting_for_syncs"] += int(waits.sum())
-            keys, values, interest, replicas, epochs, steps = (state.keys, state.values, state.interest,
-                                                               state.replicas, state.epochs, state.steps)
+            keys, values, interest, generations, replicas, epochs, steps = (
+                state.keys, state.values, state.interest, state.generations, state.replicas, state.epochs, state.steps)
             if not keys.size:
                 return
-        self._take_rows(keys, values, interest, replicas, epochs, steps)
+        self._take_rows(keys, values, interest, generations, replicas, epochs, steps)
 
     def _take_waiting_states(self) -> None:
         """The waiting rows whose syncs from here have all been answered."""
@@ -455,7 +458,8 @@ class PlacementMachine:
             if ready.any():
                 taken = state.split(ready)
                 table.state_waits[taken.keys] = False
-                self._take_rows(taken.keys, taken.values, taken.interest, taken.replicas, taken.epochs, taken.steps)
+                self._take_rows(taken.keys, taken.values, taken.interest, taken.generations, taken.replicas,
+                                taken.epochs, taken.steps)
             if state.keys.size:
                 table.waiting_states.append(state)
 
@@ -471,8 +475,8 @@ class PlacementMachine:
             rows[found] = state.values[at]
         return rows
 
-    def _take_rows(self, keys: np.ndarray, values: np.ndarray, interest: np.ndarray, replicas: np.ndarray,
-                   epochs: np.ndarray, steps: np.ndarray) -> None:
+    def _take_rows(self, keys: np.ndarray, values: np.ndarray, interest: np.ndarray, generations: np.ndarray,
+                   replicas: np.ndarray, epochs: np.ndarray, steps: np.ndarray) -> None:
         table = self.table
         store = table.store
         assert store.base is not None and store.changed is not None
@@ -488,6 +492,9 @@ class PlacementMachine:
         table.incoming[keys] = False
         table.hints.learn(keys, self.node)
         table.interest.interest[keys] |= interest
+        # The newest announcement taken of each node, wherever the key was: an older one still on its way
+        # is not taken here either.
+        table.interest.generations[keys] = np.maximum(table.interest.generations[keys], generations)
         # Where this node held a replica it now holds the row: counted as a replica's holder still, it
         # would never be sent one again once the key moves on.
         replicas = replicas & ~(1 << self.node)
@@ -519,8 +526,8 @@ class PlacementMachine:
         """Announcements that waited for keys on their way here: taken where the keys came, passed on
         where they will not come."""
         deferred, self.table.deferred_announcements = self.table.deferred_announcements, []
-        for keys, active, node, hops in deferred:
-            self._announce(keys, active, node, hops)
+        for keys, generations, active, node, hops in deferred:
+            self._announce(keys, generations, active, node, hops)
 
     def _learn_owner(self, keys: np.ndarray, owner: int, epochs: np.ndarray, steps: np.ndarray) -> None:
         """Keys moved to ``owner`` without this node asking: as their home (the newest report wins),
@@ -723,13 +730,19 @@ class PlacementMachine:
 
     # ---------------------------------------------------------------- intent
 
-    def _announce(self, keys: np.ndarray, active: bool, node: int, hops: int) -> None:
-        """At (what we think is) the owner: note a node's interest and act on it."""
+    def _announce(self, keys: np.ndarray, generations: np.ndarray, active: bool, node: int, hops: int) -> None:
+        """At (what we think is) the owner: note a node's interest and act on it, unless a newer
+        announcement of that node's came first (by another route)."""
         table = self.table
         # Which keys are owned here is read before acting: a key moved to ``node`` now carries its
         # interest with its rows, and passing the announcement on after it would only bring it back.
         here = table.presence[keys] == OWNED
-        owned, rest = keys[here], keys[~here]
+        owned, rest, rest_generations = keys[here], keys[~here], generations[~here]
+        if owned.size:
+            newer = table.interest.take(owned, generations[here], node)
+            if not newer.all():
+                table.stats["announcements_stale"] += int((~newer).sum())
+                owned = owned[newer]
         if owned.size:
             if active:
                 table.interest.announce(owned, node)
@@ -748,15 +761,15 @@ class PlacementMachine:
         dest = self._route_after_keys(rest, hops)
         waits = dest == self.node
         if waits.any():
-            table.deferred_announcements.append((rest[waits], active, node, hops))
-        onward, dest = rest[~waits], dest[~waits]
+            table.deferred_announcements.append((rest[waits], rest_generations[waits], active, node, hops))
+        onward, onward_generations, dest = rest[~waits], rest_generations[~waits], dest[~waits]
         if onward.size and hops >= ANNOUNCE_HOPS:
             table.stats["announcements_lost"] += int(onward.size)
             log.error("server %d: an announcement of %d key(s) of %r found no owner in %d hops: dropped",
                       self.node, onward.size, table.spec.name, hops)
         elif onward.size:
-            for owner, part in _group(dest, onward):
-                self._send(owner, Announce(part, active, node, hops + 1))
+            for owner, part in _group(dest, np.arange(onward.size)):
+                self._send(owner, Announce(onward[part], onward_generations[part], active, node, hops + 1))
 
     def _act_on_intents(self, clock: int, clock_s: float, syncing: bool) -> None:
         table = self.table
@@ -786,11 +799,11 @@ class PlacementMachine:
             # owner, still counting it, would not send it again).
             table.dropping[start] = False
             table.stats["intents_announced"] += int(start.size)
-            self._announce(start, True, self.node, 0)
+            self._announce(start, table.intents.stamp(start), True, self.node, 0)
         if stop.size:
             table.stats["intents_withdrawn"] += int(stop.size)
             table.dropping[stop[table.presence[stop] == REPLICA]] = True
-            self._announce(stop, False, self.node, 0)
+            self._announce(stop, table.intents.stamp(stop), False, self.node, 0)
 
 
 def _rows_of(store: ShardStore, keys: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ import numpy as np
 
 #: field metadata: an array of ints, of float rows, of bytes (dtype kind and rank); an int naming a node
 INTS = {"array": ("i", 1)}
+INT_ROWS = {"array": ("i", 2)}
 ROWS = {"array": ("f", 2)}
 BYTES = {"array": ("u", 1)}
 NODE = {"node": True}
@@ -63,6 +64,7 @@ class State(PlacementMessage):
     kind = "state"
     rows: np.ndarray = field(metadata=ROWS)
     interest: np.ndarray = field(metadata=INTS)  # per key: a bit per node that announced interest
+    generations: np.ndarray = field(metadata=INT_ROWS)  # per key and node: its last announcement taken
     replicas: np.ndarray = field(metadata=INTS)  # per key: a bit per node that holds a replica
     epochs: np.ndarray = field(metadata=INTS)
     steps: np.ndarray = field(metadata=INTS)
@@ -80,9 +82,11 @@ class Owner(PlacementMessage):
 
 @dataclass(frozen=True, eq=False)
 class Announce(PlacementMessage):
-    """Node -> owner: ``node``'s workers will use ``keys`` (``active``) or no longer do."""
+    """Node -> owner: ``node``'s workers will use ``keys`` (``active``) or no longer do; ``generations``
+    numbers each key's announcements made at ``node`` (an older one arriving later is not taken)."""
 
     kind = "announce"
+    generations: np.ndarray = field(metadata=INTS)
     active: bool
     node: int = field(metadata=NODE)
     hops: int = 0
