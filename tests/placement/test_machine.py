@@ -328,10 +328,9 @@ def test_reports_of_moves_reaching_the_home_out_of_order_leave_it_knowing_the_ow
     net.carry_out(0, net.machines[0].localize(key))
     net.deliver_all()
     # Announcements that move the key to their node (the first of each node's).
-    first = np.array([1])
-    net.carry_out(0, net.machines[0].receive(2, Announce(key, first, active=True, node=2, hops=3), net.now))
+    net.carry_out(0, net.machines[0].receive(2, Announce(key, active=True, node=2, generation=1, hops=3), net.now))
     net.deliver(0, 2)  # the rows; node 0's report (owner 2) stays on its way to the home
-    net.carry_out(2, net.machines[2].receive(0, Announce(key, first, active=True, node=0, hops=3), net.now))
+    net.carry_out(2, net.machines[2].receive(0, Announce(key, active=True, node=0, generation=1, hops=3), net.now))
     net.deliver(2, 0)  # the rows, back at node 0
     net.deliver(2, 1)  # node 2's report (owner 0) first
     net.deliver(0, 1)  # then node 0's, older
@@ -572,12 +571,11 @@ def test_a_handover_chases_a_key_its_owner_moved_on_intent_past_the_homes_newer_
     net.deliver(1, 0)  # relocate: the home gives the key to node 1 (the rows on channel 0 -> 1)
     net.carry_out(0, net.machines[0].localize(key))  # handover (epoch 2) to node 1, behind the rows
     net.deliver(0, 1)  # the rows: node 1 owns the key
-    first = np.array([1])  # node 0's first announcement of the key, and node 1's below
-    net.carry_out(1, net.machines[1].receive(0, Announce(key, first, active=True, node=0, hops=3), net.now))
+    net.carry_out(1, net.machines[1].receive(0, Announce(key, active=True, node=0, generation=1, hops=3), net.now))
     net.deliver(0, 1)  # the handover, before node 1's rows reached node 0: passed on to node 0
     net.deliver(1, 0)  # the rows: node 0 owns the key
     net.deliver(1, 0)  # node 1's report of its move: older than the home's decision
-    net.carry_out(0, net.machines[0].receive(1, Announce(key, first, active=True, node=1, hops=3), net.now))
+    net.carry_out(0, net.machines[0].receive(1, Announce(key, active=True, node=1, generation=1, hops=3), net.now))
     assert net.tables[1].presence[0] == ABSENT and net.tables[0].presence[0] == ABSENT  # rows on 0 -> 1
     net.carry_out(0, net.machines[0].localize(key))
 

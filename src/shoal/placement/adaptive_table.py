@@ -194,9 +194,9 @@ class AdaptiveTable:
         #: parts of replicas' syncs (keys, changes, drop, origin, target, hops, part, parent) for keys on
         #: their way here: added when the keys arrive
         self.deferred_syncs: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int, int, int]] = []
-        #: announcements (keys, their numbers, active, node, hops) for keys on their way here: taken when
-        #: the keys arrive
-        self.deferred_announcements: list[tuple[np.ndarray, np.ndarray, bool, int, int]] = []
+        #: announcements (keys, active, node, number, hops) for keys on their way here: taken when the
+        #: keys arrive
+        self.deferred_announcements: list[tuple[np.ndarray, bool, int, int, int]] = []
         self.parts_made = 0  # parts of syncs named here (``new_part``)
         self.next_sync = 0.0  # when replicas sync at the latest
         self.synced_at = 0.0  # when they last did

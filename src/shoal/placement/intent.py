@@ -49,14 +49,11 @@ class NodeIntents:
     def __post_init__(self) -> None:
         self.until = np.zeros(self.num_keys, dtype=np.int64)
         self.announced = np.zeros(self.num_keys, dtype=np.bool_)
-        #: per key, the announcements (and withdrawals) of it made here: each carries its number, so that
-        #: an owner takes one only if it is newer than the last it took from here (they may take
-        #: different routes, and an older one come last)
-        self.generation = np.zeros(self.num_keys, dtype=np.int64)
-        # Counted from the time in microseconds: a server started again numbers past its earlier
-        # process (a key is announced far less often than once a microsecond), whose numbers the
-        # owners still hold.
-        self._first_generation = time.time_ns() // 1000
+        # The announcements (and withdrawals) made here are numbered, so that an owner takes one only if
+        # it is newer than the last it took from here (they take different routes, and an older one
+        # may come last). Counted from the time in microseconds: a server started again numbers past
+        # its earlier process (far fewer than one a microsecond are made), whose numbers owners hold.
+        self._generation = time.time_ns() // 1000
         self._seen = np.zeros(self.num_keys, dtype=np.bool_)  # ``distinct``'s scratch flags, kept clear
 
     def add(self, keys: np.ndarray, start: int, end: int) -> None:
@@ -67,10 +64,10 @@ class NodeIntents:
         out = np.empty(keys.shape[0], dtype=np.int64)
         return out[:distinct(keys, self._seen, out)]
 
-    def stamp(self, keys: np.ndarray) -> np.ndarray:
-        """The numbers of the announcements of ``keys`` (distinct) made now."""
-        self.generation[keys] += 1
-        return self._first_generation + self.generation[keys]
+    def stamp(self) -> int:
+        """The number of an announcement made now."""
+        self._generation += 1
+        return self._generation
 
     def end_all(self) -> None:
         """Every intent declared so far ends now: a worker of this node was started again, and the
@@ -129,19 +126,28 @@ class OwnerInterest:
     num_nodes: int
     interest: np.ndarray = field(init=False)
     replicas: np.ndarray = field(init=False)  # nodes holding a replica (a bit per node)
-    generations: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.interest = np.zeros(self.num_keys, dtype=np.int64)
         self.replicas = np.zeros(self.num_keys, dtype=np.int64)
-        self.generations = np.zeros((self.num_keys, self.num_nodes), dtype=np.int64)
+        # A row per node: an announcement is one node's, taken over a round's keys (thousands) at once.
+        self._generations = np.zeros((self.num_nodes, self.num_keys), dtype=np.int64)
 
-    def take(self, keys: np.ndarray, generations: np.ndarray, node: int) -> np.ndarray:
-        """The announcements of ``node`` (``keys``, distinct, with their numbers) newer than the last
-        taken here for each key, now the last ones; a mask over ``keys``."""
-        newer = generations > self.generations[keys, node]
-        self.generations[keys[newer], node] = generations[newer]
+    def take(self, keys: np.ndarray, generation: int, node: int) -> np.ndarray:
+        """Which of ``keys`` (distinct) an announcement of ``node`` numbered ``generation`` is newer
+        for than the last of that node's taken here, now the last one; a mask over ``keys``."""
+        taken = self._generations[node]
+        newer = taken[keys] < generation
+        taken[keys[newer]] = generation
         return newer
+
+    def generations_of(self, keys: np.ndarray) -> np.ndarray:
+        """The number of the last announcement of each node taken for each key (a row per key)."""
+        return np.ascontiguousarray(self._generations[:, keys].T)
+
+    def took(self, keys: np.ndarray, generations: np.ndarray) -> None:
+        """``keys`` came with ``generations`` (``generations_of`` where they were)."""
+        self._generations[:, keys] = generations.T
 
     def announce(self, keys: np.ndarray, node: int) -> None:
         self.interest[keys] |= 1 << node

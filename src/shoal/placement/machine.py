@@ -52,6 +52,7 @@ from shoal.placement.messages import (
     array_fields,
     body_fields,
     node_fields,
+    number_fields,
     part_fields,
 )
 from shoal.placement.ownership import MAX_HOPS, home_of
@@ -272,7 +273,7 @@ class PlacementMachine:
             case Owner():
                 self._learn_owner(message.keys, message.owner, message.epochs, message.steps)
             case Announce():
-                self._announce(message.keys, message.generations, message.active, message.node, message.hops)
+                self._announce(message.keys, message.active, message.node, message.generation, message.hops)
             case State():
                 self._receive_state(message.keys, message.rows, message.interest, message.generations,
                                     message.replicas, message.epochs, message.steps)
@@ -291,12 +292,14 @@ class PlacementMachine:
         of it is applied)."""
         table = self.table
         _node(sender, table)
-        nodes, parts = node_fields(type(message)), part_fields(type(message))
+        nodes, parts, numbers = node_fields(type(message)), part_fields(type(message)), number_fields(type(message))
         for name, field_type in body_fields(type(message)).items():
             if name in nodes:
                 _node(getattr(message, name), table)
             elif name in parts:
                 _part(getattr(message, name))
+            elif name in numbers:
+                _number(getattr(message, name))
             elif field_type is int:
                 _count(getattr(message, name))
         fixed: dict[str, np.ndarray] = {"keys": as_keys(message.keys, table.spec)}
@@ -399,7 +402,7 @@ class PlacementMachine:
             table.hints.learn(keys, to)
             table.sent_to[keys] = to
             interest = table.interest.interest[keys]  # indexing by an array copies
-            generations = table.interest.generations[keys]
+            generations = table.interest.generations_of(keys)
             replicas = table.interest.replicas[keys]
             table.interest.interest[keys] = 0
             table.interest.replicas[keys] = 0
@@ -492,9 +495,9 @@ class PlacementMachine:
         table.incoming[keys] = False
         table.hints.learn(keys, self.node)
         table.interest.interest[keys] |= interest
-        # The newest announcement taken of each node, wherever the key was: an older one still on its way
-        # is not taken here either.
-        table.interest.generations[keys] = np.maximum(table.interest.generations[keys], generations)
+        # The last announcement of each node taken wherever the key was (only its owner takes one, so
+        # these are the newest): an older one still on its way is not taken here either.
+        table.interest.took(keys, generations)
         # Where this node held a replica it now holds the row: counted as a replica's holder still, it
         # would never be sent one again once the key moves on.
         replicas = replicas & ~(1 << self.node)
@@ -526,8 +529,8 @@ class PlacementMachine:
         """Announcements that waited for keys on their way here: taken where the keys came, passed on
         where they will not come."""
         deferred, self.table.deferred_announcements = self.table.deferred_announcements, []
-        for keys, generations, active, node, hops in deferred:
-            self._announce(keys, generations, active, node, hops)
+        for keys, active, node, generation, hops in deferred:
+            self._announce(keys, active, node, generation, hops)
 
     def _learn_owner(self, keys: np.ndarray, owner: int, epochs: np.ndarray, steps: np.ndarray) -> None:
         """Keys moved to ``owner`` without this node asking: as their home (the newest report wins),
@@ -730,16 +733,16 @@ class PlacementMachine:
 
     # ---------------------------------------------------------------- intent
 
-    def _announce(self, keys: np.ndarray, generations: np.ndarray, active: bool, node: int, hops: int) -> None:
+    def _announce(self, keys: np.ndarray, active: bool, node: int, generation: int, hops: int) -> None:
         """At (what we think is) the owner: note a node's interest and act on it, unless a newer
         announcement of that node's came first (by another route)."""
         table = self.table
         # Which keys are owned here is read before acting: a key moved to ``node`` now carries its
         # interest with its rows, and passing the announcement on after it would only bring it back.
         here = table.presence[keys] == OWNED
-        owned, rest, rest_generations = keys[here], keys[~here], generations[~here]
+        owned, rest = keys[here], keys[~here]
         if owned.size:
-            newer = table.interest.take(owned, generations[here], node)
+            newer = table.interest.take(owned, generation, node)
             if not newer.all():
                 table.stats["announcements_stale"] += int((~newer).sum())
                 owned = owned[newer]
@@ -761,15 +764,15 @@ class PlacementMachine:
         dest = self._route_after_keys(rest, hops)
         waits = dest == self.node
         if waits.any():
-            table.deferred_announcements.append((rest[waits], rest_generations[waits], active, node, hops))
-        onward, onward_generations, dest = rest[~waits], rest_generations[~waits], dest[~waits]
+            table.deferred_announcements.append((rest[waits], active, node, generation, hops))
+        onward, dest = rest[~waits], dest[~waits]
         if onward.size and hops >= ANNOUNCE_HOPS:
             table.stats["announcements_lost"] += int(onward.size)
             log.error("server %d: an announcement of %d key(s) of %r found no owner in %d hops: dropped",
                       self.node, onward.size, table.spec.name, hops)
         elif onward.size:
-            for owner, part in _group(dest, np.arange(onward.size)):
-                self._send(owner, Announce(onward[part], onward_generations[part], active, node, hops + 1))
+            for owner, part in _group(dest, onward):
+                self._send(owner, Announce(part, active, node, generation, hops + 1))
 
     def _act_on_intents(self, clock: int, clock_s: float, syncing: bool) -> None:
         table = self.table
@@ -799,11 +802,11 @@ class PlacementMachine:
             # owner, still counting it, would not send it again).
             table.dropping[start] = False
             table.stats["intents_announced"] += int(start.size)
-            self._announce(start, table.intents.stamp(start), True, self.node, 0)
+            self._announce(start, True, self.node, table.intents.stamp(), 0)
         if stop.size:
             table.stats["intents_withdrawn"] += int(stop.size)
             table.dropping[stop[table.presence[stop] == REPLICA]] = True
-            self._announce(stop, table.intents.stamp(stop), False, self.node, 0)
+            self._announce(stop, False, self.node, table.intents.stamp(), 0)
 
 
 def _rows_of(store: ShardStore, keys: np.ndarray) -> np.ndarray:
@@ -853,6 +856,12 @@ def _node(value: Any, table: AdaptiveTable) -> int:
 def _part(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
         raise ValueError(f"bad part of a sync {value!r}")
+    return value
+
+
+def _number(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+        raise ValueError(f"bad number {value!r}")
     return value
 
 

@@ -6,7 +6,7 @@ its dtype kind and rank (metadata ``INTS``, ``ROWS``, ``BYTES``). ``wire.schema`
 derives the check of each kind from these declarations, the server encodes and
 decodes them with ``to_parts`` and ``from_parts``, and ``placement.machine``
 takes and returns them. Node fields (``NODE``) name a node of the table; the
-machine checks them, counts (hops, parts) and part names (``PART``), when a
+machine checks them, counts (hops, parts), part names (``PART``) and numbers (``NUMBER``), when a
 message arrives.
 """
 
@@ -28,6 +28,8 @@ BYTES = {"array": ("u", 1)}
 NODE = {"node": True}
 #: an int naming a part of a replica's sync (``PartId``): the node that made it, then its number there
 PART = {"part": True}
+#: an int numbering a node's announcements of a table's keys (``NodeIntents.stamp``), 0 to 2**62
+NUMBER = {"number": True}
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: field equality would compare arrays
@@ -82,13 +84,14 @@ class Owner(PlacementMessage):
 
 @dataclass(frozen=True, eq=False)
 class Announce(PlacementMessage):
-    """Node -> owner: ``node``'s workers will use ``keys`` (``active``) or no longer do; ``generations``
-    numbers each key's announcements made at ``node`` (an older one arriving later is not taken)."""
+    """Node -> owner: ``node``'s workers will use ``keys`` (``active``) or no longer do. ``generation``
+    numbers it among ``node``'s announcements: an older one arriving later (by another route) is not
+    taken."""
 
     kind = "announce"
-    generations: np.ndarray = field(metadata=INTS)
     active: bool
     node: int = field(metadata=NODE)
+    generation: int = field(metadata=NUMBER)
     hops: int = 0
 
 
@@ -140,6 +143,7 @@ class _Fields:
     arrays: tuple[tuple[str, str, int], ...]  # travel as arrays, in order: (name, dtype kind, rank)
     nodes: frozenset[str]  # body fields that name a node
     parts: frozenset[str]  # body fields that name a part of a sync
+    numbers: frozenset[str]  # body fields that number a node's messages
 
 
 def _fields_of(cls: type[PlacementMessage]) -> _Fields:
@@ -148,7 +152,8 @@ def _fields_of(cls: type[PlacementMessage]) -> _Fields:
     return _Fields(MappingProxyType({f.name: types[str(f.type)] for f in fields if "array" not in f.metadata}),
                    tuple((f.name, *f.metadata["array"]) for f in fields if "array" in f.metadata),
                    frozenset(f.name for f in fields if f.metadata.get("node")),
-                   frozenset(f.name for f in fields if f.metadata.get("part")))
+                   frozenset(f.name for f in fields if f.metadata.get("part")),
+                   frozenset(f.name for f in fields if f.metadata.get("number")))
 
 
 # Asked for with every message a kind sends or receives, so worked out once per kind here
@@ -172,6 +177,10 @@ def node_fields(cls: type[PlacementMessage]) -> frozenset[str]:
 
 def part_fields(cls: type[PlacementMessage]) -> frozenset[str]:
     return _FIELDS[cls].parts
+
+
+def number_fields(cls: type[PlacementMessage]) -> frozenset[str]:
+    return _FIELDS[cls].numbers
 
 
 #: several messages to one node in one: body ``{"kind": BATCH, "messages": [each one's body]}``, the

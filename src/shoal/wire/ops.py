@@ -11,8 +11,8 @@ from enum import IntEnum
 # 7: a replica's gaps are the numbers of the updates it lacks (a count before), gossip may carry fills,
 #    and a TOTALS reply counts each origin's gaps (an older peer took two different states for one)
 # 8: the tag ends frame 0 instead of being a frame of its own (an older peer takes it for part of the header)
-# 9: a placement announcement numbers its keys' announcements, and a key's state carries the last of each
-#    node's taken (an older peer misreads both messages' arrays)
+# 9: a placement announcement is numbered among its node's, and a key's state carries the last of each
+#    node's taken (an older peer misreads both)
 PROTOCOL_VERSION = 9
 
 
