@@ -89,7 +89,7 @@ def run(rounds: int) -> Timer:
             now += 0.06  # past the sync period
             # A relocation: node 1 alone announces fresh keys; their owner hands them over.
             keys = even[REPLICAS + i * MOVED: REPLICAS + (i + 1) * MOVED]
-            announce = _wire(Announce(keys, True, 1))
+            announce = _wire(Announce(keys, True, 1, generation=i + 1))
             state = _only(timer("announce at the owner: relocate", MOVED, machines[0].receive, 1, announce, now),
                           "state")
             state = timer("wire: encode and decode a state", MOVED, _wire, state)

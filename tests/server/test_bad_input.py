@@ -235,7 +235,9 @@ def test_placement_rows_with_nan_from_a_peer_are_dropped_and_the_server_keeps_se
     before = client.pull(all_keys, table="a")
     rows = np.ones((2, ADAPTIVE.dim), np.float32)
     rows[1, 0] = np.nan
-    extra = [np.zeros(2, np.int64)] * 4 if kind == "state" else [np.zeros(2, np.uint8)]
+    # state: interest, the last announcements taken (a column per node), replicas, epochs, steps
+    extra = ([np.zeros(2, np.int64), np.zeros((2, 1), np.int64), *[np.zeros(2, np.int64)] * 3] if kind == "state"
+             else [np.zeros(2, np.uint8)])
     body = {"kind": kind} if kind == "state" else {"kind": kind, "origin": 0, "target": 0, "hops": 0, "part": 1,
                                                    "parent": 1}
     body.update(channel=1, seq=1, base=1, acks=0, acked=0)  # the first message of a server's channel

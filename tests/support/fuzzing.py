@@ -265,7 +265,8 @@ FIELDS = {name: st.one_of(values, values, values, HOSTILE) for name, values in F
 EXTRA_FIELDS = st.lists(st.sampled_from(sorted(FIELDS)), max_size=2)
 #: fields a placement message's kinds carry, offered to it more often than the rest (an op's own
 #: optional fields come from its declaration, ``wire.bodies``)
-PLACEMENT_FIELDS = ["to", "hops", "owner", "active", "node", "origin", "target", "parts", "part", "parent"]
+PLACEMENT_FIELDS = ["to", "hops", "owner", "active", "node", "generation", "origin", "target", "parts", "part",
+                    "parent"]
 TYPED = {int: NUMBERS, str: st.text(max_size=16), list: st.lists(HOSTILE, max_size=4),
          dict: st.dictionaries(st.text(max_size=6), HOSTILE, max_size=4), bool: st.booleans()}
 _SENDERS = st.sampled_from([-1, 0, 1, 2, SERVERS, SERVERS + 1, SERVERS + 2])
@@ -323,7 +324,8 @@ def gossip_parts(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
 #: the arrays each kind of placement message carries (``wire.schema.PLACEMENT_KINDS``)
 PLACEMENT_ARRAYS = {"relocate": ["keys"], "handover": ["keys", "epochs"], "owner": ["keys", "epochs", "steps"],
                     "announce": ["keys"],
-                    "state": ["keys", "rows", "interest", "replicas", "epochs", "steps"], "replicate": ["keys", "rows"],
+                    "state": ["keys", "rows", "interest", "generations", "replicas", "epochs", "steps"],
+                    "replicate": ["keys", "rows"],
                     "sync": ["keys", "rows", "marks"], "synced": ["keys", "rows", "marks"]}
 
 
@@ -345,8 +347,11 @@ def one_placement(draw: st.DrawFn) -> tuple[dict[str, Any], list[np.ndarray]]:
     interest, replicas = _small_ints(n, draw), _small_ints(n, draw)
     if n and draw(one_in(4)):  # bit masks with every bit set, or more nodes than there are
         replicas[draw(INDEX) % n] = draw(st.sampled_from([-1, 1 << 62, 1 << NUM_NODES, -(2**63)]))
+    # the last announcement of each node taken, per key: now and then a column too few or too many
+    columns = NUM_NODES if not draw(one_in(8)) else draw(st.sampled_from([1, NUM_NODES + 1]))
+    generations = _small_ints(n * columns, draw, 1 << 7).reshape(n, columns)
     arrays = {"keys": draw(key_arrays(n)), "rows": draw(row_arrays(n)), "interest": interest,
-              "replicas": replicas, "marks": _small_ints(n, draw, 1).astype(np.uint8),
+              "generations": generations, "replicas": replicas, "marks": _small_ints(n, draw, 1).astype(np.uint8),
               "epochs": _small_ints(n, draw), "steps": _small_ints(n, draw)}
     names = PLACEMENT_ARRAYS[kind] if not draw(one_in(8)) else ["keys", "rows", "interest", "replicas"]
     return body, [arrays[name] for name in names]

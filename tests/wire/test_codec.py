@@ -484,7 +484,8 @@ def placement(kind: str, arrays: list[np.ndarray], **body: Any) -> Message:
                  id="announce active not a bool"),
     pytest.param(placement("relocate", [keys(1), rows(1)], to=1), ProtocolError, "carries 1 array(s), got 2",
                  id="relocate with rows"),
-    pytest.param(placement("state", [keys(1, 2), rows(2), keys(0), *[keys(0, 0)] * 3]), ShapeError, "disagree",
+    pytest.param(placement("state", [keys(1, 2), rows(2), keys(0), np.zeros((2, 2), np.int64), *[keys(0, 0)] * 3]),
+                 ShapeError, "disagree",
                  id="state interest of another length"),
     pytest.param(placement("sync", [keys(1), rows(1), keys(1)], origin=0, target=1, hops=0, part=1, parent=1),
                  ProtocolError,
@@ -515,17 +516,19 @@ def test_placement_message_not_fitting_its_kind_is_rejected_on_arrival(msg: Mess
 
 def test_each_placement_kind_round_trips() -> None:
     bodies = {"relocate": {"to": 1}, "handover": {"to": 1, "hops": 0}, "owner": {"owner": 0},
-              "announce": {"active": True, "node": 1, "hops": 0}, "state": {}, "replicate": {},
+              "announce": {"active": True, "node": 1, "generation": 1, "hops": 0}, "state": {}, "replicate": {},
               "sync": {"origin": 0, "target": 1, "hops": 0, "part": 1, "parent": 1},
               "synced": {"target": 1, "parts": 0, "part": 1, "parent": 1}}
-    carried = {"relocate": 1, "handover": 2, "owner": 3, "announce": 1, "state": 6, "replicate": 2, "sync": 3,
+    carried = {"relocate": 1, "handover": 2, "owner": 3, "announce": 1, "state": 7, "replicate": 2, "sync": 3,
                "synced": 3}
     assert sorted(bodies) == sorted(PLACEMENT_KINDS)
     for kind, body in bodies.items():
         second = rows(2) if PLACEMENT_KINDS[kind].arrays[1:2] == (ROWS,) else keys(3, 4)
-        arrays = [keys(0, 1), second, *[keys(1, 1)] * 4][: carried[kind]]
+        arrays = [keys(0, 1), second, *[keys(1, 1)] * 5][: carried[kind]]
         if kind in ("sync", "synced"):
             arrays[2] = np.zeros(2, dtype=np.uint8)
+        if kind == "state":  # the last announcement of each node taken, per key
+            arrays[3] = np.zeros((2, 3), dtype=np.int64)
         msg = Codec().decode(on_the_wire(Codec().encode(placement(kind, arrays, **body))))
         assert msg.body["kind"] == kind and len(msg.arrays) == carried[kind]
 

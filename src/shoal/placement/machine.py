@@ -758,9 +758,9 @@ class PlacementMachine:
                 table.interest.withdraw(owned, node)
         if not rest.size:
             return
-        # Routed as a replica's change is, never dropped: one for keys on their way here waits for them
-        # (it was dropped, and the rows came with the interest it withdrew still counted, or without
-        # what it announced), one past ``MAX_HOPS`` goes on to the owner the home knows.
+        # Routed as a replica's change is, and never dropped (the key would come with an interest still
+        # counted that was withdrawn, or without one announced): for keys on their way here it waits
+        # for them, past ``MAX_HOPS`` it goes on to the owner the home knows.
         dest = self._route_after_keys(rest, hops)
         waits = dest == self.node
         if waits.any():
