@@ -2,12 +2,12 @@
 
 Each kind is a frozen dataclass. Its int and bool fields travel in the message
 body; its array fields travel as arrays, in field order, each declared with
-its dtype kind and rank (metadata ``INTS``, ``ROWS``, ``BYTES``). ``wire.schema``
-derives the check of each kind from these declarations, the server encodes and
-decodes them with ``to_parts`` and ``from_parts``, and ``placement.machine``
-takes and returns them. Node fields (``NODE``) name a node of the table; the
-machine checks them, counts (hops, parts), part names (``PART``) and numbers (``NUMBER``), when a
-message arrives.
+its dtype kind and rank (metadata ``INTS``, ``INT_ROWS``, ``ROWS``, ``BYTES``).
+``wire.schema`` derives the check of each kind from these declarations, the
+server encodes and decodes them with ``to_parts`` and ``from_parts``, and
+``placement.machine`` takes and returns them. Node fields (``NODE``) name a node
+of the table; the machine checks them, counts (hops, parts), part names
+(``PART``) and numbers (``NUMBER``) when a message arrives.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-#: field metadata: an array of ints, of float rows, of bytes (dtype kind and rank); an int naming a node
+#: field metadata: an array of ints, of int rows, of float rows, of bytes (dtype kind and rank); an int
+#: naming a node
 INTS = {"array": ("i", 1)}
 INT_ROWS = {"array": ("i", 2)}
 ROWS = {"array": ("f", 2)}
