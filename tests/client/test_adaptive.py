@@ -11,8 +11,10 @@ import pytest
 
 import shoal
 from shoal.placement.adaptive_table import Effects, Send
+from shoal.placement.intent import ANNOUNCEMENTS_PER_PROCESS_BITS
 from shoal.placement.messages import Replicate
 from shoal.server.metrics import server_families
+from shoal.server.server import ParameterServer
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA
 from shoal.transport.faulty import Faults, FaultyTransport
 from shoal.transport.zmq_transport import ZmqTransport
@@ -320,6 +322,28 @@ def test_a_restarted_workers_earlier_intents_end_and_their_replicas_go():
         again.table("r", 10, 1, techniques="replication", init=shoal.Constant(0.0), sync_ms=5)
         wait_until(lambda: not (here.presence[[0, 2, 4]] == REPLICA).any(), what="the replicas going")
         assert c.servers[1].sync.clocks.learned[1] == 0
+
+
+def test_a_server_started_again_numbers_its_announcements_from_its_incarnation():
+    """An owner takes a node's announcement only if it is numbered past the last it took from that
+    node. A server started again numbers its own from the rendezvous's count of its node's
+    registrations, not from the time of day, which a clock set back across the restart would turn
+    into numbers below its earlier process's."""
+    with ThreadCluster(nodes=2) as c:
+        first = c.worker(0)
+        first.table("n", 10, 1, techniques="relocation", init=shoal.Constant(0.0))
+        wait_until(lambda: "n" in c.servers[1].adaptive.tables, what="the table on server 1")
+        first.shutdown()  # done with both servers: nothing of it waits for the one started again
+        c.workers.remove(first)
+        assert c.servers[1].adaptive.tables["n"].intents.stamp() >> ANNOUNCEMENTS_PER_PROCESS_BITS == 1
+        c.servers[1].stop()
+        c.threads[1].join(timeout=10)
+        again = ParameterServer(1, c.spec, c.transport, bind="inproc://*")
+        c.servers[1] = again
+        c.threads[1] = threading.Thread(target=again.run, daemon=True, name="server-1-again")
+        c.threads[1].start()
+        wait_until(lambda: "n" in again.adaptive.tables, what="the table on the server started again")
+        assert again.adaptive.tables["n"].intents.stamp() >> ANNOUNCEMENTS_PER_PROCESS_BITS == 2
 
 
 @pytest.mark.parametrize("sync_ms", [None, 1000.0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -108,3 +109,21 @@ def test_action_window_grows_by_less_than_a_clock():
     for _ in range(30):
         w = smoothed_window(action_s=0.005, clock_s=0.035, current=w)
     assert math.ceil(w) == 2
+
+
+def test_a_node_started_again_numbers_its_announcements_past_its_earlier_process_whatever_the_clock(monkeypatch):
+    # The numbers were counted from the time of day in microseconds: a process started again after
+    # its clock was set back (an NTP step, a host moved) numbered below its earlier process, and every
+    # owner holding that process's numbers refused its announcements as older, until the new count
+    # passed them (an hour back: 3.6e9 announcements).
+    owner = OwnerInterest(num_keys=10, num_nodes=2)
+    keys = np.arange(10)
+    earlier = NodeIntents(num_keys=10, incarnation=1)
+    for _ in range(3):
+        assert owner.take(keys, earlier.stamp(), node=1).all()
+    real_ns = time.time_ns()
+    monkeypatch.setattr(time, "time_ns", lambda: real_ns - 3_600 * 10**9)
+    again = NodeIntents(num_keys=10, incarnation=2)
+    assert owner.take(keys[:4], again.stamp(), node=1).all()
+    assert owner.take(keys, again.stamp(), node=1).all()
+    assert not owner.take(keys, earlier.stamp(), node=1).any()  # a late one of the earlier process: older

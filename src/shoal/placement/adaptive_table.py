@@ -149,7 +149,7 @@ class Held:
 class AdaptiveTable:
     """One node's view of an adaptive table."""
 
-    def __init__(self, spec: TableSpec, node: int, num_nodes: int, cluster_id: str) -> None:
+    def __init__(self, spec: TableSpec, node: int, num_nodes: int, cluster_id: str, incarnation: int = 1) -> None:
         if num_nodes > MAX_NODES:
             raise ConfigError(f"adaptive tables support at most {MAX_NODES} nodes")
         self.spec = spec
@@ -179,7 +179,7 @@ class AdaptiveTable:
         self.held_back: list[tuple[np.ndarray, np.ndarray | None, int]] = []
         self.next_hold_check = 0.0  # when to look next for holds of processes that died
         self.interest = OwnerInterest(spec.num_keys, num_nodes)
-        self.intents = NodeIntents(spec.num_keys)
+        self.intents = NodeIntents(spec.num_keys, incarnation)
         self.replica_owner = np.full(spec.num_keys, -1, dtype=np.int64)
         self.dropping = np.zeros(spec.num_keys, dtype=np.bool_)
         #: per owner: this node's sync to it, until every part of it is answered

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
 
+from shoal.api.errors import ClusterError
+from shoal.api.ids import MAX_INCARNATIONS
 from shoal.placement.kernels import distinct
 
 #: about how long a relocation or replication takes here: the action window is this long in clocks
@@ -26,6 +27,9 @@ ACTION_S = 0.005
 #: how often a server acts on its node's intents at most, unless one is about to start: each action
 #: costs a few hundred µs per table and peer, whatever the number of keys (``server_cpu.md``)
 ACT_EVERY_S = 0.05
+#: a process numbers its announcements of a table within ``[incarnation, incarnation + 1) * 2**40``: a
+#: thousand a second for 34 years (a server makes a few dozen), under 2**60 for every incarnation
+ANNOUNCEMENTS_PER_PROCESS_BITS = 40
 
 
 class Action(Enum):
@@ -39,6 +43,8 @@ class NodeIntents:
     """At one node: its workers' intents, and which keys it has announced to their owners."""
 
     num_keys: int
+    #: which process of its node this is (``api.ids``: the rendezvous counts each node's registrations)
+    incarnation: int = 1
     until: np.ndarray = field(init=False)  # the last clock (exclusive) of interest per key
     announced: np.ndarray = field(init=False)
     _starting: list[tuple[int, int, np.ndarray, int]] = field(default_factory=list)  # (start, seq, keys, end)
@@ -51,9 +57,11 @@ class NodeIntents:
         self.announced = np.zeros(self.num_keys, dtype=np.bool_)
         # The announcements (and withdrawals) made here are numbered, so that an owner takes one only if
         # it is newer than the last it took from here (they take different routes, and an older one
-        # may come last). Counted from the time in microseconds: a server started again numbers past
-        # its earlier process (far fewer than one a microsecond are made), whose numbers owners hold.
-        self._generation = time.time_ns() // 1000
+        # may come last). Each process of a node numbers from its incarnation up, so a server started
+        # again numbers past its earlier process, whose numbers owners hold, whatever its clock says.
+        if not 1 <= self.incarnation < MAX_INCARNATIONS:
+            raise ClusterError(f"incarnation {self.incarnation} out of [1, {MAX_INCARNATIONS})")
+        self._generation = self.incarnation << ANNOUNCEMENTS_PER_PROCESS_BITS
         self._seen = np.zeros(self.num_keys, dtype=np.bool_)  # ``distinct``'s scratch flags, kept clear
 
     def add(self, keys: np.ndarray, start: int, end: int) -> None:

@@ -74,6 +74,9 @@ class AdaptiveService:
         #: the timer's passes over the tables, by whether they sent placement messages (a sync of the
         #: replicas, intents acted on) or found nothing due: what the timer's CPU is spent on
         self.passes = CpuAccount()
+        #: which process of this node this is (the rendezvous's count of its registrations): its
+        #: tables number their announcements from it
+        self.incarnation = 1
         self._clock_seen = (0, now())
         self._clock_s = 0.0
         clocks.on_restart.append(self._worker_restarted)
@@ -105,7 +108,7 @@ class AdaptiveService:
                    if node != self.node and node not in self.peers.addresses)
 
     def build(self, spec: TableSpec, current: dict[str, Any] | None = None) -> AdaptiveTable:
-        return AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id)
+        return AdaptiveTable(spec, self.node, self.cluster.num_nodes, self.cluster.cluster_id, self.incarnation)
 
     def install(self, spec: TableSpec, built: AdaptiveTable) -> None:
         self.machines[spec.name] = PlacementMachine(built)

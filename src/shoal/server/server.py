@@ -266,6 +266,7 @@ class ParameterServer:
         self.replication.on_status(status)
         incarnations = status.get("incarnations") or []
         restarted = self.node < len(incarnations) and int(incarnations[self.node]) > 1
+        self.adaptive.incarnation = int(status.get("incarnation") or 1)  # before any table is built
         for name in self._adopt_tables(status, "after a restart"):
             if restarted and not self.services[name].keeps_rows_across_restart:
                 self.lost[name] = (f"the rows of table {name!r} on server {self.node} were lost with its previous "
