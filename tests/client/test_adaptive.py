@@ -435,6 +435,10 @@ def test_adaptive_tables_check_their_settings():
         shoal.TableSpec("x", 10, 1, techniques="auto", optimizer=shoal.optim.Adagrad())
     with pytest.raises(shoal.ConfigError, match="techniques must be one of"):
         shoal.TableSpec("x", 10, 1, techniques="teleport")
+    for period in (0, 0.5, 60_001, True, "50"):
+        with pytest.raises(shoal.ConfigError, match="act_ms must be None or lie in"):
+            shoal.TableSpec("x", 10, 1, techniques="auto", act_ms=period)
+    assert shoal.TableSpec.from_dict(shoal.TableSpec("x", 10, 1, techniques="auto", act_ms=100).to_dict()).act_ms == 100
     with ThreadCluster(nodes=1) as c:
         t = c.worker(0).table("s", 10, 1)
         with pytest.raises(shoal.TableError, match="is not adaptive"):

@@ -45,9 +45,10 @@ class Push:
 
 
 class Network:
-    def __init__(self, nodes: int, techniques: str, seed: int, sync_ms: float = 50.0) -> None:
+    def __init__(self, nodes: int, techniques: str, seed: int, sync_ms: float = 50.0,
+                 act_ms: float | None = None) -> None:
         self.spec = TableSpec("t", num_keys=NUM_KEYS, dim=2, techniques=techniques, init=shoal.Constant(0.0),
-                              sync_ms=sync_ms)
+                              sync_ms=sync_ms, act_ms=act_ms)
         cluster_id = uuid.uuid4().hex[:12]
         self.tables = [AdaptiveTable(self.spec, n, nodes, cluster_id) for n in range(nodes)]
         self.machines = [PlacementMachine(t) for t in self.tables]
@@ -429,6 +430,30 @@ def test_intents_are_acted_on_every_few_fast_clocks_with_notice_and_at_once_when
     machine.intend(np.array([23]), 23, 24)  # declared late, mid-stride: one clock of notice
     sends = machine.tick(22 * clock_s, 22, clock_s).sends
     assert [s.message.keys.tolist() for s in sends if s.message.kind == "announce" and s.message.active] == [[23]]
+
+
+@pytest.mark.parametrize("act_ms", [None, 100.0])
+def test_a_table_acts_on_intents_once_per_its_period_on_fast_clocks_and_each_with_notice(network_of, act_ms):
+    # Clocks of 10 ms, an intent for another key at each clock: the node acts in rounds a period of
+    # the table's apart (ACT_EVERY_S without one), each reaching as far ahead as the next round.
+    net = network_of(2, "auto", 0, sync_ms=60_000, act_ms=act_ms)
+    machine, table = net.machines[0], net.tables[0]
+    clock_s = 0.01
+    stride = round((ACT_EVERY_S if act_ms is None else act_ms / 1000) / clock_s)
+    for clock in range(10):  # the window settles at two clocks of notice
+        machine.tick(clock * clock_s, clock, clock_s)
+    starts = {2 * i + 1: 20 + i for i in range(12)}  # keys homed on node 1, each for one clock
+    for key, start in starts.items():
+        machine.intend(np.array([key]), start, start + 1)
+    rounds, announced = [], {}
+    for clock in range(10, 45):
+        sent = [s.message for s in machine.tick(clock * clock_s, clock, clock_s).sends if s.message.kind == "announce"]
+        if sent:
+            rounds.append(clock)
+        announced.update(dict.fromkeys((k for m in sent if m.active for k in m.keys.tolist()), clock))
+    assert announced.keys() == starts.keys()
+    assert all(starts[key] - at >= table.window for key, at in announced.items())
+    assert (np.diff(rounds) == stride).all(), rounds
 
 
 def test_tables_with_one_sync_period_sync_in_the_same_pass_whenever_they_began(network_of):

@@ -76,6 +76,10 @@ class TableSpec:
     #: how often a replica sends its change to the key's owner and reads the owner's row: a period in
     #: ms, or None: at every clock of the node's workers, at most every 10 ms and at least every 50
     sync_ms: float | None = None
+    #: how often a node's server acts on the intents its workers declared for the table, at most (ms;
+    #: sooner when one not acted on is about to start): each round costs the servers per message more
+    #: than per key, and a longer one reaches further ahead (``placement.intent.ACT_EVERY_S``: 50)
+    act_ms: float | None = None
     slices: int = 0
     slice_bytes: int = 4 << 20
     placement: str = "spread"
@@ -125,6 +129,9 @@ class TableSpec:
         if self.sync_ms is not None and (isinstance(self.sync_ms, bool) or not isinstance(self.sync_ms, (int, float))
                                          or not 1 <= self.sync_ms <= 60_000):
             raise ConfigError(f"sync_ms must be None or lie in [1, 60000], got {self.sync_ms!r}")
+        if self.act_ms is not None and (isinstance(self.act_ms, bool) or not isinstance(self.act_ms, (int, float))
+                                        or not 1 <= self.act_ms <= 60_000):
+            raise ConfigError(f"act_ms must be None or lie in [1, 60000], got {self.act_ms!r}")
         if not self.adaptive:
             return
         if not isinstance(self.optimizer, (Sum, SGD)):
@@ -200,6 +207,7 @@ class TableSpec:
             "gossip_ms": self.gossip_ms,
             "techniques": self.techniques,
             "sync_ms": self.sync_ms,
+            "act_ms": self.act_ms,
             "slices": self.slices,
             "slice_bytes": self.slice_bytes,
             "placement": self.placement,

@@ -95,6 +95,8 @@ class PlacementMachine:
     def __init__(self, table: AdaptiveTable) -> None:
         self.table = table
         self.node = table.node
+        #: how often this node acts on the table's intents at most (its ``act_ms``, or ``ACT_EVERY_S``)
+        self.act_every_s = ACT_EVERY_S if table.spec.act_ms is None else table.spec.act_ms / 1000.0
         self._effects = Effects()
         self._now = 0.0
 
@@ -161,7 +163,7 @@ class PlacementMachine:
         return self._take()
 
     def _round_due(self, clock: int, clock_s: float, stride: int, syncing: bool) -> bool:
-        """Whether a round of intents is due: every ``stride`` clocks or ``ACT_EVERY_S``, whichever comes
+        """Whether a round of intents is due: every ``stride`` clocks or ``act_every_s``, whichever comes
         first. It goes with the last sync of the replicas before it is due, so that the announcements
         and the sync travel to a peer in one message and come back answered in one; alone only when
         no sync comes within ``ROUND_SLACK_S`` of it."""
@@ -784,9 +786,10 @@ class PlacementMachine:
             table.window = math.ceil(table.window_estimate)
         # Acting costs the servers per round more than per key: on fast clocks, act every few clocks on
         # what comes into the window until the next round (withdrawals wait as long, and no longer than
-        # ACT_EVERY_S: a clock that stands still would keep them waiting for good), unless an intent
-        # not acted on yet is about to start.
-        stride = max(1, math.ceil(ACT_EVERY_S / clock_s)) if clock_s > 0 else 1
+        # the table's period: a clock that stands still would keep them waiting for good), unless an
+        # intent not acted on yet is about to start.
+        every_s = self.act_every_s
+        stride = max(1, math.ceil(every_s / clock_s)) if clock_s > 0 else 1
         if not table.intents.starts_within(clock, table.window) and not self._round_due(clock, clock_s, stride,
                                                                                          syncing):
             return
@@ -795,7 +798,7 @@ class PlacementMachine:
         reach = table.window + stride - 1
         if not table.intents.any_due(clock, reach):  # most passes: nothing to do
             return
-        table.next_action, table.next_action_s = clock + stride, self._now + ACT_EVERY_S
+        table.next_action, table.next_action_s = clock + stride, self._now + every_s
         start, stop = table.intents.due(clock, reach)
         if start.size:
             # Interest came back before a replica here sent its last change: keep the replica (the
