@@ -141,7 +141,10 @@ class LeanClient:
     """The worker's side of a lean pull."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], port: int, secret: bytes, sender: int = 0) -> None:
+        from shoal.storage.kernels import first_out_of_range
         from shoal.wire.codec import tag_key
+
+        self.first_out_of_range = first_out_of_range
 
         (self.header_type, self.tag_bytes, self.version, self.signed_header, self.pull_op,
          self.values_op) = _codec_parts()
@@ -157,10 +160,8 @@ class LeanClient:
         self.seq = 0
 
     def pull(self, keys: np.ndarray) -> np.ndarray:
-        from shoal.storage.kernels import first_out_of_range
-
         count = keys.shape[0]
-        if keys.dtype != np.int64 or keys.ndim != 1 or first_out_of_range(keys, NUM_KEYS) >= 0:
+        if keys.dtype != np.int64 or keys.ndim != 1 or self.first_out_of_range(keys, NUM_KEYS) >= 0:
             raise ValueError("keys must be int64 in range")
         shard = int(keys[0]) // SHARD_KEYS  # the one server's (a batch on one node: its first key's owner)
         assert shard == 0
