@@ -145,7 +145,6 @@ class LeanClient:
         from shoal.wire.codec import tag_key
 
         self.first_out_of_range = first_out_of_range
-
         (self.header_type, self.tag_bytes, self.version, self.signed_header, self.pull_op,
          self.values_op) = _codec_parts()
         self.key = tag_key(secret)
@@ -168,8 +167,7 @@ class LeanClient:
         self.req += 1
         self.seq += 1
         head = self.encode(self.header_type(self.version, self.pull_op, self.req, TABLE, 0, 0, self.sender,
-                                            self.incarnation,
-                                            self.signed_header, ["<i8"], [[count]],
+                                            self.incarnation, self.signed_header, ["<i8"], [[count]],
                                             {"stream": [self.incarnation, self.seq, self.seq - 1, 0]}))
         self.sock.send_multipart([head + blake3.blake3(head, key=self.key).digest(), keys], copy=False)
         try:
