@@ -7,6 +7,7 @@ the transport last.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -218,6 +219,28 @@ def test_connection_recv_times_out_with_none(ends: Endpoints, timeout: float) ->
     start = time.monotonic()
     assert conn.recv(timeout) is None
     assert timeout * 0.5 <= time.monotonic() - start < timeout + 1.0
+
+
+def test_a_connections_waits_each_keep_their_own_bound_and_end_when_frames_come(ends: Endpoints) -> None:
+    # A worker waits on one server's connection with whatever time is left before its next resend: a
+    # wait bounded by the socket itself must not keep an earlier wait's bound.
+    listener = ends.listen()
+    conn = ends.connect(listener.address)
+    for timeout in (0.1, 0.0005, 0.3, 0.0, 0.05):
+        start = time.monotonic()
+        assert conn.recv(timeout) is None
+        assert timeout * 0.5 <= time.monotonic() - start < timeout + 1.0
+    conn.send([b"hello"])
+    peer, _ = recv_at(listener)
+    replying = threading.Timer(0.05, lambda: listener.send(peer, [b"late"]))
+    replying.start()
+    try:
+        start = time.monotonic()
+        assert recv_on(conn) == [b"late"]  # within WAIT_S: the reply ends the wait
+        assert time.monotonic() - start < WAIT_S / 2
+    finally:
+        replying.join()
+    assert conn.recv(0.05) is None
 
 
 def test_a_listener_woken_by_a_connection_returns_once_that_connection_has_frames(ends: Endpoints) -> None:
