@@ -13,6 +13,12 @@ time: on 2 cores shared by four busy processes a handler is often preempted, and
 wall time would charge it for the processes that ran meanwhile. Writes
 ``results/server_cpu.{json,md}``.
 
+It also prices the rows the servers moved (each kind's bytes, from the servers'
+stats) at the least CPU a MB of each kind costs on this machine (``rows_floor.py``,
+measured before the runs): what no Python around the kernels, codec and sockets
+could save. The rest of the servers' CPU is shared out over the events they
+handled (messages and timer passes).
+
 With ``--sync-ms``, each run is made once per replica sync period (the app's
 ``--sync-ms``; the periods take turns run by run) and a first table compares the
 periods: servers' cores, triples/s, and the time to the training loss
@@ -32,6 +38,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_kge import LOSS_TARGET, time_to  # noqa: E402
 from common import run_example, write_results  # noqa: E402
+from rows_floor import STEPS_OF_KIND, cpu_per_mb, per_kind  # noqa: E402
 
 KGE = HERE.parent / "examples" / "kge" / "train.py"
 
@@ -56,7 +63,12 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
     placement: Split = {}
     passes: Split = {}
     loop_s = process_s = 0.0
+    bytes_sent: dict[str, float] = {}
     for after, before in zip(result["servers"], result["servers_before"], strict=True):
+        for name, count in after["stats"].items():
+            if name.startswith("placement_") and name.endswith("_bytes_sent"):
+                kind = name.removeprefix("placement_").removesuffix("_bytes_sent")
+                bytes_sent[kind] = bytes_sent.get(kind, 0) + count - before["stats"].get(name, 0)
         _add(activities, _delta(after["cpu"]["activities"], before["cpu"]["activities"]))
         _add(placement, _delta(after["cpu"]["placement"], before["cpu"]["placement"]))
         _add(passes, _delta(after["cpu"]["adaptive_passes"], before["cpu"]["adaptive_passes"]))
@@ -64,6 +76,7 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
         process_s += after["cpu_s"] - before["cpu_s"]
     return {"seconds": result["seconds"], "triples_per_s": result["triples_per_s"], "activities": activities,
             "placement": placement, "adaptive_passes": passes, "loop_s": loop_s, "process_s": process_s,
+            "bytes_sent": bytes_sent,
             "time_to_loss_s": time_to(result["losses"], LOSS_TARGET)}
 
 
@@ -81,6 +94,41 @@ def compare_periods(by_period: dict[str, list[dict[str, Any]]]) -> str:
         when = (f"{statistics.median(reached):.1f}" if len(reached) == len(runs)
                 else f"{len(reached)} of {len(runs)} reached")
         lines.append(f"| {period} | {cores:.3f} | {rate:,.0f} | {per_1k:.2f} | {when} |")
+    return "\n".join(lines)
+
+
+def floor_of(rate: float, price: float) -> float:
+    """Cores for ``rate`` MB/s at ``price`` ms of CPU per MB."""
+    return rate * price / 1e3
+
+
+def rows_at_the_least(runs: list[dict[str, Any]], prices: dict[str, float]) -> str:
+    """The rows each kind moved, priced at the least CPU a MB of it costs; the rest of the servers' CPU
+    per event they handled."""
+    seconds = sum(r["seconds"] for r in runs)
+    moved: dict[str, float] = {}
+    for r in runs:
+        for kind, count in r["bytes_sent"].items():
+            moved[kind] = moved.get(kind, 0) + count
+    by_kind = per_kind(prices)
+    lines = ["The rows the servers moved, priced at the least CPU a MB of each kind costs here (``rows_floor.py``: "
+             "its steps timed alone in a quiet process, on rows far beyond the caches; "
+             + "; ".join(f"{step} {ms:.2f}" for step, ms in prices.items()) + " ms per MB):", "",
+             "| placement message | MB/s sent | ms of CPU per MB, at the least | cores, at the least |",
+             "|---|---:|---:|---:|"]
+    floor = 0.0
+    for kind, count in sorted(moved.items(), key=lambda kv: -kv[1]):
+        rate = count / seconds / 1e6
+        price = by_kind.get(kind, prices["hop"])  # keys and numbers alone: the hop
+        floor += floor_of(rate, price)
+        lines.append(f"| {kind} | {rate:.2f} | {price:.2f} | {floor_of(rate, price):.4f} |")
+    process_s = sum(r["process_s"] for r in runs) / seconds
+    events = sum(count for r in runs for name, (count, _) in r["activities"].items()
+                 if not name.startswith("timer ") or name == "timer adaptive") / seconds
+    rest = process_s - floor
+    lines += ["", f"Rows: {sum(moved.values()) / seconds / 1e6:.1f} MB/s, at least {floor:.3f} cores of the servers' "
+              f"{process_s:.3f}. The rest, {rest:.3f} cores, over {events:,.0f} events a second (messages handled "
+              f"and timer passes): {rest / events * 1e6:,.0f} µs of CPU an event."]
     return "\n".join(lines)
 
 
@@ -129,6 +177,8 @@ def main() -> None:
     p.add_argument("--sync-ms", default="",
                    help="replica sync periods to compare, comma-separated (ms; default: the app's own)")
     args = p.parse_args()
+    prices = cpu_per_mb()  # on a quiet machine, before the job starts
+    print("ms of CPU per MB, at the least: " + ", ".join(f"{step} {ms:.2f}" for step, ms in prices.items()), flush=True)
     periods = [f"{float(ms):g}" for ms in args.sync_ms.split(",") if ms] or [None]  # None: the app's default
     by_period: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.runs):
@@ -144,9 +194,11 @@ def main() -> None:
     tables = [compare_periods(by_period)] if len(periods) > 1 else []
     for label, runs in by_period.items():
         tables.append((f"Sync period {label}: " if len(periods) > 1 else "") + report(runs))
+        tables.append(rows_at_the_least(runs, prices))
     table = "\n\n".join(tables)
     print("\n" + table)
-    write_results("server_cpu", {"seconds": args.seconds, "runs": by_period}, table)
+    write_results("server_cpu", {"seconds": args.seconds, "runs": by_period, "ms_per_mb": prices,
+                                 "steps_of_kind": STEPS_OF_KIND}, table)
 
 
 if __name__ == "__main__":

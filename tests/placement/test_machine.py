@@ -560,6 +560,23 @@ def test_keys_moved_to_the_node_that_announced_them_carry_its_interest_and_no_an
     assert net.tables[0].stats["placement_announce_sent"] == 0
 
 
+def test_each_kind_counts_the_bytes_of_the_arrays_it_sent(network_of):
+    # What the servers' CPU for rows is priced from (``bench_server_cpu.py``): a relocation's state
+    # carries per key its row, its interest, a number per node, its replicas, epoch and step.
+    net = network_of(2, "relocation", 0)
+    keys = np.arange(0, NUM_KEYS, 2)  # owned on node 0, its home: no owner message goes anywhere
+    net.machines[1].intend(keys, 0, 5)
+    net.tick(ACT_EVERY_S)
+    net.deliver_all()
+
+    assert (net.tables[1].presence[keys] == OWNED).all()
+    spec = net.tables[0].spec
+    per_key = 8 + spec.dim * np.dtype(spec.dtype).itemsize + 8 + 2 * 8 + 8 + 8 + 8
+    assert net.tables[0].stats["placement_state_bytes_sent"] == keys.size * per_key
+    assert net.tables[1].stats["placement_announce_bytes_sent"] == keys.size * 8
+    assert net.tables[1].stats["placement_state_bytes_sent"] == 0
+
+
 def test_an_announcement_for_a_key_on_its_way_to_the_node_it_reaches_waits_there_for_the_key(network_of):
     # Key 1 (homed on node 1) lives on node 0; node 2 announces that it will use it, to the home,
     # and the home asks for the key back before the announcement arrives. The home, whose directory

@@ -49,6 +49,7 @@ from shoal.placement.messages import (
     State,
     Sync,
     Synced,
+    array_bytes,
     array_fields,
     body_fields,
     node_fields,
@@ -259,7 +260,9 @@ class PlacementMachine:
         if node == self.node:  # to ourselves: no message
             self._receive(self.node, message)
         else:
-            self.table.stats[f"placement_{message.kind}_sent"] += 1
+            stats = self.table.stats
+            stats[f"placement_{message.kind}_sent"] += 1
+            stats[f"placement_{message.kind}_bytes_sent"] += array_bytes(message)
             self._effects.sends.append(Send(self.table.spec.name, node, message))
 
     def _receive(self, sender: int, message: PlacementMessage) -> None:

@@ -172,6 +172,11 @@ def array_fields(cls: type[PlacementMessage]) -> tuple[tuple[str, str, int], ...
     return _FIELDS[cls].arrays
 
 
+def array_bytes(message: PlacementMessage) -> int:
+    """The bytes of a message's arrays: what it costs to move, copy and check (rows, mostly)."""
+    return sum(getattr(message, name).nbytes for name, _, _ in _FIELDS[type(message)].arrays)
+
+
 def node_fields(cls: type[PlacementMessage]) -> frozenset[str]:
     return _FIELDS[cls].nodes
 
