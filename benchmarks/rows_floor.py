@@ -1,5 +1,5 @@
 """What moving rows between two servers costs at the least: CPU per MB of each step a placement
-message's rows take, with Shoal's own kernels, codec and transport and no Python around them.
+message's rows take, with Shoal's own kernels, codec and transport and no other Python around them.
 
     python benchmarks/rows_floor.py [--rounds 300]
 
@@ -11,7 +11,8 @@ owner adds them (``add_present``); the answer gathers the owner's rows and the r
 (``apply_synced``); a new replica is written with numpy (value and base), as ``_receive_replica``
 does. Each step is timed alone in this process on batches of ``BATCH`` random keys of a table of
 KGE's rows (1,600 bytes) far larger than the caches, as a loaded server meets them; the hop runs
-both its sockets here, so this process's CPU holds both sides and ZeroMQ's I/O threads.
+both its sockets here, so this process's CPU holds both sides and ZeroMQ's I/O threads (and the
+codec's Python, once per message of ``BATCH`` rows).
 ``bench_server_cpu.py`` multiplies these prices by the bytes each kind moved in its runs.
 """
 
