@@ -63,12 +63,13 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
     placement: Split = {}
     passes: Split = {}
     loop_s = process_s = 0.0
-    bytes_sent: dict[str, float] = {}
+    sent: dict[str, dict[str, float]] = {"keys": {}, "bytes": {}}  # per kind of placement message
     for after, before in zip(result["servers"], result["servers_before"], strict=True):
         for name, count in after["stats"].items():
-            if name.startswith("placement_") and name.endswith("_bytes_sent"):
-                kind = name.removeprefix("placement_").removesuffix("_bytes_sent")
-                bytes_sent[kind] = bytes_sent.get(kind, 0) + count - before["stats"].get(name, 0)
+            for what, by_kind in sent.items():
+                if name.startswith("placement_") and name.endswith(f"_{what}_sent"):
+                    kind = name.removeprefix("placement_").removesuffix(f"_{what}_sent")
+                    by_kind[kind] = by_kind.get(kind, 0) + count - before["stats"].get(name, 0)
         _add(activities, _delta(after["cpu"]["activities"], before["cpu"]["activities"]))
         _add(placement, _delta(after["cpu"]["placement"], before["cpu"]["placement"]))
         _add(passes, _delta(after["cpu"]["adaptive_passes"], before["cpu"]["adaptive_passes"]))
@@ -76,7 +77,7 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
         process_s += after["cpu_s"] - before["cpu_s"]
     return {"seconds": result["seconds"], "triples_per_s": result["triples_per_s"], "activities": activities,
             "placement": placement, "adaptive_passes": passes, "loop_s": loop_s, "process_s": process_s,
-            "bytes_sent": bytes_sent,
+            "keys_sent": sent["keys"], "bytes_sent": sent["bytes"],
             "time_to_loss_s": time_to(result["losses"], LOSS_TARGET)}
 
 
@@ -145,11 +146,19 @@ def report(runs: list[dict[str, Any]]) -> str:
     process_s = sum(r["process_s"] for r in runs)
     charged = sum(s for _, s in activities.values())
 
-    def rows(split: Split) -> list[str]:
+    keys: dict[str, float] = {}
+    for r in runs:
+        for kind, count in r["keys_sent"].items():
+            keys[kind] = keys.get(kind, 0) + count
+
+    def rows(split: Split, per_key: bool = False) -> list[str]:
         out = []
         for name, (count, cpu) in sorted(split.items(), key=lambda kv: -kv[1][1]):
             if count > 0:
-                out.append(f"| {name} | {count / seconds:,.1f} | {cpu / count * 1e6:,.0f} | {cpu / seconds:.4f} |")
+                row = f"| {name} | {count / seconds:,.1f} | {cpu / count * 1e6:,.0f} | {cpu / seconds:.4f} |"
+                if per_key:  # what every server sent, every other one received
+                    row += f" {keys.get(name, 0) / count:,.0f} | {cpu / max(keys.get(name, 0), 1) * 1e6:.2f} |"
+                out.append(row)
         return out
 
     rates = ", ".join(f"{r['triples_per_s']:,.0f}" for r in runs)
@@ -163,7 +172,8 @@ def report(runs: list[dict[str, Any]]) -> str:
              "| activity (a message's op: decoded, served, answered; or a timer pass) | per s | µs CPU each | cores |",
              "|---|---:|---:|---:|", *rows(activities), "",
              "The PLACEMENT messages' share by kind (each message carries one or more):", "",
-             "| placement message | per s | µs CPU each | cores |", "|---|---:|---:|---:|", *rows(placement), "",
+             "| placement message | per s | µs CPU each | cores | keys each | µs CPU per key |",
+             "|---|---:|---:|---:|---:|---:|", *rows(placement, per_key=True), "",
              "The adaptive timer's passes, by whether they sent placement messages (a sync of the replicas, "
              "intents acted on) or found nothing due:", "",
              "| timer adaptive: pass | per s | µs CPU each | cores |", "|---|---:|---:|---:|", *rows(passes)]

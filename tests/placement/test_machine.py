@@ -560,9 +560,10 @@ def test_keys_moved_to_the_node_that_announced_them_carry_its_interest_and_no_an
     assert net.tables[0].stats["placement_announce_sent"] == 0
 
 
-def test_each_kind_counts_the_bytes_of_the_arrays_it_sent(network_of):
-    # What the servers' CPU for rows is priced from (``bench_server_cpu.py``): a relocation's state
-    # carries per key its row, its interest, a number per node, its replicas, epoch and step.
+def test_each_kind_counts_the_keys_and_the_bytes_of_the_arrays_it_sent(network_of):
+    # What the servers' CPU per key and for rows is reckoned from (``bench_server_cpu.py``): a
+    # relocation's state carries per key its row, its interest, a number per node, its replicas, epoch
+    # and step.
     net = network_of(2, "relocation", 0)
     keys = np.arange(0, NUM_KEYS, 2)  # owned on node 0, its home: no owner message goes anywhere
     net.machines[1].intend(keys, 0, 5)
@@ -575,6 +576,8 @@ def test_each_kind_counts_the_bytes_of_the_arrays_it_sent(network_of):
     assert net.tables[0].stats["placement_state_bytes_sent"] == keys.size * per_key
     assert net.tables[1].stats["placement_announce_bytes_sent"] == keys.size * 8
     assert net.tables[1].stats["placement_state_bytes_sent"] == 0
+    assert net.tables[0].stats["placement_state_keys_sent"] == keys.size
+    assert net.tables[1].stats["placement_announce_keys_sent"] == keys.size
 
 
 def test_an_announcement_for_a_key_on_its_way_to_the_node_it_reaches_waits_there_for_the_key(network_of):

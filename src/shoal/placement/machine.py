@@ -262,6 +262,7 @@ class PlacementMachine:
         else:
             stats = self.table.stats
             stats[f"placement_{message.kind}_sent"] += 1
+            stats[f"placement_{message.kind}_keys_sent"] += message.keys.shape[0]
             stats[f"placement_{message.kind}_bytes_sent"] += array_bytes(message)
             self._effects.sends.append(Send(self.table.spec.name, node, message))
 
