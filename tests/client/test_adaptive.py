@@ -78,6 +78,27 @@ def test_relocated_keys_are_counted_in_the_servers_metrics():
         assert relocated(0) == {"here": 10, "away": 0} and relocated(1) == {"here": 0, "away": 10}
 
 
+def test_the_placement_messages_a_server_sends_are_counted_by_kind_with_their_keys_and_bytes():
+    with ThreadCluster(nodes=2) as c:
+        t0 = c.worker(0).table("a", 20, 2, techniques="relocation")
+        c.worker(1).table("a", 20, 2, techniques="relocation")
+        t0.localize(np.arange(1, 20, 2))  # node 0 asks their home, node 1, which owns them and gives them
+        wait_until(lambda: c.servers[0].adaptive.describe()["a"]["owned"] == 20)
+
+        def sent(server: int, what: str) -> dict[str, float]:
+            name = f"shoal_server_placement_{what}_sent_total"
+            (family,) = [f for f in server_families(c.servers[server]) if f.name == name]
+            return {labels["kind"]: value for labels, value in family.samples if value}
+
+        assert sent(0, "messages") == {"relocate": 1} and sent(0, "keys") == {"relocate": 10}
+        assert sent(0, "bytes") == {"relocate": 10 * 8}
+        # Its state: per key the key, its row (2 float32), interest, a number per node, replicas, epoch, step.
+        assert sent(1, "messages") == {"state": 1} and sent(1, "keys") == {"state": 10}
+        assert sent(1, "bytes") == {"state": 10 * (8 + 2 * 4 + 8 + 2 * 8 + 8 + 8 + 8)}
+        events = [f for f in server_families(c.servers[1]) if f.name == "shoal_server_events_total"]
+        assert not [labels for f in events for labels, _ in f.samples if "state" in labels["event"]]
+
+
 def test_each_kind_of_placement_message_is_charged_its_cpu_where_it_is_received():
     with ThreadCluster(nodes=2) as c:
         t0 = c.worker(0).table("a", 20, 2, techniques="relocation")

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from shoal.cluster.metrics import CpuAccount, Family, LatencyHistogram, counters
 from shoal.consistency.clocks import FINISHED, ClockTable
+from shoal.placement.messages import KINDS
 from shoal.server.adaptive import AdaptiveService
 from shoal.server.replicated import ReplicationService
 from shoal.server.slicing import SliceService
@@ -32,7 +33,18 @@ class Measured(Protocol):
 _REJECTED = {"dropped_unauthenticated": "unauthenticated", "rejected_malformed": "malformed"}
 _RELOCATIONS = {"keys_relocated_here": "here", "keys_relocated_away": "away"}
 _SLICES = {"slices_sent": "sent", "slices_received": "received", "slice_moves_failed": "failed"}
-_OWN = {"messages", "bytes_in", "bytes_out", *_REJECTED, *_RELOCATIONS, *_SLICES}
+#: the placement messages sent to other servers, by kind: a family each for the messages, their keys and
+#: their arrays' bytes (counter name -> kind)
+_PLACEMENT_SENT = {
+    ("shoal_server_placement_messages_sent_total", "Placement messages sent to other servers, by kind (a "
+     "message between two servers carries one or more)."): {f"placement_{kind}_sent": kind for kind in KINDS},
+    ("shoal_server_placement_keys_sent_total", "Keys the placement messages sent to other servers were about, "
+     "by kind."): {f"placement_{kind}_keys_sent": kind for kind in KINDS},
+    ("shoal_server_placement_bytes_sent_total", "Bytes of the arrays (rows, mostly) in the placement messages "
+     "sent to other servers, by kind."): {f"placement_{kind}_bytes_sent": kind for kind in KINDS},
+}
+_OWN = {"messages", "bytes_in", "bytes_out", *_REJECTED, *_RELOCATIONS, *_SLICES,
+        *(name for names in _PLACEMENT_SENT.values() for name in names)}
 
 
 def server_families(server: Measured) -> list[Family]:
@@ -65,6 +77,8 @@ def server_families(server: Measured) -> list[Family]:
                  {d: stats.get(k, 0) for k, d in _RELOCATIONS.items()}, "direction"),
         counters("shoal_server_slice_moves_total", "Slices handed over or taken in.",
                  {d: stats.get(k, 0) for k, d in _SLICES.items()}, "outcome"),
+        *(counters(family, help, {kind: stats.get(name, 0) for name, kind in names.items()}, "kind")
+          for (family, help), names in _PLACEMENT_SENT.items()),
         counters("shoal_server_events_total", "Other events counted by the server.", events, "event"),
         Family("shoal_server_queue_length", "gauge", "Most messages handled in one burst lately.")
         .add(server.queue_length),
