@@ -6,8 +6,9 @@ Runs the KGE app on the synthetic Zipf graph (``bench_kge.py``'s job) on a local
 cluster of 2 nodes x 1 worker and reads each server's CPU account
 (``ParameterServer.cpu_use``: thread CPU time, charged per activity) before and
 after training. Prints, summed over both servers and per second of training:
-how often each activity ran, its CPU per run and the cores it kept busy; the part
-of the loop thread no activity was charged (waiting for and reading messages)
+how often each activity ran, its CPU per run and the cores it kept busy (for
+each kind of placement message also the keys one carried and the CPU per key);
+the part of the loop thread no activity was charged (waiting for and reading messages)
 and the process's other threads (ZeroMQ's I/O thread). Thread CPU, not wall
 time: on 2 cores shared by four busy processes a handler is often preempted, and
 wall time would charge it for the processes that ran meanwhile. Writes
