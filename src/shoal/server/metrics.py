@@ -36,8 +36,8 @@ _SLICES = {"slices_sent": "sent", "slices_received": "received", "slice_moves_fa
 #: the placement messages sent to other servers, by kind: a family each for the messages, their keys and
 #: their arrays' bytes (counter name -> kind)
 _PLACEMENT_SENT = {
-    ("shoal_server_placement_messages_sent_total", "Placement messages sent to other servers, by kind (a "
-     "message between two servers carries one or more)."): {f"placement_{kind}_sent": kind for kind in KINDS},
+    ("shoal_server_placement_messages_sent_total", "Placement messages sent to other servers, by kind (one "
+     "PLACEMENT message between two servers carries one or more)."): {f"placement_{kind}_sent": kind for kind in KINDS},
     ("shoal_server_placement_keys_sent_total", "Keys the placement messages sent to other servers were about, "
      "by kind."): {f"placement_{kind}_keys_sent": kind for kind in KINDS},
     ("shoal_server_placement_bytes_sent_total", "Bytes of the arrays (rows, mostly) in the placement messages "
@@ -77,8 +77,8 @@ def server_families(server: Measured) -> list[Family]:
                  {d: stats.get(k, 0) for k, d in _RELOCATIONS.items()}, "direction"),
         counters("shoal_server_slice_moves_total", "Slices handed over or taken in.",
                  {d: stats.get(k, 0) for k, d in _SLICES.items()}, "outcome"),
-        *(counters(family, help, {kind: stats.get(name, 0) for name, kind in names.items()}, "kind")
-          for (family, help), names in _PLACEMENT_SENT.items()),
+        *(counters(family, text, {kind: stats.get(name, 0) for name, kind in names.items()}, "kind")
+          for (family, text), names in _PLACEMENT_SENT.items()),
         counters("shoal_server_events_total", "Other events counted by the server.", events, "event"),
         Family("shoal_server_queue_length", "gauge", "Most messages handled in one burst lately.")
         .add(server.queue_length),
