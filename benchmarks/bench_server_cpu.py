@@ -17,8 +17,9 @@ wall time would charge it for the processes that ran meanwhile. Writes
 It also prices the rows the servers moved (each kind's bytes, from the servers'
 stats) at the least CPU a MB of each kind costs on this machine (``rows_floor.py``,
 measured before the runs): what no Python around the kernels, codec and sockets
-could save. The rest of the servers' CPU is shared out over the events they
-handled (messages and timer passes).
+could save; beside it, what copying them cost the live servers (their stores held
+meanwhile, ``rows_cpu_us``). The rest of the servers' CPU is shared out over the
+events they handled (messages and timer passes).
 
 With ``--sync-ms``, each run is made once per replica sync period (the app's
 ``--sync-ms``; the periods take turns run by run) and a first table compares the
@@ -65,7 +66,9 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
     passes: Split = {}
     loop_s = process_s = 0.0
     sent: dict[str, dict[str, float]] = {"keys": {}, "bytes": {}}  # per kind of placement message
+    rows_cpu_s = 0.0
     for after, before in zip(result["servers"], result["servers_before"], strict=True):
+        rows_cpu_s += (after["stats"].get("rows_cpu_us", 0) - before["stats"].get("rows_cpu_us", 0)) / 1e6
         for name, count in after["stats"].items():
             for what, by_kind in sent.items():
                 if name.startswith("placement_") and name.endswith(f"_{what}_sent"):
@@ -78,7 +81,7 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
         process_s += after["cpu_s"] - before["cpu_s"]
     return {"seconds": result["seconds"], "triples_per_s": result["triples_per_s"], "activities": activities,
             "placement": placement, "adaptive_passes": passes, "loop_s": loop_s, "process_s": process_s,
-            "keys_sent": sent["keys"], "bytes_sent": sent["bytes"],
+            "keys_sent": sent["keys"], "bytes_sent": sent["bytes"], "rows_cpu_s": rows_cpu_s,
             "time_to_loss_s": time_to(result["losses"], LOSS_TARGET)}
 
 
@@ -124,6 +127,10 @@ def rows_at_the_least(runs: list[dict[str, Any]], prices: dict[str, float]) -> s
         price = by_kind.get(kind, prices["hop"])  # keys and numbers alone: the hop
         floor += floor_of(rate, price)
         lines.append(f"| {kind} | {rate:.2f} | {price:.2f} | {floor_of(rate, price):.4f} |")
+    live = sum(r["rows_cpu_s"] for r in runs) / seconds
+    lines += ["", f"Live, the servers' stores held while rows were copied in or out: {live:.3f} cores, "
+              f"{live * 1e3 / max(sum(moved.values()) / seconds / 1e6, 1e-9):.2f} ms per MB sent (both sides; "
+              "the hop's share is in ZeroMQ's I/O threads and the loop's sends and receives)."]
     process_s = sum(r["process_s"] for r in runs) / seconds
     events = sum(count for r in runs for name, (count, _) in r["activities"].items()
                  if not name.startswith("timer ") or name == "timer adaptive") / seconds

@@ -97,6 +97,10 @@ def test_the_placement_messages_a_server_sends_are_counted_by_kind_with_their_ke
         assert sent(1, "bytes") == {"state": 10 * (8 + 2 * 4 + 8 + 2 * 8 + 8 + 8 + 8)}
         events = [f for f in server_families(c.servers[1]) if f.name == "shoal_server_events_total"]
         assert not [labels for f in events for labels, _ in f.samples if "state" in labels["event"]]
+        rows_cpu = "shoal_server_placement_rows_cpu_seconds_total"
+        for server in c.servers:  # the rows given, and taken in
+            (family,) = [f for f in server_families(server) if f.name == rows_cpu]
+            assert family.samples[0][1] > 0
 
 
 def test_each_kind_of_placement_message_is_charged_its_cpu_where_it_is_received():

@@ -43,7 +43,7 @@ _PLACEMENT_SENT = {
     ("shoal_server_placement_bytes_sent_total", "Bytes of the arrays (rows, mostly) in the placement messages "
      "sent to other servers, by kind."): {f"placement_{kind}_bytes_sent": kind for kind in KINDS},
 }
-_OWN = {"messages", "bytes_in", "bytes_out", *_REJECTED, *_RELOCATIONS, *_SLICES,
+_OWN = {"messages", "bytes_in", "bytes_out", "rows_cpu_us", *_REJECTED, *_RELOCATIONS, *_SLICES,
         *(name for names in _PLACEMENT_SENT.values() for name in names)}
 
 
@@ -79,6 +79,9 @@ def server_families(server: Measured) -> list[Family]:
                  {d: stats.get(k, 0) for k, d in _SLICES.items()}, "outcome"),
         *(counters(family, text, {kind: stats.get(name, 0) for name, kind in names.items()}, "kind")
           for (family, text), names in _PLACEMENT_SENT.items()),
+        Family("shoal_server_placement_rows_cpu_seconds_total", "counter", "CPU time adaptive placement spent "
+               "copying rows in and out of the store (the store held meanwhile).")
+        .add(stats.get("rows_cpu_us", 0) / 1e6),
         counters("shoal_server_events_total", "Other events counted by the server.", events, "event"),
         Family("shoal_server_queue_length", "gauge", "Most messages handled in one burst lately.")
         .add(server.queue_length),
