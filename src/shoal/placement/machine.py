@@ -5,7 +5,8 @@ message from another node; a tick of the clock), the state in
 ``AdaptiveTable`` changes, and each event returns the ``Effects`` it asks for:
 placement messages to send and held worker requests to answer. No sockets and
 no clock: the server reads the time and the workers' clocks, passes them in,
-and carries the effects out.
+and carries the effects out (the thread's CPU clock is read only to count what
+copying rows costs, never to decide).
 
 Between nodes (all one-way, each kind declared in ``placement.messages``):
 
