@@ -6,7 +6,8 @@ Every contender trains the same number of passes over gensim's Lee corpus, over
 several seeds: the baseline (numpy rows, compiled step and row kernels; batches
 of 2,048 pairs, and pair by pair on its arrays in place), then Shoal in classic
 (no shared memory, no intent), static, relocation-only and replication-only
-modes on 2 nodes and auto on 1 and 2 (intents a pass long), auto on 2 nodes with
+modes on 2 nodes and auto on 1 and 2 (intents a pass long; on 2 nodes also with
+replicas synced every 10, 5 and 2 ms instead of 50), auto on 2 nodes with
 intents a batch long, and auto on 2 nodes pair by pair on the node's rows in
 place (``--step 1``), also with each worker training the pairs of its own centre
 words (``--split centre``); and what a word2vec user would
@@ -46,10 +47,15 @@ IN_PLACE = ["--step", "1"]
 #: each worker trains the pairs of its own centre words: a word's input row is used on one node only
 BY_CENTRE = ["--split", "centre"]
 
+#: replicas' sync periods besides the example's 50 ms: fresher replicas (quality on the planted clusters)
+#: for more rows copied between the nodes (speed)
+SYNC_PERIODS_MS = (10, 5, 2)
+
 #: (name, mode, nodes, more arguments); the adaptive modes declare each pass's words for the pass
 CONTENDERS: list[tuple[str, str, int, list[str]]] = [
     ("classic PS", "classic", 2, []), ("static", "static", 2, []), ("relocation only", "relocation", 2, []),
     ("replication only", "replication", 2, []), ("auto", "auto", 1, []), ("auto", "auto", 2, []),
+    *[(f"auto, replicas synced every {ms} ms", "auto", 2, ["--sync-ms", str(ms)]) for ms in SYNC_PERIODS_MS],
     ("auto, batch-long intents", "auto", 2, ["--intents", "batch"]),
     ("auto, pair by pair in place", "auto", 2, IN_PLACE),
     ("auto, pair by pair in place, pairs by centre word", "auto", 2, [*IN_PLACE, *BY_CENTRE]),
@@ -61,7 +67,7 @@ CONTENDERS: list[tuple[str, str, int, list[str]]] = [
 #: arguments); replicas that sync more often read fresher rows, at a cost in servers' CPU
 PLANTED: list[tuple[str, str, int, list[str]]] = [
     ("static", "static", 2, []), ("auto", "auto", 2, []),
-    ("auto, replicas synced every 10 ms", "auto", 2, ["--sync-ms", "10"]),
+    *[(f"auto, replicas synced every {ms} ms", "auto", 2, ["--sync-ms", str(ms)]) for ms in SYNC_PERIODS_MS],
     ("auto, pair by pair in place, pairs by centre word", "auto", 2, [*IN_PLACE, *BY_CENTRE]),
     ("auto, pair by pair in place, pairs by centre word, synced every 10 ms", "auto", 2,
      [*IN_PLACE, *BY_CENTRE, "--sync-ms", "10"])]
