@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_placement.py
 	$(PY) benchmarks/bench_server_cpu.py
 	$(PY) benchmarks/bench_word2vec.py
+	$(PY) benchmarks/w2v_staleness.py
 	$(PY) benchmarks/bench_kge_hosts.py
 
 soak: $(STAMP)

@@ -1,0 +1,126 @@
+"""What the replicas' staleness costs word2vec, and what syncing fewer rows buys: an offline model.
+
+    python benchmarks/w2v_staleness.py [--seeds 3]
+
+Auto on 2 nodes makes every word a replica (each is used by both workers): one node
+trains on the owners' rows, the other on replicas that send their change and take
+the owners' rows back at each sync. This replays that with the baseline's kernels
+in one process, the two workers taking turns batch by batch, on the planted-cluster
+corpus: a sync every ``period`` batches of each worker; or, between full syncs, only
+the rows whose change since their last sync exceeds ``theta`` of the row's norm (a
+significance filter, as Gaia's). It prints the cluster purity and the rows the syncs
+sent (each row sent once each way), so that the two ways of spending rows can be put
+on one curve. No messages, no servers: the model of the algorithm that
+``results/word2vec.md`` measures live (where 50 ms is about 20 batches here). Writes
+``results/w2v_staleness.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples" / "word2vec"))
+
+import numpy as np  # noqa: E402
+from corpus import load  # noqa: E402
+from sgns import Hyper, distinct, evaluate, noise_weights, pairs, sgns_step  # noqa: E402
+
+from common import write_results  # noqa: E402
+from shoal.storage.kernels import add_rows, alias_draw, alias_table, gather_rows  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Syncs:
+    period: int  # batches of each worker between syncs
+    full_every: int = 1  # every this many syncs send every changed row; the others only significant ones
+    theta: float = 0.0  # a row's change is significant above this share of the row's norm
+
+    def __str__(self) -> str:
+        if self.full_every == 1:
+            return f"every {self.period} batch(es)"
+        return (f"every {self.period} batch(es), rows changed by more than {self.theta:g} of their norm; "
+                f"all every {self.period * self.full_every}")
+
+
+def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
+    """Cluster purity of the owners' input rows after ``epochs`` passes, and the rows the syncs sent."""
+    corpus, h = load("planted"), Hyper()
+    rng = np.random.default_rng(seed)
+    owners = [((rng.random((corpus.vocab, h.dim)) - 0.5) / h.dim).astype(np.float32),
+              np.zeros((corpus.vocab, h.dim), np.float32)]
+    replicas = [rows.copy() for rows in owners]
+    base = [rows.copy() for rows in owners]  # each replica row as its last sync left it
+    noise = alias_table(noise_weights(corpus.counts))
+    scratch = np.full(corpus.vocab, -1, np.int64)
+    sent, batches_done, sync_count = 0, 0, 0
+
+    def step(vin: np.ndarray, vout: np.ndarray, batch: np.ndarray, lr: float) -> None:
+        n = batch.shape[0]
+        negatives = alias_draw(*noise, rng.random(n * h.negatives))
+        ins, in_slot = distinct(batch[:, 0], scratch)
+        outs, out_slot = distinct(np.concatenate([batch[:, 1], negatives]), scratch)
+        in_rows = np.empty((ins.shape[0], h.dim), np.float32)
+        out_rows = np.empty((outs.shape[0], h.dim), np.float32)
+        gather_rows(vin, ins, in_rows)
+        gather_rows(vout, outs, out_rows)
+        d_in, d_out = np.zeros_like(in_rows), np.zeros_like(out_rows)
+        sgns_step(in_rows, out_rows, in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives), lr, d_in, d_out)
+        add_rows(vin, ins, d_in, 1.0)
+        add_rows(vout, outs, d_out, 1.0)
+
+    for epoch in range(epochs):
+        lr = h.lr * (1 - epoch / epochs)
+        every = pairs(corpus, h, rng)
+        shares = (every[0::2], every[1::2])  # as train.py splits a pass between two workers
+        for first in range(0, shares[0].shape[0], h.batch):
+            step(*owners, shares[0][first : first + h.batch], lr)
+            step(*replicas, shares[1][first : first + h.batch], lr)
+            batches_done += 1
+            if batches_done % syncs.period:
+                continue
+            sync_count += 1
+            whole = sync_count % syncs.full_every == 0
+            for owner, replica, last in zip(owners, replicas, base, strict=True):
+                change = replica - last
+                if whole:
+                    take = np.any(change != 0, axis=1)
+                else:
+                    norms = np.maximum(np.linalg.norm(last, axis=1), 1e-3)
+                    take = np.linalg.norm(change, axis=1) > syncs.theta * norms
+                owner[take] += change[take]
+                replica[take] = last[take] = owner[take]
+                sent += int(take.sum())
+    return float(evaluate(owners[0], corpus)["cluster_purity"]), sent
+
+
+CONTENDERS = [Syncs(1), Syncs(4), Syncs(7), Syncs(10), Syncs(20), Syncs(2, 10, 0.05), Syncs(2, 10, 0.2),
+              Syncs(1, 20, 0.02)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=3)
+    args = p.parse_args()
+    lines = [f"Planted word clusters, 10 passes, two workers taking turns batch by batch (2,048 pairs), one on "
+             f"the owners' rows and one on replicas; mean (and range) over {args.seeds} seeds.", "",
+             "| replicas synced | cluster purity | rows sent |", "|---|---:|---:|"]
+    rows = []
+    for syncs in CONTENDERS:
+        runs = [train(syncs, seed) for seed in range(args.seeds)]
+        purity = [r[0] for r in runs]
+        rows.append({"syncs": str(syncs), "purity": purity, "rows_sent": [r[1] for r in runs]})
+        lines.append(f"| {syncs} | {np.mean(purity):.3f} ({min(purity):.3f}-{max(purity):.3f}) "
+                     f"| {np.mean([r[1] for r in runs]):,.0f} |")
+        print(lines[-1], flush=True)
+    table_md = "\n".join(lines)
+    print("\n" + table_md)
+    write_results("w2v_staleness", {"seeds": args.seeds, "rows": rows}, table_md)
+
+
+if __name__ == "__main__":
+    main()
