@@ -27,11 +27,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples" / "word2vec"))
 
 import numpy as np  # noqa: E402
+from baseline import batch_step  # noqa: E402
 from corpus import load  # noqa: E402
-from sgns import Hyper, distinct, evaluate, noise_weights, pairs, sgns_step  # noqa: E402
+from sgns import Hyper, evaluate, noise_weights, pairs  # noqa: E402
 
 from common import write_results  # noqa: E402
-from shoal.storage.kernels import add_rows, alias_draw, alias_table, gather_rows  # noqa: E402
+from shoal.storage.kernels import alias_draw, alias_table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,7 @@ def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
     sent, batches_done, sync_count = 0, 0, 0
 
     def step(vin: np.ndarray, vout: np.ndarray, batch: np.ndarray, lr: float) -> None:
-        n = batch.shape[0]
-        negatives = alias_draw(*noise, rng.random(n * h.negatives))
-        ins, in_slot = distinct(batch[:, 0], scratch)
-        outs, out_slot = distinct(np.concatenate([batch[:, 1], negatives]), scratch)
-        in_rows = np.empty((ins.shape[0], h.dim), np.float32)
-        out_rows = np.empty((outs.shape[0], h.dim), np.float32)
-        gather_rows(vin, ins, in_rows)
-        gather_rows(vout, outs, out_rows)
-        d_in, d_out = np.zeros_like(in_rows), np.zeros_like(out_rows)
-        sgns_step(in_rows, out_rows, in_slot, out_slot[:n], out_slot[n:].reshape(n, h.negatives), lr, d_in, d_out)
-        add_rows(vin, ins, d_in, 1.0)
-        add_rows(vout, outs, d_out, 1.0)
+        batch_step(vin, vout, batch, alias_draw(*noise, rng.random(batch.shape[0] * h.negatives)), lr, scratch)
 
     for epoch in range(epochs):
         lr = h.lr * (1 - epoch / epochs)
