@@ -59,6 +59,21 @@ def test_partition_by_owner_is_a_stable_grouping(owners):
         assert (np.diff(part) > 0).all()
 
 
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.int64, st.integers(0, 30), elements=st.integers(-5, 40)),
+       arrays(np.int64, st.integers(0, 30), elements=st.integers(-5, 40)))
+def test_any_shared_says_what_isin_says(a, b):
+    assert kernels.any_shared(a, b) == bool(np.isin(a, b).any()) == kernels.any_shared(b, a)
+
+
+def test_any_shared_at_the_ends_of_the_shorter_and_beyond_them():
+    few = np.array([7, 3, 11], np.int64)
+    assert kernels.any_shared(few, np.arange(11, 1000, dtype=np.int64))  # the largest of the few
+    assert kernels.any_shared(few, np.arange(-1000, 4, dtype=np.int64))  # the smallest
+    assert not kernels.any_shared(few, np.array([0, 2, 4, 5, 6, 8, 12, 10**12], np.int64))
+    assert not kernels.any_shared(np.empty(0, np.int64), few)
+
+
 @given(arrays(np.int64, st.integers(0, 20), elements=st.integers(0, 19), unique=True), st.integers(0, 2**20))
 def test_take_changes_returns_and_clears_exactly_the_changed_or_marked_rows(rows, seed):
     rng = np.random.default_rng(seed)

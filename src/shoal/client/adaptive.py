@@ -28,7 +28,7 @@ from shoal.cluster.requests import Future
 from shoal.placement.layout import TableLayout
 from shoal.placement.ownership import LocationCache
 from shoal.storage import checkpoint
-from shoal.storage.kernels import ABSENT
+from shoal.storage.kernels import ABSENT, any_shared
 from shoal.storage.rules import rule_for
 from shoal.storage.shard import ShardStore
 from shoal.wire.message import Message
@@ -102,7 +102,7 @@ class AdaptiveAccess(RoutedAccess):
             return
         self._pushes_open = [(c, sent) for c, sent in self._pushes_open if not c.finished()]
         for call, sent in self._pushes_open:
-            if not call.finished() and np.isin(sent, keys).any():
+            if not call.finished() and any_shared(sent, keys):
                 try:
                     self.worker.tracker.wait_until(call.finished, call.awaited,
                                                    self.worker.cluster.timeouts.request_s, call.step)

@@ -451,6 +451,24 @@ def nonfinite_rows(values: np.ndarray) -> np.ndarray:
 
 
 @kernel
+def any_shared(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether the int64 keys ``a`` and ``b`` have a key in common: the shorter sorted, each key of the
+    longer looked up in it by bisection. ``np.isin(a, b).any()`` sorts both together; with a few keys
+    against thousands (a worker's pushes still open against a pull's keys) it cost 1.4 ms where this
+    costs tens of microseconds."""
+    short, long = (a, b) if a.shape[0] <= b.shape[0] else (b, a)
+    if short.shape[0] == 0:
+        return False
+    ordered = np.sort(short)
+    lowest, highest = ordered[0], ordered[-1]
+    for i in range(long.shape[0]):
+        key = long[i]
+        if lowest <= key <= highest and ordered[np.searchsorted(ordered, key)] == key:
+            return True
+    return False
+
+
+@kernel
 def is_strictly_increasing(rows: np.ndarray) -> bool:
     for i in range(1, rows.shape[0]):
         if rows[i] <= rows[i - 1]:
@@ -636,6 +654,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     flags = np.zeros(1, dtype=np.uint8)
     absent_at = np.zeros(1, dtype=np.int64)
     first_out_of_range(keys, 1)
+    any_shared(keys, keys)
     any_nonfinite(rows)
     gather_rows(rows, keys, rows.copy())
     gather_place(rows, keys, keys, rows.copy())
