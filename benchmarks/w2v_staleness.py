@@ -61,7 +61,9 @@ def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
     sent, batches_done, sync_count = 0, 0, 0
 
     def step(vin: np.ndarray, vout: np.ndarray, batch: np.ndarray, lr: float) -> None:
-        batch_step(vin, vout, batch, alias_draw(*noise, rng.random(batch.shape[0] * h.negatives)), lr, scratch)
+        n = batch.shape[0]
+        batch_step(vin, vout, batch, alias_draw(*noise, rng.random(n * h.negatives)).reshape(n, h.negatives), lr,
+                   scratch)
 
     for epoch in range(epochs):
         lr = h.lr * (1 - epoch / epochs)

@@ -21,19 +21,19 @@ from shoal.storage.kernels import add_rows, alias_draw, alias_table, gather_rows
 
 def batch_step(vin: np.ndarray, vout: np.ndarray, batch: np.ndarray, negatives: np.ndarray, lr: float,
                scratch: np.ndarray) -> None:
-    """One SGD step for a batch of (centre, context) pairs and their ``negatives`` (drawn for the pairs in
-    order), as Shoal's worker takes it through pull and push: the distinct rows gathered, the step's
+    """One SGD step for a batch of (centre, context) pairs and their ``negatives`` (one row of them per
+    pair), as Shoal's worker takes it through pull and push: the distinct rows gathered, the step's
     changes computed from them and added back. ``scratch`` is ``distinct``'s."""
     n, dim = batch.shape[0], vin.shape[1]
     ins, in_slot = distinct(batch[:, 0], scratch)
-    outs, out_slot = distinct(np.concatenate([batch[:, 1], negatives]), scratch)
+    outs, out_slot = distinct(np.concatenate([batch[:, 1], negatives.reshape(-1)]), scratch)
     in_rows = np.empty((ins.shape[0], dim), np.float32)
     out_rows = np.empty((outs.shape[0], dim), np.float32)
     gather_rows(vin, ins, in_rows)
     gather_rows(vout, outs, out_rows)
     d_in = np.zeros_like(in_rows)
     d_out = np.zeros_like(out_rows)
-    sgns_step(in_rows, out_rows, in_slot, out_slot[:n], out_slot[n:].reshape(n, -1), lr, d_in, d_out)
+    sgns_step(in_rows, out_rows, in_slot, out_slot[:n], out_slot[n:].reshape(negatives.shape), lr, d_in, d_out)
     add_rows(vin, ins, d_in, 1.0)
     add_rows(vout, outs, d_out, 1.0)
 
@@ -59,7 +59,7 @@ def train(epochs: int, h: Hyper, seed: int = 0, corpus_name: str = "lee", step: 
                                     np.arange(n), step, lr)
                 done += n
                 continue
-            batch_step(vin, vout, batch, negs, lr, scratch)
+            batch_step(vin, vout, batch, negs.reshape(n, h.negatives), lr, scratch)
             done += n
     elapsed = time.perf_counter() - start
     return {"pairs_per_s": done / elapsed, **evaluate(vin, corpus)}
