@@ -7,8 +7,9 @@ several seeds: the baseline (numpy rows, compiled step and row kernels; batches
 of 2,048 pairs, and pair by pair on its arrays in place), then Shoal in classic
 (no shared memory, no intent), static, relocation-only and replication-only
 modes on 2 nodes and auto on 1 and 2 (intents a pass long; on 2 nodes also with
-replicas synced every 10, 5 and 2 ms instead of 50), auto on 2 nodes with
-intents a batch long, and auto on 2 nodes pair by pair on the node's rows in
+replicas synced every 10, 5 and 2 ms instead of 50, and with each worker
+training the pairs of its own centre words, synced every 10 ms), auto on 2
+nodes with intents a batch long, and auto on 2 nodes pair by pair on the node's rows in
 place (``--step 1``), also with each worker training the pairs of its own centre
 words (``--split centre``); and what a word2vec user would
 pick instead, gensim's ``Word2Vec`` with 1 and 2 threads (same hyperparameters;
@@ -56,6 +57,7 @@ CONTENDERS: list[tuple[str, str, int, list[str]]] = [
     ("classic PS", "classic", 2, []), ("static", "static", 2, []), ("relocation only", "relocation", 2, []),
     ("replication only", "replication", 2, []), ("auto", "auto", 1, []), ("auto", "auto", 2, []),
     *[(f"auto, replicas synced every {ms} ms", "auto", 2, ["--sync-ms", str(ms)]) for ms in SYNC_PERIODS_MS],
+    ("auto, pairs by centre word, synced every 10 ms", "auto", 2, [*BY_CENTRE, "--sync-ms", "10"]),
     ("auto, batch-long intents", "auto", 2, ["--intents", "batch"]),
     ("auto, pair by pair in place", "auto", 2, IN_PLACE),
     ("auto, pair by pair in place, pairs by centre word", "auto", 2, [*IN_PLACE, *BY_CENTRE]),
@@ -68,6 +70,7 @@ CONTENDERS: list[tuple[str, str, int, list[str]]] = [
 PLANTED: list[tuple[str, str, int, list[str]]] = [
     ("static", "static", 2, []), ("auto", "auto", 2, []),
     *[(f"auto, replicas synced every {ms} ms", "auto", 2, ["--sync-ms", str(ms)]) for ms in SYNC_PERIODS_MS],
+    ("auto, pairs by centre word, synced every 10 ms", "auto", 2, [*BY_CENTRE, "--sync-ms", "10"]),
     ("auto, pair by pair in place, pairs by centre word", "auto", 2, [*IN_PLACE, *BY_CENTRE]),
     ("auto, pair by pair in place, pairs by centre word, synced every 10 ms", "auto", 2,
      [*IN_PLACE, *BY_CENTRE, "--sync-ms", "10"])]

@@ -8,11 +8,12 @@ the owners' rows back at each sync. This replays that with the baseline's kernel
 in one process, the two workers taking turns batch by batch, on the planted-cluster
 corpus: a sync every ``period`` batches of each worker; or, between full syncs, only
 the rows whose change since their last sync exceeds ``theta`` of the row's norm (a
-significance filter, as Gaia's). It prints the cluster purity and the rows the syncs
-sent (each row sent once each way), so that the two ways of spending rows can be put
-on one curve. No messages, no servers: the model of the algorithm that
-``results/word2vec.md`` measures live (where 50 ms is about 20 batches here). Writes
-``results/w2v_staleness.{json,md}``.
+significance filter, as Gaia's); or with each worker training the pairs of its own
+centre words, so that only the output rows are replicas. It prints the cluster
+purity and the rows the syncs sent (each row sent once each way), so that the ways
+of spending rows can be put on one curve. No messages, no servers: the model of the
+algorithm that ``results/word2vec.md`` measures live (where 50 ms is about 20
+batches here). Writes ``results/w2v_staleness.{json,md}``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(HERE.parent / "examples" / "word2vec"))
 import numpy as np  # noqa: E402
 from baseline import batch_step  # noqa: E402
 from corpus import load  # noqa: E402
-from sgns import Hyper, evaluate, noise_weights, pairs  # noqa: E402
+from sgns import Hyper, centres_by_worker, evaluate, noise_weights, pairs  # noqa: E402
 
 from common import write_results  # noqa: E402
 from shoal.storage.kernels import alias_draw, alias_table  # noqa: E402
@@ -40,12 +41,14 @@ class Syncs:
     period: int  # batches of each worker between syncs
     full_every: int = 1  # every this many syncs send every changed row; the others only significant ones
     theta: float = 0.0  # a row's change is significant above this share of the row's norm
+    by_centre: bool = False  # each worker trains the pairs of its own centre words: input rows never replicas
 
     def __str__(self) -> str:
-        if self.full_every == 1:
-            return f"every {self.period} batch(es)"
-        return (f"every {self.period} batch(es), rows changed by more than {self.theta:g} of their norm; "
-                f"all every {self.period * self.full_every}")
+        said = f"every {self.period} batch(es)"
+        if self.full_every > 1:
+            said += (f", rows changed by more than {self.theta:g} of their norm; "
+                     f"all every {self.period * self.full_every}")
+        return said + (", pairs by centre word (output rows only)" if self.by_centre else "")
 
 
 def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
@@ -54,7 +57,10 @@ def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
     rng = np.random.default_rng(seed)
     owners = [((rng.random((corpus.vocab, h.dim)) - 0.5) / h.dim).astype(np.float32),
               np.zeros((corpus.vocab, h.dim), np.float32)]
-    replicas = [rows.copy() for rows in owners]
+    # Split by centre word, a word's input row is trained by one worker and lives on its node: only the
+    # output rows are replicas (the one array stands for the input rows of both nodes).
+    replicas = [owners[0] if syncs.by_centre else owners[0].copy(), owners[1].copy()]
+    worker_of = centres_by_worker(corpus, h, 2)
     base = [rows.copy() for rows in owners]  # each replica row as its last sync left it
     noise = alias_table(noise_weights(corpus.counts))
     scratch = np.full(corpus.vocab, -1, np.int64)
@@ -68,8 +74,11 @@ def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
     for epoch in range(epochs):
         lr = h.lr * (1 - epoch / epochs)
         every = pairs(corpus, h, rng)
-        shares = (every[0::2], every[1::2])  # as train.py splits a pass between two workers
-        for first in range(0, shares[0].shape[0], h.batch):
+        if syncs.by_centre:
+            shares = (every[worker_of[every[:, 0]] == 0], every[worker_of[every[:, 0]] == 1])
+        else:
+            shares = (every[0::2], every[1::2])  # as train.py splits a pass between two workers
+        for first in range(0, max(share.shape[0] for share in shares), h.batch):
             step(*owners, shares[0][first : first + h.batch], lr)
             step(*replicas, shares[1][first : first + h.batch], lr)
             batches_done += 1
@@ -78,6 +87,8 @@ def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
             sync_count += 1
             whole = sync_count % syncs.full_every == 0
             for owner, replica, last in zip(owners, replicas, base, strict=True):
+                if replica is owner:
+                    continue
                 change = replica - last
                 if whole:
                     take = np.any(change != 0, axis=1)
@@ -91,7 +102,7 @@ def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
 
 
 CONTENDERS = [Syncs(1), Syncs(4), Syncs(7), Syncs(10), Syncs(20), Syncs(2, 10, 0.05), Syncs(2, 10, 0.2),
-              Syncs(1, 20, 0.02)]
+              Syncs(1, 20, 0.02), Syncs(20, by_centre=True), Syncs(8, by_centre=True), Syncs(4, by_centre=True)]
 
 
 def main() -> None:
