@@ -8,8 +8,10 @@ of 2,048 pairs, and pair by pair on its arrays in place), then Shoal in classic
 (no shared memory, no intent), static, relocation-only and replication-only
 modes on 2 nodes and auto on 1 and 2 (intents a pass long; on 2 nodes also with
 replicas synced every 10, 5 and 2 ms instead of 50, and with each worker
-training the pairs of its own centre words, synced every 10 ms), auto on 2
-nodes with intents a batch long, and auto on 2 nodes pair by pair on the node's rows in
+training the pairs of its own centre words, synced every 10 ms, and in blocks:
+phases in which each worker trains its centre words' pairs with the context
+words of one group, so that no row has two users at once and none is copied),
+auto on 2 nodes with intents a batch long, and auto on 2 nodes pair by pair on the node's rows in
 place (``--step 1``), also with each worker training the pairs of its own centre
 words (``--split centre``); and what a word2vec user would
 pick instead, gensim's ``Word2Vec`` with 1 and 2 threads (same hyperparameters;
@@ -47,6 +49,9 @@ from common import run_example, write_results  # noqa: E402
 IN_PLACE = ["--step", "1"]
 #: each worker trains the pairs of its own centre words: a word's input row is used on one node only
 BY_CENTRE = ["--split", "centre"]
+#: ... in phases by the context word's group (``sgns.phases``): an output row has one user at a time and moves
+#: to the next between phases (the workers start each phase together); no row is ever a replica
+IN_BLOCKS = ["--split", "blocks"]
 
 #: replicas' sync periods besides the example's 50 ms: fresher replicas (quality on the planted clusters)
 #: for more rows copied between the nodes (speed)
@@ -58,6 +63,7 @@ CONTENDERS: list[tuple[str, str, int, list[str]]] = [
     ("replication only", "replication", 2, []), ("auto", "auto", 1, []), ("auto", "auto", 2, []),
     *[(f"auto, replicas synced every {ms} ms", "auto", 2, ["--sync-ms", str(ms)]) for ms in SYNC_PERIODS_MS],
     ("auto, pairs by centre word, synced every 10 ms", "auto", 2, [*BY_CENTRE, "--sync-ms", "10"]),
+    ("auto, in blocks (phases by context word's group)", "auto", 2, IN_BLOCKS),
     ("auto, batch-long intents", "auto", 2, ["--intents", "batch"]),
     ("auto, pair by pair in place", "auto", 2, IN_PLACE),
     ("auto, pair by pair in place, pairs by centre word", "auto", 2, [*IN_PLACE, *BY_CENTRE]),
@@ -71,6 +77,7 @@ PLANTED: list[tuple[str, str, int, list[str]]] = [
     ("static", "static", 2, []), ("auto", "auto", 2, []),
     *[(f"auto, replicas synced every {ms} ms", "auto", 2, ["--sync-ms", str(ms)]) for ms in SYNC_PERIODS_MS],
     ("auto, pairs by centre word, synced every 10 ms", "auto", 2, [*BY_CENTRE, "--sync-ms", "10"]),
+    ("auto, in blocks (phases by context word's group)", "auto", 2, IN_BLOCKS),
     ("auto, pair by pair in place, pairs by centre word", "auto", 2, [*IN_PLACE, *BY_CENTRE]),
     ("auto, pair by pair in place, pairs by centre word, synced every 10 ms", "auto", 2,
      [*IN_PLACE, *BY_CENTRE, "--sync-ms", "10"])]

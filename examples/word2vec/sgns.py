@@ -57,6 +57,34 @@ def centres_by_worker(corpus: Corpus, h: Hyper, workers: int) -> np.ndarray:
     return worker_of
 
 
+def phases(all_pairs: np.ndarray, group_of: np.ndarray, rank: int, workers: int, phase: int, batch: int
+           ) -> list[tuple[int, list[np.ndarray]]]:
+    """One pass of ``rank``'s pairs in blocks, as PyTorch-BigGraph partitions an embedding's training.
+
+    The words are in groups, a multiple ``per`` of the workers (``group_of``: each word's); a worker
+    trains the pairs whose centre word is in one of its groups (``group % workers == rank``), in
+    phases of ``phase`` batches, each phase's pairs those whose context word is in one group: worker
+    ``w``'s ``(w * per + d) % groups`` in turn ``d``, the turns in order. So no two workers use one
+    output row in the same phase, and with ``per >= 2`` the group a worker uses next is one nobody
+    uses now: it can move to its next user a phase ahead, and no row is wanted in two places at once.
+    Every turn has as many phases and every phase as many batches on every worker (up to ``batch``
+    pairs each; shares differ a little), so phases change at the same clocks everywhere.
+    Returns ``[(the phase's context group, its batches)]`` in order."""
+    groups = int(group_of.max()) + 1
+    per = groups // workers
+    assert per * workers == groups, "as many groups for each worker"
+    centre_w, context_g = group_of[all_pairs[:, 0]] % workers, group_of[all_pairs[:, 1]]
+    turn = (context_g - centre_w * per) % groups
+    sizes = np.bincount(centre_w * groups + turn, minlength=workers * groups)
+    largest = int(sizes.max())
+    count = max(1, round(largest / (phase * batch)))  # phases of each turn, of about ``phase`` full batches
+    per_phase = max(1, -(-largest // (count * batch)))  # batches, so that none holds more than ``batch`` pairs
+    mine = centre_w == rank
+    split = [np.array_split(all_pairs[mine & (turn == d)], count * per_phase) for d in range(groups)]
+    return [((rank * per + d) % groups, split[d][i * per_phase:(i + 1) * per_phase])
+            for i in range(count) for d in range(groups)]
+
+
 @numba.njit(nogil=True, cache=True)
 def distinct(words: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ``words`` in order of first appearance, and each word's slot among them (what

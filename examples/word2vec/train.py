@@ -14,8 +14,14 @@ node's rows where they lie (``Table.in_place``: no gather, no scatter, no messag
 for them; ``--step 1`` is word2vec's own update, pair by pair), and only the
 pairs with a row on another node go through pull and push. With ``--split
 centre`` each worker trains the pairs of its own centre words, so a word's input
-row is used on one node only and never copied. Rank 0 reports pairs/s and the
-WordSim-353 and analogy scores.
+row is used on one node only and never copied. ``--split blocks`` goes further:
+the words are in two groups per worker, and a pass is trained in phases of
+``--phase`` batches, in each of which a worker trains only the pairs of its
+centre words whose context is in one group, a different one for each worker
+(``sgns.phases``), so that an output row too has one user at a time; declared for
+its phase, it moves to its next user while nobody uses it instead of being
+copied, negatives are drawn among the rows here, and the workers start each
+phase together. Rank 0 reports pairs/s and the WordSim-353 and analogy scores.
 """
 
 from __future__ import annotations
@@ -26,11 +32,23 @@ import time
 
 import numpy as np
 from corpus import load
-from sgns import Hyper, centres_by_worker, distinct, evaluate, noise_weights, pairs, sgns_step, sgns_steps_in_place
+from sgns import (
+    Hyper,
+    centres_by_worker,
+    distinct,
+    evaluate,
+    noise_weights,
+    pairs,
+    phases,
+    sgns_step,
+    sgns_steps_in_place,
+)
 
 import shoal
 
 MODES = ("classic", "static", "relocation", "replication", "auto")
+SYNC_MS = 50.0  # the replicas' sync period
+BLOCKS_MS = 5.0  # with --split blocks: the sync period, and how often servers act on intents
 
 
 def main() -> None:
@@ -42,12 +60,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the initial rows, the passes and the negatives")
     p.add_argument("--corpus", default="lee", choices=("lee", "planted"),
                    help="the Lee corpus, or planted word clusters (quality: cluster purity)")
-    p.add_argument("--sync-ms", type=float, default=50.0,
-                   help="adaptive modes: how often a replica sends its change to the word's owner and gets its rows")
+    p.add_argument("--sync-ms", type=float, default=None,
+                   help="adaptive modes: how often a replica sends its change to the word's owner and gets its rows "
+                        f"(default {SYNC_MS:g}; {BLOCKS_MS:g} with --split blocks)")
     p.add_argument("--step", type=int, default=None,
                    help="SGD steps of this many pairs on the rows where they lie (Table.in_place; adaptive modes)")
-    p.add_argument("--split", default="pairs", choices=("pairs", "centre"),
-                   help="each worker's share of a pass: every n-th pair, or the pairs of its centre words")
+    p.add_argument("--split", default="pairs", choices=("pairs", "centre", "blocks"),
+                   help="each worker's share of a pass: every n-th pair, the pairs of its centre words, or those "
+                        "in phases by the context word's group")
+    p.add_argument("--phase", type=int, default=10, help="batches per phase, about (--split blocks)")
     p.add_argument("--out")
     args = p.parse_args()
     h = Hyper()
@@ -58,11 +79,17 @@ def main() -> None:
     ps = shoal.init(local_access=args.mode != "classic")
     common = dict(optimizer=shoal.optim.Sum(), techniques=args.mode if adaptive else "static", mapping="round_robin",
                   seed=args.seed)
+    blocks = args.split == "blocks"
     if adaptive:
         # Not the tables' default (a sync at each clock, here every 10 ms): every word is a replica on
         # both nodes, and syncing it that often cost the Lee corpus's job a quarter of its speed; on the
         # planted clusters it buys the baseline's quality (word2vec.md).
-        common["sync_ms"] = args.sync_ms
+        common["sync_ms"] = args.sync_ms or (BLOCKS_MS if blocks else SYNC_MS)
+        if blocks:
+            # A server announces the intents coming into its window with the next sync, and acts at
+            # least this often: every 50 ms it announced the next phases' words while the last user
+            # still had them (a phase is about 20 ms), and they moved away in use.
+            common["act_ms"] = BLOCKS_MS
     vin = ps.table("w2v.in", corpus.vocab, h.dim, init=shoal.Uniform(-0.5 / h.dim, 0.5 / h.dim), **common)
     vout = ps.table("w2v.out", corpus.vocab, h.dim, **common)
     vout.register_sampling(noise_weights(corpus.counts), scheme="local" if adaptive else "naive",
@@ -71,22 +98,36 @@ def main() -> None:
     pushes: list[shoal.Future[None]] = []
     passes = [pairs(corpus, h, np.random.default_rng([args.seed, epoch])) for epoch in range(args.epochs)]
     total = sum(all_pairs.shape[0] for all_pairs in passes)  # every worker's, together
-    if args.split == "centre":  # a word's input row is used by one worker only
-        worker_of = centres_by_worker(corpus, h, ps.num_workers)
-        passes = [all_pairs[worker_of[all_pairs[:, 0]] == ps.rank] for all_pairs in passes]
-    else:
-        passes = [all_pairs[ps.rank::ps.num_workers] for all_pairs in passes]
+    worker_of = centres_by_worker(corpus, h, ps.num_workers)
+    # --split blocks: two groups per worker (see `phases`), worker w's centre words those of groups w, w + n, ...
+    group_of = centres_by_worker(corpus, h, 2 * ps.num_workers)
+    # Every phase of the job in order: its pass, the output rows it uses, its batches (a pass is one phase
+    # but with blocks); each phase's first clock; each pass's centre words.
+    plan: list[tuple[int, np.ndarray, list[np.ndarray]]] = []
+    centres: list[np.ndarray] = []
+    for epoch, all_pairs in enumerate(passes):
+        if blocks:
+            centres.append(np.unique(all_pairs[group_of[all_pairs[:, 0]] % ps.num_workers == ps.rank, 0]))
+            plan += [(epoch, np.flatnonzero(group_of == group), batches)
+                     for group, batches in phases(all_pairs, group_of, ps.rank, ps.num_workers, args.phase, h.batch)]
+            continue
+        if args.split == "centre":  # a word's input row is used by one worker only
+            mine = all_pairs[worker_of[all_pairs[:, 0]] == ps.rank]
+        else:
+            mine = all_pairs[ps.rank::ps.num_workers]
+        centres.append(np.unique(mine[:, 0]))
+        plan.append((epoch, np.unique(mine[:, 1]), [mine[s : s + h.batch] for s in range(0, mine.shape[0], h.batch)]))
+    starts = (ps.clock + np.cumsum([0] + [len(batches) for _, _, batches in plan])).tolist()
     if adaptive and args.intents == "epoch":
-        clock = ps.clock
-        for mine in passes:
-            steps = -(-mine.shape[0] // h.batch)
-            vin.intent(np.unique(mine[:, 0]), clock, clock + steps)
-            vout.intent(np.unique(mine[:, 1]), clock, clock + steps)
-            clock += steps
-        # The first pass's words on this node before its first batch, not asked of other nodes while
-        # they come (the later passes' words come while the one before runs).
-        vin.wait_local(np.unique(passes[0][:, 0]), timeout=10)
-        vout.wait_local(np.unique(passes[0][:, 1]), timeout=10)
+        for epoch, words in enumerate(centres):
+            in_pass = [p for p, phase in enumerate(plan) if phase[0] == epoch]
+            vin.intent(words, starts[in_pass[0]], starts[in_pass[-1] + 1])
+        for p, (_, outputs, _) in enumerate(plan):
+            vout.intent(outputs, starts[p], starts[p + 1])
+        # The first phase's words on this node before its first batch, not asked of other nodes while
+        # they come (the later phases' words come while the one before runs).
+        vin.wait_local(centres[0], timeout=10)
+        vout.wait_local(plan[0][1], timeout=10)
 
     def steps_in_place(batch: np.ndarray, negatives: np.ndarray, lr: float) -> np.ndarray:
         """Steps of ``--step`` pairs on this node's rows where they lie, for the pairs whose rows are all
@@ -119,15 +160,22 @@ def main() -> None:
 
     ps.barrier()
     start = time.perf_counter()
-    for epoch, mine in enumerate(passes):
+    for epoch, _, batches in plan:
         lr = h.lr * (1 - epoch / args.epochs)
-        batches = [mine[s : s + h.batch] for s in range(0, mine.shape[0], h.batch)]
+        if blocks:
+            # Every phase starts together: the group a worker takes next is the one another worker had in
+            # the phase before, and one ahead would announce it while still in use there and take it away
+            # (without, the skew grew to 76 clocks in one run, and most rows were copied or read remotely).
+            ps.barrier()
         for i, batch in enumerate(batches):
             if adaptive and args.intents == "batch" and i + args.lookahead < len(batches):
                 ahead, clock = batches[i + args.lookahead], ps.clock + args.lookahead
                 vin.intent(ahead[:, 0], clock, clock + 1)
                 vout.intent(ahead[:, 1], clock, clock + 1)
             n = batch.shape[0]
+            if not n:  # a phase with fewer of this worker's pairs than of another's: the clocks stay in step
+                ps.advance_clock()
+                continue
             negatives = vout.sample_keys(n * h.negatives)  # among rows present here unless in classic mode
             if args.step:
                 rest = steps_in_place(batch, negatives.reshape(n, h.negatives), lr)
