@@ -9,9 +9,11 @@ in one process, the two workers taking turns batch by batch, on the planted-clus
 corpus: a sync every ``period`` batches of each worker; or, between full syncs, only
 the rows whose change since their last sync exceeds ``theta`` of the row's norm (a
 significance filter, as Gaia's); or with each worker training the pairs of its own
-centre words, so that only the output rows are replicas. It prints the cluster
-purity and the rows the syncs sent (each row sent once each way), so that the ways
-of spending rows can be put on one curve. No messages, no servers: the model of the
+centre words, so that only the output rows are replicas; or in blocks, as
+``train.py --split blocks`` trains, where no row is ever a replica and output rows
+move between phases. It prints the cluster purity and the rows the syncs sent
+(each row sent once each way) or the moves sent, so that the ways of spending rows
+can be put on one curve. No messages, no servers: the model of the
 algorithm that ``results/word2vec.md`` measures live (where 50 ms is about 20
 batches here). Writes ``results/w2v_staleness.{json,md}``.
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, str(HERE.parent / "examples" / "word2vec"))
 import numpy as np  # noqa: E402
 from baseline import batch_step  # noqa: E402
 from corpus import load  # noqa: E402
-from sgns import Hyper, centres_by_worker, evaluate, noise_weights, pairs  # noqa: E402
+from sgns import Hyper, centres_by_worker, evaluate, noise_weights, pairs, phases  # noqa: E402
 
 from common import write_results  # noqa: E402
 from shoal.storage.kernels import alias_draw, alias_table  # noqa: E402
@@ -49,6 +51,46 @@ class Syncs:
             said += (f", rows changed by more than {self.theta:g} of their norm; "
                      f"all every {self.period * self.full_every}")
         return said + (", pairs by centre word (output rows only)" if self.by_centre else "")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    phase: int  # batches per phase, about (``sgns.phases``)
+
+    def __str__(self) -> str:
+        return f"never: in blocks, phases of about {self.phase} batches (rows moved to their next user)"
+
+
+def train_blocks(blocks: Blocks, seed: int, epochs: int = 10) -> tuple[float, int]:
+    """As ``train.py --split blocks`` trains: each worker's phases (``sgns.phases``), the workers taking
+    turns batch by batch on one copy of the rows (in a phase no row is used by both), negatives drawn among
+    the rows on the worker's node (its phase's group and the next, come a phase ahead). Cluster purity,
+    and the rows moved between the phases."""
+    corpus, h = load("planted"), Hyper()
+    rng = np.random.default_rng(seed)
+    vin = ((rng.random((corpus.vocab, h.dim)) - 0.5) / h.dim).astype(np.float32)
+    vout = np.zeros((corpus.vocab, h.dim), np.float32)
+    group_of = centres_by_worker(corpus, h, 4)
+    weights = noise_weights(corpus.counts)
+    here = {(g, (g + 1) % 4): alias_table(np.where((group_of == g) | (group_of == (g + 1) % 4), weights, 0.0))
+            for g in range(4)}
+    scratch = np.full(corpus.vocab, -1, np.int64)
+    moved = 0
+    for epoch in range(epochs):
+        lr = h.lr * (1 - epoch / epochs)
+        every = pairs(corpus, h, rng)
+        schedules = [phases(every, group_of, rank, 2, blocks.phase, h.batch) for rank in (0, 1)]
+        for now in range(len(schedules[0])):
+            for i in range(len(schedules[0][now][1])):
+                for schedule in schedules:
+                    group, batches = schedule[now]
+                    batch = batches[i]
+                    n = batch.shape[0]
+                    negatives = alias_draw(*here[group, (group + 1) % 4], rng.random(n * h.negatives))
+                    batch_step(vin, vout, batch, negatives.reshape(n, h.negatives), lr, scratch)
+            # Each worker's next group comes to its node while this phase runs.
+            moved += sum(int((group_of == (schedule[now][0] + 1) % 4).sum()) for schedule in schedules)
+    return float(evaluate(vin, corpus)["cluster_purity"]), moved
 
 
 def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
@@ -101,8 +143,9 @@ def train(syncs: Syncs, seed: int, epochs: int = 10) -> tuple[float, int]:
     return float(evaluate(owners[0], corpus)["cluster_purity"]), sent
 
 
-CONTENDERS = [Syncs(1), Syncs(4), Syncs(7), Syncs(10), Syncs(20), Syncs(2, 10, 0.05), Syncs(2, 10, 0.2),
-              Syncs(1, 20, 0.02), Syncs(20, by_centre=True), Syncs(8, by_centre=True), Syncs(4, by_centre=True)]
+CONTENDERS: list[Syncs | Blocks] = [
+    Syncs(1), Syncs(4), Syncs(7), Syncs(10), Syncs(20), Syncs(2, 10, 0.05), Syncs(2, 10, 0.2), Syncs(1, 20, 0.02),
+    Syncs(20, by_centre=True), Syncs(8, by_centre=True), Syncs(4, by_centre=True), Blocks(10), Blocks(20)]
 
 
 def main() -> None:
@@ -114,7 +157,8 @@ def main() -> None:
              "| replicas synced | cluster purity | rows sent |", "|---|---:|---:|"]
     rows = []
     for syncs in CONTENDERS:
-        runs = [train(syncs, seed) for seed in range(args.seeds)]
+        runs = [train_blocks(syncs, seed) if isinstance(syncs, Blocks) else train(syncs, seed)
+                for seed in range(args.seeds)]
         purity = [r[0] for r in runs]
         rows.append({"syncs": str(syncs), "purity": purity, "rows_sent": [r[1] for r in runs]})
         lines.append(f"| {syncs} | {np.mean(purity):.3f} ({min(purity):.3f}-{max(purity):.3f}) "
