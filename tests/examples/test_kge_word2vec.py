@@ -120,11 +120,13 @@ def test_word2vec_in_blocks_moves_each_output_row_to_its_user_of_the_phase_and_c
     baseline = json.loads(out.read_text())["cluster_purity"]
     r = run("word2vec/train.py", 2, "--mode", "auto", "--corpus", "planted", "--split", "blocks", tmp=tmp_path)
     phases = r["counters"]["w2v.out"]["intents_sent"]  # one per phase
+    words = sum(server["w2v.out"]["owned"] for server in r["placement"])
     for server in r["placement"]:
         out_table = server["w2v.out"]
         assert out_table.get("replicas_made", 0) == 0, out_table
-        # Each phase brings the worker's next group here (about half the words a node ends with), no more.
-        assert 0 < out_table["keys_relocated_here"] <= phases * out_table["owned"], (phases, out_table)
+        # Each phase brings the worker's next group here (a quarter of the words, about), no more: 39,507
+        # keys in 80 phases of 2,000 words in one run.
+        assert 0 < out_table["keys_relocated_here"] <= 1.1 * phases * words / 4, (phases, words, out_table)
     counters = r["counters"]["w2v.out"]
     assert counters.get("rows_remote", 0) < 0.05 * counters["rows_local"], counters
     # Seed 0: 0.620-0.626 in five runs, the baseline 0.614 (seeds 0-5: 0.609-0.624 against 0.614-0.627).
