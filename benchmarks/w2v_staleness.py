@@ -63,17 +63,16 @@ class Blocks:
 
 def train_blocks(blocks: Blocks, seed: int, epochs: int = 10) -> tuple[float, int]:
     """As ``train.py --split blocks`` trains: each worker's phases (``sgns.phases``), the workers taking
-    turns batch by batch on one copy of the rows (in a phase no row is used by both), negatives drawn among
-    the rows on the worker's node (its phase's group and the next, come a phase ahead). Cluster purity,
-    and the rows moved between the phases."""
+    turns batch by batch on one copy of the rows (in a phase no row is used by both), negatives drawn within
+    the phase's group. Cluster purity, and the rows moved between the phases."""
     corpus, h = load("planted"), Hyper()
     rng = np.random.default_rng(seed)
     vin = ((rng.random((corpus.vocab, h.dim)) - 0.5) / h.dim).astype(np.float32)
     vout = np.zeros((corpus.vocab, h.dim), np.float32)
     group_of = centres_by_worker(corpus, h, 4)
     weights = noise_weights(corpus.counts)
-    here = {(g, (g + 1) % 4): alias_table(np.where((group_of == g) | (group_of == (g + 1) % 4), weights, 0.0))
-            for g in range(4)}
+    words = [np.flatnonzero(group_of == group) for group in range(4)]
+    within = [alias_table(weights[w]) for w in words]
     scratch = np.full(corpus.vocab, -1, np.int64)
     moved = 0
     for epoch in range(epochs):
@@ -86,10 +85,10 @@ def train_blocks(blocks: Blocks, seed: int, epochs: int = 10) -> tuple[float, in
                     group, batches = schedule[now]
                     batch = batches[i]
                     n = batch.shape[0]
-                    negatives = alias_draw(*here[group, (group + 1) % 4], rng.random(n * h.negatives))
+                    negatives = words[group][alias_draw(*within[group], rng.random(n * h.negatives))]
                     batch_step(vin, vout, batch, negatives.reshape(n, h.negatives), lr, scratch)
             # Each worker's next group comes to its node while this phase runs.
-            moved += sum(int((group_of == (schedule[now][0] + 1) % 4).sum()) for schedule in schedules)
+            moved += sum(words[(schedule[now][0] + 1) % 4].shape[0] for schedule in schedules)
     return float(evaluate(vin, corpus)["cluster_purity"]), moved
 
 
