@@ -104,9 +104,9 @@ def main() -> None:
             common["act_ms"] = BLOCKS_MS
     vin = ps.table("w2v.in", corpus.vocab, h.dim, init=shoal.Uniform(-0.5 / h.dim, 0.5 / h.dim), **common)
     vout = ps.table("w2v.out", corpus.vocab, h.dim, **common)
+    noise = noise_weights(corpus.counts)
     if not blocks:  # (blocks draw their own, within a phase's group)
-        vout.register_sampling(noise_weights(corpus.counts), scheme="local" if adaptive else "naive",
-                               seed=args.seed * 1000 + ps.rank)
+        vout.register_sampling(noise, scheme="local" if adaptive else "naive", seed=args.seed * 1000 + ps.rank)
     scratch = np.full(corpus.vocab, -1, np.int64)  # for `distinct`
     pushes: list[shoal.Future[None]] = []
     passes = [pairs(corpus, h, np.random.default_rng([args.seed, epoch])) for epoch in range(args.epochs)]
@@ -115,7 +115,7 @@ def main() -> None:
     # --split blocks: two groups per worker (see `phases`), worker w's centre words those of groups w, w + n, ...
     group_of = centres_by_worker(corpus, h, 2 * ps.num_workers)
     group_words = [np.flatnonzero(group_of == group) for group in range(2 * ps.num_workers)]
-    group_noise = [alias_table(noise_weights(corpus.counts)[words]) for words in group_words]
+    group_noise = [alias_table(noise[words]) for words in group_words]
     # Every phase of the job in order; each phase's first clock; each pass's centre words.
     plan: list[Phase] = []
     centres: list[np.ndarray] = []
