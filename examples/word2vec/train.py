@@ -98,9 +98,9 @@ def main() -> None:
         # planted clusters it buys the baseline's quality (word2vec.md).
         common["sync_ms"] = args.sync_ms or (BLOCKS_MS if blocks else SYNC_MS)
         if blocks:
-            # A server announces the intents coming into its window with the next sync, and acts at
-            # least this often: every 50 ms it announced the next phases' words while the last user
-            # still had them (a phase is about 20 ms), and they moved away in use.
+            # A server withdraws its workers' ended intents in rounds at least this often: every 50 ms,
+            # the last user's interest in a group was still counted when its next user announced it (a
+            # phase is about 20 ms), and the group was copied instead of moved (12,000 rows in one run).
             common["act_ms"] = BLOCKS_MS
     vin = ps.table("w2v.in", corpus.vocab, h.dim, init=shoal.Uniform(-0.5 / h.dim, 0.5 / h.dim), **common)
     vout = ps.table("w2v.out", corpus.vocab, h.dim, **common)
@@ -137,7 +137,7 @@ def main() -> None:
         for epoch, words in enumerate(centres):
             in_pass = [p for p, phase in enumerate(plan) if phase.epoch == epoch]
             vin.intent(words, starts[in_pass[0]], starts[in_pass[-1] + 1])
-        for p, phase in enumerate(plan):
+        for p, phase in enumerate(plan[:1] if blocks else plan):  # with blocks, each at the barrier before
             vout.intent(phase.outputs, starts[p], starts[p + 1])
         # The first phase's words on this node before its first batch, not asked of other nodes while
         # they come (the later phases' words come while the one before runs).
@@ -176,14 +176,18 @@ def main() -> None:
     ps.barrier()
     start = time.perf_counter()
     draws = np.random.default_rng(args.seed * 1000 + ps.rank)  # blocks' negatives
-    for epoch, outputs, batches, within in plan:
+    for p, (epoch, outputs, batches, within) in enumerate(plan):
         lr = h.lr * (1 - epoch / args.epochs)
         if blocks:
             # Every phase starts together: the group a worker takes next is the one another worker had in
             # the phase before, and one ahead would announce it while still in use there and take it away
             # (without, the skew grew to 76 clocks in one run, and groups were copied or read on the other
-            # node instead of moved: purity 0.607 against 0.619 with it over 4 seeds, word2vec.md).
+            # node instead of moved: purity 0.607 against 0.619 with it over 4 seeds, word2vec.md). Past
+            # the barrier every worker is done with it, so the next phase's intent is declared here: its
+            # server may announce it as early as it likes, however wide its window.
             ps.barrier()
+            if adaptive and args.intents == "epoch" and p + 1 < len(plan):
+                vout.intent(plan[p + 1].outputs, starts[p + 1], starts[p + 2])
         for i, batch in enumerate(batches):
             if adaptive and args.intents == "batch" and i + args.lookahead < len(batches):
                 ahead, clock = batches[i + args.lookahead], ps.clock + args.lookahead
