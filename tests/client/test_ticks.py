@@ -34,9 +34,23 @@ def test_near_an_intent_boundary_a_tick_goes_once_the_short_spacing_allows():
     assert not ticks.due(22, now + 0.017)  # 30 is more than the lead away
     assert not ticks.due(23, now + 0.001)  # within the lead, but the short spacing has not passed
     assert ticks.due(23, now + 0.018)
-    ticks.ticked(23, now + 0.018)  # the start is served: quiet again until the end comes near
+    ticks.ticked(23, now + 0.018)  # the start is served: quiet again until the end
     assert not ticks.due(28, now + 0.023)
-    assert ticks.due(33, now + 0.028)
+    assert not ticks.due(39, now + 0.034)
+    assert ticks.due(40, now + 0.035)
+
+
+def test_an_end_is_served_only_by_a_tick_at_or_past_it():
+    # The server withdraws an intent's keys by the clock it heard: a tick a lead before the end
+    # left them announced until the quiet period was over, and the keys' next user got a replica.
+    ticks, now = clocked(0.001, 5)  # a lead of 7 clocks
+    ticks.ticked(5, now)
+    ticks.note_intents([("t", KEYS, 10, 12)])
+    ticks.ticked(6, now + TICK_EVERY_S * 1.1)  # 10 and 12 both within the lead: only the start is served
+    assert not ticks.due(11, now + TICK_EVERY_S * 2.2)
+    assert ticks.due(12, now + TICK_EVERY_S * 2.2)
+    ticks.ticked(12, now + TICK_EVERY_S * 2.2, everywhere=False)
+    assert not ticks.due(13, now + TICK_EVERY_S * 3.3)  # nothing left to serve
 
 
 def test_slower_clocks_shorten_the_lead_and_a_boundary_passed_unticked_is_dropped_at_the_next_tick():
@@ -80,7 +94,8 @@ def test_where_an_intent_hands_its_keys_on_to_the_next_on_the_same_table_no_tick
     ticks.ticked(4, now + TICK_EVERY_S * 1.1)
     for clock in (44, 48, 52, 86, 92):  # near the hand-overs, within the quiet period
         assert not ticks.due(clock, now + TICK_EVERY_S * 3)
-    assert ticks.due(124, now + TICK_EVERY_S * 3)  # the last end
+    assert not ticks.due(129, now + TICK_EVERY_S * 3)
+    assert ticks.due(130, now + TICK_EVERY_S * 3)  # the last end
 
 
 def test_a_hand_over_to_other_keys_or_another_table_or_after_a_gap_is_still_a_boundary():
@@ -98,15 +113,15 @@ def test_an_intent_declared_after_the_one_it_carries_on_has_ended_is_a_boundary_
     ticks.note_intents([("items", KEYS, 10, 20)])
     ticks.ticked(30, now)  # past its end
     ticks.note_intents([("items", KEYS, 20, 40)])  # carries on nothing any more: its end is a boundary
-    assert ticks.due(35, now + TICK_EVERY_S * 1.1)
+    assert ticks.due(40, now + TICK_EVERY_S * 1.1)
 
 
 def test_carrying_on_an_intent_whose_end_was_already_served_leaves_other_boundaries_at_that_clock():
     ticks, now = clocked(0.001, 5)  # a lead of 7 clocks
     ticks.note_intents([("items", KEYS, 10, 20)])
-    ticks.ticked(15, now)  # 10 and 20 are within the lead: both served
+    ticks.ticked(20, now)  # past 10 and at 20: both served
     ticks.note_intents([("users", KEYS, 20, 30), ("items", KEYS, 20, 40)])  # the users' start is a boundary
-    assert ticks.due(16, now + TICK_EVERY_S * 1.1)
+    assert ticks.due(21, now + TICK_EVERY_S * 1.1)
 
 
 def test_an_array_filled_anew_with_the_next_clocks_keys_is_not_taken_for_the_same_keys():

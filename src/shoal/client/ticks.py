@@ -8,7 +8,10 @@ keys a few clocks before the intent starts (its action window) and withdraws the
 when it ends, by the clock it last heard. So a worker ticks to every server at most
 every ``TICK_QUIET_S``, and to its node's server alone more often (at most every
 ``TICK_EVERY_S``) from a few clocks before each clock where an intent it declared
-starts or ends, until a tick has gone out there.
+starts, and from each clock where one ends, until a tick has gone out there. A tick
+before an end serves nothing: the server withdraws the keys only once it has heard a
+clock at or past it, and until then the keys' next user, announcing them, finds them
+still held here and is sent a replica instead of the rows.
 
 A clock where one intent ends and the next on the same table and keys starts (an
 app declaring an epoch's rows epoch by epoch) changes nothing the server acts on:
@@ -37,9 +40,10 @@ class TickSchedule:
     """Whether a tick is due, given the clocks where declared intents start and end."""
 
     def __init__(self) -> None:
-        self._boundaries: list[tuple[int, int]] = []  # a heap of (clock, id) where an intent starts or ends
-        self._queued: set[int] = set()  # the ids in the heap
-        self._dropped: set[int] = set()  # ids in the heap found to be no boundary after all
+        self._starts: list[tuple[int, int]] = []  # a heap of (clock, id) where an intent starts
+        self._stops: list[tuple[int, int]] = []  # a heap of (clock, id) where an intent ends
+        self._queued: set[int] = set()  # the ids in the heaps
+        self._dropped: set[int] = set()  # ids of ends found to be no boundary after all
         self._ends: dict[tuple[str, int], list[tuple[np.ndarray, int]]] = {}  # (table, end) -> (keys, id of end)
         self._ids = itertools.count()
         self._clock = 0  # the last clock ticked
@@ -62,10 +66,10 @@ class TickSchedule:
                 if end_id in self._queued:
                     self._dropped.add(end_id)
             else:
-                self._push(start)
+                self._push(self._starts, start)
             # A copy: an app may fill the same array with the next clock's keys (what the node's server
             # was sent is its own already).
-            self._ends.setdefault((table, end), []).append((keys.copy(), self._push(end)))
+            self._ends.setdefault((table, end), []).append((keys.copy(), self._push(self._stops, end)))
 
     def advanced(self, now: float) -> None:
         """The worker's clock moved on at ``now``."""
@@ -84,36 +88,46 @@ class TickSchedule:
             return True
         if now - self._ticked_here_at < TICK_EVERY_S:
             return False
-        next_boundary = self._next_boundary()
-        return next_boundary is not None and next_boundary - self.lead() <= clock
+        served_from = self._next_served_from()
+        return served_from is not None and served_from <= clock
 
     def ticked(self, clock: int, now: float, everywhere: bool = True) -> None:
-        """A tick of ``clock`` went out (to every server, or to the node's alone): the boundaries it
-        came near or passed are served."""
+        """A tick of ``clock`` went out (to every server, or to the node's alone): the starts it came
+        near and the ends it reached are served."""
         self._ticked_here_at = now
         if everywhere:
             self._ticked_at = now
         lead = self.lead()
-        while (next_boundary := self._next_boundary()) is not None and next_boundary - lead <= clock:
-            self._queued.discard(heapq.heappop(self._boundaries)[1])
+        while self._starts and self._starts[0][0] - lead <= clock:
+            self._queued.discard(heapq.heappop(self._starts)[1])
+        while (end := self._next_end()) is not None and end <= clock:
+            self._queued.discard(heapq.heappop(self._stops)[1])
         if clock > self._clock:  # intents over by now can no longer be carried on
             self._clock = clock
             for over in [at for at in self._ends if at[1] < clock]:
                 del self._ends[over]
 
-    def _push(self, clock: int) -> int:
+    def _push(self, heap: list[tuple[int, int]], clock: int) -> int:
         boundary_id = next(self._ids)
-        heapq.heappush(self._boundaries, (clock, boundary_id))
+        heapq.heappush(heap, (clock, boundary_id))
         self._queued.add(boundary_id)
         return boundary_id
 
-    def _next_boundary(self) -> int | None:
-        """The soonest boundary (entries found to be none dropped on the way)."""
-        while self._boundaries and self._boundaries[0][1] in self._dropped:
-            _, boundary_id = heapq.heappop(self._boundaries)
+    def _next_end(self) -> int | None:
+        """The soonest end (entries found to be none dropped on the way)."""
+        while self._stops and self._stops[0][1] in self._dropped:
+            _, boundary_id = heapq.heappop(self._stops)
             self._dropped.discard(boundary_id)
             self._queued.discard(boundary_id)
-        return self._boundaries[0][0] if self._boundaries else None
+        return self._stops[0][0] if self._stops else None
+
+    def _next_served_from(self) -> int | None:
+        """The first clock whose tick serves a boundary: a lead before the soonest start, or the
+        soonest end."""
+        candidates = [self._starts[0][0] - self.lead()] if self._starts else []
+        if (end := self._next_end()) is not None:
+            candidates.append(end)
+        return min(candidates, default=None)
 
     def lead(self) -> int:
         """Clocks before a boundary from which a tick must go: more than the server's action window

@@ -100,6 +100,13 @@ class NodeIntents:
         """Whether an intent not yet acted on starts within ``window`` clocks of ``clock``."""
         return bool(self._starting and self._starting[0][0] <= clock + window)
 
+    def ended_among(self, keys: np.ndarray, clock: int) -> np.ndarray:
+        """Those of ``keys`` (distinct) whose announced interest is over at node clock ``clock``, to
+        withdraw now, ahead of ``due``: no longer counted as announced (``due`` passes them over)."""
+        over = keys[self.announced[keys] & (self.until[keys] <= clock)]
+        self.announced[over] = False
+        return over
+
     def due(self, clock: int, window: int) -> tuple[np.ndarray, np.ndarray]:
         """``(to_announce, to_withdraw)`` at node clock ``clock`` with an action window of ``window`` clocks."""
         newly: list[np.ndarray] = []

@@ -104,6 +104,7 @@ class PlacementMachine:
         self.act_every_s = ACT_EVERY_S if table.spec.act_ms is None else table.spec.act_ms / 1000.0
         self._effects = Effects()
         self._now = 0.0
+        self._node_clock = 0  # the slowest clock of this node's workers, as last heard
 
     # ----------------------------------------------------------------- events
 
@@ -135,14 +136,16 @@ class PlacementMachine:
         """A local worker will use ``keys`` during clocks ``[start, end)``: acted on when they come near."""
         self.table.intents.add(keys, start, end)
 
-    def receive(self, sender: int, message: PlacementMessage, now: float) -> Effects:
+    def receive(self, sender: int, message: PlacementMessage, now: float, node_clock: int) -> Effects:
         """A placement message from the server of node ``sender`` (its fields and arrays were checked
-        against its kind's declaration on arrival; node numbers, counts and rows are checked here).
+        against its kind's declaration on arrival; node numbers, counts and rows are checked here);
+        ``node_clock``: the slowest clock of this node's workers, as heard now.
 
         Raises:
             ProtocolError: a node that is no node of the table, a count out of range, NaN/Inf rows.
         """
         self._now = now
+        self._node_clock = node_clock
         self._receive(sender, message)
         return self._take()
 
@@ -152,6 +155,7 @@ class PlacementMachine:
         that waited too long."""
         table = self.table
         self._now = now
+        self._node_clock = node_clock
         syncing = self._sync_due(now, node_clock)
         self._act_on_intents(node_clock, clock_s, syncing)
         if now >= table.next_hold_check:
@@ -762,6 +766,11 @@ class PlacementMachine:
         # interest with its rows, and passing the announcement on after it would only bring it back.
         here = table.presence[keys] == OWNED
         owned, rest = keys[here], keys[~here]
+        if active and node != self.node and owned.size:
+            # This node's own interest in them that ended by the clock heard is withdrawn first, not
+            # at the round it waits for (up to ``act_every_s``, longer on a busy machine): counted
+            # still, it would have them copied to their next user instead of moved.
+            self._withdraw(table.intents.ended_among(owned, self._node_clock))
         if owned.size:
             newer = table.interest.take(owned, generation, node)
             if not newer.all():
@@ -825,7 +834,11 @@ class PlacementMachine:
             table.dropping[start] = False
             table.stats["intents_announced"] += int(start.size)
             self._announce(start, True, self.node, table.intents.stamp(), 0)
+        self._withdraw(stop)
+
+    def _withdraw(self, stop: np.ndarray) -> None:
         if stop.size:
+            table = self.table
             table.stats["intents_withdrawn"] += int(stop.size)
             table.dropping[stop[table.presence[stop] == REPLICA]] = True
             self._announce(stop, False, self.node, table.intents.stamp(), 0)

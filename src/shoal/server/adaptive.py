@@ -197,7 +197,7 @@ class AdaptiveService:
             for table, message in zip(tables_of(msg.body, msg.table), from_parts(msg.body, msg.arrays),
                                       strict=True):
                 started = time.thread_time()
-                effects.extend(self._machine(table).receive(sender, message, self.now()))
+                effects.extend(self._machine(table).receive(sender, message, self.now(), self._node_clock()))
                 self.cpu.charge(message.kind, time.thread_time() - started)
         finally:  # what the messages before a malformed one asked for is carried out all the same
             self.carry_out(effects)
@@ -285,9 +285,7 @@ class AdaptiveService:
             per_clock = (now - at) / (slowest - seen)
             self._clock_s = per_clock if self._clock_s == 0 else 0.8 * self._clock_s + 0.2 * per_clock
             self._clock_seen = (slowest, now)
-        per_node = self.cluster.workers_per_node
-        local = self.clocks.clocks[self.node * per_node:(self.node + 1) * per_node]
-        node_clock = int(local.min()) if local.size else 0
+        node_clock = self._node_clock()
         effects = Effects()  # every table's: what they send one node in this pass goes as one message
         try:
             for machine in list(self.machines.values()):
@@ -296,6 +294,12 @@ class AdaptiveService:
             self.carry_out(effects)
         self._resend_and_acknowledge()
         self.passes.charge(_SENT if effects.sends else _NOTHING_DUE, time.thread_time() - started)
+
+    def _node_clock(self) -> int:
+        """The slowest clock of this node's workers, as heard so far."""
+        per_node = self.cluster.workers_per_node
+        local = self.clocks.clocks[self.node * per_node:(self.node + 1) * per_node]
+        return int(local.min()) if local.size else 0
 
     def _worker_restarted(self, worker: int) -> None:
         """A worker was started again: if it is on this node, the intents declared here so far end
