@@ -55,12 +55,14 @@ def test_keys_withdrawn_ahead_of_their_round_are_not_withdrawn_again_and_are_ann
     book.add(np.array([1, 2, 3]), start=0, end=5)
     book.add(np.array([3]), start=0, end=9)
     assert book.due(clock=0, window=1)[0].tolist() == [1, 2, 3]
-    assert book.ended_among(np.array([1, 3, 4]), clock=4).tolist() == []  # not over yet; 4 never announced
-    assert book.ended_among(np.array([1, 3]), clock=5).tolist() == [1]  # 3 is wanted until 9
+    book.add(np.array([2, 5]), start=6, end=7)  # 2 carried on from within the window
+    assert book.ended_among(np.array([1, 3, 4]), clock=4, window=1).tolist() == []  # not over; 4 not announced
+    assert book.ended_among(np.array([1, 2, 3]), clock=5, window=1).tolist() == [1]  # 3 is wanted until 9
+    assert book.ended_among(np.array([2]), clock=5, window=0).tolist() == [2]  # 6 is past the window
     book.add(np.array([1]), start=7, end=8)
     start, stop = book.due(clock=6, window=1)
-    assert start.tolist() == [1] and stop.tolist() == [2]  # 1 withdrawn once already, announced anew
-    assert sorted(book.due(clock=9, window=1)[1].tolist()) == [1, 3]
+    assert start.tolist() == [2, 5, 1] and stop.tolist() == []  # 1 and 2 withdrawn once, announced anew
+    assert sorted(book.due(clock=9, window=1)[1].tolist()) == [1, 2, 3, 5]
 
 
 def test_an_intent_naming_keys_again_announces_and_withdraws_each_once():

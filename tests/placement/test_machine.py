@@ -565,13 +565,20 @@ def test_an_owners_intent_over_by_its_clock_is_not_counted_against_the_next_user
     assert not [s for s in net.channels[(0, 1)] if s.message.kind == "announce"]
 
 
-def test_an_owners_intent_not_over_by_its_clock_is_counted_and_the_next_user_gets_a_replica(network_of):
+@pytest.mark.parametrize("carried_on", [False, True])
+def test_an_owners_intent_not_over_by_its_clock_is_counted_and_the_next_user_gets_a_replica(network_of, carried_on):
+    # Not over: the owner's workers have not reached its end, or an intent of theirs that the owner's
+    # last round did not reach yet, but its next one does, carries the keys on (the round takes it in
+    # before it withdraws, and the keys stay announced throughout).
     net = network_of(2, "auto", 0)
     owner, user = net.machines
     keys = np.arange(0, NUM_KEYS, 2)
     owner.intend(keys, 0, 10)
+    if carried_on:
+        owner.intend(keys, 30, 50)  # past the first round's reach (27 clocks here), not the next one's
     net.carry_out(0, owner.tick(0.0, 0, 0.002))
-    net.clock = 9
+    assert (net.tables[0].intents.until[keys] == 10).all()
+    net.clock = 10 if carried_on else 9
     user.intend(keys, 12, 20)
     net.carry_out(1, user.tick(0.02, 10, 0.002))
     net.deliver_all()

@@ -100,10 +100,19 @@ class NodeIntents:
         """Whether an intent not yet acted on starts within ``window`` clocks of ``clock``."""
         return bool(self._starting and self._starting[0][0] <= clock + window)
 
-    def ended_among(self, keys: np.ndarray, clock: int) -> np.ndarray:
+    def ended_among(self, keys: np.ndarray, clock: int, window: int) -> np.ndarray:
         """Those of ``keys`` (distinct) whose announced interest is over at node clock ``clock``, to
-        withdraw now, ahead of ``due``: no longer counted as announced (``due`` passes them over)."""
+        withdraw now, ahead of ``due``: no longer counted as announced (``due`` passes them over).
+        A key that an intent starting within ``window`` clocks carries on is not over: ``due`` would
+        take that intent in before it withdraws, and the key would stay announced throughout."""
         over = keys[self.announced[keys] & (self.until[keys] <= clock)]
+        if over.size:
+            ahead = [k for start, _, k, end in self._starting if start <= clock + window and end > clock]
+            if ahead:
+                carried = np.concatenate(ahead)
+                self._seen[carried] = True  # ``distinct``'s flags, cleared again below
+                over = over[~self._seen[over]]
+                self._seen[carried] = False
         self.announced[over] = False
         return over
 

@@ -105,6 +105,7 @@ class PlacementMachine:
         self._effects = Effects()
         self._now = 0.0
         self._node_clock = 0  # the slowest clock of this node's workers, as last heard
+        self._reach = 1  # how many clocks ahead the last round of intents took in
 
     # ----------------------------------------------------------------- events
 
@@ -770,7 +771,7 @@ class PlacementMachine:
             # This node's own interest in them that ended by the clock heard is withdrawn first, not
             # at the round it waits for (up to ``act_every_s``, longer on a busy machine): counted
             # still, it would have them copied to their next user instead of moved.
-            self._withdraw(table.intents.ended_among(owned, self._node_clock))
+            self._withdraw(table.intents.ended_among(owned, self._node_clock, max(self._reach, table.window)))
         if owned.size:
             newer = table.interest.take(owned, generation, node)
             if not newer.all():
@@ -823,7 +824,7 @@ class PlacementMachine:
             return
         if syncing and clock_s > 0:  # this round reaches past the next sync, which takes the next round
             stride = max(stride, math.ceil((self._sync_after(self._now, clock_s) - self._now) / clock_s) + 1)
-        reach = table.window + stride - 1
+        reach = self._reach = table.window + stride - 1
         if not table.intents.any_due(clock, reach):  # most passes: nothing to do
             return
         table.next_action, table.next_action_s = clock + stride, self._now + every_s
