@@ -12,7 +12,10 @@ rows to reach their nodes before the loop started (``Table.wait_local``).
 Ten epochs train for about 0.3 s here, so a run's speed moves with the
 machine's from second to second: the last column divides each configuration's
 ratings/s by the baseline's of the same round (run seconds before it) and gives
-the median and range of those ratios.
+the median and range of those ratios. Beside it, the share of rank 0's training
+loop spent at the barrier that ends each epoch (waiting for the slower worker,
+and the barrier's own trip through the rendezvous); ``--free-running`` has none
+between epochs, only the one at the end.
 
 Two baselines: the batch's gradients in numpy added to gathered rows (what the
 configurations through pull and push compute), and one compiled SGD step per
@@ -49,6 +52,8 @@ CONFIGS: dict[str, tuple[dict[str, Any], list[str]]] = {
     "Shoal 2 nodes x 1 worker": (dict(nodes=2, workers_per_node=1), []),
     "Shoal 2 nodes x 1 worker, auto (intents as long as the use)": (dict(nodes=2, workers_per_node=1),
                                                                      ["--mode", "auto"]),
+    "Shoal 2 nodes x 1 worker, auto, no barrier between epochs": (dict(nodes=2, workers_per_node=1),
+                                                                   ["--mode", "auto", "--free-running"]),
     "classic PS 2 nodes x 1 worker (no local access)": (dict(nodes=2, workers_per_node=1, local_access=False), []),
     "Shoal 2 nodes x 1 worker, auto, SGD in place": (dict(nodes=2, workers_per_node=1),
                                                      ["--mode", "auto", "--in-place"]),
@@ -76,6 +81,7 @@ def main() -> None:
     rates: dict[str, list[float]] = {BASELINE: [], IN_PLACE: [], **{k: [] for k in CONFIGS}}
     paired: dict[str, list[float]] = {k: [] for k in CONFIGS}  # over the baseline of the same round
     placement: dict[str, list[float]] = {k: [] for k in CONFIGS}
+    waited: dict[str, list[float]] = {k: [] for k in CONFIGS}  # share of rank 0's training spent at barriers
     rmse: dict[str, float] = {}
     for r in range(args.rounds):
         bases = {}
@@ -89,24 +95,27 @@ def main() -> None:
             base = bases["--in-place" in train_args]
             paired[name].append(result["ratings_per_s"] / base["ratings_per_s"])  # type: ignore[operator]
             placement[name].append(result["placement_s"])  # type: ignore[arg-type]
+            waited[name].append(result["barrier_s"] / result["train_seconds"])  # type: ignore[operator]
             rmse[name] = result["rmse"][-1]  # type: ignore[index]
             print(f"round {r + 1}: {name}: {result['ratings_per_s']:,.0f} ratings/s", flush=True)
 
     base_rate = statistics.median(rates[BASELINE])
     lines = [f"MF rank {Hyper.rank} on MovieLens 100k, {args.epochs} epochs, median of {args.rounds} round(s)", "",
              "| configuration | ratings/s | vs baseline | test RMSE after last epoch | rows placed first, s | "
-             "vs the same round's baseline: median (range) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "training at barriers | vs the same round's baseline: median (range) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     results = {}
     for name, values in rates.items():
         rate = statistics.median(values)
         placed = statistics.median(placement[name]) if placement.get(name) else 0.0
         ratios = paired.get(name, [])
         results[name] = {"ratings_per_s": rate, "vs_baseline": rate / base_rate, "rmse": rmse[name],
-                         "all_rounds": values, "placement_s": placed, "vs_round_baseline": ratios}
+                         "all_rounds": values, "placement_s": placed, "vs_round_baseline": ratios,
+                         "at_barriers": waited.get(name, [])}
         same_round = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
+        at_barriers = f"{statistics.median(waited[name]):.0%}" if waited.get(name) else "-"
         lines.append(f"| {name} | {rate:,.0f} | {rate / base_rate:.2f} | {rmse[name]:.4f} | "
-                     f"{f'{placed:.3f}' if placed else '-'} | {same_round} |")
+                     f"{f'{placed:.3f}' if placed else '-'} | {at_barriers} | {same_round} |")
     table_md = "\n".join(lines)
     print("\n" + table_md)
     write_results("mf_movielens", {"epochs": args.epochs, "rounds": args.rounds, "results": results}, table_md)

@@ -194,6 +194,7 @@ def main() -> None:
     ps.barrier()
     start = time.perf_counter()
     train_seconds = 0.0
+    barrier_seconds = 0.0  # of train_seconds, waiting at barriers (for the slower worker, and the barrier's own trip)
     delays = np.random.default_rng(args.seed * 1009 + ps.rank)
     step = 0
     for epoch in range(hyper.epochs):
@@ -236,14 +237,18 @@ def main() -> None:
                 progress.update(1, note)
         ps.log(train_rmse=(squared_error / len(mine)) ** 0.5)
         if not args.free_running:
+            waiting = time.perf_counter()
             ps.barrier()  # every worker's epoch is applied before anyone evaluates
+            barrier_seconds += time.perf_counter() - waiting
         train_seconds += time.perf_counter() - epoch_start
         if lead and (not args.free_running or epoch < hyper.epochs - 1):
             evaluate()
         if not args.free_running:
             ps.barrier()
     if args.free_running:
+        waiting = time.perf_counter()
         ps.barrier()
+        barrier_seconds = time.perf_counter() - waiting
         train_seconds = time.perf_counter() - start
         if lead:
             evaluate()
@@ -266,7 +271,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump({"rmse": history, "seconds": times, "ratings_per_s": rate, "train_seconds": train_seconds,
-                           "placement_s": placement_s,
+                           "barrier_s": barrier_seconds, "placement_s": placement_s,
                            "nodes": ps.num_nodes, "workers": ps.num_workers, "servers": ps.server_stats()},
                           fh, indent=2)
     ps.shutdown()

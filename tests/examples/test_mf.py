@@ -32,6 +32,8 @@ def test_mf_reaches_rmse_094_on_one_and_two_nodes_alike(tmp_path):
     assert min(one["rmse"]) <= 0.94, one["rmse"]
     assert min(two["rmse"]) <= 0.94, two["rmse"]
     assert abs(one["rmse"][-1] - two["rmse"][-1]) <= 0.01, (one["rmse"][-1], two["rmse"][-1])
+    for run in (one, two):  # the epochs' barriers are part of the training time reported, not all of it
+        assert 0 < run["barrier_s"] < run["train_seconds"], (run["barrier_s"], run["train_seconds"])
 
 
 def test_mf_with_intents_on_two_nodes_reads_its_rows_locally_and_reaches_rmse_094(tmp_path):
