@@ -825,9 +825,46 @@ def test_a_local_read_includes_the_readers_own_push_still_on_its_way_to_the_rows
                              "before the read and landed later)")
 
 
+def test_an_owners_intent_over_by_the_clock_its_worker_reached_is_not_counted_while_the_end_tick_is_unread():
+    """Worker 0 used the even keys (homed, and owned, on node 0) in clocks [1, 4) and has reached clock
+    4; worker 1 declares them next. Its server announces them to node 0, whose server has not read
+    worker 0's end tick yet (a server off the CPU for a while reads its queue in no set order: here
+    the tick is held back). The owner counted its own interest as still on and sent node 1 a replica
+    where the keys should have moved (word2vec in blocks on a busy machine: a group of output words
+    copied). Co-located workers now write the clock they reached into their node's shared memory,
+    which the server reads with the intents they sent by then."""
+    end = 4
+    transport, delayed = _delaying_transport(
+        lambda header: header["op"] == int(Op.CLOCK) and header["sender"] == 0 and header["clock"] == end,
+        delay_s=3.0)
+    with ThreadCluster(nodes=2, transport=transport) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("g", 16, 2, techniques="auto", init=shoal.Constant(0.0))
+        t1 = w1.table("g", 16, 2, techniques="auto", init=shoal.Constant(0.0))
+        owner, user = c.servers[0].adaptive.tables["g"], c.servers[1].adaptive.tables["g"]
+        delayed["at"] = c.servers[0].address  # the owner's server; a tick to node 1 passes
+        keys = np.arange(0, 16, 2)
+        t0.intent(keys, 1, end)
+        w0.advance_clock()
+        wait_until(lambda: (owner.interest.interest[keys] == 1 << 0).all(), what="the owner's own interest")
+        for _ in range(w0.clock, end):
+            t0.push(keys, np.ones((keys.size, 2), np.float32))
+            w0.advance_clock()
+        assert w0.clock == end
+        w0.wait_all()  # its clock goes now, if the tick was not due yet
+        wait_until(lambda: bool(delayed["held"]), timeout=2.0, what="worker 0's end tick at node 0, held back")
+        t1.intent(keys, w1.clock + 1, w1.clock + 20)
+        w1.advance_clock()
+        wait_until(lambda: (user.presence[keys] != ABSENT).all(), timeout=2.5, what="the keys at node 1")
+        assert owner.stats["replicas_made"] == 0
+        assert (user.presence[keys] == OWNED).all() and (owner.presence[keys] == ABSENT).all()
+        assert np.array_equal(t1.pull(keys), np.full((keys.size, 2), end - 1, np.float32))  # every push, once
+
+
 def _delaying_transport(pick, delay_s: float):  # type: ignore[no-untyped-def]
     """A ZeroMQ transport whose listeners hold back the first arriving message that ``pick(its decoded
-    header)`` selects for ``delay_s`` (one slow request); every other message passes at once."""
+    header)`` selects for ``delay_s`` (one slow request); every other message passes at once. Set the
+    returned state's ``"at"`` to a listener's address to hold back only what arrives there."""
     import random
     import time
 
@@ -836,15 +873,17 @@ def _delaying_transport(pick, delay_s: float):  # type: ignore[no-untyped-def]
     from shoal.transport.faulty import Faults, FaultyTransport, _Delayed
     from shoal.transport.zmq_transport import ZmqTransport
 
-    state = {"held": False}
+    state: dict[str, object] = {"held": False, "at": None}
 
     class _Slow(_Delayed):
-        def __init__(self) -> None:
+        def __init__(self, address: str) -> None:
             super().__init__(Faults(), random.Random(0))
+            self.address = address
 
         def admit(self, item):  # type: ignore[no-untyped-def]
             frames = item[1] if isinstance(item, tuple) else item
-            if not state["held"] and pick(msgspec.msgpack.decode(bytes(frames[0]))):
+            here = state.get("at") in (None, self.address)
+            if here and not state["held"] and pick(msgspec.msgpack.decode(bytes(frames[0]))):
                 state["held"] = True
                 import heapq
                 heapq.heappush(self.heap, (time.monotonic() + delay_s, next(self._seq), item))
@@ -854,7 +893,7 @@ def _delaying_transport(pick, delay_s: float):  # type: ignore[no-untyped-def]
     class _Transport(FaultyTransport):
         def listen(self, address, max_frame_bytes=None):  # type: ignore[no-untyped-def]
             listener = super().listen(address, max_frame_bytes)
-            listener.delayed = _Slow()
+            listener.delayed = _Slow(listener.address)
             return listener
 
     return _Transport(ZmqTransport(), Faults()), state

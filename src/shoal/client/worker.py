@@ -40,6 +40,7 @@ from shoal.cluster.liveness import ProcessExit
 from shoal.cluster.metrics import metrics_token
 from shoal.cluster.metrics_endpoint import MetricsEndpoint
 from shoal.cluster.requests import RequestTracker
+from shoal.consistency.reached import packed
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
 from shoal.storage.segment import Segment
@@ -120,6 +121,9 @@ class Worker:
         self.replica_view = ReplicaView(self)
         #: the local server's clock table in shared memory: local reads check bounds here
         self.local_clocks: np.ndarray | None = None
+        #: this worker's slot beside them: the clock it reached, with its intent messages sent by then
+        self._reached: np.ndarray | None = None
+        self._intents_sent = 0
         self._clock_segment: Segment | None = None
         self._server_exit: ProcessExit | None = None  # tells when the local server's process has ended
         if local_access:
@@ -225,7 +229,16 @@ class Worker:
                                self.cluster.timeouts.connect_s)
         self._clock_segment = Segment.attach(fds[0], str(reply["label"]))
         self.local_clocks = self._clock_segment.array(0, (int(reply["num_workers"]),), np.int64)
+        self._reached = self._clock_segment.array(int(reply["reached_at"]) + 8 * self.rank, (1,), np.int64)
+        self._note_reached()
         self._server_exit = ProcessExit.watch(int(reply.get("pid", 0)))
+
+    def _note_reached(self) -> None:
+        """Write the clock reached into this worker's slot, for its node's server to read at once
+        (``consistency.reached``): a tick can wait in the server's queue behind another node's
+        placement message that is decided by this node's clock."""
+        if self._reached is not None:
+            self._reached[0] = packed(self.clock, self._intents_sent)
 
     def check_local_server(self, what: str) -> None:
         """Raise ``ClusterError`` if this node's server has died: its shared memory is nobody's now, so
@@ -240,6 +253,7 @@ class Worker:
         started in its place, if any), none through the dead one's memory."""
         self.local_access = False
         self.local_clocks = None
+        self._reached = None
         self._server_exit = None
         for table in self.tables.values():
             table.access.lose_local()
@@ -416,6 +430,7 @@ class Worker:
         self._check_open()
         self.send_intents()
         self.clock += 1
+        self._note_reached()
         now = time.monotonic()  # real time, also where tests move the tracker's clock by hand
         self._ticks.advanced(now)
         if self.tables and all(t.spec.consistency.bound is None for t in self.tables.values()):
@@ -446,6 +461,7 @@ class Worker:
             part = slice(at, at + MAX_INTENTS)
             body = bodies.Intent(starts[part], ends[part], tables[part] if len(set(tables[part])) > 1 else None)
             self.tracker.notify(self.node, body.to_message(table=tables[at], arrays=keys[part]))
+            self._intents_sent += 1
         self._ticks.note_intents(list(zip(tables, keys, starts, ends, strict=True)))
 
     def _tick(self, now: float, everywhere: bool = True) -> None:
@@ -629,6 +645,7 @@ class Worker:
             for table in self.tables.values():
                 table.close()
             self.local_clocks = None
+            self._reached = None
             if self._clock_segment is not None:
                 self._clock_segment.close()
             self.tracker.close()

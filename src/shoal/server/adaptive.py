@@ -28,6 +28,7 @@ from shoal.cluster.links import Header, Links
 from shoal.cluster.metrics import CpuAccount
 from shoal.cluster.throttle import ThrottledWarnings
 from shoal.consistency.clocks import ClockTable
+from shoal.consistency.reached import ReachedClocks
 from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.machine import PlacementMachine
 from shoal.placement.messages import ACK, MAX_BATCH, from_parts, tables_of, to_parts
@@ -56,13 +57,14 @@ class AdaptiveService:
     served_by_joined_servers = False  # keys are homed over the nodes the table was made on
 
     def __init__(self, node: int, cluster: ClusterSpec, peers: PeerDirectory,
-                 reply: Callable[[bytes, Message], None], clocks: ClockTable,
+                 reply: Callable[[bytes, Message], None], clocks: ClockTable, reached: ReachedClocks,
                  now: Callable[[], float] = time.monotonic) -> None:
         self.node = node
         self.now = now  # every timer of the service reads this clock (tests move it by hand)
         self.cluster = cluster
         self.reply = reply
         self.clocks = clocks
+        self.reached = reached
         self.machines: dict[str, PlacementMachine] = {}
         self.peers = peers
         peers.on_address(self._send_queued)
@@ -157,6 +159,7 @@ class AdaptiveService:
             self.carry_out(machine.localize(as_keys(msg.arrays[0], spec)))
             return msg.reply(Op.OK)
         if msg.op == Op.INTENT:
+            self.reached.intent_read(msg.sender)  # taken in or refused, it is not waited for again
             # Every table's since the worker's last clock: all are checked before any is taken.
             intents = []
             for table, keys, start, end in intents_of(msg):
@@ -296,9 +299,11 @@ class AdaptiveService:
         self.passes.charge(_SENT if effects.sends else _NOTHING_DUE, time.thread_time() - started)
 
     def _node_clock(self) -> int:
-        """The slowest clock of this node's workers, as heard so far."""
+        """The slowest clock of this node's workers: as they reached it, where what they sent by then
+        has been read here, else as heard."""
         per_node = self.cluster.workers_per_node
-        local = self.clocks.clocks[self.node * per_node:(self.node + 1) * per_node]
+        first = self.node * per_node
+        local = self.reached.clocks(self.clocks.clocks[first:first + per_node], first)
         return int(local.min()) if local.size else 0
 
     def _worker_restarted(self, worker: int) -> None:
@@ -307,6 +312,7 @@ class AdaptiveService:
         anything else of the new process is handled: its own intents come after."""
         per_node = self.cluster.workers_per_node
         if per_node and worker // per_node == self.node:
+            self.reached.restarted(worker)
             for machine in self.machines.values():
                 machine.table.intents.end_all()
 

@@ -41,6 +41,7 @@ from shoal.cluster.requests import RequestTracker
 from shoal.cluster.roles import SERVER_OPS, Roles
 from shoal.cluster.throttle import ThrottledWarnings
 from shoal.consistency.clocks import ClockTable
+from shoal.consistency.reached import ReachedClocks
 from shoal.placement.layout import check_limits
 from shoal.server.adaptive import AdaptiveService
 from shoal.server.builds import TableBuilds
@@ -122,10 +123,13 @@ class ParameterServer:
         #: tables whose rows here were lost (with this node's previous process), and why: refused until restored
         self.lost: dict[str, str] = {}
         self.stats: Counter[str] = Counter()
-        # Worker clocks live in shared memory so co-located workers check bounds without asking.
+        # Worker clocks live in shared memory so co-located workers check bounds without asking;
+        # beside them, the clocks those workers reached, written by themselves (``consistency.reached``).
         self._clock_segment = Segment.create(f"shoal-{cluster.cluster_id}-clocks-n{node}",
-                                             8 * max(cluster.num_workers, 1))
+                                             2 * 8 * max(cluster.num_workers, 1))
         self.clocks = ClockTable(self._clock_segment.array(0, (cluster.num_workers,), np.int64))
+        self._reached_at = 8 * cluster.num_workers
+        self.reached = ReachedClocks(self._clock_segment.array(self._reached_at, (cluster.num_workers,), np.int64))
         #: each worker's requests handled in the order it sent them
         self.order = StreamOrder(cluster.num_workers)
         self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec),
@@ -136,7 +140,8 @@ class ParameterServer:
                                               lambda peer, msg: self._send(peer, msg, self.codec), self.clocks,
                                               now=now)
         self.adaptive = AdaptiveService(node, cluster, self.peers,
-                                        lambda peer, msg: self._send(peer, msg, self.codec), self.clocks, now)
+                                        lambda peer, msg: self._send(peer, msg, self.codec), self.clocks,
+                                        self.reached, now)
         self.static = StaticService(node, cluster.num_nodes, cluster.cluster_id, self.tables, self.clocks, self.sync)
         #: the service of each table, by name: the one place that knows a table's kind
         self.services: dict[str, TableService] = {}
@@ -645,7 +650,7 @@ class ParameterServer:
         """Descriptors of a table's local shards (or of the clock table), for a co-located worker."""
         if request.get("clocks"):  # with this process's id: co-located workers watch it for its end
             return {"num_workers": self.cluster.num_workers, "label": self._clock_segment.label,
-                    "pid": os.getpid()}, [self._clock_segment.fd]
+                    "reached_at": self._reached_at, "pid": os.getpid()}, [self._clock_segment.fd]
         name = str(request.get("table"))
         return self._service(name).share(name, request)
 

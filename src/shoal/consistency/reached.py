@@ -1,0 +1,53 @@
+"""The clocks a node's workers have reached, as they write them into their node's shared memory.
+
+A server learns a worker's clock from the worker's messages. A server that was off the CPU for a
+while reads its queue late and in no set order between senders: a placement message from another
+node, read before a clock tick that waited beside it, is decided against a clock that is behind.
+Adaptive placement wants its node's clock as it is now: a co-located worker also writes the clock
+it reached into a slot of its own, beside the clock table, at every clock.
+
+Intents travel as messages, sent as the clock advances. A clock taken before the intents that came
+with it would end an intent that an unread one carries on, so a slot holds the clock together with
+how many intent messages the worker had sent by then, in one 64-bit word (one store: nobody reads
+one without the other), and the server takes the clock only once it has read that many of the
+worker's intent messages; until then it goes by the clocks its messages told.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: the low bits of a slot: intent messages sent, counted modulo their range
+INTENT_BITS = 20
+_INTENTS = (1 << INTENT_BITS) - 1
+
+
+def packed(clock: int, intents_sent: int) -> int:
+    """A slot's word: ``clock`` reached, with ``intents_sent`` intent messages sent by then."""
+    return (clock << INTENT_BITS) | (intents_sent & _INTENTS)
+
+
+class ReachedClocks:
+    """The server's side: every worker's slot (those of this node's workers are written), and how
+    many intent messages of each it has read."""
+
+    def __init__(self, slots: np.ndarray) -> None:
+        self.slots = slots
+        self.intents_read = np.zeros(slots.shape[0], dtype=np.int64)
+
+    def intent_read(self, worker: int) -> None:
+        if 0 <= worker < self.intents_read.shape[0]:
+            self.intents_read[worker] += 1
+
+    def restarted(self, worker: int) -> None:
+        """Worker ``worker`` was started again: its new process counts its intent messages from 0,
+        and its slot holds the clock of the one before until the new one writes it."""
+        self.intents_read[worker] = 0
+        self.slots[worker] = 0
+
+    def clocks(self, learned: np.ndarray, first: int) -> np.ndarray:
+        """The clocks of workers ``first, first + 1, ...`` (as many as ``learned``, the clocks their
+        messages told): the one a worker reached where every intent it sent by then has been read."""
+        words = self.slots[first:first + learned.shape[0]].copy()  # the workers may write meanwhile
+        caught_up = (words & _INTENTS) == (self.intents_read[first:first + learned.shape[0]] & _INTENTS)
+        return np.where(caught_up, np.maximum(learned, words >> INTENT_BITS), learned)

@@ -1,0 +1,53 @@
+"""The clocks a node's workers reached, as their server reads them: taken only with the intents sent by then."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shoal.consistency.reached import INTENT_BITS, ReachedClocks, packed
+
+
+def test_a_reached_clock_counts_once_every_intent_sent_by_then_was_read():
+    reached = ReachedClocks(np.zeros(4, dtype=np.int64))
+    learned = np.array([3, 3], dtype=np.int64)  # workers 2 and 3, as their messages told
+    reached.slots[2] = packed(7, 0)  # no intent sent: the clock counts at once
+    reached.slots[3] = packed(9, 2)  # two intent messages sent, one read so far
+    reached.intent_read(3)
+    assert reached.clocks(learned, 2).tolist() == [7, 3]
+    reached.intent_read(3)
+    assert reached.clocks(learned, 2).tolist() == [7, 9]
+
+
+def test_a_clock_told_by_messages_ahead_of_the_slot_is_kept():
+    # A worker without local access writes no slot; a slot is behind what a later message told.
+    reached = ReachedClocks(np.zeros(2, dtype=np.int64))
+    reached.slots[1] = packed(4, 0)
+    assert reached.clocks(np.array([5, 6], dtype=np.int64), 0).tolist() == [5, 6]
+
+
+def test_the_count_of_intents_wraps_alike_on_both_sides():
+    reached = ReachedClocks(np.zeros(1, dtype=np.int64))
+    sent = (1 << INTENT_BITS) + 3
+    reached.slots[0] = packed(12, sent)
+    reached.intents_read[0] = sent - 1
+    assert reached.clocks(np.array([2], dtype=np.int64), 0).tolist() == [2]
+    reached.intent_read(0)
+    assert reached.clocks(np.array([2], dtype=np.int64), 0).tolist() == [12]
+
+
+def test_a_restarted_workers_slot_and_count_start_again():
+    # The earlier process's clock would end the intents the new one declares from clock 0.
+    reached = ReachedClocks(np.zeros(1, dtype=np.int64))
+    reached.slots[0] = packed(500, 0)
+    reached.restarted(0)
+    assert reached.clocks(np.array([0], dtype=np.int64), 0).tolist() == [0]
+    reached.slots[0] = packed(2, 1)  # the new process, one intent message sent
+    reached.intent_read(0)
+    assert reached.clocks(np.array([0], dtype=np.int64), 0).tolist() == [2]
+
+
+def test_a_sender_that_is_no_worker_counts_nothing():
+    reached = ReachedClocks(np.zeros(2, dtype=np.int64))
+    reached.intent_read(-1)
+    reached.intent_read(2)
+    assert reached.intents_read.tolist() == [0, 0]
