@@ -836,7 +836,7 @@ def test_an_owners_intent_over_by_the_clock_its_worker_reached_is_not_counted_wh
     end = 4
     transport, delayed = _delaying_transport(
         lambda header: header["op"] == int(Op.CLOCK) and header["sender"] == 0 and header["clock"] == end,
-        delay_s=3.0)
+        delay_s=10.0)  # past both waits below, on a busy machine too
     with ThreadCluster(nodes=2, transport=transport) as c:
         w0, w1 = c.worker(0), c.worker(1)
         t0 = w0.table("g", 16, 2, techniques="auto", init=shoal.Constant(0.0))
@@ -852,10 +852,10 @@ def test_an_owners_intent_over_by_the_clock_its_worker_reached_is_not_counted_wh
             w0.advance_clock()
         assert w0.clock == end
         w0.wait_all()  # its clock goes now, if the tick was not due yet
-        wait_until(lambda: bool(delayed["held"]), timeout=2.0, what="worker 0's end tick at node 0, held back")
+        wait_until(lambda: bool(delayed["held"]), timeout=4.0, what="worker 0's end tick at node 0, held back")
         t1.intent(keys, w1.clock + 1, w1.clock + 20)
         w1.advance_clock()
-        wait_until(lambda: (user.presence[keys] != ABSENT).all(), timeout=2.5, what="the keys at node 1")
+        wait_until(lambda: (user.presence[keys] != ABSENT).all(), timeout=5.0, what="the keys at node 1")
         assert owner.stats["replicas_made"] == 0
         assert (user.presence[keys] == OWNED).all() and (owner.presence[keys] == ABSENT).all()
         assert np.array_equal(t1.pull(keys), np.full((keys.size, 2), end - 1, np.float32))  # every push, once
