@@ -861,6 +861,33 @@ def test_an_owners_intent_over_by_the_clock_its_worker_reached_is_not_counted_wh
         assert np.array_equal(t1.pull(keys), np.full((keys.size, 2), end - 1, np.float32))  # every push, once
 
 
+def test_an_intent_message_lost_on_the_way_is_counted_read_once_a_later_one_comes():
+    """The server takes a worker's clock from its slot only once it has read every intent message
+    sent by then. Counting the messages read, a lost one left the count one short, and the node's
+    clock on the ticks for the rest of the job: each message carries its number instead."""
+    lost = []
+
+    def lose(header: dict) -> bool:
+        if header["op"] == int(Op.INTENT) and header["sender"] == 0 and not lost:
+            lost.append(header["req"])
+            return True
+        return False
+
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose)) as c:
+        w0 = c.worker(0)
+        t = w0.table("n", 16, 1, techniques="auto")
+        t.intent([0], 1, 3)
+        w0.advance_clock()  # intent message 1: lost
+        t.intent([2], 2, 4)
+        w0.advance_clock()  # intent message 2
+        reached = c.servers[0].reached
+        wait_until(lambda: int(reached.intents_read[0]) == 2, what="message 2 read, counting the lost one")
+        assert lost
+        assert c.servers[0].adaptive.tables["n"].intents.until[2] == 4  # its intent taken in
+        w0.advance_clock()
+        assert reached.clocks(np.zeros(1, dtype=np.int64), 0).tolist() == [w0.clock]
+
+
 def _delaying_transport(pick, delay_s: float):  # type: ignore[no-untyped-def]
     """A ZeroMQ transport whose listeners hold back the first arriving message that ``pick(its decoded
     header)`` selects for ``delay_s`` (one slow request); every other message passes at once. Set the

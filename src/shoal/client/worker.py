@@ -459,9 +459,10 @@ class Worker:
                 ends.append(end)
         for at in range(0, len(keys), MAX_INTENTS):
             part = slice(at, at + MAX_INTENTS)
-            body = bodies.Intent(starts[part], ends[part], tables[part] if len(set(tables[part])) > 1 else None)
-            self.tracker.notify(self.node, body.to_message(table=tables[at], arrays=keys[part]))
             self._intents_sent += 1
+            body = bodies.Intent(starts[part], ends[part], tables[part] if len(set(tables[part])) > 1 else None,
+                                 self._intents_sent)
+            self.tracker.notify(self.node, body.to_message(table=tables[at], arrays=keys[part]))
         self._ticks.note_intents(list(zip(tables, keys, starts, ends, strict=True)))
 
     def _tick(self, now: float, everywhere: bool = True) -> None:

@@ -10,7 +10,10 @@ Intents travel as messages, sent as the clock advances. A clock taken before the
 with it would end an intent that an unread one carries on, so a slot holds the clock together with
 how many intent messages the worker had sent by then, in one 64-bit word (one store: nobody reads
 one without the other), and the server takes the clock only once it has read that many of the
-worker's intent messages; until then it goes by the clocks its messages told.
+worker's intent messages; until then it goes by the clocks its messages told. Each intent message
+carries its number among the worker's, and the server counts up to the highest it has read: one
+lost on the way (its intents are gone for good) or delivered twice does not hold the count back or
+push it ahead for the rest of the job.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 #: the low bits of a slot: intent messages sent, counted modulo their range
 INTENT_BITS = 20
 _INTENTS = (1 << INTENT_BITS) - 1
+_LARGEST = 1 << 62  # no worker numbers this many intent messages: a larger number is no count
 
 
 def packed(clock: int, intents_sent: int) -> int:
@@ -35,8 +39,14 @@ class ReachedClocks:
         self.slots = slots
         self.intents_read = np.zeros(slots.shape[0], dtype=np.int64)
 
-    def intent_read(self, worker: int) -> None:
-        if 0 <= worker < self.intents_read.shape[0]:
+    def intent_read(self, worker: int, number: int | None) -> None:
+        """An intent message of ``worker`` was read: its ``number`` among the worker's (one more
+        than those read so far where it carries none)."""
+        if not 0 <= worker < self.intents_read.shape[0]:
+            return
+        if isinstance(number, int) and 0 < number < _LARGEST:
+            self.intents_read[worker] = max(int(self.intents_read[worker]), number)
+        else:
             self.intents_read[worker] += 1
 
     def restarted(self, worker: int) -> None:

@@ -254,12 +254,14 @@ class ReplicaStats(Body):
 class Intent(Body):
     """The keys of the i-th array sent will be used in clocks ``[starts[i], ends[i])``, in table
     ``tables[i]`` (the message's own table when left out): what a worker declared for every table
-    since its last clock, in one message."""
+    since its last clock, in one message; ``number``: its place among the worker's intent messages
+    (1, 2, ...), so that its node's server knows how many it has read (``consistency.reached``)."""
 
     op = Op.INTENT
     starts: list[int]
     ends: list[int]
     tables: list[str] | None = None
+    number: int | None = None
 
 
 @dataclass(frozen=True)
