@@ -51,6 +51,24 @@ def test_a_pull_or_push_of_the_table_inside_the_block_is_refused_not_left_waitin
         np.testing.assert_array_equal(t.pull([3, 1]), [[1.0], [0.0]])
 
 
+def test_of_two_holds_made_before_either_is_entered_only_one_is_open_at_a_time():
+    with ThreadCluster(nodes=1) as c:
+        t = c.worker(0).table("p", 10, 1, techniques="auto")
+        first, second = t.in_place([1]), t.in_place([2])
+        with first:
+            for enter in (second.__enter__, first.__enter__):  # refused, and neither counts as open
+                with pytest.raises(shoal.TableError, match="already held in place"):
+                    enter()
+        with second:  # the first one ended: the table has no open hold left
+            second.values[second.slots[0], 0] = 4.0
+        first.__exit__(None)  # a block ended twice leaves the table usable, not below zero
+        t.push([1], [[1.0]])
+        np.testing.assert_array_equal(t.pull([1, 2]), [[1.0], [4.0]])
+        with pytest.raises(shoal.TableError, match="held in place"), t.in_place([3]):
+            t.pull([3])
+        np.testing.assert_array_equal(t.pull([3]), [[0.0]])
+
+
 def test_an_error_inside_the_block_lets_the_rows_go_and_keeps_what_was_written_to_a_replica():
     with ThreadCluster(nodes=2) as c:
         w0, w1 = c.worker(0), c.worker(1)

@@ -24,7 +24,7 @@ NaN or Inf.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,11 +33,22 @@ from shoal.storage.in_place import RowsInPlace
 from shoal.storage.shard import ShardStore
 
 
+class OpenHolds:
+    """How many of one table's blocks in place are open (at most one): a pull, push or second hold of the
+    table meanwhile would wait forever for the locks the open one holds. A count, not the set of holds:
+    every call of the table checks it."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class InPlace:
     """The rows of some keys of one table on this node, held for a ``with`` block."""
 
-    __slots__ = ("name", "keys", "values", "state", "slots", "absent", "siblings", "_rows", "_counters", "_open",
-                 "_check", "__weakref__")
+    __slots__ = ("name", "keys", "values", "state", "slots", "absent", "table_holds", "_rows", "_counters",
+                 "_open", "_check")
 
     def __init__(self, name: str, store: ShardStore | None, keys: np.ndarray, dim: int, dtype: np.dtype,
                  counters: Counter[str], rows: np.ndarray | None = None, shards: np.ndarray | None = None,
@@ -58,15 +69,15 @@ class InPlace:
         self.slots: np.ndarray = _NONE
         #: positions (in ``keys``) of the keys not on this node: pull and push them after the block
         self.absent: np.ndarray = _NONE
-        #: the other holds of the table: one open holds locks this one would wait for forever
-        self.siblings: Iterable[InPlace] = ()
+        #: the table's count of open holds (its own where the table gives none)
+        self.table_holds = OpenHolds()
 
     @property
     def is_open(self) -> bool:
         return self._open
 
     def __enter__(self) -> InPlace:
-        if self._open or any(hold.is_open for hold in self.siblings):
+        if self._open or self.table_holds.count:
             raise TableError(f"rows of {self.name!r} are already held in place by a block: end it first")
         rows = self._rows
         if rows is not None:
@@ -75,11 +86,15 @@ class InPlace:
         else:  # no rows here (no local access, or this node's server died): every key is elsewhere
             self.slots, self.absent = np.full(self.keys.shape[0], -1, dtype=np.int64), np.arange(self.keys.shape[0])
         self._open = True
+        self.table_holds.count += 1
         self._counters["rows_in_place"] += self.keys.shape[0] - self.absent.shape[0]
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if not self._open:
+            return
         self._open = False
+        self.table_holds.count -= 1
         if self._rows is not None:
             replicas = self._rows.close()
             if replicas:

@@ -44,7 +44,6 @@ from shoal.storage.shard import MAX_HOLDS, ShardStore
 # A hold's process, kept in the store's table of holds: the server lets go of the rows of a process
 # that died holding them. os.getpid is a system call: once per process (and once in a forked child).
 _pid = os.getpid()
-_HOLDS_GUARD = np.zeros(1, dtype=np.int64)  # the row whose stripe's lock guards the table of holds
 
 
 def _new_process() -> None:
@@ -92,7 +91,7 @@ class RowsInPlace:
             assert store.arrived is not None and store.incoming is not None
             # The table of holds is shared by the node's processes: a place in it is taken under the lock
             # of row 0's stripe too (two holds of rows in other stripes took the same place at once).
-            with store.hold(np.concatenate((_HOLDS_GUARD, self.keys)), exclusive=True):
+            with store.hold(self.keys, exclusive=True, first_stripe=True):
                 absent, self._replicas, self._hold = kernels.pin_in_place(
                     store.values, store.presence, store.changed, store.pinned, store.holds, store.arrived,
                     store.incoming, _pid, self.keys, self.slots, absent_at)

@@ -117,11 +117,15 @@ class StripedLocks:
         self._every = {exclusive: _Held(self, [(0, num_stripes)], fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
                        for exclusive in (True, False)}
 
-    def hold(self, rows: np.ndarray | None, exclusive: bool) -> _Held:
-        """Lock the stripes that ``rows`` touch (all stripes if ``rows`` is None)."""
+    def hold(self, rows: np.ndarray | None, exclusive: bool, first_stripe: bool = False) -> _Held:
+        """Lock the stripes that ``rows`` touch (all stripes if ``rows`` is None), and stripe 0 too where
+        ``first_stripe`` (it guards what the node's processes share beside the rows)."""
         if rows is None or rows.shape[0] * 4 >= self.num_stripes:
             return self._every[exclusive]
-        return _Held(self, self._runs(rows), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        runs = self._runs(rows)
+        if first_stripe and runs[0][0] != 0:
+            runs.insert(0, (0, 1))
+        return _Held(self, runs, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
 
     def _runs(self, rows: np.ndarray) -> list[tuple[int, int]]:
         """Contiguous byte ranges to lock, as (start, length)."""

@@ -219,9 +219,13 @@ class ShardStore:
 
     # ------------------------------------------------- adaptive placement
 
-    def hold(self, rows: np.ndarray | None, exclusive: bool = True) -> AbstractContextManager[None]:
-        """The row locks, for callers that read and change presence together with values."""
-        return self._hold(rows, exclusive)
+    def hold(self, rows: np.ndarray | None, exclusive: bool = True,
+             first_stripe: bool = False) -> AbstractContextManager[None]:
+        """The row locks, for callers that read and change presence together with values; with
+        ``first_stripe``, also row 0's stripe, which guards the table of holds."""
+        if self._locks is None:
+            return nullcontext()
+        return self._locks.hold(rows, exclusive, first_stripe)
 
     def read_present(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Gather the rows present on this node into ``out`` (in the order of ``rows``); returns the
