@@ -303,8 +303,7 @@ class AdaptiveService:
         has been read here, else as heard."""
         per_node = self.cluster.workers_per_node
         first = self.node * per_node
-        local = self.reached.clocks(self.clocks.clocks[first:first + per_node], first)
-        return int(local.min()) if local.size else 0
+        return min(self.reached.clocks(self.clocks.clocks[first:first + per_node].tolist(), first), default=0)
 
     def _worker_restarted(self, worker: int) -> None:
         """A worker was started again: if it is on this node, the intents declared here so far end
