@@ -15,7 +15,8 @@ ratings/s by the baseline's of the same round (run seconds before it) and gives
 the median and range of those ratios. Beside it, the share of rank 0's training
 loop spent at the barrier that ends each epoch (waiting for the slower worker,
 and the barrier's own trip through the rendezvous); ``--free-running`` has none
-between epochs, only the one at the end.
+between epochs, only the one at the end, and evaluates once, after it
+(``--eval-at-end``: rank 0's evaluations would be inside its training loop).
 
 Two baselines: the batch's gradients in numpy added to gathered rows (what the
 configurations through pull and push compute), and one compiled SGD step per
@@ -52,8 +53,8 @@ CONFIGS: dict[str, tuple[dict[str, Any], list[str]]] = {
     "Shoal 2 nodes x 1 worker": (dict(nodes=2, workers_per_node=1), []),
     "Shoal 2 nodes x 1 worker, auto (intents as long as the use)": (dict(nodes=2, workers_per_node=1),
                                                                      ["--mode", "auto"]),
-    "Shoal 2 nodes x 1 worker, auto, no barrier between epochs": (dict(nodes=2, workers_per_node=1),
-                                                                   ["--mode", "auto", "--free-running"]),
+    "Shoal 2 nodes x 1 worker, auto, no barrier between epochs": (
+        dict(nodes=2, workers_per_node=1), ["--mode", "auto", "--free-running", "--eval-at-end"]),
     "classic PS 2 nodes x 1 worker (no local access)": (dict(nodes=2, workers_per_node=1, local_access=False), []),
     "Shoal 2 nodes x 1 worker, auto, SGD in place": (dict(nodes=2, workers_per_node=1),
                                                      ["--mode", "auto", "--in-place"]),

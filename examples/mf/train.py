@@ -11,7 +11,9 @@ for local rows, the worker itself) apply SGD. Every batch is one clock.
 By default every epoch ends with a barrier and rank 0 reports test RMSE. With
 ``--free-running`` workers never wait for each other except through the
 tables' consistency model; rank 0 evaluates at the end of each of its own
-epochs, and the last evaluation follows a final barrier.
+epochs, and the last evaluation follows a final barrier. Those evaluations
+are rank 0's time inside the training loop, while the other workers go on;
+``--eval-at-end`` leaves all but the last out (the job's time is its training).
 
 ``--mode relocation|replication|auto`` makes both tables adaptive: each worker
 trains the ratings of its own users (user ``u`` belongs to rank
@@ -90,6 +92,7 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
                         "own, at each clock, at most every 10 ms)")
     p.add_argument("--seed", type=int, default=0, help="of batch order and random delays")
     p.add_argument("--free-running", action="store_true", help="no barrier between epochs")
+    p.add_argument("--eval-at-end", action="store_true", help="rank 0 evaluates after the last epoch only")
     p.add_argument("--replicas", type=int, default=1, help="replicas of every shard (>1: replicated store)")
     p.add_argument("--write-quorum", type=int, default=1)
     p.add_argument("--read-quorum", default="1", help="an int, or 'dynamic'")
@@ -241,7 +244,8 @@ def main() -> None:
             ps.barrier()  # every worker's epoch is applied before anyone evaluates
             barrier_seconds += time.perf_counter() - waiting
         train_seconds += time.perf_counter() - epoch_start
-        if lead and (not args.free_running or epoch < hyper.epochs - 1):
+        last = epoch == hyper.epochs - 1
+        if lead and (last or not args.eval_at_end) and not (last and args.free_running):  # that one comes below
             evaluate()
         if not args.free_running:
             ps.barrier()

@@ -36,6 +36,21 @@ def test_mf_reaches_rmse_094_on_one_and_two_nodes_alike(tmp_path):
         assert 0 < run["barrier_s"] < run["train_seconds"], (run["barrier_s"], run["train_seconds"])
 
 
+def test_mf_free_running_evaluated_at_the_end_only_times_training_alone_and_reaches_rmse_094(tmp_path):
+    """``--free-running --eval-at-end``: no barrier between epochs and no evaluation inside the timed loop
+    (rank 0's evaluations held up its own training while the other worker went on)."""
+    out = tmp_path / "mf-free.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--", sys.executable, str(TRAIN), "--quiet",
+         "--mode", "auto", "--epochs", "15", "--free-running", "--eval-at-end", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert len(run["rmse"]) == 1 and run["rmse"][0] <= 0.94, run["rmse"]
+    assert 0 < run["seconds"][0] - run["train_seconds"], (run["seconds"], run["train_seconds"])  # evaluated after
+    assert 0 <= run["barrier_s"] < run["train_seconds"], (run["barrier_s"], run["train_seconds"])
+
+
 def test_mf_with_intents_on_two_nodes_reads_its_rows_locally_and_reaches_rmse_094(tmp_path):
     """``--mode auto``: each worker's users declared for the run and its items for each epoch; the rows
     come to (or are copied onto) the worker's node, so nearly every row is read there, not fetched."""
