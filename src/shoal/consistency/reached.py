@@ -64,6 +64,6 @@ class ReachedClocks:
         reached = []
         for i, told in enumerate(learned):
             word = int(slots[first + i])  # one read: the worker may write its slot meanwhile
-            caught_up = word & _INTENTS == int(read[first + i]) & _INTENTS
+            caught_up = (word & _INTENTS) == (int(read[first + i]) & _INTENTS)
             reached.append(max(told, word >> INTENT_BITS) if caught_up else told)
         return reached
