@@ -6,9 +6,12 @@ Each round runs the baseline and then every cluster configuration, so all
 contenders see the same machine (``auto``: adaptive tables, each worker's own
 users declared for the whole run and the items it rates for each epoch, see
 ``examples/mf/train.py``); the reported figure is the median over rounds
-of ratings/s in the training loop (evaluation excluded), with the final test
-RMSE beside it, and for ``auto`` how long its set-up waited for the declared
-rows to reach their nodes before the loop started (``Table.wait_local``).
+of ratings/s in the training loop (evaluation excluded), with the test RMSE
+after the last epoch beside it (median and range over the rounds: round ``r``
+seeds the baseline's initial rows and Shoal's batch order, ``--seed r``, so the
+range is each contender's spread over seeds), and for ``auto`` how long its
+set-up waited for the declared rows to reach their nodes before the loop
+started (``Table.wait_local``).
 Ten epochs train for about 0.3 s here, so a run's speed moves with the
 machine's from second to second: the last column divides each configuration's
 ratings/s by the baseline's of the same round (run seconds before it) and gives
@@ -83,27 +86,27 @@ def main() -> None:
     paired: dict[str, list[float]] = {k: [] for k in CONFIGS}  # over the baseline of the same round
     placement: dict[str, list[float]] = {k: [] for k in CONFIGS}
     waited: dict[str, list[float]] = {k: [] for k in CONFIGS}  # share of rank 0's training spent at barriers
-    rmse: dict[str, float] = {}
+    rmse: dict[str, list[float]] = {k: [] for k in rates}  # test RMSE after the last epoch, per round
     for r in range(args.rounds):
         bases = {}
         for name, in_place in ((BASELINE, False), (IN_PLACE, True)):
-            bases[in_place] = train_baseline(data, Hyper(epochs=args.epochs), in_place=in_place)
+            bases[in_place] = train_baseline(data, Hyper(epochs=args.epochs), seed=r, in_place=in_place)
             rates[name].append(bases[in_place]["ratings_per_s"])  # type: ignore[arg-type]
-            rmse[name] = bases[in_place]["rmse"][-1]  # type: ignore[index]
+            rmse[name].append(bases[in_place]["rmse"][-1])  # type: ignore[index]
         for name, (options, train_args) in CONFIGS.items():
-            result = run_cluster(args.epochs, options, train_args)
+            result = run_cluster(args.epochs, options, [*train_args, "--seed", str(r)])
             rates[name].append(result["ratings_per_s"])  # type: ignore[arg-type]
             base = bases["--in-place" in train_args]
             paired[name].append(result["ratings_per_s"] / base["ratings_per_s"])  # type: ignore[operator]
             placement[name].append(result["placement_s"])  # type: ignore[arg-type]
             waited[name].append(result["barrier_s"] / result["train_seconds"])  # type: ignore[operator]
-            rmse[name] = result["rmse"][-1]  # type: ignore[index]
+            rmse[name].append(result["rmse"][-1])  # type: ignore[index]
             print(f"round {r + 1}: {name}: {result['ratings_per_s']:,.0f} ratings/s", flush=True)
 
     base_rate = statistics.median(rates[BASELINE])
     lines = [f"MF rank {Hyper.rank} on MovieLens 100k, {args.epochs} epochs, median of {args.rounds} round(s)", "",
-             "| configuration | ratings/s | vs baseline | test RMSE after last epoch | rows placed first, s | "
-             "training at barriers | vs the same round's baseline: median (range) |",
+             "| configuration | ratings/s | vs baseline | test RMSE after the last epoch: median (range) | "
+             "rows placed first, s | training at barriers | vs the same round's baseline: median (range) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     results = {}
     for name, values in rates.items():
@@ -115,7 +118,8 @@ def main() -> None:
                          "at_barriers": waited.get(name, [])}
         same_round = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
         at_barriers = f"{statistics.median(waited[name]):.0%}" if waited.get(name) else "-"
-        lines.append(f"| {name} | {rate:,.0f} | {rate / base_rate:.2f} | {rmse[name]:.4f} | "
+        quality = f"{statistics.median(rmse[name]):.4f} ({min(rmse[name]):.4f}-{max(rmse[name]):.4f})"
+        lines.append(f"| {name} | {rate:,.0f} | {rate / base_rate:.2f} | {quality} | "
                      f"{f'{placed:.3f}' if placed else '-'} | {at_barriers} | {same_round} |")
     table_md = "\n".join(lines)
     print("\n" + table_md)
