@@ -8,8 +8,8 @@ users declared for the whole run and the items it rates for each epoch, see
 ``examples/mf/train.py``); the reported figure is the median over rounds
 of ratings/s in the training loop (evaluation excluded), with the test RMSE
 after the last epoch beside it (median and range over the rounds: round ``r``
-seeds the baseline's initial rows and Shoal's batch order, ``--seed r``, so the
-range is each contender's spread over seeds), and for ``auto`` how long its
+seeds the initial rows, and Shoal's batch order: ``--init-seed r --seed r``;
+the range is each contender's spread over seeds), and for ``auto`` how long its
 set-up waited for the declared rows to reach their nodes before the loop
 started (``Table.wait_local``).
 Ten epochs train for about 0.3 s here, so a run's speed moves with the
@@ -94,7 +94,7 @@ def main() -> None:
             rates[name].append(bases[in_place]["ratings_per_s"])  # type: ignore[arg-type]
             rmse[name].append(bases[in_place]["rmse"][-1])  # type: ignore[index]
         for name, (options, train_args) in CONFIGS.items():
-            result = run_cluster(args.epochs, options, [*train_args, "--seed", str(r)])
+            result = run_cluster(args.epochs, options, [*train_args, "--init-seed", str(r), "--seed", str(r)])
             rates[name].append(result["ratings_per_s"])  # type: ignore[arg-type]
             base = bases["--in-place" in train_args]
             paired[name].append(result["ratings_per_s"] / base["ratings_per_s"])  # type: ignore[operator]

@@ -91,6 +91,7 @@ def parse() -> tuple[Hyper, argparse.Namespace]:
                    help="adaptive modes: how often a replica sends its change to the owner (default: the tables' "
                         "own, at each clock, at most every 10 ms)")
     p.add_argument("--seed", type=int, default=0, help="of batch order and random delays")
+    p.add_argument("--init-seed", type=int, default=0, help="of the tables' initial rows")
     p.add_argument("--free-running", action="store_true", help="no barrier between epochs")
     p.add_argument("--eval-at-end", action="store_true", help="rank 0 evaluates after the last epoch only")
     p.add_argument("--replicas", type=int, default=1, help="replicas of every shard (>1: replicated store)")
@@ -121,7 +122,7 @@ def main() -> None:
         data = by_popularity(data)
     lazy = shoal.LazyPull(timeout_ms=args.lazy_ms) if args.lazy_ms > 0 else None
     optimizer = shoal.optim.SGD(lr=hyper.lr) if args.optimizer == "sgd" else shoal.optim.Adagrad(lr=hyper.lr)
-    options = dict(init=shoal.Normal(std=hyper.init_std), optimizer=optimizer,
+    options = dict(init=shoal.Normal(std=hyper.init_std), seed=args.init_seed, optimizer=optimizer,
                    mapping=args.mapping, consistency=MODELS[args.consistency](args.staleness, lazy))
     if args.replicas > 1:
         options.update(replicas=args.replicas, write_quorum=args.write_quorum, gossip_ms=args.gossip_ms,
