@@ -403,6 +403,35 @@ def test_replicas_without_a_sync_period_of_their_own_sync_at_each_clock_of_their
             wait_until(lambda: owner.store.values[0, 0] == 2.0)
 
 
+def test_replicas_without_a_sync_period_sync_at_clocks_their_server_learns_from_shared_memory_alone():
+    """A worker whose tables are all ASP sends its servers a clock at most every 50 ms; its node's server
+    reads the clocks in between from the worker's slot in shared memory, which wakes nobody. A server
+    that slept until its next 50-ms sync (or tick) synced a replica changed every 12 ms at most twice per
+    50 ms, where the rule is once per clock, no sooner than 10 ms after the last sync (MF: replicas an
+    epoch behind, and a few thousandths of test RMSE). Counted over 40 clocks, every one changing the
+    replica, so that every sync carries it and is counted."""
+    with ThreadCluster(nodes=2) as c:
+        w1 = c.worker(1)
+        t = w1.table("r", 10, 1, techniques="replication", init=shoal.Constant(0.0))
+        t.intent([0], 1, 10_000)  # key 0 lives on node 0; node 1 wants it from clock 1 on
+        w1.advance_clock()
+        here = c.servers[1].adaptive.tables["r"]
+        wait_until(lambda: here.presence[0] == REPLICA)
+        w1.wait_all()
+        sent_before = here.stats["sync_sent"]
+        clocks = 40
+        for _ in range(clocks):
+            t.push([0], np.ones((1, 1), np.float32))  # into the replica, in shared memory
+            time.sleep(0.012)
+            w1.advance_clock()
+        syncs = here.stats["sync_sent"] - sent_before
+        assert syncs >= 0.6 * clocks, f"{syncs} syncs over {clocks} clocks 12 ms apart"
+        owner = c.servers[0].adaptive.tables["r"]
+        wait_until(lambda: owner.store.values[0, 0] >= clocks, what="every push at the owner")
+        time.sleep(0.1)  # a few more syncs: none adds a push again
+        assert owner.store.values[0, 0] == clocks
+
+
 def test_the_syncs_of_several_tables_to_one_node_go_as_one_message_and_every_push_lands_once():
     clock = ManualClock()  # the servers' syncs run when the test moves it
     with ThreadCluster(nodes=2, now=clock) as c:

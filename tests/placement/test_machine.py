@@ -27,7 +27,7 @@ from shoal.api.errors import ProtocolError
 from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.held import HELD_S
 from shoal.placement.intent import ACT_EVERY_S
-from shoal.placement.machine import REFRESH_ROUNDS, PlacementMachine
+from shoal.placement.machine import CLOCK_LOOK_MS, REFRESH_ROUNDS, SYNC_MIN_MS, PlacementMachine
 from shoal.placement.messages import Announce, Handover, Owner, PlacementMessage, State, Sync, array_fields
 from shoal.placement.ownership import LocationCache
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA, pin_in_place
@@ -45,7 +45,7 @@ class Push:
 
 
 class Network:
-    def __init__(self, nodes: int, techniques: str, seed: int, sync_ms: float = 50.0,
+    def __init__(self, nodes: int, techniques: str, seed: int, sync_ms: float | None = 50.0,
                  act_ms: float | None = None) -> None:
         self.spec = TableSpec("t", num_keys=NUM_KEYS, dim=2, techniques=techniques, init=shoal.Constant(0.0),
                               sync_ms=sync_ms, act_ms=act_ms)
@@ -823,6 +823,38 @@ def test_a_replica_only_read_here_follows_its_owners_row_within_a_few_syncs(netw
     np.testing.assert_array_equal(net.tables[1].store.values[keys, 0], 1.0)
     assert (net.tables[1].presence[keys] == REPLICA).all()
     np.testing.assert_array_equal(net.owned_values(), net.pushed)  # a refresh adds nothing
+
+
+def test_a_table_without_a_sync_period_wakes_its_loop_for_syncs_by_clock_and_not_at_once_while_clocks_stand(
+        network_of):
+    # The loop sleeps until the soonest ``next_wake`` of its tables (or a message). Without a period of
+    # its own, a table holding replicas syncs once its node's clock moved, SYNC_MIN_MS after its last
+    # sync at the soonest: the loop must wake then, not at the 50-ms period, for the clock is read in
+    # shared memory; and while the clock stands still it looks again every CLOCK_LOOK_MS, not at once.
+    net = network_of(2, "replication", 0, sync_ms=None)
+    machine, table = net.machines[1], net.tables[1]
+    assert machine.next_wake() == table.next_sync  # no replica yet: the period alone
+    _replicas_at(net, 1, np.array([0, 2]))
+    net.push(1, np.array([0]))
+    net.carry_out(1, machine.tick(1.0, 1, 0.001))  # a clock since the last sync: syncs now
+    assert table.synced_at == 1.0 and table.next_sync == pytest.approx(1.05)
+    assert machine.next_wake() == pytest.approx(1.0 + SYNC_MIN_MS / 1000)
+    net.deliver_all()
+    net.carry_out(1, machine.tick(1.011, 1, 0.001))  # the clock stood still: nothing due, look again later
+    assert table.synced_at == 1.0
+    assert machine.next_wake() == pytest.approx(1.011 + CLOCK_LOOK_MS / 1000)
+    net.push(1, np.array([0]))
+    net.carry_out(1, machine.tick(1.016, 2, 0.001))  # it moved: synced
+    assert table.synced_at == 1.016
+    net.deliver_all()
+    _sync_now(net, 1)
+    net.deliver_all()
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)
+    for clock in range(10_000, 10_005):  # the intent is over: the replicas go
+        net.carry_out(1, machine.tick(1.1 + clock * 0.05, clock, 0.05))
+        net.deliver_all()
+    assert (table.presence[[0, 2]] == ABSENT).all()
+    assert machine.next_wake() == table.next_sync  # none left: the period alone again
 
 
 def _read_here(net: Network, node: int, keys: np.ndarray) -> np.ndarray:

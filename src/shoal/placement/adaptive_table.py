@@ -201,6 +201,8 @@ class AdaptiveTable:
         self.next_sync = 0.0  # when replicas sync at the latest
         self.synced_at = 0.0  # when they last did
         self.synced_clock = -1  # the node clock they last did at
+        #: replicas were here at the last sync or came since: the loop wakes for syncs by the node's clock
+        self.holds_replicas = False
         self.window = 1  # clocks ahead that intents are acted on
         self.acted_at = -1  # the node clock the window was last estimated at
         self.window_estimate = 1.0

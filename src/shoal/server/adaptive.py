@@ -316,7 +316,7 @@ class AdaptiveService:
                 machine.table.intents.end_all()
 
     def next_timer(self) -> float | None:
-        deadlines = [m.table.next_sync for m in self.machines.values()]
+        deadlines = [m.next_wake() for m in self.machines.values()]
         streams = self.links.next_deadline()
         if streams is not None:
             deadlines.append(streams)
