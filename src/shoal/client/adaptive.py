@@ -122,6 +122,7 @@ class AdaptiveAccess(RoutedAccess):
     def intent(self, keys: np.ndarray, start: int, end: int) -> None:
         """Declare that ``keys`` will be used in clocks ``[start, end)``; sent at the next clock tick."""
         self._intents.append((keys, start, end))
+        self.worker.intents_declared = True
 
     def wait_local(self, keys: np.ndarray, timeout: float) -> int:
         """Wait until ``keys`` are present on this node or ``timeout`` seconds pass; how many are not.

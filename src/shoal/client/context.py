@@ -44,6 +44,8 @@ class WorkerContext(Protocol):
     servers: list[str | None]
     #: the clock of the worker's timers (``Worker.now``)
     now: Callable[[], float]
+    #: a table has intents its next clock sends the node's server (``Worker.send_intents``)
+    intents_declared: bool
 
     @property
     def num_nodes(self) -> int: ...

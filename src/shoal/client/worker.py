@@ -99,6 +99,9 @@ class Worker:
         self._barrier_generation = 0
         self._ticks = TickSchedule()  # when servers are told the clock while no read waits on it
         self._tick_due = False  # a clock they have not been told yet
+        self._reads_never_wait = True  # every table is read under ASP (kept as tables come, asked at each clock)
+        #: a table has intents to send the node's server (most clocks have none: nothing to gather)
+        self.intents_declared = False
         self._closed = False
         self._after_restore: list[Callable[[], None]] = []  # ``after_restore``
         timeout = cluster.timeouts.connect_s
@@ -217,6 +220,7 @@ class Worker:
                                   f"CREATE_TABLE {spec.name!r} at the rendezvous").body
         table = Table(self, spec, current)
         self.tables[spec.name] = table
+        self._reads_never_wait = self._reads_never_wait and spec.consistency.bound is None
         if spec.consistency.bound is not None and self._tick_due:
             # The clock ticks owed while every table was ASP go now: a bounded read elsewhere may wait
             # for it, as this worker's own reads may soon wait for that reader.
@@ -433,7 +437,7 @@ class Worker:
         self._note_reached()
         now = time.monotonic()  # real time, also where tests move the tracker's clock by hand
         self._ticks.advanced(now)
-        if self.tables and all(t.spec.consistency.bound is None for t in self.tables.values()):
+        if self.tables and self._reads_never_wait:
             # No read waits on clocks: servers learn them from every request, the node's server
             # from the ticks its intents need; the last one goes everywhere before any wait.
             if not self._ticks.due(self.clock, now):
@@ -450,6 +454,9 @@ class Worker:
     def send_intents(self) -> None:
         """Send the intents declared since the last clock to this node's server now: every table's in
         one message (one per table per clock was the most frequent message a server received)."""
+        if not self.intents_declared:
+            return
+        self.intents_declared = False
         tables, keys, starts, ends = [], [], [], []
         for name, table in self.tables.items():
             for k, start, end in table.access.take_intents():

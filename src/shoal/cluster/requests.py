@@ -596,6 +596,8 @@ class Future(Generic[T]):
     @classmethod
     def done_with(cls, result: T) -> Future[T]:
         """A call that has its result already (every row was local)."""
+        if result is None:  # a push's: one settled future serves them all (nothing changes it)
+            return _DONE  # type: ignore[return-value]
         future = cls(None, set(), _no_finish, 0.0)
         future._result, future._settled = result, True
         return future
@@ -656,3 +658,7 @@ class Future(Generic[T]):
             raise next(iter(errors.values()))
         if errors:
             self._recover(errors)  # type: ignore[misc]
+
+
+_DONE: Future[None] = Future(None, set(), _no_finish, 0.0)  # ``Future.done_with(None)``
+_DONE._settled = True

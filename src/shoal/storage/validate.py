@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -53,8 +54,11 @@ def as_rows(values: Any, n: int, spec: TableSpec, strict_dtype: bool = False) ->
 
     The API converts between float dtypes; the wire (``strict_dtype``) does not.
     """
+    want = _numpy_dtype(spec.dtype)
+    if type(values) is np.ndarray and values.dtype == want and values.shape == (n, spec.dim) \
+            and values.flags.c_contiguous:
+        return values  # what an app usually passes: nothing to convert
     arr = as_array(values, f"values for table {spec.name!r}")
-    want = np.dtype(spec.dtype)
     if arr.dtype != want:
         if strict_dtype or arr.dtype.kind != "f":
             raise DTypeError(f"values for table {spec.name!r} must be {want}, got {arr.dtype}")
@@ -64,6 +68,12 @@ def as_rows(values: Any, n: int, spec: TableSpec, strict_dtype: bool = False) ->
             f"values for table {spec.name!r} must have shape ({n}, {spec.dim}) for {n} key(s), got {arr.shape}"
         )
     return np.ascontiguousarray(arr)
+
+
+@functools.cache
+def _numpy_dtype(name: str) -> np.dtype:
+    """The dtype named ``name``, made once: ``np.dtype`` parses the name at every call."""
+    return np.dtype(name)
 
 
 def drop_nonfinite(keys: np.ndarray, values: np.ndarray, spec: TableSpec) -> tuple[np.ndarray, np.ndarray, int]:
