@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from shoal.storage.shard import ShardStore
 
 
 @pytest.fixture
-def store() -> ShardStore:
+def store() -> Iterator[ShardStore]:
     spec = TableSpec("present", num_keys=64, dim=3, techniques="relocation", init=shoal.Constant(1.0))
     store = ShardStore.create(spec, 0, np.arange(64), "shard-test")
     assert store.presence is not None
