@@ -432,6 +432,40 @@ def test_replicas_without_a_sync_period_sync_at_clocks_their_server_learns_from_
         assert owner.store.values[0, 0] == clocks
 
 
+def test_after_an_intent_message_is_lost_the_next_tick_lets_the_server_read_the_clock_in_shared_memory():
+    """A node's server takes a worker's clock from its slot in shared memory only once it has read
+    every intent message the worker had sent by then (the slot holds both), else it goes by the clocks
+    ticks told it, every 50 ms under ASP. An intent message lost on the way held that count back until
+    the worker's next one, which an app that declares its intents at the start (MF) never sends: the
+    server's clock lagged the worker's by up to 50 ms for the rest of the run, and so did its syncs
+    by clock and its rounds of intents. A tick says how many the worker had sent: those not read by
+    then were lost (they travel ahead of it, in order, on the one connection)."""
+    armed = threading.Event()
+    lost = []
+
+    def lose(header: dict) -> bool:  # the first intent message, once armed
+        if armed.is_set() and not lost and header["op"] == int(Op.INTENT):
+            lost.append(header)
+            return True
+        return False
+
+    with ThreadCluster(nodes=2, transport=LosingTransport(ZmqTransport(), lose)) as c:
+        w1 = c.worker(1)
+        t = w1.table("lost", 10, 1, techniques="replication", init=shoal.Constant(0.0))
+        server = c.servers[1]
+        armed.set()
+        t.intent([0], 1, 10_000)
+        w1.advance_clock()  # the intent message goes, and is lost
+        wait_until(lambda: bool(lost), what="the intent message lost")
+        w1._ticks._ticked_at = -1e9  # a tick to every server is due at the next clock
+        w1.advance_clock()
+        wait_until(lambda: int(server.clocks.clocks[1]) == w1.clock, what="the tick at the server")
+        for _ in range(3):  # clocks within the quiet period: no tick, the slot alone moves
+            w1.advance_clock()
+        assert int(server.clocks.clocks[1]) < w1.clock
+        assert server.adaptive._node_clock() == w1.clock
+
+
 def test_the_syncs_of_several_tables_to_one_node_go_as_one_message_and_every_push_lands_once():
     clock = ManualClock()  # the servers' syncs run when the test moves it
     with ThreadCluster(nodes=2, now=clock) as c:

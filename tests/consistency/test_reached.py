@@ -18,6 +18,37 @@ def test_a_reached_clock_counts_once_every_intent_sent_by_then_was_read():
     assert reached.clocks(learned, 2) == [7, 9]
 
 
+def test_a_tick_counts_the_intent_messages_sent_before_it_that_were_lost_as_read():
+    # Intent message 2 of 3 was lost: the count stood at 1 until a later intent message came. A tick
+    # says 3 were sent by then (they travel ahead of it): the clock counts again. An older tick (sent
+    # again), or one that says nothing, takes nothing back.
+    reached = ReachedClocks(np.zeros(1, dtype=np.int64))
+    reached.slots[0] = packed(30, 3)
+    reached.intent_read(0, 1)
+    assert reached.clocks([20], 0) == [20]
+    reached.tick_read(0, 3)
+    assert reached.clocks([20], 0) == [30]
+    for sent in (2, None, 0, -1, True):
+        reached.tick_read(0, sent)  # type: ignore[arg-type]
+    assert reached.intents_read.tolist() == [3]
+    reached.tick_read(5, 9)  # no worker of this table of slots
+    assert reached.intents_read.tolist() == [3]
+
+
+def test_a_late_message_of_a_workers_earlier_process_counts_nothing_for_the_new_one():
+    # A tick of the process before, read after the new process's first message: its count (500 intent
+    # messages) would have held the new process's clock back for good.
+    reached = ReachedClocks(np.zeros(1, dtype=np.int64))
+    reached.tick_read(0, 500, incarnation=7)
+    reached.restarted(0)
+    reached.slots[0] = packed(3, 1)
+    reached.intent_read(0, 1, incarnation=9)
+    reached.tick_read(0, 500, incarnation=7)
+    reached.intent_read(0, 501, incarnation=7)
+    assert reached.intents_read.tolist() == [1]
+    assert reached.clocks([0], 0) == [3]
+
+
 def test_a_clock_told_by_messages_ahead_of_the_slot_is_kept():
     # A worker without local access writes no slot; a slot is behind what a later message told.
     reached = ReachedClocks(np.zeros(2, dtype=np.int64))

@@ -365,7 +365,7 @@ class Worker:
                     joined.append(n)
         self.servers = list(addresses)
         if joined and self.clock and any(t.bound is not None for t in self.tables.values()):
-            tick = bodies.Clock(self.rank, pushed=self._pushes_numbered())
+            tick = bodies.Clock(self.rank, pushed=self._pushes_numbered(), intents=self._intents_sent)
             for n in joined:
                 self.send_ordered(n, tick.to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}",
                                   background=True)
@@ -482,7 +482,7 @@ class Worker:
         # tick went: given up, a lost one leaves a hole in the stream that the server cannot skip
         # until a later request says so, and the requests sent meanwhile do not (their floor was
         # set while an earlier one was unanswered).
-        tick = bodies.Clock(self.rank, pushed=self._pushes_numbered())
+        tick = bodies.Clock(self.rank, pushed=self._pushes_numbered(), intents=self._intents_sent)
         told = self.live_servers() if everywhere else [n for n in self.live_servers() if n == self.node]
         for n in told:
             self.send_ordered(n, tick.to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}",

@@ -12,8 +12,11 @@ how many intent messages the worker had sent by then, in one 64-bit word (one st
 one without the other), and the server takes the clock only once it has read that many of the
 worker's intent messages; until then it goes by the clocks its messages told. Each intent message
 carries its number among the worker's, and the server counts up to the highest it has read: one
-lost on the way (its intents are gone for good) or delivered twice does not hold the count back or
-push it ahead for the rest of the job.
+delivered twice does not push the count ahead. One lost on the way (its intents are gone for good)
+held the count back until the worker's next one, which an app that declares its intents at the
+start never sends; so a clock tick also says how many intent messages the worker had sent, and the
+count goes up to that: those sent before a tick travel ahead of it on the one connection, so any
+not read by then were lost.
 """
 
 from __future__ import annotations
@@ -38,16 +41,37 @@ class ReachedClocks:
     def __init__(self, slots: np.ndarray) -> None:
         self.slots = slots
         self.intents_read = np.zeros(slots.shape[0], dtype=np.int64)
+        #: per worker, the newest of its processes (``Message.incarnation``) heard from: a late message of
+        #: an earlier one would count its intent messages against the new one's
+        self._incarnations = [0] * slots.shape[0]
 
-    def intent_read(self, worker: int, number: int | None) -> None:
+    def intent_read(self, worker: int, number: int | None, incarnation: int | None = None) -> None:
         """An intent message of ``worker`` was read: its ``number`` among the worker's (one more
         than those read so far where it carries none)."""
-        if not 0 <= worker < self.intents_read.shape[0]:
+        if not self._current(worker, incarnation):
             return
         if isinstance(number, int) and 0 < number < _LARGEST:
             self.intents_read[worker] = max(int(self.intents_read[worker]), number)
         else:
             self.intents_read[worker] += 1
+
+    def tick_read(self, worker: int, sent: int | None, incarnation: int | None = None) -> None:
+        """A clock tick of ``worker`` was read, saying it had sent ``sent`` intent messages by then:
+        those not read by now were lost, and are counted as read."""
+        if self._current(worker, incarnation) and isinstance(sent, int) and 0 < sent < _LARGEST:
+            self.intents_read[worker] = max(int(self.intents_read[worker]), sent)
+
+    def _current(self, worker: int, incarnation: int | None) -> bool:
+        """Whether a message of ``worker``'s process ``incarnation`` counts (None: any), noting the
+        newest process heard from."""
+        if not 0 <= worker < self.intents_read.shape[0]:
+            return False
+        if incarnation is None:
+            return True
+        if incarnation < self._incarnations[worker]:
+            return False
+        self._incarnations[worker] = incarnation
+        return True
 
     def restarted(self, worker: int) -> None:
         """Worker ``worker`` was started again: its new process counts its intent messages from 0,

@@ -159,7 +159,8 @@ class AdaptiveService:
             self.carry_out(machine.localize(as_keys(msg.arrays[0], spec)))
             return msg.reply(Op.OK)
         if msg.op == Op.INTENT:
-            self.reached.intent_read(msg.sender, msg.body.get("number"))  # taken in or refused: not waited for
+            # Taken in or refused: not waited for.
+            self.reached.intent_read(msg.sender, msg.body.get("number"), msg.incarnation)
             # Every table's since the worker's last clock: all are checked before any is taken.
             intents = []
             for table, keys, start, end in intents_of(msg):

@@ -511,6 +511,7 @@ class ParameterServer:
             return self._service(msg.table).handle(peer, msg)
         if op == Op.CLOCK:
             self.replication.on_clock(msg)
+            self.reached.tick_read(msg.sender, bodies.Clock.of(msg).intents, msg.incarnation)
             return msg.reply(Op.OK)
         if op == Op.CONFIRM:
             self.sync.confirm(msg.sender, msg.table, bodies.Confirm.of(msg).epoch)

@@ -204,13 +204,16 @@ class PushPull(Body):
 @dataclass(frozen=True)
 class Clock(Body):
     """Worker ``rank`` reached the message's clock; ``final`` when it leaves. ``pushed``: per replicated
-    table read under a bound, how many pushes it has numbered to each shard (``replication.bounds``)."""
+    table read under a bound, how many pushes it has numbered to each shard (``replication.bounds``).
+    ``intents``: how many intent messages it had sent its node's server by then
+    (``consistency.reached``)."""
 
     op = Op.CLOCK
     rank: int
     final: bool | None = None
     stream: list[int] | None = None
     pushed: dict[str, Any] | None = None
+    intents: int | None = None
 
 
 @dataclass(frozen=True)
