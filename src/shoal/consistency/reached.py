@@ -13,10 +13,10 @@ one without the other), and the server takes the clock only once it has read tha
 worker's intent messages; until then it goes by the clocks its messages told. Each intent message
 carries its number among the worker's, and the server counts up to the highest it has read: one
 delivered twice does not push the count ahead. One lost on the way (its intents are gone for good)
-held the count back until the worker's next one, which an app that declares its intents at the
-start never sends; so a clock tick also says how many intent messages the worker had sent, and the
-count goes up to that: those sent before a tick travel ahead of it on the one connection, so any
-not read by then were lost.
+would hold the count back until the worker's next one, which an app that declares its intents at
+the start never sends; so a clock tick also says how many intent messages the worker had sent, and
+the count goes up to that: those sent before a tick travel ahead of it on the one connection, so
+any not read by then were lost.
 """
 
 from __future__ import annotations
