@@ -84,10 +84,11 @@ def test_take_changes_returns_and_clears_exactly_the_changed_or_marked_rows(rows
     marked = rng.random(len(rows)) < 0.2
     base_before, values_before, changed_before = base.copy(), values.copy(), changed.copy()
     want = rows[(changed_before[rows] == 1) | marked]
-    taken, deltas = kernels.take_changes(values, base, changed, _unpinned(20), _unpinned(20),
-                                         np.zeros_like(values), rows, marked)
+    taken, deltas, moved = kernels.take_changes(values, base, changed, _unpinned(20), _unpinned(20),
+                                                np.zeros_like(values), rows, marked)
     np.testing.assert_array_equal(taken, want)
     np.testing.assert_array_equal(deltas, values_before[want] - base_before[want])
+    assert moved == bool(deltas.any())  # a sync of rows changed by zero only refreshes
     np.testing.assert_array_equal(values, values_before)  # a sync leaves the replica's rows as they are
     np.testing.assert_array_equal(base[want], values[want])  # ... and sends each change once
     assert not changed[rows].any()
@@ -95,6 +96,26 @@ def test_take_changes_returns_and_clears_exactly_the_changed_or_marked_rows(rows
     np.testing.assert_array_equal(base[kept], base_before[kept])
     untouched = np.setdiff1d(np.arange(20), rows)
     np.testing.assert_array_equal(changed[untouched], changed_before[untouched])
+
+
+@given(arrays(np.int64, st.integers(0, 20), elements=st.integers(0, 19), unique=True), st.integers(0, 2**20))
+def test_receive_replicas_takes_exactly_the_absent_rows_as_replicas_of_the_owners_rows(rows, seed):
+    rng = np.random.default_rng(seed)
+    presence = rng.choice([kernels.ABSENT, kernels.OWNED, kernels.REPLICA], 20).astype(np.uint8)
+    values, base = rng.random((20, 3), dtype=np.float32), rng.random((20, 3), dtype=np.float32)
+    owner_rows = rng.random((len(rows), 3), dtype=np.float32)
+    presence_before, values_before, base_before = presence.copy(), values.copy(), base.copy()
+    taken = np.empty(len(rows), np.int64)
+    count = kernels.receive_replicas(values, base, presence, rows, owner_rows, taken)
+    fresh = presence_before[rows] == kernels.ABSENT
+    np.testing.assert_array_equal(taken[:count], rows[fresh])  # in the order they came
+    np.testing.assert_array_equal(values[rows[fresh]], owner_rows[fresh])
+    np.testing.assert_array_equal(base[rows[fresh]], owner_rows[fresh])  # no change made here yet
+    assert (presence[rows[fresh]] == kernels.REPLICA).all()
+    others = np.setdiff1d(np.arange(20), rows[fresh])  # rows here already (owned, or a replica): left alone
+    np.testing.assert_array_equal(presence[others], presence_before[others])
+    np.testing.assert_array_equal(values[others], values_before[others])
+    np.testing.assert_array_equal(base[others], base_before[others])
 
 
 def test_add_present_marks_the_replica_rows_it_changes_and_no_others():
@@ -326,8 +347,8 @@ def test_a_sync_leaves_a_held_replica_marked_changed_and_folds_what_arrived_besi
     changed = np.ones(2, np.uint8)
     pinned, arrived = np.array([1, 0], np.uint8), np.array([0, 1], np.uint8)
     incoming = np.full((2, 2), 3.0, np.float32)  # row 1: a local push while it was held, now let go
-    taken, deltas = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0, 1]),
-                                         np.zeros(2, np.bool_))
+    taken, deltas, _ = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0, 1]),
+                                            np.zeros(2, np.bool_))
     np.testing.assert_array_equal(deltas, [[1, 1], [4, 4]])
     np.testing.assert_array_equal(changed, [1, 0])  # the held row's kernel writes on: its rest goes next time
     np.testing.assert_array_equal(values[1], [4, 4])
@@ -342,8 +363,8 @@ def test_a_held_replica_takes_its_owners_answer_and_its_sync_beside_its_value():
     changed = np.ones(1, np.uint8)
     pinned, holds, arrived = np.ones(1, np.uint8), np.array([0, 3], np.int64), np.zeros(1, np.uint8)
     incoming = np.zeros((1, 2), np.float32)
-    taken, deltas = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0]),
-                                         np.zeros(1, np.bool_))
+    taken, deltas, _ = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0]),
+                                            np.zeros(1, np.bool_))
     np.testing.assert_array_equal(deltas, [[1, 1]])
     values += 2.0  # the kernel writes on
     gone = np.empty(1, np.int64)
@@ -355,8 +376,8 @@ def test_a_held_replica_takes_its_owners_answer_and_its_sync_beside_its_value():
     out = np.empty((1, 2), np.float32)
     kernels.read_present(values, presence, arrived, incoming, np.array([0]), out, gone)
     np.testing.assert_array_equal(out, [[22, 22]])  # the owner's row plus the change since the sync
-    taken, deltas = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0]),
-                                         np.ones(1, np.bool_))
+    taken, deltas, _ = kernels.take_changes(values, base, changed, pinned, arrived, incoming, np.array([0]),
+                                            np.ones(1, np.bool_))
     np.testing.assert_array_equal(deltas, [[2, 2]])
     kernels.receive_rows(values, base, changed, presence, pinned, arrived, incoming, np.array([0]),
                          np.full((1, 2), 30.0, np.float32))  # it comes to be owned here, still held

@@ -34,7 +34,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -55,14 +55,10 @@ from shoal.placement.messages import (
     Synced,
     array_bytes,
     array_fields,
-    body_fields,
-    node_fields,
-    number_fields,
-    part_fields,
+    checked_fields,
 )
 from shoal.placement.ownership import MAX_HOPS, home_of
 from shoal.storage.kernels import (
-    ABSENT,
     OWNED,
     REPLICA,
     add_present,
@@ -70,6 +66,7 @@ from shoal.storage.kernels import (
     apply_synced,
     give_unheld,
     read_present,
+    receive_replicas,
     receive_rows,
     release,
     take_changes,
@@ -333,33 +330,32 @@ class PlacementMachine:
     def _checked(self, sender: int, message: PlacementMessage) -> PlacementMessage:
         """``message`` with its keys, rows and integer arrays as the table uses them, once its node
         numbers and counts are in range and its rows finite (a peer sending NaN/Inf is broken: nothing
-        of it is applied)."""
+        of it is applied). Arrays off the wire are so already: the message is then taken as it came."""
         table = self.table
-        _node(sender, table)
-        nodes, parts, numbers = node_fields(type(message)), part_fields(type(message)), number_fields(type(message))
-        for name, field_type in body_fields(type(message)).items():
-            if name in nodes:
-                _node(getattr(message, name), table)
-            elif name in parts:
-                _part(getattr(message, name))
-            elif name in numbers:
-                _number(getattr(message, name))
-            elif field_type is int:
-                _count(getattr(message, name))
-        fixed: dict[str, np.ndarray] = {"keys": as_keys(message.keys, table.spec)}
-        for name, kind, _ in array_fields(type(message))[1:]:
+        num_nodes = table.num_nodes
+        _node(sender, num_nodes)
+        cls = type(message)
+        for name, holds in checked_fields(cls):
+            _CHECKS[holds](getattr(message, name), num_nodes)
+        keys = as_keys(message.keys, table.spec)
+        fixed: dict[str, np.ndarray] = {} if keys is message.keys else {"keys": keys}
+        for name, kind, _ in array_fields(cls)[1:]:
             value = getattr(message, name)
             if name == "rows":
-                fixed[name] = as_rows(value, fixed["keys"].shape[0], table.spec, strict_dtype=True)
-                if any_nonfinite(fixed[name]):
+                taken = as_rows(value, keys.shape[0], table.spec, strict_dtype=True)
+                if any_nonfinite(taken):
                     log.error("server %d: %s message of %r from server %d carries NaN/Inf: dropped",
                               self.node, message.kind, table.spec.name, sender)
                     raise ProtocolError(f"placement {message.kind!r} from server {sender} carries NaN/Inf")
             elif kind == "i":
-                if value.ndim == 2 and value.shape[1] != table.num_nodes:  # a number per node of the table
-                    raise ValueError(f"{name} must have a column per node ({table.num_nodes}), got {value.shape}")
-                fixed[name] = value.astype(np.int64, copy=False)
-        return dataclasses.replace(message, **fixed)
+                if value.ndim == 2 and value.shape[1] != num_nodes:  # a number per node of the table
+                    raise ValueError(f"{name} must have a column per node ({num_nodes}), got {value.shape}")
+                taken = value.astype(np.int64, copy=False)
+            else:
+                continue
+            if taken is not value:
+                fixed[name] = taken
+        return dataclasses.replace(message, **fixed) if fixed else message
 
     # ------------------------------------------------------------ relocation
 
@@ -628,13 +624,9 @@ class PlacementMachine:
         table = self.table
         store = table.store
         assert store.base is not None
+        taken = np.empty(keys.shape[0], dtype=np.int64)
         with self._moving_rows(exclusive=True):
-            fresh = table.presence[keys] == ABSENT
-            if not fresh.all():
-                keys, values = keys[fresh], values[fresh]
-            store.values[keys] = values
-            store.base[keys] = values  # no change made here yet
-            table.presence[keys] = REPLICA
+            keys = taken[:receive_replicas(store.values, store.base, table.presence, keys, values, taken)]
         table.replica_owner[keys] = owner
         # Made for interest this node has withdrawn meanwhile: it goes with its first sync.
         table.dropping[keys] = ~table.intents.announced[keys]
@@ -661,12 +653,13 @@ class PlacementMachine:
             table.refresh_turns[owner] += 1
             also = table.dropping[keys] | (keys % REFRESH_ROUNDS == turn)
             with self._moving_rows(exclusive=True):
-                changed, deltas = take_changes(store.values, store.base, store.changed, store.pinned, store.arrived,
-                                               store.incoming, keys, also)
+                changed, deltas, moved = take_changes(store.values, store.base, store.changed, store.pinned,
+                                                      store.arrived, store.incoming, keys, also)
             if not changed.size:
                 continue
             part = table.new_part()
-            table.syncs_in_flight[owner] = SyncInFlight(part, np.sort(changed), bool(deltas.any()))
+            # ``changed`` is in key order already: ``keys`` are (``flatnonzero``, kept in order by ``_group``)
+            table.syncs_in_flight[owner] = SyncInFlight(part, changed, bool(moved))
             table.unanswered[changed] += 1
             table.stats["sync_sent"] += 1
             self._send(owner, Sync(changed, deltas, table.dropping[changed].astype(np.uint8), self.node, owner,
@@ -903,26 +896,25 @@ def _bits(mask: int) -> list[int]:
     return [i for i in range(64) if (int(mask) >> i) & 1]
 
 
-def _node(value: Any, table: AdaptiveTable) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < table.num_nodes:
+def _node(value: Any, num_nodes: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < num_nodes:
         raise ValueError(f"bad node {value!r}")
-    return value
 
 
-def _part(value: Any) -> int:
+def _part(value: Any, num_nodes: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
         raise ValueError(f"bad part of a sync {value!r}")
-    return value
 
 
-def _number(value: Any) -> int:
+def _number(value: Any, num_nodes: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
         raise ValueError(f"bad number {value!r}")
-    return value
 
 
-def _count(value: Any) -> int:
+def _count(value: Any, num_nodes: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 20:
         raise ValueError(f"bad count {value!r}")
-    return value
 
+
+#: the check of each kind of body field (``messages.checked_fields``), given the table's number of nodes
+_CHECKS: dict[str, Callable[[Any, int], None]] = {"node": _node, "part": _part, "number": _number, "count": _count}

@@ -142,19 +142,26 @@ KINDS: dict[str, type[PlacementMessage]] = {
 class _Fields:
     body: Mapping[str, type]  # travel in the body: name -> int or bool
     arrays: tuple[tuple[str, str, int], ...]  # travel as arrays, in order: (name, dtype kind, rank)
-    nodes: frozenset[str]  # body fields that name a node
-    parts: frozenset[str]  # body fields that name a part of a sync
-    numbers: frozenset[str]  # body fields that number a node's messages
+    #: the body fields a receiver checks, in order, each with what it holds: a node, a part of a sync,
+    #: a number of a node's messages, or a count (an int field of none of these: hops, parts)
+    checked: tuple[tuple[str, str], ...]
+
+
+def _holds(f: dataclasses.Field[Any]) -> str | None:
+    """What a body field's value must be: ``node``, ``part``, ``number`` or ``count`` (a bool: nothing)."""
+    for what in ("node", "part", "number"):
+        if f.metadata.get(what):
+            return what
+    return "count" if str(f.type) == "int" else None
 
 
 def _fields_of(cls: type[PlacementMessage]) -> _Fields:
     types = {"int": int, "bool": bool}
     fields = dataclasses.fields(cls)
-    return _Fields(MappingProxyType({f.name: types[str(f.type)] for f in fields if "array" not in f.metadata}),
+    body = [f for f in fields if "array" not in f.metadata]
+    return _Fields(MappingProxyType({f.name: types[str(f.type)] for f in body}),
                    tuple((f.name, *f.metadata["array"]) for f in fields if "array" in f.metadata),
-                   frozenset(f.name for f in fields if f.metadata.get("node")),
-                   frozenset(f.name for f in fields if f.metadata.get("part")),
-                   frozenset(f.name for f in fields if f.metadata.get("number")))
+                   tuple((f.name, what) for f in body if (what := _holds(f)) is not None))
 
 
 # Asked for with every message a kind sends or receives, so worked out once per kind here
@@ -177,16 +184,10 @@ def array_bytes(message: PlacementMessage) -> int:
     return sum(getattr(message, name).nbytes for name, _, _ in _FIELDS[type(message)].arrays)
 
 
-def node_fields(cls: type[PlacementMessage]) -> frozenset[str]:
-    return _FIELDS[cls].nodes
-
-
-def part_fields(cls: type[PlacementMessage]) -> frozenset[str]:
-    return _FIELDS[cls].parts
-
-
-def number_fields(cls: type[PlacementMessage]) -> frozenset[str]:
-    return _FIELDS[cls].numbers
+def checked_fields(cls: type[PlacementMessage]) -> tuple[tuple[str, str], ...]:
+    """The body fields of a kind a receiver checks, each with what it holds (``node``, ``part``,
+    ``number`` or ``count``)."""
+    return _FIELDS[cls].checked
 
 
 #: several messages to one node in one: body ``{"kind": BATCH, "messages": [each one's body]}``, the

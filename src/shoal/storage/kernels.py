@@ -144,12 +144,12 @@ def add_present(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, p
 @kernel
 def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pinned: np.ndarray,
                  arrived: np.ndarray, incoming: np.ndarray, rows: np.ndarray, also: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """A replica sync's payload: the rows among ``rows`` marked changed (or marked in ``also``) and
-    their changes since the last sync (``values - base``, what arrived beside included); their
-    ``base`` becomes that value and their marks are cleared. A held row's kernel may write it
-    meanwhile: each value is read once, so a write lands either in this change or in the next (a held
-    row stays marked changed). No row-sized temporaries."""
+                 ) -> tuple[np.ndarray, np.ndarray, bool]:
+    """A replica sync's payload: the rows among ``rows`` marked changed (or marked in ``also``), in
+    the order of ``rows``, their changes since the last sync (``values - base``, what arrived beside
+    included), and whether any change is not zero; their ``base`` becomes that value and their marks
+    are cleared. A held row's kernel may write it meanwhile: each value is read once, so a write lands
+    either in this change or in the next (a held row stays marked changed). No row-sized temporaries."""
     dim = values.shape[1]
     chosen = np.zeros(rows.shape[0], dtype=np.bool_)
     count = 0
@@ -160,6 +160,7 @@ def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pinn
     taken = np.empty(count, dtype=np.int64)
     deltas = np.empty((count, dim), dtype=values.dtype)
     k = 0
+    moved = False
     for i in range(rows.shape[0]):
         if chosen[i]:
             r = rows[i]
@@ -177,12 +178,14 @@ def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pinn
                     values[r, j] = v
                 elif beside:
                     v += incoming[r, j]
-                deltas[k, j] = v - base[r, j]
+                d = v - base[r, j]
+                deltas[k, j] = d
+                moved |= d != 0
                 base[r, j] = v
             if fold:
                 arrived[r] = 0
             k += 1
-    return taken, deltas
+    return taken, deltas, moved
 
 
 @kernel
@@ -257,6 +260,27 @@ def receive_rows(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pres
             arrived[r] = 0
         changed[r] = 0
         presence[r] = 1
+
+
+@kernel
+def receive_replicas(values: np.ndarray, base: np.ndarray, presence: np.ndarray, rows: np.ndarray,
+                     owner_rows: np.ndarray, taken: np.ndarray) -> int:
+    """Replicas that come from their owner: each row absent here becomes the owner's row, as of this
+    sync (its ``base``); a row present here already (owned, or a replica that came first) is left as
+    it is. The rows taken are written to the front of ``taken``; returns how many."""
+    dim = values.shape[1]
+    count = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if presence[r] != 0:
+            continue
+        for j in range(dim):
+            values[r, j] = owner_rows[i, j]
+            base[r, j] = owner_rows[i, j]
+        presence[r] = 2
+        taken[count] = r
+        count += 1
+    return count
 
 
 @kernel
@@ -665,6 +689,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     read_present(rows, flags, pins, rows, keys, rows.copy(), absent_at)
     add_present(rows.copy(), flags.copy(), flags, pins, flags.copy(), rows.copy(), keys, rows, 1.0, absent_at)
     take_changes(rows.copy(), rows.copy(), flags.copy(), pins, flags.copy(), rows, keys, np.zeros(1, dtype=np.bool_))
+    receive_replicas(rows.copy(), rows.copy(), flags.copy(), keys, rows, absent_at.copy())
     apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, flags.copy(), rows.copy(), keys, rows,
                  flags, absent_at.copy())
     receive_rows(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, flags.copy(), rows.copy(), keys, rows)
