@@ -118,6 +118,41 @@ def test_receive_replicas_takes_exactly_the_absent_rows_as_replicas_of_the_owner
     np.testing.assert_array_equal(base[others], base_before[others])
 
 
+@given(arrays(np.int64, st.integers(1, 20), elements=st.integers(0, 19), unique=True), st.integers(0, 2**20),
+       st.booleans())
+def test_add_owned_and_read_adds_and_reads_as_add_present_and_read_present_or_changes_nothing(rows, seed, usual):
+    rng = np.random.default_rng(seed)
+    presence = np.full(20, kernels.OWNED, np.uint8)
+    waits = np.zeros(20, np.bool_)
+    if not usual:  # one row is not owned here (absent, or a replica), or waits for a state
+        odd = rows[rng.integers(len(rows))]
+        if rng.random() < 0.5:
+            presence[odd] = rng.choice([kernels.ABSENT, kernels.REPLICA])
+        else:
+            waits[odd] = True
+    values = rng.integers(-8, 8, (20, 3)).astype(np.float32)
+    pinned, arrived = (rng.random(20) < 0.3).astype(np.uint8), (rng.random(20) < 0.3).astype(np.uint8)
+    incoming = rng.integers(-4, 4, (20, 3)).astype(np.float32)
+    deltas = rng.integers(-4, 4, (len(rows), 3)).astype(np.float32)
+    state = [a.copy() for a in (values, arrived, incoming)]
+    out = np.zeros((len(rows), 3), np.float32)
+    done = kernels.add_owned_and_read(values, presence, pinned, arrived, incoming, waits, rows, deltas, out)
+    assert done == usual
+    if not usual:  # nothing changed: the caller takes the long way
+        for after, before in zip((values, arrived, incoming), state, strict=True):
+            np.testing.assert_array_equal(after, before)
+        return
+    want_values, want_arrived, want_incoming = state
+    kernels.add_present(want_values, np.zeros(20, np.uint8), presence, pinned, want_arrived, want_incoming, rows,
+                        deltas, 1.0, np.empty(len(rows), np.int64))
+    want_out = np.empty_like(out)
+    kernels.read_present(want_values, presence, want_arrived, want_incoming, rows, want_out, np.empty(len(rows),
+                                                                                                     np.int64))
+    for got, want in zip((values, arrived, incoming, out), (want_values, want_arrived, want_incoming, want_out),
+                         strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_add_present_marks_the_replica_rows_it_changes_and_no_others():
     values = np.zeros((4, 2), np.float32)
     changed = np.zeros(4, np.uint8)

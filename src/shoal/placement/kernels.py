@@ -1,4 +1,5 @@
-"""Compiled key routing: one pass over a batch instead of several numpy passes."""
+"""Compiled passes over a batch of keys instead of several numpy passes: routing, and counting a
+replica's syncs in flight."""
 
 from __future__ import annotations
 
@@ -113,3 +114,14 @@ def warm_up() -> None:
         rows_in_lookup(keys, 0, out, out, out.copy())
         distinct(keys, np.zeros(1, dtype=np.bool_), out)
     owners_of(out, out.copy(), out.copy(), 1)
+
+
+@kernel
+def count_answered(unanswered: np.ndarray, settled: np.ndarray, keys: np.ndarray) -> bool:
+    """The keys ``settled`` have one sync fewer unanswered; whether any of ``keys`` still has one."""
+    for i in range(settled.shape[0]):
+        unanswered[settled[i]] -= 1
+    for i in range(keys.shape[0]):
+        if unanswered[keys[i]] > 0:
+            return True
+    return False

@@ -43,6 +43,7 @@ from shoal.api.errors import ProtocolError
 from shoal.placement import held
 from shoal.placement.adaptive_table import AdaptiveTable, Answer, Effects, Send, SyncInFlight, WaitingState
 from shoal.placement.intent import ACT_EVERY_S, ACTION_S, Action, smoothed_window
+from shoal.placement.kernels import count_answered
 from shoal.placement.messages import (
     Announce,
     Handover,
@@ -61,6 +62,7 @@ from shoal.placement.ownership import MAX_HOPS, home_of
 from shoal.storage.kernels import (
     OWNED,
     REPLICA,
+    add_owned_and_read,
     add_present,
     any_nonfinite,
     apply_synced,
@@ -672,6 +674,19 @@ class PlacementMachine:
         answer says how many such parts there are, and the replica waits for their answers too (nothing
         it sent is unaccounted for). A part with nothing to add here yet waits whole, unanswered."""
         table = self.table
+        store = table.store
+        assert store.changed is not None and store.pinned is not None
+        assert store.arrived is not None and store.incoming is not None
+        # The usual sync finds every key owned here and none waiting for a state: added and read in one call.
+        values = np.empty(deltas.shape, dtype=deltas.dtype)
+        with self._moving_rows(exclusive=True):
+            usual = add_owned_and_read(store.values, table.presence, store.pinned, store.arrived, store.incoming,
+                                       table.state_waits, keys, deltas, values)
+        if usual:
+            if drop.any():
+                table.interest.replicas[keys[drop.astype(bool)]] &= ~(1 << origin)
+            self._send(origin, Synced(keys, values, drop, target, 0, part, parent))
+            return
         owned = table.presence[keys] == OWNED
         waits = table.state_waits[keys]  # rows here, waiting for a sync from here (added to them)
         rest = np.flatnonzero(~(owned | waits))
@@ -698,12 +713,8 @@ class PlacementMachine:
                     parts += 1
                     self._send(owner, Sync(keys[group], deltas[group], drop[group], origin, target, hops + 1,
                                            table.new_part(), part))
-            # The usual sync finds every key owned here: no copy of its rows.
             taken = owned | waits
             keys, deltas, drop, owned, waits = keys[taken], deltas[taken], drop[taken], owned[taken], waits[taken]
-        store = table.store
-        assert store.changed is not None and store.pinned is not None
-        assert store.arrived is not None and store.incoming is not None
         if waits.any():
             values = np.empty((keys.shape[0], deltas.shape[1]), dtype=deltas.dtype)
             values[waits] = self._add_to_waiting_rows(keys[waits], deltas[waits], drop[waits], origin)
@@ -750,14 +761,13 @@ class PlacementMachine:
         if flight is not None:
             done = flight.answer(part, parent, parts)
             settled = flight.answered_keys(keys, done)
-            table.unanswered[settled] -= 1
             if done:
                 del table.syncs_in_flight[target]
             # A key with a later sync from here still on its way (to an owner learned of meanwhile)
             # keeps its replica as it is: this answer's rows may lack that sync's change, and a
             # replica rebased on them would be read without it until that sync is answered.
-            later = table.unanswered[keys] > 0
-            if later.any():
+            if count_answered(table.unanswered, settled, keys):
+                later = table.unanswered[keys] > 0
                 keys, values, drop = keys[~later], values[~later], drop[~later]
         gone = np.empty(keys.shape[0], dtype=np.int64)
         with self._moving_rows(exclusive=True):

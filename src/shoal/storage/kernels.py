@@ -142,6 +142,42 @@ def add_present(values: np.ndarray, changed: np.ndarray, presence: np.ndarray, p
 
 
 @kernel
+def add_owned_and_read(values: np.ndarray, presence: np.ndarray, pinned: np.ndarray, arrived: np.ndarray,
+                       incoming: np.ndarray, waits: np.ndarray, rows: np.ndarray, deltas: np.ndarray,
+                       out: np.ndarray) -> bool:
+    """A replica's change at its owner, the usual case in one call: if every row is owned here and none
+    waits for a state (``waits``), add the change to them as ``add_present`` does and read them after
+    into ``out`` as ``read_present`` does; else change nothing and return False."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if presence[r] != 1 or waits[r]:
+            return False
+    dim = values.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if pinned[r]:
+            if arrived[r]:
+                for j in range(dim):
+                    incoming[r, j] += deltas[i, j]
+            else:
+                arrived[r] = 1
+                for j in range(dim):
+                    incoming[r, j] = deltas[i, j]
+            continue
+        acquire_fence()  # a hold that let go of the row: its writes first
+        if arrived[r]:
+            arrived[r] = 0
+            for j in range(dim):
+                values[r, j] += incoming[r, j] + deltas[i, j]
+        else:
+            for j in range(dim):
+                values[r, j] += deltas[i, j]
+    # Read after every add (a row named twice is read with both); every row is present: none is absent.
+    read_present(values, presence, arrived, incoming, rows, out, np.empty(0, dtype=np.int64))
+    return True
+
+
+@kernel
 def take_changes(values: np.ndarray, base: np.ndarray, changed: np.ndarray, pinned: np.ndarray,
                  arrived: np.ndarray, incoming: np.ndarray, rows: np.ndarray, also: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -690,6 +726,8 @@ def warm_up(dtype: Any = np.float32) -> None:
     add_present(rows.copy(), flags.copy(), flags, pins, flags.copy(), rows.copy(), keys, rows, 1.0, absent_at)
     take_changes(rows.copy(), rows.copy(), flags.copy(), pins, flags.copy(), rows, keys, np.zeros(1, dtype=np.bool_))
     receive_replicas(rows.copy(), rows.copy(), flags.copy(), keys, rows, absent_at.copy())
+    add_owned_and_read(rows.copy(), flags.copy(), pins, flags.copy(), rows.copy(), flags.copy().astype(np.bool_), keys,
+                       rows, rows.copy())
     apply_synced(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, flags.copy(), rows.copy(), keys, rows,
                  flags, absent_at.copy())
     receive_rows(rows.copy(), rows.copy(), flags.copy(), flags.copy(), pins, flags.copy(), rows.copy(), keys, rows)
