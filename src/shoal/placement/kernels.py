@@ -97,8 +97,19 @@ def distinct(keys: np.ndarray, seen: np.ndarray, out: np.ndarray) -> int:
     return n
 
 
+@kernel
+def count_answered(unanswered: np.ndarray, settled: np.ndarray, keys: np.ndarray) -> bool:
+    """The keys ``settled`` have one sync fewer unanswered; whether any of ``keys`` still has one."""
+    for i in range(settled.shape[0]):
+        unanswered[settled[i]] -= 1
+    for i in range(keys.shape[0]):
+        if unanswered[keys[i]] > 0:
+            return True
+    return False
+
+
 def warm_up() -> None:
-    """Load the routing kernels now (as ``storage.kernels.warm_up`` does the row kernels), each for keys
+    """Load these kernels now (as ``storage.kernels.warm_up`` does the row kernels), each for keys
     a process made and for keys read from the wire: those are read-only, a form numba compiles apart,
     which a server would otherwise compile (a fresh install) or load at its first request."""
     mine = np.zeros(1, dtype=np.int64)
@@ -114,14 +125,4 @@ def warm_up() -> None:
         rows_in_lookup(keys, 0, out, out, out.copy())
         distinct(keys, np.zeros(1, dtype=np.bool_), out)
     owners_of(out, out.copy(), out.copy(), 1)
-
-
-@kernel
-def count_answered(unanswered: np.ndarray, settled: np.ndarray, keys: np.ndarray) -> bool:
-    """The keys ``settled`` have one sync fewer unanswered; whether any of ``keys`` still has one."""
-    for i in range(settled.shape[0]):
-        unanswered[settled[i]] -= 1
-    for i in range(keys.shape[0]):
-        if unanswered[keys[i]] > 0:
-            return True
-    return False
+    count_answered(np.zeros(1, dtype=np.int32), out, out)  # a replica's first sync answered: mid-training
