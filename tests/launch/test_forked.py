@@ -205,7 +205,8 @@ def test_the_launchers_exit_handlers_and_finalizers_stay_its_own(tmp_path):
     assert log.read_text().count("launcher exit handler") == 1
 
 
-#: after the launcher's preload, what a server does at a table's build and its first intent
+#: after the launcher's preload, what a server does at a table's build, its first intent and the first
+#: answer to a replica's sync
 FIRST_WORK = """
 import json, sys
 import numpy as np
@@ -220,23 +221,26 @@ from shoal.storage.initialize import fill_initial
 
 def signatures():
     return {name: len(getattr(module, name).signatures) for module, names in
-            ((kernels, ("seeded_normal", "seeded_uniform")), (routing, ("distinct", "rows_in_range")))
+            ((kernels, ("seeded_normal", "seeded_uniform")),
+             (routing, ("distinct", "rows_in_range", "count_answered")))
             for name in names}
 
 before = signatures()
 wire = np.frombuffer(np.arange(4, dtype=np.int64).tobytes(), dtype=np.int64)  # keys as a message brings them
 NodeIntents(num_keys=8).add(wire, 0, 1)
 routing.rows_in_range(wire, 0, 8, np.empty(4, dtype=np.int64))
+routing.count_answered(np.ones(8, dtype=np.int32), np.arange(4), np.arange(4))  # as a replica's server calls it
 for init in (shoal.Normal(std=0.1), shoal.Uniform(-0.1, 0.1)):
     fill_initial(TableSpec("t", 8, 3, init=init), np.arange(4), np.empty((4, 3), np.float32))
 print(json.dumps([before, signatures()]))
 """
 
 
-def test_the_preload_leaves_a_server_no_kernel_to_compile_or_load_at_its_first_build_and_intent():
+def test_the_preload_leaves_a_server_no_kernel_to_compile_or_load_at_its_first_build_intent_and_sync():
     """Keys read from a message are read-only, a form numba compiles apart: without it in the preload
     each server compiled it at its first intent in a fresh install (0.6 s of CPU, during training)
-    and loaded it at every job's first intent; the same for the initial rows at a table's build."""
+    and loaded it at every job's first intent; the same for the initial rows at a table's build, and
+    for the count of a replica's syncs answered (loaded at the first answer, mid-training)."""
     done = subprocess.run([PYTHON, "-c", FIRST_WORK], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = json.loads(done.stdout.strip().splitlines()[-1])
