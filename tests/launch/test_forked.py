@@ -221,7 +221,7 @@ from shoal.storage.initialize import fill_initial
 
 def signatures():
     return {name: len(getattr(module, name).signatures) for module, names in
-            ((kernels, ("seeded_normal", "seeded_uniform")),
+            ((kernels, ("seeded_normal", "seeded_uniform", "partition_by_owner")),
              (routing, ("distinct", "rows_in_range", "count_answered")))
             for name in names}
 
@@ -230,17 +230,19 @@ wire = np.frombuffer(np.arange(4, dtype=np.int64).tobytes(), dtype=np.int64)  # 
 NodeIntents(num_keys=8).add(wire, 0, 1)
 routing.rows_in_range(wire, 0, 8, np.empty(4, dtype=np.int64))
 routing.count_answered(np.ones(8, dtype=np.int32), np.arange(4), np.arange(4))  # as a replica's server calls it
+kernels.partition_by_owner(np.arange(4) % 2, 2)  # a worker's batch over two nodes
 for init in (shoal.Normal(std=0.1), shoal.Uniform(-0.1, 0.1)):
     fill_initial(TableSpec("t", 8, 3, init=init), np.arange(4), np.empty((4, 3), np.float32))
 print(json.dumps([before, signatures()]))
 """
 
 
-def test_the_preload_leaves_a_server_no_kernel_to_compile_or_load_at_its_first_build_intent_and_sync():
+def test_the_preload_leaves_no_kernel_to_compile_or_load_at_a_first_build_intent_sync_or_split():
     """Keys read from a message are read-only, a form numba compiles apart: without it in the preload
     each server compiled it at its first intent in a fresh install (0.6 s of CPU, during training)
-    and loaded it at every job's first intent; the same for the initial rows at a table's build, and
-    for the count of a replica's syncs answered (loaded at the first answer, mid-training)."""
+    and loaded it at every job's first intent; the same for the initial rows at a table's build, for
+    the count of a replica's syncs answered (loaded at the first answer, mid-training), and for a
+    worker's split of a batch over nodes."""
     done = subprocess.run([PYTHON, "-c", FIRST_WORK], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = json.loads(done.stdout.strip().splitlines()[-1])

@@ -715,6 +715,7 @@ def warm_up(dtype: Any = np.float32) -> None:
     absent_at = np.zeros(1, dtype=np.int64)
     first_out_of_range(keys, 1)
     any_shared(keys, keys)
+    partition_by_owner(keys, 1)  # a batch split over nodes (a static table's remote rows) or slices
     any_nonfinite(rows)
     gather_rows(rows, keys, rows.copy())
     gather_place(rows, keys, keys, rows.copy())
