@@ -22,10 +22,10 @@ pointing at its own ``src``. Measured per contender:
   both servers used; and triples/s again with 5% of all messages lost (``shoal run --faults``,
   seeded by the round, so both contenders lose the same draws of the dice);
 * a replica sync round in one process (MF's: 1,400 replica rows of 65 float32 that all changed):
-  the two nodes' placement machines' work, from the replica's tick through the owner's answer,
-  with the messages encoded and decoded between them; what a server spends on it in a job is
-  several times this (its caches cold there), but the ratio shows a change to it where a job's
-  noise hides it.
+  the two nodes' placement machines' work, from the replica's tick to its taking the owner's
+  answer (the codec runs between them, untimed); what a server spends on it in a job is several
+  times this (its caches cold there), but the ratio shows a change to it where a job's noise
+  hides it.
 
 Ratios above 1 mean this tree is faster.
 """

@@ -206,7 +206,7 @@ def test_the_launchers_exit_handlers_and_finalizers_stay_its_own(tmp_path):
 
 
 #: after the launcher's preload, what a server does at a table's build, its first intent and the first
-#: answer to a replica's sync
+#: answer to a replica's sync, and a worker at its first batch split over nodes
 FIRST_WORK = """
 import json, sys
 import numpy as np

@@ -660,7 +660,7 @@ class PlacementMachine:
             if not changed.size:
                 continue
             part = table.new_part()
-            # ``changed`` is in key order already: ``keys`` are (``flatnonzero``, kept in order by ``_group``)
+            # In key order already, as ``SyncInFlight`` keeps them: ``keys`` come from ``flatnonzero``, in order
             table.syncs_in_flight[owner] = SyncInFlight(part, changed, bool(moved))
             table.unanswered[changed] += 1
             table.stats["sync_sent"] += 1
