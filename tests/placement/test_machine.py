@@ -27,7 +27,7 @@ from shoal.api.errors import ProtocolError
 from shoal.placement.adaptive_table import AdaptiveTable, Effects, Send
 from shoal.placement.held import HELD_S
 from shoal.placement.intent import ACT_EVERY_S
-from shoal.placement.machine import CLOCK_LOOK_MS, REFRESH_ROUNDS, SYNC_MIN_MS, PlacementMachine
+from shoal.placement.machine import CLOCK_LOOK_MS, REFRESH_ROUNDS, SYNC_MAX_MS, SYNC_MIN_MS, PlacementMachine
 from shoal.placement.messages import Announce, Handover, Owner, PlacementMessage, State, Sync, array_fields
 from shoal.placement.ownership import LocationCache
 from shoal.storage.kernels import ABSENT, OWNED, REPLICA, pin_in_place
@@ -165,7 +165,7 @@ class Network:
             if not any(m.unsettled() for m in self.machines) and not going and not self.unanswered \
                     and not self.retries:
                 return
-            self.tick(self.spec.sync_ms / 1000.0)
+            self.tick((self.spec.sync_ms or SYNC_MAX_MS) / 1000.0)
         raise AssertionError(f"not settled: {[m.unsettled() for m in self.machines]}, "
                              f"{len(self.unanswered)} push(es) unanswered")
 
@@ -985,3 +985,57 @@ def test_a_push_taken_by_a_replica_at_the_keys_home_is_read_by_its_worker_once_t
     out = np.zeros((1, 2), np.float32)
     assert net.tables[2].store.read_present(key, out).size == 0
     assert out[0, 0] == 1.0, f"node 2's worker reads {out[0, 0]} after its acknowledged push of 1"
+
+
+def _observed(net: Network, node: int) -> tuple[object, ...]:
+    """What a pass of ``node``'s timer changes when it does anything: its syncs, rounds of intents,
+    hold checks, and the requests and rows that wait."""
+    table = net.tables[node]
+    return (table.synced_at, table.next_sync, table.next_action, table.next_action_s, table.next_hold_check,
+            len(table.held), len(table.held_back), int(table.intents.announced.sum()), dict(table.stats))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_pass_its_machine_says_is_not_due_does_nothing(network_of, seed):
+    # The server's loop skips a timer pass that no table's machine (nor anything else) has work for.
+    # Wherever the protocol stands (keys moving on requests and intents, replicas syncing by the clock,
+    # messages in flight), a pass that ``due`` said nothing of sends nothing and changes nothing.
+    net = network_of(3, "auto", seed, sync_ms=None)
+    rng = np.random.default_rng(seed)
+    said = {True: 0, False: 0}
+    for _ in range(300):
+        net.move_keys_at_random(rng, 1)
+        net.now += float(rng.choice([0.0, 0.001, 0.004, 0.011, 0.06]))
+        for node, machine in enumerate(net.machines):
+            due = machine.due(net.now, net.clock, 0.01)
+            said[due] += 1
+            if due:
+                continue
+            before = _observed(net, node)
+            effects = machine.tick(net.now, net.clock, 0.01)
+            assert not effects.sends and not effects.answers
+            assert _observed(net, node) == before
+    assert said[True] > 20 and said[False] > 20  # both kinds of pass were seen
+    net.settle()
+    np.testing.assert_array_equal(net.owned_values(), net.pushed)
+
+
+def test_a_table_holding_no_replica_is_not_synced_by_the_clock_only_on_its_grid(network_of):
+    # Without a sync period, a table's replicas sync at each clock of the node (SYNC_MIN_MS apart at
+    # the soonest). A node holding no replica of the table has nothing to send: it looked at every
+    # clock all the same, the owner of a hot table's rows in a pass of its own each time.
+    net = network_of(2, "replication", 0, sync_ms=None)
+    _replicas_at(net, 1, np.array([0, 2]))  # node 1 holds replicas of node 0's keys; node 0 holds none
+    owner, replica = net.machines[0], net.machines[1]
+    net.now = 1.0
+    for machine in (owner, replica):
+        net.carry_out(machine.node, machine.tick(net.now, 1, 0.001))
+    net.deliver_all()
+    later, clock = 1.0 + 2 * SYNC_MIN_MS / 1000, 2  # the clock moved, the grid (50 ms) not reached
+    assert replica.due(later, clock, 0.001) and not owner.due(later, clock, 0.001)
+    net.carry_out(0, owner.tick(later, clock, 0.001))
+    assert net.tables[0].synced_at == 1.0
+    grid = net.tables[0].next_sync
+    assert owner.due(grid, clock, 0.001)
+    net.carry_out(0, owner.tick(grid, clock, 0.001))
+    assert net.tables[0].synced_at == grid

@@ -55,3 +55,24 @@ def test_a_loop_waiting_for_a_table_being_built_wakes_once_a_millisecond_not_in_
     took = time.monotonic() - start
     woke = passes() - before
     assert woke <= 1.5 * took * 1000 + 20, f"{woke} timer passes in a build of {took:.3f} s"
+
+
+def test_requests_with_no_timer_due_run_the_timers_about_every_50_ms_not_after_each_request(
+        start_server: Callable[..., LiveServer], connect: Callable[..., RawClient]) -> None:
+    """A pass of the timers cost a server about as much as a small request. It ran after every
+    message at most every 2 ms, though between two clocks of a busy job almost none had anything
+    to do; now only when a timer has (a deadline, something waiting), and every 50 ms regardless."""
+    client = connect(start_server())
+    client.create_table(SPEC)
+    keys = np.arange(4, dtype=np.int64)
+
+    def passes() -> int:
+        return int(client.call(Message(Op.STATS)).body["cpu"]["activities"]["timer builds"][0])
+
+    before, start, requests = passes(), time.monotonic(), 0
+    while requests < 2000 and (requests < 200 or time.monotonic() - start < 0.5):
+        client.pull(keys)
+        requests += 1
+    took = time.monotonic() - start
+    ran = passes() - before
+    assert ran <= took / 0.05 + 5, f"{ran} timer passes in {took:.3f} s of {requests} requests"

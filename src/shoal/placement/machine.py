@@ -175,12 +175,35 @@ class PlacementMachine:
             self._answer(answer)
         return self._take()
 
-    def _round_due(self, clock: int, clock_s: float, stride: int, syncing: bool) -> bool:
+    def due(self, now: float, node_clock: int, clock_s: float) -> bool:
+        """Whether ``tick`` would find anything to do: a sync, a round of intents, a hold check, a
+        deadline of ``next_wake``, or rows and requests that wait for a later pass (it changes nothing).
+        Between two clocks of a busy job most passes of the server's loop find nothing; asking this
+        first spares them."""
+        table = self.table
+        if table.held or table.held_back or now >= table.next_hold_check or now >= self.next_wake():
+            return True
+        if self._sync_due(now, node_clock):
+            return True
+        if table.spec.techniques == "static":
+            return False
+        window = table.window if node_clock == table.acted_at else \
+            math.ceil(smoothed_window(ACTION_S, clock_s, table.window_estimate))
+        stride = self._stride(clock_s)
+        return ((table.intents.starts_within(node_clock, window)
+                 or self._round_due(now, node_clock, clock_s, stride, False))
+                and table.intents.any_due(node_clock, window + stride - 1))
+
+    def _stride(self, clock_s: float) -> int:
+        """Clocks between two rounds of intents: ``act_every_s`` of them (one, while no clock was timed)."""
+        return max(1, math.ceil(self.act_every_s / clock_s)) if clock_s > 0 else 1
+
+    def _round_due(self, now: float, clock: int, clock_s: float, stride: int, syncing: bool) -> bool:
         """Whether a round of intents is due: every ``stride`` clocks or ``act_every_s``, whichever comes
         first. It goes with the last sync of the replicas before it is due, so that the announcements
         and the sync travel to a peer in one message and come back answered in one; alone only when
         no sync comes within ``ROUND_SLACK_S`` of it."""
-        table, now = self.table, self._now
+        table = self.table
         if table.next_action - stride <= clock < table.next_action:
             due_s = min(table.next_action_s, now + (table.next_action - clock) * clock_s)
         else:  # a stride of clocks passed (or a clock was set back)
@@ -192,9 +215,9 @@ class PlacementMachine:
     def _sync_after(self, then: float, clock_s: float) -> float:
         """About when the replicas sync next after a sync at ``then``: on the grid of the table's period;
         with none, a clock of the node's workers later (``SYNC_MIN_MS`` at the soonest) or on the grid of
-        ``SYNC_MAX_MS``, whichever comes first."""
+        ``SYNC_MAX_MS``, whichever comes first (only the grid while no replica is here: ``_sync_due``)."""
         grid = self._next_on_grid(then)
-        if self.table.spec.sync_ms is not None:
+        if self.table.spec.sync_ms is not None or not self.table.holds_replicas:
             return grid
         return min(grid, then + max(clock_s, SYNC_MIN_MS / 1000.0))
 
@@ -223,11 +246,13 @@ class PlacementMachine:
         """A table's own period is due; with none, a clock of the node's workers since the last sync
         (no sooner than ``SYNC_MIN_MS`` after it) or ``SYNC_MAX_MS`` since it. A period in time alone
         bounds a replica's age, not the updates it misses: a fast job on small hot tables (an epoch of
-        MovieLens 100k or Kinships in 15-50 ms) read rows more than an epoch behind at 50 ms."""
+        MovieLens 100k or Kinships in 15-50 ms) read rows more than an epoch behind at 50 ms. A table
+        holding no replica here has nothing to send by the clock: it looks for replicas on the grid
+        (the node owning a hot table's rows looked at every clock, in a pass of its own)."""
         table = self.table
         if now >= table.next_sync:
             return True
-        return (table.spec.sync_ms is None and node_clock > table.synced_clock
+        return (table.spec.sync_ms is None and table.holds_replicas and node_clock > table.synced_clock
                 and now >= table.synced_at + SYNC_MIN_MS / 1000.0)
 
     def settle(self, now: float) -> tuple[Effects, list[str]]:
@@ -840,17 +865,16 @@ class PlacementMachine:
         # what comes into the window until the next round (withdrawals wait as long, and no longer than
         # the table's period: a clock that stands still would keep them waiting for good), unless an
         # intent not acted on yet is about to start.
-        every_s = self.act_every_s
-        stride = max(1, math.ceil(every_s / clock_s)) if clock_s > 0 else 1
-        if not table.intents.starts_within(clock, table.window) and not self._round_due(clock, clock_s, stride,
-                                                                                         syncing):
+        stride = self._stride(clock_s)
+        if not table.intents.starts_within(clock, table.window) and not self._round_due(self._now, clock, clock_s,
+                                                                                         stride, syncing):
             return
         if syncing and clock_s > 0:  # this round reaches past the next sync, which takes the next round
             stride = max(stride, math.ceil((self._sync_after(self._now, clock_s) - self._now) / clock_s) + 1)
         reach = self._reach = table.window + stride - 1
         if not table.intents.any_due(clock, reach):  # most passes: nothing to do
             return
-        table.next_action, table.next_action_s = clock + stride, self._now + every_s
+        table.next_action, table.next_action_s = clock + stride, self._now + self.act_every_s
         start, stop = table.intents.due(clock, reach)
         if start.size:
             # Interest came back before a replica here sent its last change: keep the replica (the

@@ -299,6 +299,18 @@ class AdaptiveService:
         self._resend_and_acknowledge()
         self.passes.charge(_SENT if effects.sends else _NOTHING_DUE, time.thread_time() - started)
 
+    def due(self) -> bool:
+        """Whether ``tick`` would find anything to do now: a message to send again or to acknowledge,
+        or a table's machine with work (``PlacementMachine.due``)."""
+        now = self.now()
+        deadline = self.links.next_deadline()
+        if deadline is not None and deadline <= now:
+            return True
+        if not self.machines:
+            return False
+        node_clock = self._node_clock()
+        return any(machine.due(now, node_clock, self._clock_s) for machine in self.machines.values())
+
     def _node_clock(self) -> int:
         """The slowest clock of this node's workers: as they reached it, where what they sent by then
         has been read here, else as heard."""

@@ -68,6 +68,9 @@ _HEARTBEAT_S = 0.5
 _PEER_WAIT_S = 0.02  # heartbeat period while something waits for a peer's address
 _BURST_S = 0.01  # longest stretch of message handling between timer runs
 _TIMERS_EVERY_S = 0.002  # while requests keep coming, timers run at most this often
+# ... and only when one has something to do (``_timers_due``), but at least this often: what a timer's
+# own test would miss waits no longer than an idle loop's longest sleep
+_TIMERS_AT_LEAST_S = 0.05
 # How often the loop looks for a table built off it, while one is: at 10 ms, a job's set-up waited
 # 5-10 ms per table for it.
 _BUILD_POLL_S = 0.001
@@ -190,7 +193,7 @@ class ParameterServer:
                 metrics=self.metrics.url if self.metrics is not None else None)
             self._rejoin(status)
             log.info("server %d serving at %s", self.node, self.address)
-        wait, timers_at = 0.0, 0.0
+        wait, timers_at, timers_by = 0.0, 0.0, 0.0
         self._loop_clock = time.pthread_getcpuclockid(threading.get_ident())
         try:
             while not self._stop.is_set():
@@ -213,8 +216,10 @@ class ParameterServer:
                     # after each request (they cost as much as serving a small one).
                     wait = timers_at - now
                     continue
-                self._run_timers(register)
-                timers_at = time.monotonic() + _TIMERS_EVERY_S
+                if now >= timers_by or self._timers_due(register):
+                    self._run_timers(register)
+                    now = time.monotonic()
+                    timers_at, timers_by = now + _TIMERS_EVERY_S, now + _TIMERS_AT_LEAST_S
                 wait = self._wait_s()
             if self.slicing.leave_requested:
                 self._say_goodbye()
@@ -236,6 +241,28 @@ class ParameterServer:
         if register:
             self._heartbeat()
             self.cpu.charge("timer heartbeat", time.thread_time() - started)
+
+    def _timers_due(self, register: bool) -> bool:
+        """Whether a pass of the timers would find anything to do: each timer's own test of what its
+        pass looks at. In a busy job most passes after a message found nothing, and cost the server
+        about as much as the message (``server_cpu.md``)."""
+        order = self.order
+        return bool(self.builds.pending or order.waiting_count() or order.has_given_up()
+                    or self.sync.fences or self.sync.held_count() or self.replication.tables
+                    or self.slicing.outgoing or self.adaptive.due()
+                    or (register and self._heartbeat_due()))
+
+    def _heartbeat_due(self) -> bool:
+        """Whether ``_heartbeat`` has something to do: an answer of the rendezvous to read, a heartbeat
+        to send, or a rendezvous silent for too long."""
+        if self.slicing.heartbeat_now or self._rendezvous.has_input():
+            return True
+        now = time.monotonic()
+        if self._heartbeat_req is not None:  # answered (read by another pump), or silent too long
+            return (self._rendezvous.done({self._heartbeat_req})
+                    or now - self._last_heartbeat > self.cluster.timeouts.connect_s)
+        return now >= self._next_heartbeat or (now >= self._heartbeat_sent + _PEER_WAIT_S and bool(
+            self.replication.missing_peers() or self.adaptive.missing_peers()))
 
     def _say_goodbye(self) -> None:
         """Drained, and no longer reading: tell the rendezvous the last request of each worker handled

@@ -225,6 +225,10 @@ class StreamOrder:
         given_up, self._given_up = self._given_up, []
         return given_up
 
+    def has_given_up(self) -> bool:
+        """Whether requests wait for ``take_given_up``."""
+        return bool(self._given_up)
+
     def waiting_count(self) -> int:
         return sum(len(s.waiting) for s in self._streams.values())
 
