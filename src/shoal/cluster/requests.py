@@ -406,11 +406,6 @@ class RequestTracker:
         parts = [f"{p.what} (request {r}) to peer {p.peer} at {self.address_of(p.peer)}" for r, p in missing]
         return f"no reply within {timeout:.1f}s to: " + "; ".join(parts)
 
-    def has_input(self) -> bool:
-        """Whether something waits to be read (``pump`` reads it)."""
-        with self._lock:
-            return bool(self._poller.poll(0))
-
     def pump(self, timeout: float | None) -> int:
         """Receive and dispatch whatever arrives within ``timeout``; returns the number handled."""
         handled = 0

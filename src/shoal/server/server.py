@@ -197,6 +197,7 @@ class ParameterServer:
         self._loop_clock = time.pthread_getcpuclockid(threading.get_ident())
         try:
             while not self._stop.is_set():
+                waited_from = time.monotonic()
                 first = item = self.listener.recv(wait)
                 burst_until = time.monotonic() + _BURST_S
                 burst = 0
@@ -216,7 +217,10 @@ class ParameterServer:
                     # after each request (they cost as much as serving a small one).
                     wait = timers_at - now
                     continue
-                if now >= timers_by or self._timers_due(register):
+                # Woken with no message before the wait ran out: by the rendezvous's answer (ZeroMQ
+                # waits whole milliseconds, rounded up: a wait that ran out took at least its length).
+                woken = first is None and now - waited_from < wait
+                if woken or now >= timers_by or self._timers_due(register):
                     self._run_timers(register)
                     now = time.monotonic()
                     timers_at, timers_by = now + _TIMERS_EVERY_S, now + _TIMERS_AT_LEAST_S
@@ -253,9 +257,9 @@ class ParameterServer:
                     or (register and self._heartbeat_due()))
 
     def _heartbeat_due(self) -> bool:
-        """Whether ``_heartbeat`` has something to do: an answer of the rendezvous to read, a heartbeat
-        to send, or a rendezvous silent for too long."""
-        if self.slicing.heartbeat_now or self._rendezvous.has_input():
+        """Whether ``_heartbeat`` has something to do (its answers wake the loop, which then runs the
+        timers): a heartbeat to send, or a rendezvous silent for too long."""
+        if self.slicing.heartbeat_now:
             return True
         now = time.monotonic()
         if self._heartbeat_req is not None:  # answered (read by another pump), or silent too long
