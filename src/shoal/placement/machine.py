@@ -87,8 +87,9 @@ HOLD_CHECK_S = 1.0  # how often a server looks for rows held in place by a proce
 SYNC_MIN_MS = 10.0
 SYNC_MAX_MS = 50.0  # ... and at least this often (clocks that stand still)
 # The node's clock is read from its workers' slots in shared memory, which wake nobody: a server with
-# such replicas looks at it this often once a sync by clock may be due (a pass with nothing due costs
-# about 55 us: 1% of a core while the clocks stand still).
+# such replicas looks at it this long after finding it standing still, then again as long after as it
+# has stood still (a look costs a pass of the timers, 55 us alone and two to four times that in a job:
+# at every 5 ms, 1-3% of a core while the clocks stood still for good).
 CLOCK_LOOK_MS = 5.0
 ROUND_SLACK_S = 0.01  # a round of intents waits this long at most for the replicas' sync to go with it
 # A sync's answer brings back the owner's rows of the keys it carries. A replica only read here would
@@ -109,6 +110,8 @@ class PlacementMachine:
         self._now = 0.0
         self._node_clock = 0  # the slowest clock of this node's workers, as last heard
         self._reach = 1  # how many clocks ahead the last round of intents took in
+        #: since when the node's clock has been seen standing still at the last sync's (None: it moved)
+        self._still_since: float | None = None
 
     # ----------------------------------------------------------------- events
 
@@ -160,6 +163,10 @@ class PlacementMachine:
         table = self.table
         self._now = now
         self._node_clock = node_clock
+        if node_clock > table.synced_clock:
+            self._still_since = None
+        elif self._still_since is None:
+            self._still_since = now
         syncing = self._sync_due(now, node_clock)
         self._act_on_intents(node_clock, clock_s, syncing)
         if now >= table.next_hold_check:
@@ -231,15 +238,16 @@ class PlacementMachine:
     def next_wake(self) -> float:
         """When this table's timer must run next: at its sync period's next tick and, for a table
         without one that holds replicas, once a sync by the node's clock may be due (``SYNC_MIN_MS``
-        after the last sync, then every ``CLOCK_LOOK_MS`` until the clock moves). Workers whose reads
+        after the last sync; a clock found standing still is looked at again ``CLOCK_LOOK_MS`` later,
+        then as long again as it has stood still, until it moves). Workers whose reads
         never wait on clocks tell their server one at most every 50 ms; a server that slept until its
         next message or period synced replicas twice per 50 ms at most, not at each clock."""
         table = self.table
         if table.spec.sync_ms is not None or not table.holds_replicas:
             return table.next_sync
         by_clock = table.synced_at + SYNC_MIN_MS / 1000.0
-        if by_clock <= self._now:  # looked since, and the clock had not moved
-            by_clock = self._now + CLOCK_LOOK_MS / 1000.0
+        if self._still_since is not None:  # the clock stood still at the last look: look again later
+            by_clock = max(by_clock, self._now + max(CLOCK_LOOK_MS / 1000.0, self._now - self._still_since))
         return min(table.next_sync, by_clock)
 
     def _sync_due(self, now: float, node_clock: int) -> bool:
