@@ -7,8 +7,11 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import settings
+
+from shoal.storage import kernels
 
 # First calls compile numba kernels; a per-example deadline would flag that, not a bug.
 settings.register_profile("shoal", deadline=None)
@@ -72,6 +75,16 @@ def reap_children():
         except ProcessLookupError:
             pass
     assert not left, f"test left child processes behind: {left}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernels_compiled():
+    """numba's kernels compiled (or loaded from its cache) before the first test. From a cold cache
+    (a fresh checkout) that takes about 9 s of CPU, which on a busy machine outlasted the 10-s
+    request timeout of the first test to create a table: a test of compile time, not of Shoal.
+    Processes the tests start load the kernels from the cache this writes."""
+    for dtype in (np.float32, np.float64):
+        kernels.warm_up(dtype)
 
 
 @pytest.fixture(scope="session", autouse=True)
