@@ -77,6 +77,12 @@ def test_mf_with_intents_on_two_nodes_reads_its_rows_locally_and_reaches_rmse_09
     # Rank 1 does not evaluate: every row it used was here from its first batch on, since the set-up
     # waited for the rows its intents declared (its first batches asked node 0 while they moved).
     assert (requests, remote) == (0, 0)
+    # The items were declared rank by rank: those both rate are owned on node 0 and replicas on node 1
+    # only, so that the replicas' syncs go one way (declared at once, in about one run in four each
+    # node kept the items it was home to and held replicas of the others').
+    servers = sorted(json.loads(out.read_text())["servers"], key=lambda server: server["node"])
+    items = [server["adaptive"]["mf.items"] for server in servers]
+    assert items[0].get("replicas_held", 0) == 0 and items[1].get("replicas_held", 0) > 500, items
 
 
 def test_mf_sgd_in_place_on_two_nodes_steps_on_its_nodes_rows_and_reaches_rmse_094(tmp_path):
