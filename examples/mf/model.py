@@ -32,13 +32,21 @@ def predict(user_rows: np.ndarray, item_rows: np.ndarray, mu: float) -> np.ndarr
 
 
 def gradients(
-    user_rows: np.ndarray, item_rows: np.ndarray, ratings: np.ndarray, mu: float, reg: float
+    user_rows: np.ndarray, item_rows: np.ndarray, ratings: np.ndarray, mu: float, reg: float,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Gradients for the user and item rows of a batch, and the batch's squared error sum."""
+    """Gradients for the user and item rows of a batch, and the batch's squared error sum. With
+    ``out`` (``2n`` rows) the users' gradients are written into its first ``n`` rows and the items'
+    into the rest, for one push of both to one table."""
     k = user_rows.shape[1] - 1
     err = ratings - predict(user_rows, item_rows, mu)
-    grad_u = reg * user_rows
-    grad_i = reg * item_rows
+    if out is None:
+        grad_u = reg * user_rows
+        grad_i = reg * item_rows
+    else:
+        n = user_rows.shape[0]
+        grad_u = np.multiply(user_rows, reg, out=out[:n])
+        grad_i = np.multiply(item_rows, reg, out=out[n : 2 * n])
     e = err[:, None]
     grad_u[:, :k] -= e * item_rows[:, :k]
     grad_i[:, :k] -= e * user_rows[:, :k]

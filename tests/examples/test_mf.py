@@ -81,7 +81,7 @@ def test_mf_with_intents_on_two_nodes_reads_its_rows_locally_and_reaches_rmse_09
     # only, so that the replicas' syncs go one way (declared at once, in about one run in four each
     # node kept the items it was home to and held replicas of the others').
     servers = sorted(json.loads(out.read_text())["servers"], key=lambda server: server["node"])
-    items = [server["adaptive"]["mf.items"] for server in servers]
+    items = [server["adaptive"]["mf.factors"] for server in servers]
     assert items[0].get("replicas_held", 0) == 0 and items[1].get("replicas_held", 0) > 500, items
 
 
