@@ -144,8 +144,8 @@ def main() -> None:
             options["sync_ms"] = args.sync_ms
     if adaptive:
         # One key space, as a ps-lite app keeps every parameter: a local call costs about 50 us in a
-        # job, a tenth of a batch here, and a batch of two tables made four (2 nodes, twenty seeds side
-        # by side: 1.02x the baseline against 0.93x, `mf_movielens.md`).
+        # job, a tenth of a batch here, and two tables made a batch four calls, not two (2 nodes, thirty
+        # seeds side by side: 1.02-1.05x the baseline against 0.91-0.95x, `mf_movielens.md`).
         users = items = ps.table("mf.factors", data.num_users + data.num_items, hyper.rank + 1, **options)
         item_base = data.num_users  # an item's key: its number after the users'
     else:
@@ -203,6 +203,7 @@ def main() -> None:
         else:
             with users.in_place(u) as held_u, items.in_place(i) as held_i:  # always in this order
                 yield held_u.values, held_u.slots, held_i.values, held_i.slots
+
     placement_s = 0.0
     if adaptive:
         # Intents as long as the use: a worker's users for the whole run, every item it rates for
