@@ -266,6 +266,31 @@ def test_initialisers_can_leave_trailing_columns_at_zero():
     assert (part[:, 3:] == 0).all() and (part[:, :3] != 0).all()
 
 
+@pytest.mark.parametrize("init", ["uniform", "normal"])
+def test_initialisers_can_leave_the_rows_of_later_keys_at_zero(init):
+    """``keys=n``: the rows of keys below ``n`` drawn as without it, the others zero, in any key order
+    (one table of two kinds of rows, as word2vec's input and output rows)."""
+    from shoal.api.config import TableSpec
+    from shoal.api.errors import ConfigError
+    from shoal.api.initializers import Normal, Uniform, initializer_from_dict, initializer_to_dict
+    from shoal.storage.initialize import fill_initial
+
+    make = (lambda **kw: Uniform(-1.0, 1.0, **kw)) if init == "uniform" else (lambda **kw: Normal(std=1.0, **kw))
+    keys = np.array([7, 2, 5, 0, 3, 6])
+    full = np.empty((6, 4), np.float32)
+    part = np.empty((6, 4), np.float32)
+    fill_initial(TableSpec("t", 8, 4, init=make()), keys, full)
+    fill_initial(TableSpec("t", 8, 4, init=make(keys=4, columns=2)), keys, part)
+    below = keys < 4
+    assert (part[~below] == 0).all()
+    assert (part[below][:, :2] == full[below][:, :2]).all() and (part[below][:, :2] != 0).all()
+    assert (part[:, 2:] == 0).all()
+    assert initializer_from_dict(initializer_to_dict(make(keys=4))) == make(keys=4)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match="keys"):
+            make(keys=bad)
+
+
 def test_numba_loads_at_the_first_kernel_call_not_at_import():
     """The launcher, the servers and the workers import the kernels' modules; numba (about 1 s of a
     process's start with its first call) must wait for a kernel to run, and then kernels that call

@@ -31,9 +31,9 @@ class Constant:
         object.__setattr__(self, "value", _finite("Constant.value", self.value))
 
 
-def _columns(name: str, value: int) -> int:
+def _count(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name}.columns must be an int >= 0, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
     return value
 
 
@@ -42,15 +42,19 @@ class Uniform:
     """Values drawn uniformly from ``[low, high)``.
 
     With ``columns=k`` only the first ``k`` columns are drawn and the rest
-    start at zero (e.g. optimiser accumulators kept in the row itself).
+    start at zero (e.g. optimiser accumulators kept in the row itself). With
+    ``keys=n`` only the rows of keys below ``n`` are drawn and the others start
+    at zero (a table that keeps two kinds of rows, the drawn kind first).
     """
 
     low: float = -0.01
     high: float = 0.01
     columns: int = 0
+    keys: int = 0
 
     def __post_init__(self) -> None:
-        _columns("Uniform", self.columns)
+        _count("Uniform.columns", self.columns)
+        _count("Uniform.keys", self.keys)
         low = _finite("Uniform.low", self.low)
         high = _finite("Uniform.high", self.high)
         if not low < high:
@@ -61,14 +65,17 @@ class Uniform:
 
 @dataclass(frozen=True)
 class Normal:
-    """Values drawn from a normal distribution (only the first ``columns`` columns if it is set)."""
+    """Values drawn from a normal distribution (only the first ``columns`` columns, and only the rows of
+    keys below ``keys``, where they are set: as ``Uniform``'s)."""
 
     mean: float = 0.0
     std: float = 0.01
     columns: int = 0
+    keys: int = 0
 
     def __post_init__(self) -> None:
-        _columns("Normal", self.columns)
+        _count("Normal.columns", self.columns)
+        _count("Normal.keys", self.keys)
         mean = _finite("Normal.mean", self.mean)
         std = _finite("Normal.std", self.std)
         if std < 0:

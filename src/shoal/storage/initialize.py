@@ -34,3 +34,5 @@ def fill_initial(spec: TableSpec, keys: np.ndarray, out: np.ndarray) -> None:
     if target is not out:
         out[...] = 0
         out[:, : init.columns] = target
+    if init.keys:
+        out[keys >= init.keys] = 0
