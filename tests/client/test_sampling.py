@@ -143,3 +143,26 @@ def test_local_sampling_draws_keys_that_came_to_this_node_since_its_list_was_mad
         keys = np.concatenate([t0.sample_keys(500) for _ in range(20)])
         # Uniform over the 40 keys now here: about half odd (P(fewer than 3000 of 10,000) ~ 0).
         assert (keys % 2 == 1).sum() > 3000, f"{(keys % 2 == 1).sum()} of {keys.size} draws among the 20 keys that came"
+
+
+@pytest.mark.parametrize("heavy", [1.0, 3.0], ids=["alike", "unlike"])
+def test_local_sampling_draws_by_weight_among_the_keys_here(heavy: float) -> None:
+    """``local`` renormalises the weights over the keys present here. Weights alike wherever above zero
+    (a table's entities beside its relations) are drawn as uniform draws among the drawable keys here,
+    without an alias table; other weights through one. Either way no key of weight zero and no key
+    elsewhere is drawn, and each drawable key here in proportion to its weight."""
+    with ThreadCluster(nodes=2) as c:
+        w0, w1 = c.worker(0), c.worker(1)
+        t0 = w0.table("neg", 40, 1, techniques="relocation")
+        w1.table("neg", 40, 1, techniques="relocation")
+        weights = np.ones(40)
+        weights[30:] = 0.0  # never drawn
+        weights[:10] = heavy
+        t0.register_sampling(weights, scheme="local", seed=5)
+        keys = np.concatenate([t0.sample_keys(1000) for _ in range(20)])
+        here = np.arange(0, 30, 2)  # node 0's keys (the even ones) of weight above zero
+        counts = np.bincount(keys, minlength=40)
+        assert counts[np.setdiff1d(np.arange(40), here)].sum() == 0, counts
+        expected = keys.size * weights[here] / weights[here].sum()
+        # 20,000 draws: each count within 5 standard deviations of its expectation (about 1,100-1,300).
+        assert (np.abs(counts[here] - expected) < 5 * np.sqrt(expected)).all(), (counts[here], expected)

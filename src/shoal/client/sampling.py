@@ -83,12 +83,17 @@ class Sampler:
         #: the distribution as an alias table (None: uniform)
         self._alias = None if weights is None else alias_table(weights)
         self.weights = weights
+        #: with weights alike wherever they are above zero (uniform among some keys: a table's entities
+        #: beside its relations), which keys may be drawn: those among the local keys are drawn as
+        #: uniform draws, with no alias table made for each new list (5 ms for 120,000 keys here)
+        self._alike = None if weights is None or (weights[weights > 0] != 1.0).any() else weights > 0
         self._ids = itertools.count()
         self._handles: dict[int, SampleHandle] = {}
         self._pool = np.empty(0, dtype=np.int64)
         self._pool_left = np.empty(0, dtype=np.int64)
         self._local: np.ndarray | None = None
-        self._local_alias: tuple[np.ndarray, np.ndarray] | None = None
+        #: what draws among the list by the weights: its drawable keys (drawn alike) or its alias table
+        self._local_choice: np.ndarray | tuple[np.ndarray, np.ndarray] | None = None
         self._local_drawn = 0  # keys drawn from the list since it was made
         self._local_made_for: tuple[object, tuple[int, ...]] | None = None  # a static table's layout and slices
 
@@ -174,7 +179,7 @@ class Sampler:
     def _refresh_local(self, presence: np.ndarray) -> np.ndarray:
         local = np.flatnonzero(presence != ABSENT)
         if self._local is None or not np.array_equal(local, self._local):
-            self._local, self._local_alias = local, None  # the alias table is remade only for a changed list
+            self._local, self._local_choice = local, None  # remade only for a changed list
         self._local_drawn = 0
         return self._local
 
@@ -186,9 +191,14 @@ class Sampler:
         """``n`` keys of ``local``, by their weights renormalised (uniform without weights)."""
         if self.weights is None:
             return local[self.rng.integers(0, local.size, n)]
-        if self._local_alias is None:
-            self._local_alias = alias_table(self.weights[local])
-        return local[alias_draw(*self._local_alias, self.rng.random(n))]
+        if self._local_choice is None:
+            alike = self._alike
+            self._local_choice = alias_table(self.weights[local]) if alike is None else local[alike[local]]
+        choice = self._local_choice
+        if isinstance(choice, np.ndarray):
+            return choice[self.rng.integers(0, choice.size, n)]
+        prob, alias = choice
+        return local[alias_draw(prob, alias, self.rng.random(n))]
 
     def _static_local_keys(self) -> np.ndarray:
         layout, slices = self.table.layout, tuple(self.table.local)
@@ -196,7 +206,7 @@ class Sampler:
         if self._local is None or made_for is None or made_for[0] is not layout or made_for[1] != slices:
             parts = [layout.mapping.keys_of(s) for s in slices]
             self._local = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-            self._local_alias = None
+            self._local_choice = None
             self._local_made_for = (layout, slices)
         return self._local
 
