@@ -2,6 +2,9 @@
 
     shoal run --nodes 2 -- python examples/kge/train.py --data zipf --mode auto --seconds 30
 
+Entities and relations share one table, ``kge.embeddings``: a relation's key is
+its number after the entities'.
+
 Modes:
 
 * ``classic``: every row through a server (no shared-memory access, no intent), naive negative sampling;
@@ -92,9 +95,13 @@ def main() -> None:
         # ahead: fewer rounds and remote pushes, the servers 6% less CPU at the same triples a second or
         # more (eleven alternating pairs, ``server_cpu.md``).
         options["act_ms"] = args.act_ms if args.act_ms is not None else 100.0 if args.data == "zipf" else None
-    ent = ps.table("kge.entities", graph.num_entities, row_width(h), **options)
-    rel = ps.table("kge.relations", graph.num_relations, row_width(h), **options)
-    ent.register_sampling(scheme="local" if adaptive else "naive")
+    # Entities and relations in one key space, as a ps-lite app keeps every parameter: a batch is one
+    # pull and one push (or one hold in place), not two each, and one intent; adaptive servers sync,
+    # announce and act once a round, not once per table.
+    embeddings = ps.table("kge.embeddings", graph.num_entities + graph.num_relations, row_width(h), **options)
+    rel_base = graph.num_entities  # a relation's key: its number after the entities'
+    entities_only = np.concatenate([np.ones(graph.num_entities), np.zeros(graph.num_relations)])
+    embeddings.register_sampling(entities_only, scheme="local" if adaptive else "naive")
 
     rng = np.random.default_rng([args.seed, ps.rank])
     n = graph.train.shape[0]
@@ -103,14 +110,12 @@ def main() -> None:
     if adaptive:
         for ahead, idx in enumerate(schedule):
             heads, rels, tails = graph.train[idx].T
-            ent.intent(np.concatenate([heads, tails]), ahead, ahead + 1)
-            rel.intent(rels, ahead, ahead + 1)
+            embeddings.intent(np.concatenate([heads, tails, rels + rel_base]), ahead, ahead + 1)
     if args.mode in ("replication", "auto"):
         # The first batch's rows here before the clock starts, not asked of other nodes while they
         # move (relocation alone cannot bring a row two workers use to both).
         heads, rels, tails = graph.train[schedule[0]].T
-        ent.wait_local(np.concatenate([heads, tails]), timeout=10)
-        rel.wait_local(rels, timeout=10)
+        embeddings.wait_local(np.concatenate([heads, tails, rels + rel_base]), timeout=10)
 
     # What the run costs in CPU: each worker adds its own seconds into its row of a small table.
     cpu = ps.table("kge.cpu_seconds", ps.num_workers, 1, init=shoal.Constant(0.0), optimizer=shoal.optim.Sum())
@@ -140,24 +145,22 @@ def main() -> None:
         b = heads.shape[0]
         keys_e, inv = np.unique(np.concatenate([heads, tails, negatives]), return_inverse=True)
         keys_r, inv_r = np.unique(rels, return_inverse=True)
-        e_rows, r_rows = ent.pull_async(keys_e), rel.pull_async(keys_r)
-        e, r = e_rows.wait(), r_rows.wait()
-        g_e = np.zeros((keys_e.shape[0], 2 * d), np.float32)
-        g_r = np.zeros((keys_r.shape[0], 2 * d), np.float32)
+        m = keys_e.shape[0]
+        keys = np.concatenate([keys_e, keys_r + rel_base])
+        pulled = embeddings.pull(keys)
+        grads = np.zeros((keys.shape[0], 2 * d), np.float32)
         corrupt = inv[2 * b:].reshape(2, b, h.negatives)
-        loss = complex_step(e, r, inv[:b], inv_r, inv[b:2 * b], corrupt[0], corrupt[1],
-                            np.arange(keys_e.shape[0]), np.arange(keys_r.shape[0]), d, h.reg, g_e, g_r)
-        delta_e = np.empty_like(e)
-        adagrad_delta(e, g_e, h.lr, d, delta_e)
-        delta_r = np.empty_like(r)
-        adagrad_delta(r, g_r, h.lr, d, delta_r)
+        loss = complex_step(pulled[:m], pulled[m:], inv[:b], inv_r, inv[b:2 * b], corrupt[0], corrupt[1],
+                            np.arange(m), np.arange(keys_r.shape[0]), d, h.reg, grads[:m], grads[m:])
+        delta = np.empty_like(pulled)
+        adagrad_delta(pulled, grads, h.lr, d, delta)
         for f in pushes:  # the last step's updates of rows elsewhere are in: one step in flight at most
             f.wait()
-        pushes = [ent.push_async(keys_e, delta_e), rel.push_async(keys_r, delta_r)]
+        pushes = [embeddings.push_async(keys, delta)]
         return float(loss)
 
-    ent_map = np.full(graph.num_entities, -1, np.int64)  # scratch of the steps in place
-    rel_map = np.full(graph.num_relations, -1, np.int64)
+    ent_map = np.full(embeddings.num_keys, -1, np.int64)  # scratch of the steps in place
+    rel_map = np.full(embeddings.num_keys, -1, np.int64)
 
     def steps_in_place(heads: np.ndarray, rels: np.ndarray, tails: np.ndarray, negatives: np.ndarray
                        ) -> tuple[float, np.ndarray]:
@@ -168,12 +171,12 @@ def main() -> None:
         b = heads.shape[0]
         keys_e, inv = np.unique(np.concatenate([heads, tails, negatives]), return_inverse=True)
         keys_r, inv_r = np.unique(rels, return_inverse=True)
-        with ent.in_place(keys_e) as here_e, rel.in_place(keys_r) as here_r:  # always in this order
-            slots, rel_slots = here_e.slots[inv], here_r.slots[inv_r]
+        with embeddings.in_place(np.concatenate([keys_e, keys_r + rel_base])) as here:
+            slots, rel_slots = here.slots[inv], here.slots[keys_e.shape[0] + inv_r]
             negs = slots[2 * b:].reshape(2, b, h.negatives)
             whole = (slots[:b] >= 0) & (slots[b:2 * b] >= 0) & (rel_slots >= 0) & (negs >= 0).all(axis=(0, 2))
             which = np.flatnonzero(whole)
-            loss = complex_steps_in_place(here_e.values, here_r.values, slots[:b], rel_slots, slots[b:2 * b],
+            loss = complex_steps_in_place(here.values, here.values, slots[:b], rel_slots, slots[b:2 * b],
                                           negs[0], negs[1], which, args.step, d, h.lr, h.reg, ent_map, rel_map)
         return float(loss), np.flatnonzero(~whole)
 
@@ -189,10 +192,9 @@ def main() -> None:
                 if adaptive:
                     heads_a, rels_a, tails_a = graph.train[ahead].T
                     clock = ps.clock + len(schedule)
-                    ent.intent(np.concatenate([heads_a, tails_a]), clock, clock + 1)
-                    rel.intent(rels_a, clock, clock + 1)
+                    embeddings.intent(np.concatenate([heads_a, tails_a, rels_a + rel_base]), clock, clock + 1)
         heads, rels, tails = (np.ascontiguousarray(x) for x in graph.train[idx].T)
-        negatives = ent.sample_keys(2 * h.batch * h.negatives)  # tails' corruptions, then heads'
+        negatives = embeddings.sample_keys(2 * h.batch * h.negatives)  # tails' corruptions, then heads'
         loss = 0.0
         if args.step:
             loss, rest = steps_in_place(heads, rels, tails, negatives)
@@ -214,8 +216,8 @@ def main() -> None:
                 f.wait()
             ps.barrier()  # every worker's updates are in
             if ps.rank == 0:
-                rows_e, rows_r = ent.pull(np.arange(graph.num_entities)), rel.pull(np.arange(graph.num_relations))
-                valid_mrr, _ = mrr_hits(filtered_ranks(rows_e, rows_r, graph.valid, known, d))
+                every = embeddings.pull(np.arange(embeddings.num_keys))
+                valid_mrr, _ = mrr_hits(filtered_ranks(every[:rel_base], every[rel_base:], graph.valid, known, d))
                 curve.append((step * h.batch * ps.num_workers / n, trained() - (time.perf_counter() - paused),
                               valid_mrr))
                 print(f"epoch {curve[-1][0]:6.1f}  {curve[-1][1]:6.2f} s  validation filtered MRR {valid_mrr:.4f}",
@@ -230,13 +232,13 @@ def main() -> None:
     total_triples = step * h.batch * ps.num_workers  # every worker runs the same number of steps or time
     result = {"mode": args.mode, "data": args.data, "nodes": ps.num_nodes, "workers": ps.num_workers,
               "steps": step, "seconds": elapsed, "triples_per_s": total_triples / elapsed, "losses": losses,
-              "time_to_target": time_to_target, "curve": curve, "counters": dict(ent.counters)}
+              "time_to_target": time_to_target, "curve": curve, "counters": dict(embeddings.counters)}
     if ps.rank == 0:
         if args.data != "zipf":
-            all_e = ent.pull(np.arange(graph.num_entities))
-            all_r = rel.pull(np.arange(graph.num_relations))
+            every = embeddings.pull(np.arange(embeddings.num_keys))
             known = {tuple(t) for t in np.concatenate([graph.train, graph.valid, graph.test]).tolist()}
-            result["mrr"], result["hits10"] = mrr_hits(filtered_ranks(all_e, all_r, graph.test, known, d))
+            result["mrr"], result["hits10"] = mrr_hits(filtered_ranks(every[:rel_base], every[rel_base:], graph.test,
+                                                                      known, d))
             print(f"filtered MRR {result['mrr']:.4f}, Hits@10 {result['hits10']:.4f}")
         result["servers"] = ps.server_stats()
         result["servers_before"] = servers_before  # from before training: what it cost is the difference
