@@ -64,7 +64,7 @@ def main() -> None:
                    help="how often replicas send their changes to the owner (default: 200 ms on the Zipf graph, "
                         "the tables' default on the others: at each clock, at most every 10 ms)")
     p.add_argument("--act-ms", type=float, default=None,
-                   help="how often a node's server acts on the declared intents at most (default: 100 ms on "
+                   help="how often a node's server acts on the declared intents at most (default: 200 ms on "
                         "the Zipf graph, the tables' default of 50 ms on the others)")
     p.add_argument("--loss-target", type=float, default=None)
     p.add_argument("--eval-every", type=float, default=None,
@@ -91,10 +91,12 @@ def main() -> None:
         # gain, and every 200 ms 0.05 cores less than every 50, at the same speed and time to loss
         # (``server_cpu.md``).
         options["sync_ms"] = args.sync_ms if args.sync_ms is not None else 200.0 if args.data == "zipf" else None
-        # On the Zipf graph (clocks of 30-40 ms) rounds every 100 ms instead of 50 reach a clock further
+        # On the Zipf graph (clocks of 30-50 ms) rounds every 100 ms instead of 50 reach a clock further
         # ahead: fewer rounds and remote pushes, the servers 6% less CPU at the same triples a second or
-        # more (eleven alternating pairs, ``server_cpu.md``).
-        options["act_ms"] = args.act_ms if args.act_ms is not None else 100.0 if args.data == "zipf" else None
+        # more (eleven alternating pairs); every 200 ms, as often as the replicas sync, 8% less again
+        # (lower in 12 of 12 pairs with 100 ms, at about the same training loss; 400 and 800 ms no lower than
+        # 200, ``server_cpu.md``).
+        options["act_ms"] = args.act_ms if args.act_ms is not None else 200.0 if args.data == "zipf" else None
     # Entities and relations in one key space, as a ps-lite app keeps every parameter: a batch is one
     # pull and one push (or one hold in place), not two each, and one intent; adaptive servers sync,
     # announce and act once a round, not once per table.
