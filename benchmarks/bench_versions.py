@@ -13,8 +13,9 @@ pointing at its own ``src``. Measured per contender:
   exit (the median of 3 per round);
 * remote pulls through ``shoal run --nodes 1 --classic`` (every key to the
   server over loopback tcp, authenticated): microseconds per pull of 1 key and
-  of 10,000 keys of 64 float32, one request at a time; and the same again with
-  both contenders' jobs running at once, taking turns every ``TURN_CALLS``
+  of 10,000 keys of 64 float32, one request at a time, and of 100 and 10,000 keys
+  of a table in 8 slices (the server reads each slice's share); and the 1- and
+  10,000-key pulls again with both contenders' jobs running at once, taking turns every ``TURN_CALLS``
   pulls (a turn of one against the next turn of the other sees the machine in
   the same state: on a shared machine a round of jobs one after the other can
   land in a faster or slower minute than the next);
@@ -56,15 +57,17 @@ import shoal
 
 ps = shoal.init()
 table = ps.table("versions", 200_000, 64)
+sliced = ps.table("versions.sliced", 200_000, 64, slices=8)  # every slice on the one server
 out = {}
-for n, calls in ((1, 3000), (10_000, 300)):
-    keys = np.arange(0, 200_000, 20)[:n]
+for name, t, n, calls, every in (("1", table, 1, 3000, 20), ("10000", table, 10_000, 300, 20),
+                                 ("sliced 100", sliced, 100, 1000, 2000), ("sliced 10000", sliced, 10_000, 300, 20)):
+    keys = np.arange(0, 200_000, every)[:n]  # the sliced table's: spread over its 8 slices
     for _ in range(calls // 10):
-        table.pull(keys)
+        t.pull(keys)
     start = time.perf_counter()
     for _ in range(calls):
-        table.pull(keys)
-    out[str(n)] = (time.perf_counter() - start) / calls * 1e6
+        t.pull(keys)
+    out[name] = (time.perf_counter() - start) / calls * 1e6
 ps.shutdown()
 open(sys.argv[1], "w").write(json.dumps(out))
 """
@@ -252,6 +255,7 @@ def measure(src: Path, seconds: float, pulls_script: Path, trivial_script: Path,
     kge = shoal_run(src, 2, kge_args)
     lossy = shoal_run(src, 2, kge_args, faults=f"loss=0.05,seed={seed}")
     return {"startup_s": startup, "pull_1_us": pulls["1"], "pull_10000_us": pulls["10000"],
+            "pull_sliced_100_us": pulls["sliced 100"], "pull_sliced_10000_us": pulls["sliced 10000"],
             "kge_auto_triples_per_s": kge["triples_per_s"],
             "kge_auto_server_cores": kge["server_cores"],
             "kge_auto_loss_triples_per_s": lossy["triples_per_s"], "sync_round_us": sync_round(src, sync_script)}
@@ -298,6 +302,8 @@ def main() -> None:
     new, base = medians["this tree"], medians[rev]
     rows = [("trivial 2-node job, start to exit (s)", "startup_s", True),
             ("remote pull, 1 key (µs)", "pull_1_us", True), ("remote pull, 10,000 keys (µs)", "pull_10000_us", True),
+            ("remote pull, 100 keys across 8 slices of one server (µs)", "pull_sliced_100_us", True),
+            ("remote pull, 10,000 keys across 8 slices of one server (µs)", "pull_sliced_10000_us", True),
             ("KGE auto, 2 nodes (triples/s)", "kge_auto_triples_per_s", False),
             ("KGE auto, 2 nodes: both servers' cores", "kge_auto_server_cores", True),
             ("KGE auto, 2 nodes, 5% of messages lost (triples/s)", "kge_auto_loss_triples_per_s", False),
