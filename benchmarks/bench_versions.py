@@ -14,9 +14,9 @@ pointing at its own ``src``. Measured per contender:
 * remote pulls through ``shoal run --nodes 1 --classic`` (every key to the
   server over loopback tcp, authenticated): microseconds per pull of 1 key and
   of 10,000 keys of 64 float32, one request at a time, and of 100 and 10,000 keys
-  of a table in 8 slices (the server reads each slice's share); and the 1- and
-  10,000-key pulls again with both contenders' jobs running at once, taking turns every ``TURN_CALLS``
-  pulls (a turn of one against the next turn of the other sees the machine in
+  of a table in 8 slices (the server reads each slice's share); and the pulls of
+  1, 10,000 and 100 sliced keys again with both contenders' jobs running at once,
+  taking turns of ``TURN_CALLS`` pulls (a turn of one against the next turn of the other sees the machine in
   the same state: on a shared machine a round of jobs one after the other can
   land in a faster or slower minute than the next);
 * KGE (synthetic Zipf graph, ComplEx) with ``--mode auto`` on 2 nodes: triples/s, and the cores
@@ -82,25 +82,29 @@ import shoal
 
 ps = shoal.init()
 table = ps.table("versions", 200_000, 64)
-keys = {n: np.arange(0, 200_000, 20)[:n] for n in (1, 10_000)}
-for n, calls in ((1, 1000), (10_000, 100)):
-    for _ in range(calls):
-        table.pull(keys[n])
+sliced = ps.table("versions.sliced", 200_000, 64, slices=8)
+pulls = {"1": (table, np.arange(0, 200_000, 20)[:1]), "10000": (table, np.arange(0, 200_000, 20)),
+         "sliced-100": (sliced, np.arange(0, 200_000, 2_000))}
+for t, keys in pulls.values():
+    for _ in range(100):
+        t.pull(keys)
 with open(sys.argv[2], "w") as answers:
     answers.write("ready\n")
     answers.flush()
     for line in open(sys.argv[1]):
-        n, calls = map(int, line.split())
-        if not calls:
+        name, calls = line.split()
+        if name == "end":
             break
+        t, keys = pulls[name]
         start = time.perf_counter()
-        for _ in range(calls):
-            table.pull(keys[n])
-        answers.write(f"{(time.perf_counter() - start) / calls * 1e6}\n")
+        for _ in range(int(calls)):
+            t.pull(keys)
+        answers.write(f"{(time.perf_counter() - start) / int(calls) * 1e6}\n")
         answers.flush()
 ps.shutdown()
 """
-TURN_CALLS = {1: 1500, 10_000: 100}
+# Per pull taken in turns: the keys (as the table shows them) and the calls a turn.
+TURN_CALLS = {"1": ("1", 1500), "10000": ("10,000", 100), "sliced-100": ("100 across 8 slices", 500)}
 TURNS_EACH = 12
 
 
@@ -215,19 +219,19 @@ def pulls_in_turns(contenders: dict[str, Path], script: Path, tmp: Path) -> dict
         for process, _, answers in jobs.values():
             if _answer(process, answers).strip() != "ready":
                 raise SystemExit("a pulling job said something else than that it was ready")
-        times: dict[str, dict[str, list[float]]] = {name: {str(n): [] for n in TURN_CALLS} for name in jobs}
+        times: dict[str, dict[str, list[float]]] = {name: {pull: [] for pull in TURN_CALLS} for name in jobs}
         for turn in range(TURNS_EACH):
             order = list(jobs) if turn % 2 == 0 else list(reversed(jobs))
-            for n, calls in TURN_CALLS.items():
+            for pull, (_, calls) in TURN_CALLS.items():
                 for name in order:
                     process, asks, answers = jobs[name]
-                    asks.write(f"{n} {calls}\n")
+                    asks.write(f"{pull} {calls}\n")
                     asks.flush()
-                    times[name][str(n)].append(float(_answer(process, answers)))
+                    times[name][pull].append(float(_answer(process, answers)))
         return times
     finally:
         for process, asks, answers in jobs.values():
-            asks.write("0 0\n")
+            asks.write("end 0\n")
             asks.close()
             answers.close()
             try:
@@ -317,10 +321,10 @@ def main() -> None:
               "turn alternating); median µs per pull, and the turns where this tree was faster than the other's "
               "turn next to it.", "", f"| keys | this tree | {rev} | ratio | this tree faster |",
               "|---:|---:|---:|---:|---:|"]
-    for n in TURN_CALLS:
-        ours, theirs = turns["this tree"][str(n)], turns[rev][str(n)]
+    for pull, (keys, _) in TURN_CALLS.items():
+        ours, theirs = turns["this tree"][pull], turns[rev][pull]
         faster = sum(a < b for a, b in zip(ours, theirs, strict=True))
-        lines.append(f"| {n:,} | {statistics.median(ours):,.1f} | {statistics.median(theirs):,.1f} | "
+        lines.append(f"| {keys} | {statistics.median(ours):,.1f} | {statistics.median(theirs):,.1f} | "
                      f"{statistics.median(theirs) / statistics.median(ours):.2f} | {faster} of {len(ours)} |")
     table = "\n".join(lines)
     print("\n" + table)
