@@ -8,6 +8,14 @@ stand-in; the first call of any stand-in compiles every recorded kernel (or
 loads it from numba's cache) and rebinds each module's name to its compiled
 form, so kernels that call kernels are compiled calls, and ``module.kernel(...)``
 after that reaches numba with no stand-in in between.
+
+Kernels divide as numpy does (``error_model="numpy"``): under Python's rules every
+division checks its divisor for zero to raise ``ZeroDivisionError``, and that branch
+keeps LLVM from vectorising the loop around it. Adagrad's update of 10,000 rows of
+64 took 5.6 ms that way against 2.6 (2.4 ms against 0.5 on rows in the caches), with
+the same results to the bit. No kernel divides by what can be zero: the update rules'
+divisors are square roots plus ``eps``, the others' counts and sums checked positive
+before the call.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ def compile_all() -> dict[types.FunctionType, Callable[..., Any]]:
                     for name, stand_in in fences.STAND_INS.items():  # a kernel's fences compile as intrinsics
                         if fn.__globals__.get(name) is stand_in:
                             fn.__globals__[name] = compiled_fences[name]
-                    _compiled[fn] = numba.njit(nogil=True, cache=True)(fn)
+                    _compiled[fn] = numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
                     fn.__globals__[fn.__name__] = _compiled[fn]
         return _compiled
 
