@@ -1,5 +1,6 @@
 """Compiled passes over a batch of keys instead of several numpy passes: routing, and counting a
-replica's syncs in flight."""
+replica's syncs in flight. Compiled as ``storage.kernels`` are (``storage.jit``): integer division
+and remainder without a zero check (the slice counts they divide by are never zero)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ keeps LLVM from vectorising the loop around it. Adagrad's update of 10,000 rows 
 the same results to the bit. No kernel divides by what can be zero: the update rules'
 divisors are square roots plus ``eps``, the others' counts and sums checked positive
 before the call.
+
+numba's cache knows a kernel by its source file's date and size, not by the options
+it was compiled with: a change of options here goes with a change to the kernels'
+modules, or kernels cached with the old options go on being loaded.
 """
 
 from __future__ import annotations

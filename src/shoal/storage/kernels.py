@@ -3,7 +3,8 @@
 numpy's generic paths are far from the memory bound here: ``np.add.at`` is
 about twenty times slower than a compiled scatter-add loop, and a compiled
 gather beats ``np.take`` by about 2x (DESIGN.md §9). Every kernel releases the
-GIL (``nogil``) so a worker's receive path and compute can overlap.
+GIL (``nogil``) so a worker's receive path and compute can overlap, and divides as
+numpy does, with no zero check to keep a loop from being vectorised (``jit``).
 """
 
 from __future__ import annotations
