@@ -808,20 +808,3 @@ def test_a_slice_whose_first_chunk_is_lost_and_sent_again_keeps_its_rows():
         got = t0.pull(keys)[:, 0]
         bad = np.flatnonzero(got != 1.0)
         assert bad.size == 0, f"{bad.size} rows lost their push after the move (first: {bad[:5]}, read {got[bad[:5]]})"
-
-
-def test_a_pull_across_the_slices_held_here_returns_each_row_in_the_order_asked():
-    """A server holding several slices of a table answers a pull whose keys cross them in any order
-    (each slice's rows are read straight into their places in the reply)."""
-    spec = shoal.TableSpec("sliced", 1000, 3, optimizer=shoal.optim.Sum(), slices=8)
-    table = ServedTable(spec, TableLayout.initial(spec, 1), 0, "t" + uuid.uuid4().hex[:10], ClockTable.fresh(1))
-    try:
-        every = np.arange(1000)
-        table.push(every, np.stack([every, -every, 2 * every], axis=1).astype(np.float32))
-        keys = np.random.default_rng(0).permutation(1000)[:300]
-        assert len(table.split(keys)) == 8
-        rows = table.pull(keys)
-        np.testing.assert_array_equal(rows, np.stack([keys, -keys, 2 * keys], axis=1).astype(np.float32))
-        np.testing.assert_array_equal(table.pull(keys[:1]), rows[:1])
-    finally:
-        table.close()
