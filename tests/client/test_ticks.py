@@ -1,8 +1,20 @@
-"""When a worker whose tables are all ASP tells servers its clock (``client.ticks``)."""
+"""When a worker whose tables are all ASP tells servers its clock (``client.ticks``), and whom."""
 
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
 import numpy as np
 
+import shoal
 from shoal.client.ticks import TICK_EVERY_S, TICK_QUIET_S, TickSchedule
+from shoal.client.worker import Worker
+from shoal.transport.base import Connection
+from shoal.transport.zmq_transport import ZmqTransport
+from shoal.wire.ops import Op
+from tests.support.cluster import ThreadCluster
 
 KEYS = np.arange(5, dtype=np.int64)
 
@@ -133,3 +145,53 @@ def test_an_array_filled_anew_with_the_next_clocks_keys_is_not_taken_for_the_sam
     ticks.note_intents([("ent", buffer, 30, 50)])
     ticks.ticked(4, now + TICK_EVERY_S * 1.1)  # the first start served
     assert ticks.due(23, now + TICK_EVERY_S * 2.2)  # 30 is where other keys start
+
+
+class _CountingClocks(ZmqTransport):
+    """Real sockets; counts the clock ticks sent on each connection, by the address it reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clocks: Counter[str] = Counter()
+
+    def connect(self, address: str) -> Connection:
+        conn = super().connect(address)
+        send = conn.send
+
+        def counted(frames: Sequence[Any], block: bool = True) -> bool:
+            if msgspec.msgpack.decode(bytes(frames[0]))["op"] == int(Op.CLOCK):
+                self.clocks[address] += 1
+            return send(frames, block)
+
+        conn.send = counted  # type: ignore[method-assign]
+        return conn
+
+
+def test_a_worker_stops_telling_its_clock_to_a_server_whose_process_ended():
+    """A tick to a server whose process ended only fills its socket's queue (nobody reads it; ticks
+    are sent again until answered): a thousand in, the next tick waited 5 s for room and failed the
+    worker, and with it a job that was to go on without that server (MF with a killed replica next
+    to busy loops). The final clock at shutdown went the same way."""
+    transport = _CountingClocks()
+    with ThreadCluster(nodes=2, transport=ZmqTransport()) as c:
+        w = Worker(c.spec, 0, 0, transport, local_access=False)
+        c.workers.append(w)
+        w.table("t", 100, 1, optimizer=shoal.optim.Sum()).push(np.arange(100), np.ones((100, 1), np.float32))
+        live, dead = w.servers[0], w.servers[1]
+        assert live is not None and dead is not None
+        c.servers[1].stop()
+        c.threads[1].join(timeout=10)
+        c.rendezvous.server_exited(1)  # as its launcher says when the process ends
+        w.replica_view.refresh(force=True)
+        assert w.replica_view.exited == {1}
+        told_live, told_dead = transport.clocks[live], transport.clocks[dead]
+        end = time.monotonic() + 4 * TICK_QUIET_S  # ticks to every server at most every quiet period
+        while time.monotonic() < end:
+            w.advance_clock()
+            time.sleep(0.002)
+        assert transport.clocks[live] > told_live  # the live one still hears
+        assert transport.clocks[dead] == told_dead
+        started = time.monotonic()
+        w.shutdown()
+        assert transport.clocks[dead] == told_dead  # no final clock either, and no wait for one
+        assert time.monotonic() - started < 2.0

@@ -483,11 +483,18 @@ class Worker:
         # until a later request says so, and the requests sent meanwhile do not (their floor was
         # set while an earlier one was unanswered).
         tick = bodies.Clock(self.rank, pushed=self._pushes_numbered(), intents=self._intents_sent)
-        told = self.live_servers() if everywhere else [n for n in self.live_servers() if n == self.node]
+        told = self._running_servers() if everywhere else [n for n in self._running_servers() if n == self.node]
         for n in told:
             self.send_ordered(n, tick.to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}",
                               background=True)
         self.tracker.pump(0)
+
+    def _running_servers(self) -> list[int]:
+        """The live servers whose process is not known to have ended: those to tell this worker's clock.
+        Ticks to one that ended only filled its socket's queue (nobody reads it, and a tick is sent
+        again until answered), until a tick waited for room and failed the worker."""
+        exited = self.replica_view.exited
+        return [n for n in self.live_servers() if n not in exited]
 
     def _pushes_numbered(self) -> dict[str, list[int]] | None:
         """Per table whose bounded reads need it, the pushes numbered to each shard so far."""
@@ -643,7 +650,7 @@ class Worker:
             # sent again until acknowledged (the earlier ones ride on every later message).
             last = bodies.Clock(self.rank, final=True, pushed=self._pushes_numbered())
             final = {self.send_ordered(n, last.to_message(clock=self.clock), f"final CLOCK to server {n}"): n
-                     for n in self.live_servers()}
+                     for n in self._running_servers()}
             self._wait_final(final, min(_FINAL_CLOCK_S, self.cluster.timeouts.connect_s))
             membership.leave(self.tracker, self.rank, self.cluster.timeouts.connect_s)
         except ShoalError as exc:
