@@ -76,29 +76,3 @@ def test_requests_with_no_timer_due_run_the_timers_about_every_50_ms_not_after_e
     took = time.monotonic() - start
     ran = passes() - before
     assert ran <= took / 0.05 + 5, f"{ran} timer passes in {took:.3f} s of {requests} requests"
-
-
-def test_requests_one_at_a_time_ask_whether_a_timer_is_due_about_every_2_ms_not_after_each_request(
-        start_server: Callable[..., LiveServer], connect: Callable[..., RawClient]) -> None:
-    """The question (every timer's own test, then the next deadline of each) cost the loop about a
-    tenth of serving a 1-key pull; it was asked after every request once the last pass of the timers
-    was 2 ms old, which in a static job is nearly always."""
-    live = start_server()
-    client = connect(live)
-    client.create_table(SPEC)
-    keys = np.arange(4, dtype=np.int64)
-    asked = 0
-    ask = live.server._timers_due
-
-    def counted(register: bool) -> bool:
-        nonlocal asked
-        asked += 1
-        return ask(register)
-
-    live.server._timers_due = counted  # type: ignore[method-assign]
-    start, requests = time.monotonic(), 0
-    while requests < 3000 and (requests < 300 or time.monotonic() - start < 0.5):
-        client.pull(keys)
-        requests += 1
-    took = time.monotonic() - start
-    assert asked <= took / 0.002 + 5, f"asked {asked} times in {took:.3f} s of {requests} requests"

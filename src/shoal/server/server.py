@@ -223,11 +223,7 @@ class ParameterServer:
                 if woken or now >= timers_by or self._timers_due(register):
                     self._run_timers(register)
                     now = time.monotonic()
-                    timers_by = now + _TIMERS_AT_LEAST_S
-                # Asked again once the period is over, not after each request: a request every 0.3 ms
-                # asked each time, and the question (every timer's test, the next deadline of each)
-                # cost a tenth of serving the request.
-                timers_at = now + _TIMERS_EVERY_S
+                    timers_at, timers_by = now + _TIMERS_EVERY_S, now + _TIMERS_AT_LEAST_S
                 wait = self._wait_s()
             if self.slicing.leave_requested:
                 self._say_goodbye()
