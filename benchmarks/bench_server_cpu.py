@@ -1,6 +1,6 @@
 """Where the servers' CPU goes on KGE auto with 2 nodes: per op, per timer, per kind of placement message.
 
-    python benchmarks/bench_server_cpu.py [--seconds 15] [--runs 2] [--sync-ms 50,200]
+    python benchmarks/bench_server_cpu.py [--seconds 15] [--runs 2] [--sync-ms 50,200] [--act-ms 200,800]
 
 Runs the KGE app on the synthetic Zipf graph (``bench_kge.py``'s job) on a local
 cluster of 2 nodes x 1 worker and reads each server's CPU account
@@ -21,9 +21,10 @@ could save; beside it, what copying them cost the live servers (their stores hel
 meanwhile, ``rows_cpu_us``). The rest of the servers' CPU is shared out over the
 events they handled (messages and timer passes).
 
-With ``--sync-ms``, each run is made once per replica sync period (the app's
-``--sync-ms``; the periods take turns run by run) and a first table compares the
-periods: servers' cores, triples/s, and the time to the training loss
+With ``--sync-ms`` (replica sync periods) or ``--act-ms`` (how often the servers
+act on intents), each run is made once per period (the app's options of those
+names; with both, per pair; the settings take turns run by run) and a first table
+compares them: servers' cores, triples/s, and the time to the training loss
 ``bench_kge.py`` times (what a staler replica would cost shows there).
 """
 
@@ -86,10 +87,10 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare_periods(by_period: dict[str, list[dict[str, Any]]]) -> str:
-    """One line per sync period: medians over its runs."""
-    lines = [f"Replica sync periods side by side (medians of {len(next(iter(by_period.values())))} run(s) each, "
+    """One line per setting of the app's periods: medians over its runs."""
+    lines = [f"The app's periods side by side (medians of {len(next(iter(by_period.values())))} run(s) each, "
              "taking turns):", "",
-             f"| sync period | servers' cores | triples/s | servers' CPU per 1,000 triples (ms) | time to loss "
+             f"| periods | servers' cores | triples/s | servers' CPU per 1,000 triples (ms) | time to loss "
              f"{LOSS_TARGET} s |", "|---|---:|---:|---:|---:|"]
     for period, runs in by_period.items():
         cores = statistics.median(r["process_s"] / r["seconds"] for r in runs)
@@ -194,29 +195,36 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--sync-ms", default="",
                    help="replica sync periods to compare, comma-separated (ms; default: the app's own)")
+    p.add_argument("--act-ms", default="",
+                   help="how often servers act on intents, to compare, comma-separated (ms; default: the app's own)")
     args = p.parse_args()
     prices = cpu_per_mb()  # on a quiet machine, before the job starts
     print("ms of CPU per MB, at the least: " + ", ".join(f"{step} {ms:.2f}" for step, ms in prices.items()), flush=True)
-    periods = [f"{float(ms):g}" for ms in args.sync_ms.split(",") if ms] or [None]  # None: the app's default
+    settings = [(sync, act) for sync in _periods(args.sync_ms) for act in _periods(args.act_ms)]
     by_period: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.runs):
-        for ms in periods:
-            label = f"{ms} ms" if ms is not None else "the app's"
-            extra = ["--sync-ms", ms] if ms is not None else []
+        for sync, act in settings:
+            label = ", ".join(f"{name} {ms} ms" for name, ms in (("sync", sync), ("act", act)) if ms) or "the app's"
+            extra = [*(["--sync-ms", sync] if sync else []), *(["--act-ms", act] if act else [])]
             result = run_example(KGE, ["--data", "zipf", "--mode", "auto", "--seconds", str(args.seconds), *extra],
                                  nodes=2)
             runs = by_period.setdefault(label, [])
             runs.append(servers_cpu(result))
-            print(f"run, sync {label}: {result['triples_per_s']:,.0f} triples/s, servers "
+            print(f"run, {label}: {result['triples_per_s']:,.0f} triples/s, servers "
                   f"{runs[-1]['process_s'] / result['seconds']:.3f} cores", flush=True)
-    tables = [compare_periods(by_period)] if len(periods) > 1 else []
+    tables = [compare_periods(by_period)] if len(settings) > 1 else []
     for label, runs in by_period.items():
-        tables.append((f"Sync period {label}: " if len(periods) > 1 else "") + report(runs))
+        tables.append((f"Periods {label}: " if len(settings) > 1 else "") + report(runs))
         tables.append(rows_at_the_least(runs, prices))
     table = "\n\n".join(tables)
     print("\n" + table)
     write_results("server_cpu", {"seconds": args.seconds, "runs": by_period, "ms_per_mb": prices,
                                  "steps_of_kind": STEPS_OF_KIND}, table)
+
+
+def _periods(option: str) -> list[str | None]:
+    """The periods an option lists, in ms; [None] (the app's own) when it lists none."""
+    return [f"{float(ms):g}" for ms in option.split(",") if ms] or [None]
 
 
 if __name__ == "__main__":
