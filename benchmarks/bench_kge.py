@@ -179,16 +179,17 @@ def plot(rows: list[dict[str, Any]], name: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for r in rows:
+    colours = plt.get_cmap("tab20").colors  # more contenders than the default cycle's ten colours
+    for i, r in enumerate(rows):
         label = f"{r['name']} ({r['nodes']} node{'s' if r['nodes'] > 1 else ''})"
-        a.plot([t for t, _ in r["losses"]], [x for _, x in r["losses"]], label=label)
+        a.plot([t for t, _ in r["losses"]], [x for _, x in r["losses"]], label=label, color=colours[i % len(colours)])
     a.axhline(LOSS_TARGET, color="grey", ls=":", lw=0.8)
     a.set_xlabel("seconds")
     a.set_ylabel("training loss")
     a.legend(fontsize=7)
     names = [f"{r['name']}\n{r['nodes']}n" for r in rows]
     b.bar(range(len(rows)), [r["triples_per_s"] for r in rows])
-    b.set_xticks(range(len(rows)), names, fontsize=7, rotation=30)
+    b.set_xticks(range(len(rows)), names, fontsize=7, rotation=30, ha="right")
     b.set_ylabel("triples/s")
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=110)
