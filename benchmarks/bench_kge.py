@@ -9,11 +9,11 @@ single-process baseline, then Shoal in classic
 (no shared memory, no intent), static, relocation-only, replication-only and
 auto modes, on 1 and 2 nodes, and auto on 2 nodes with each worker's batch
 halved (two workers then take steps as large as the baseline's). It records
-triples/s and the time to reach a fixed training loss, and the cores its workers
-and servers kept busy (on a small machine, what bounds the speed-up). On Kinships it compares the filtered
-MRR of auto on 2 nodes with the baseline's after the same number of epochs
-(100), over three seeds each (runs of one seed differ by about 0.01). Writes
-``results/kge.{json,md,png}``.
+triples/s and the time to reach a fixed training loss, and the cores its
+workers and servers kept busy (on a small machine, what bounds the speed-up).
+On Kinships it compares the filtered MRR of auto on 2 nodes with the baseline's
+after the same number of epochs (100), over three seeds each (runs of one seed
+differ by about 0.01). Writes ``results/kge.{json,md,png}``.
 
 Two baselines: the batch's distinct rows gathered, one step, its change added
 (what the contenders through pull and push compute), and the same step on the
@@ -48,7 +48,7 @@ CONTENDERS = [("classic PS", "classic", 2, []), ("static", "static", 1, []), ("s
               ("relocation only", "relocation", 2, []), ("replication only", "replication", 2, []),
               ("auto", "auto", 1, []), ("auto", "auto", 2, []), ("auto, steps in place", "auto", 2, IN_PLACE),
               # Two workers on batches of 1,000 step as one process on 2,000: each on half keeps the baseline's steps.
-              ("auto, batches of 500 a worker", "auto", 2, ["--batch", str(Hyper.batch // 2)])]
+              (f"auto, batches of {Hyper.batch // 2} a worker", "auto", 2, ["--batch", str(Hyper.batch // 2)])]
 BASELINE_IN_PLACE = "single-process baseline, steps in place"
 
 
