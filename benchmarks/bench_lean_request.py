@@ -1,5 +1,5 @@
-"""How fast a remote request can be in Python: a 1-key pull through the leanest path that keeps
-Shoal's checks, beside raw pyzmq and Shoal.
+"""How fast a remote request can be: a 1-key pull through the leanest path in Python that keeps
+Shoal's checks, the same steps compiled, raw pyzmq and Shoal, side by side.
 
     python benchmarks/bench_lean_request.py [--calls 5000] [--rounds 5]
 
@@ -30,6 +30,12 @@ ASP table: metrics (counters, latency histograms, CPU accounting), clocks and
 staleness (no read waits under ASP), slice moves (a table-wide flag), the
 process cache (none under ASP), error replies (the slow path's).
 
+The compiled contender takes the same steps with each side in one compiled function
+(``compiled_request.py``): numba calls the libzmq that pyzmq ships and the C library's locks
+through ``ctypes``, on pyzmq's own sockets, and computes the keyed BLAKE3 tag itself; its
+header is a fixed row of int64s instead of msgpack. It is what the request costs once it
+leaves the interpreter.
+
 Each contender's server is a process of its own (Shoal's: a one-node job's server,
 which this script joins as the only worker); rounds of ``--calls`` calls
 alternate between them, and each round counts the caller's CPU and the serving
@@ -57,6 +63,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_pull_push  # noqa: E402
+import compiled_request as compiled  # noqa: E402
 from common import write_results  # noqa: E402
 
 NUM_KEYS = 200_000
@@ -137,6 +144,55 @@ def lean_server(secret: bytes) -> None:
     ctx.term()
 
 
+def compiled_server(secret: bytes) -> None:
+    """Serve compiled pulls of one table (``compiled_request.serve``) until a request for table ``quit``."""
+    from shoal.wire.codec import tag_key
+
+    rows = np.random.default_rng(0).random((SHARD_KEYS, DIM), dtype=np.float32)
+    stripes = tempfile.TemporaryFile()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+    compiled.serve(sock.underlying, compiled.key_words(tag_key(secret)), rows, stripes.fileno(), compiled.new_mutex(),
+                   secrets.randbits(40), STRIPES)
+    sock.close(0)
+    ctx.term()
+
+
+class CompiledClient:
+    """The worker's side of a compiled pull: one call of ``compiled_request.pull``."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], port: int, secret: bytes, sender: int = 0) -> None:
+        from shoal.wire.codec import tag_key
+
+        self.key = compiled.key_words(tag_key(secret))
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.handle = self.sock.underlying
+        self.state = np.array([sender, secrets.randbits(40), 0, 0], dtype=np.int64)
+        self.frame = np.empty(compiled.FRAME0, np.uint8)
+        self.tag = np.empty(compiled.TAG_BYTES, np.uint8)
+        self.scratch = np.empty(2, np.int64)
+
+    def pull(self, keys: np.ndarray) -> np.ndarray:
+        if keys.dtype != np.int64 or keys.ndim != 1:
+            raise ValueError("keys must be a vector of int64")
+        out = np.empty((keys.shape[0], DIM), dtype=np.float32)
+        code = compiled.pull(self.handle, self.key, keys, NUM_KEYS, out, self.state, self.frame, self.tag, self.scratch)
+        if code:
+            raise RuntimeError(f"compiled pull failed ({code}: see compiled_request.pull)")
+        return out
+
+    def quit(self) -> None:
+        frame = np.zeros(compiled.FRAME0, np.uint8)
+        head = frame[:compiled.HEADER_BYTES].view(np.int64)
+        head[0], head[3] = compiled.VERSION, compiled.QUIT
+        compiled.keyed_blake3(self.key, frame, compiled.HEADER_BYTES, frame, compiled.HEADER_BYTES)
+        self.sock.send(frame)
+        self.sock.close(linger=1000)
+
+
 class LeanClient:
     """The worker's side of a lean pull."""
 
@@ -201,16 +257,20 @@ def worker(calls: int, rounds: int) -> None:
     table = ps.table(TABLE, NUM_KEYS, DIM, init=shoal.Normal(std=0.1), optimizer=shoal.optim.SGD(lr=1e-6))
     secret = os.urandom(32)
     raw = subprocess.Popen([sys.executable, "-c", bench_pull_push.RAW_SERVER], stdout=subprocess.PIPE, text=True)
-    lean = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--lean-server"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE)
+    lean, compiled = (subprocess.Popen([sys.executable, os.path.abspath(__file__), flag], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE) for flag in ("--lean-server", "--compiled-server"))
     ctx = zmq.Context()
     raw_sock = ctx.socket(zmq.DEALER)
     try:
-        assert raw.stdout is not None and lean.stdin is not None and lean.stdout is not None
-        lean.stdin.write(secret.hex().encode() + b"\n")
-        lean.stdin.flush()
+        assert raw.stdout is not None
+        for helper in (lean, compiled):
+            assert helper.stdin is not None
+            helper.stdin.write(secret.hex().encode() + b"\n")
+            helper.stdin.flush()
         raw_sock.connect(f"tcp://127.0.0.1:{raw.stdout.readline().strip()}")
+        assert lean.stdout is not None and compiled.stdout is not None
         client = LeanClient(ctx, int(lean.stdout.readline().strip()), secret)
+        compiled_client = CompiledClient(ctx, int(compiled.stdout.readline().strip()), secret)
         one = np.array([12_345], dtype=np.int64)
 
         def raw_pull() -> None:
@@ -218,17 +278,21 @@ def worker(calls: int, rounds: int) -> None:
             np.frombuffer(raw_sock.recv_multipart(copy=False)[0].buffer, dtype=np.float32)
 
         np.testing.assert_array_equal(client.pull(one).shape, (1, DIM))
+        np.testing.assert_array_equal(compiled_client.pull(one), client.pull(one))  # the same rows
         for _ in range(500):  # warm: connections, compiled kernels, caches
             raw_pull()
             client.pull(one)
+            compiled_client.pull(one)
             table.pull(one)
         cpu = bench_pull_push.cpu_per_call({"raw": (raw_pull, raw.pid),
                                             "lean": (lambda: client.pull(one), lean.pid),
+                                            "compiled": (lambda: compiled_client.pull(one), compiled.pid),
                                             "shoal": (lambda: table.pull(one), bench_pull_push.serving_pid())})
         raw_sock.send_multipart([b"quit", b""])
         client.quit()
+        compiled_client.quit()
     finally:
-        for helper in (raw, lean):
+        for helper in (raw, lean, compiled):
             try:
                 helper.wait(timeout=10)
             except subprocess.TimeoutExpired:  # left waiting by a failure above
@@ -258,9 +322,13 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=5_000, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lean-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compiled-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.lean_server:
         lean_server(bytes.fromhex(sys.stdin.readline().strip()))
+        return 0
+    if args.compiled_server:
+        compiled_server(bytes.fromhex(sys.stdin.readline().strip()))
         return 0
     if "SHOAL_RENDEZVOUS" in os.environ:
         worker(args.calls, args.rounds)
