@@ -14,15 +14,17 @@ socket's receive timeout. One difference: the header is a fixed row of little-en
 
 from __future__ import annotations
 
-import ctypes
 import ctypes.util
 import glob
 import os
 
 import blake3
+import llvmlite.binding as llvm
 import numpy as np
 import zmq
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 # ------------------------------------------------------------------ keyed BLAKE3
 
@@ -128,54 +130,57 @@ def key_words(key: bytes) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ libzmq and libc
-# (Functions that call them are compiled afresh in each process: numba caches no code that holds
-# a ctypes function's address.)
+# Declared by symbol name (``ExternalFunction``) and loaded into the process's symbol table, not
+# bound through ``ctypes``: numba caches no code that holds a ctypes function's address, and every
+# process would compile these functions again (seconds) before its first request.
 
 
-def _libzmq() -> ctypes.CDLL:
+def _libzmq_path() -> str:
     """The libzmq pyzmq was built with and loaded (its wheel's copy, or the system's)."""
     here = os.path.dirname(zmq.__file__)
     found = sorted(glob.glob(os.path.join(here, "..", "pyzmq.libs", "libzmq*.so*")))
-    return ctypes.CDLL(found[0] if found else ctypes.util.find_library("zmq") or "libzmq.so.5")
+    return found[0] if found else ctypes.util.find_library("zmq") or "libzmq.so.5"
 
 
-def _bind(lib: ctypes.CDLL, name: str, restype: object, *argtypes: object) -> object:
-    fn = getattr(lib, name)
-    fn.argtypes = list(argtypes)
-    fn.restype = restype
-    return fn
+llvm.load_library_permanently(_libzmq_path())
+_INT, _PTR = types.intc, types.voidptr
+zmq_send = types.ExternalFunction("zmq_send", _INT(_PTR, _PTR, types.size_t, _INT))
+zmq_recv = types.ExternalFunction("zmq_recv", _INT(_PTR, _PTR, types.size_t, _INT))
+zmq_getsockopt = types.ExternalFunction("zmq_getsockopt", _INT(_PTR, _INT, _PTR, _PTR))
+fcntl_call = types.ExternalFunction("fcntl", _INT(_INT, _INT, _PTR))  # (variadic: an int and a pointer pass alike)
+mutex_lock = types.ExternalFunction("pthread_mutex_lock", _INT(_PTR))
+mutex_unlock = types.ExternalFunction("pthread_mutex_unlock", _INT(_PTR))
 
 
-_ZMQ = _libzmq()
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_P, _I, _SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-zmq_send = _bind(_ZMQ, "zmq_send", _I, _P, _P, _SZ, _I)
-zmq_recv = _bind(_ZMQ, "zmq_recv", _I, _P, _P, _SZ, _I)
-zmq_getsockopt = _bind(_ZMQ, "zmq_getsockopt", _I, _P, _I, _P, _P)
-fcntl_call = _bind(_LIBC, "fcntl", _I, _I, _I, _P)
-mutex_lock = _bind(_LIBC, "pthread_mutex_lock", _I, _P)
-mutex_unlock = _bind(_LIBC, "pthread_mutex_unlock", _I, _P)
+@intrinsic
+def _ptr(typingctx: object, address: types.Integer) -> tuple[object, object]:
+    """An address (a socket's ``underlying``, an array's ``ctypes.data``) as a C pointer."""
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, args: list[ir.Value]) -> ir.Value:
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+    return _PTR(types.intp), codegen
+
+
 _SNDMORE, _RCVMORE = 2, 13
 _F_SETLKW, _F_RDLCK, _F_UNLCK, _SEEK_SET = 7, 0, 2, 0
 
 
-@njit
+@njit(cache=True)
 def _more(sock: int, scratch: np.ndarray) -> bool:
     """Whether the message being received has another frame (``scratch``: 2 int64s)."""
     scratch[0] = 0
     scratch[1] = 8
-    zmq_getsockopt(sock, _RCVMORE, scratch[0:].ctypes.data, scratch[1:].ctypes.data)
+    zmq_getsockopt(_ptr(sock), _RCVMORE, _ptr(scratch.ctypes.data), _ptr(scratch.ctypes.data + 8))
     return scratch[0] != 0
 
 
-@njit
+@njit(cache=True)
 def _drain(sock: int, scratch: np.ndarray, sink: np.ndarray) -> None:
     """Receive what is left of a message that is refused."""
     while _more(sock, scratch):
-        zmq_recv(sock, sink.ctypes.data, sink.size, 0)
+        zmq_recv(_ptr(sock), _ptr(sink.ctypes.data), sink.size, 0)
 
 
-@njit
+@njit(cache=True)
 def _record_lock(fd: int, lock_type: int, offset: int, flock: np.ndarray) -> int:
     """``fcntl(F_SETLKW)`` on byte ``offset`` of ``fd``: a ``struct flock`` (x86-64 Linux layout:
     two shorts, start, length, pid) in ``flock`` (4 int64s)."""
@@ -183,7 +188,7 @@ def _record_lock(fd: int, lock_type: int, offset: int, flock: np.ndarray) -> int
     flock[1] = offset
     flock[2] = 1
     flock[3] = 0
-    return fcntl_call(fd, _F_SETLKW, flock.ctypes.data)
+    return fcntl_call(fd, _F_SETLKW, _ptr(flock.ctypes.data))
 
 
 # ------------------------------------------------------------------ the request
@@ -198,7 +203,7 @@ MAX_SENDERS = 64
 MAX_KEYS = 1024
 
 
-@njit
+@njit(cache=True)
 def _tag_ok(key: np.ndarray, frame: np.ndarray, tag: np.ndarray) -> bool:
     keyed_blake3(key, frame, HEADER_BYTES, tag, 0)
     diff = 0
@@ -207,7 +212,7 @@ def _tag_ok(key: np.ndarray, frame: np.ndarray, tag: np.ndarray) -> bool:
     return diff == 0
 
 
-@njit
+@njit(cache=True)
 def serve(sock: int, key: np.ndarray, rows: np.ndarray, stripes_fd: int, mutex: np.ndarray, incarnation: int,
           stripes: int) -> int:
     """Serve compiled pulls on ``sock`` (a ROUTER) until a request for table ``QUIT``; returns the
@@ -230,11 +235,14 @@ def serve(sock: int, key: np.ndarray, rows: np.ndarray, stripes_fd: int, mutex: 
     next_seq = np.ones(MAX_SENDERS, np.int64)
     served = 0
     while True:
-        n_peer = zmq_recv(sock, peer.ctypes.data, peer.size, 0)
+        n_peer = zmq_recv(_ptr(sock), _ptr(peer.ctypes.data), peer.size, 0)
         if n_peer < 0:
             return -1
-        n_frame = zmq_recv(sock, frame.ctypes.data, frame.size, 0) if _more(sock, scratch) else -1
-        n_keys = zmq_recv(sock, keys_in.ctypes.data, keys_in.size, 0) if n_frame >= 0 and _more(sock, scratch) else 0
+        n_frame = n_keys = -1
+        if _more(sock, scratch):
+            n_frame = zmq_recv(_ptr(sock), _ptr(frame.ctypes.data), frame.size, 0)
+            if _more(sock, scratch):
+                n_keys = zmq_recv(_ptr(sock), _ptr(keys_in.ctypes.data), keys_in.size, 0)
         _drain(sock, scratch, keys_in)
         if n_frame != FRAME0 or not _tag_ok(key, frame, tag):
             continue  # unsigned, or a wrong tag: the slow path refuses it
@@ -247,9 +255,9 @@ def serve(sock: int, key: np.ndarray, rows: np.ndarray, stripes_fd: int, mutex: 
         req, inc = head[2], head[5]
         if last_inc[sender] == inc and req <= last_req[sender]:
             if req == last_req[sender]:  # sent again: answered again
-                zmq_send(sock, reply_peer[sender].ctypes.data, reply_peer_len[sender], _SNDMORE)
-                zmq_send(sock, reply[sender].ctypes.data, FRAME0, _SNDMORE)
-                zmq_send(sock, reply_rows[sender].ctypes.data, 4 * dim * reply_count[sender], 0)
+                zmq_send(_ptr(sock), _ptr(reply_peer[sender].ctypes.data), reply_peer_len[sender], _SNDMORE)
+                zmq_send(_ptr(sock), _ptr(reply[sender].ctypes.data), FRAME0, _SNDMORE)
+                zmq_send(_ptr(sock), _ptr(reply_rows[sender].ctypes.data), 4 * dim * reply_count[sender], 0)
             continue
         if head[6] != next_seq[sender]:
             continue  # out of its stream's order: the slow path holds it
@@ -263,13 +271,13 @@ def serve(sock: int, key: np.ndarray, rows: np.ndarray, stripes_fd: int, mutex: 
         next_seq[sender] = head[6] + 1
         out = reply_rows[sender]
         stripe = keys[0] % stripes
-        mutex_lock(mutex.ctypes.data)
+        mutex_lock(_ptr(mutex.ctypes.data))
         _record_lock(stripes_fd, _F_RDLCK, stripe, flock)
         for i in range(count):
             for j in range(dim):
                 out[i * dim + j] = rows[keys[i], j]
         _record_lock(stripes_fd, _F_UNLCK, stripe, flock)
-        mutex_unlock(mutex.ctypes.data)
+        mutex_unlock(_ptr(mutex.ctypes.data))
         answer = reply[sender]
         fields = answer[:HEADER_BYTES].view(np.int64)
         fields[0], fields[1], fields[2], fields[3] = VERSION, OP_VALUES, req, TABLE_ID
@@ -279,13 +287,13 @@ def serve(sock: int, key: np.ndarray, rows: np.ndarray, stripes_fd: int, mutex: 
         reply_peer_len[sender] = n_peer
         reply_count[sender] = count
         last_inc[sender], last_req[sender] = inc, req
-        zmq_send(sock, peer.ctypes.data, n_peer, _SNDMORE)
-        zmq_send(sock, answer.ctypes.data, FRAME0, _SNDMORE)
-        zmq_send(sock, out.ctypes.data, 4 * dim * count, 0)
+        zmq_send(_ptr(sock), _ptr(peer.ctypes.data), n_peer, _SNDMORE)
+        zmq_send(_ptr(sock), _ptr(answer.ctypes.data), FRAME0, _SNDMORE)
+        zmq_send(_ptr(sock), _ptr(out.ctypes.data), 4 * dim * count, 0)
         served += 1
 
 
-@njit(nogil=True)
+@njit(cache=True, nogil=True)
 def pull(sock: int, key: np.ndarray, keys: np.ndarray, num_keys: int, out: np.ndarray, state: np.ndarray,
          frame: np.ndarray, tag: np.ndarray, scratch: np.ndarray) -> int:
     """One compiled pull of ``keys`` into ``out`` (count x dim float32) through ``sock`` (a DEALER
@@ -302,12 +310,12 @@ def pull(sock: int, key: np.ndarray, keys: np.ndarray, num_keys: int, out: np.nd
     head[0], head[1], head[2], head[3], head[4] = VERSION, OP_PULL, state[2], TABLE_ID, state[0]
     head[5], head[6], head[7], head[8], head[9] = state[1], state[3], count, 0, 0
     keyed_blake3(key, frame, HEADER_BYTES, frame, HEADER_BYTES)
-    zmq_send(sock, frame.ctypes.data, FRAME0, _SNDMORE)
-    zmq_send(sock, keys.ctypes.data, 8 * count, 0)
-    n = zmq_recv(sock, frame.ctypes.data, FRAME0, 0)
+    zmq_send(_ptr(sock), _ptr(frame.ctypes.data), FRAME0, _SNDMORE)
+    zmq_send(_ptr(sock), _ptr(keys.ctypes.data), 8 * count, 0)
+    n = zmq_recv(_ptr(sock), _ptr(frame.ctypes.data), FRAME0, 0)
     if n < 0:
         return -2
-    n_rows = zmq_recv(sock, out.ctypes.data, out.nbytes, 0) if _more(sock, scratch) else -1
+    n_rows = zmq_recv(_ptr(sock), _ptr(out.ctypes.data), out.nbytes, 0) if _more(sock, scratch) else -1
     _drain(sock, scratch, frame)
     if n != FRAME0 or not _tag_ok(key, frame, tag):
         return -3
