@@ -9,6 +9,7 @@ once by its kind -> local rows in shared memory, or requests to servers.
 - ``context``: ``WorkerContext`` and ``TableView``, what the parts below see of a worker and a table
 - ``access``: ``TableAccess``, what differs between kinds of table
 - ``static``: ``StaticAccess``, slices at one server each until moved, this node's in shared memory
+- ``lane``: ``WorkerLane``, small static pulls sent and answered whole in compiled code
 - ``routed``: ``RoutedAccess``, the one way static and adaptive tables follow keys answered "moved"
 - ``calls``: one call of a table whose keys can move: its parts in flight, and those to send again
 - ``fences``: confirming a slice move to the server that fenced it

@@ -18,6 +18,7 @@ import numpy as np
 
 from shoal.api.config import ClusterSpec, TableSpec
 from shoal.client.access import TableAccess
+from shoal.client.lane import WorkerLane
 from shoal.client.replica_view import ReplicaView
 from shoal.client.streams import Streams
 from shoal.cluster.requests import Future, RequestTracker
@@ -59,6 +60,10 @@ class WorkerContext(Protocol):
     def check_local_server(self, what: str) -> None: ...
 
     def server_alive(self, node: int) -> bool: ...
+
+    def lane(self, node: int) -> WorkerLane | None: ...
+
+    def lane_failed(self, node: int) -> None: ...
 
     def follow_departures(self) -> None: ...
 

@@ -38,6 +38,7 @@ from shoal.api.errors import (
     SliceMovedError,
     TableError,
 )
+from shoal.client import lane as lane_access
 from shoal.client.calls import READS, WRITES, Call, Part, Positions
 from shoal.client.context import TableView
 from shoal.client.fences import Fences
@@ -50,6 +51,7 @@ from shoal.consistency.schemes import SliceSchemes
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
 from shoal.storage.shard import ShardStore
+from shoal.wire import lane
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
@@ -85,6 +87,8 @@ class StaticAccess(RoutedAccess):
         #: what a local call is called in the error that its node's server died (made once: a call
         #: on local rows costs a few microseconds, and formatting would be a sizeable part of them)
         self._local_call_names = {op: f"a {op.name} of rows of {self.spec.name!r}" for op in (*READS, *WRITES)}
+        self._lane_id = lane.table_id(self.spec.name)
+        self._row_bytes = self.spec.dim * self.dtype.itemsize
 
     @property
     def row_cache(self) -> RowCache | None:
@@ -191,6 +195,8 @@ class StaticAccess(RoutedAccess):
         first = int(owner[0])  # if one node holds every key, it holds the first
         groups: list[tuple[int, np.ndarray | None]]
         if counts[first] == n:  # every key on one remote node: the batch goes as it is
+            if op == Op.PULL and pos is None and self._through_lane(call, first, shard, rows):
+                return
             groups = [(first, None)]
         else:
             order, starts = kernels.partition_by_owner(owner, counts.shape[0])
@@ -220,6 +226,36 @@ class StaticAccess(RoutedAccess):
             chunks = (at,) if count <= self._chunk else self._chunks(at, count, call.keys.shape[0])
             for chunk in chunks:
                 self._send(call, node, chunk, layout.epoch, op)
+
+    def _through_lane(self, call: Call, node: int, shard: np.ndarray, rows: np.ndarray) -> bool:
+        """Read the rows of a whole pull on one other node through the lane to its server
+        (``client.lane``), if it serves them: an ASP read of up to ``lane.MAX_ROWS`` rows (and
+        ``lane.MAX_BYTES``) in one slice, none of this worker's pushes there awaiting an answer (so
+        the read is after them, as the general path's would be in the worker's stream)."""
+        n = rows.shape[0]
+        if (self.bound is not None or not self.schemes.uniform or n > lane.MAX_ROWS
+                or n * self._row_bytes > lane.MAX_BYTES or (n > 1 and (shard != shard[0]).any())):
+            return False
+        if any(part.node == node for _, part in self._unacked.values()):
+            return False
+        exited = self.worker.replica_view.exited
+        if (exited and node in exited) or (to := self.worker.lane(node)) is None:
+            return False
+        assert call.result is not None
+        out = call.result.array()
+        if not out.flags.c_contiguous:
+            return False
+        req, incarnation = self.worker.tracker.number()
+        answered = to.pull(req, self.worker.rank, incarnation, self._lane_id, int(shard[0]), rows, call.clock, out)
+        if answered in (lane_access.TIMEOUT, lane_access.FAILED):
+            self.worker.lane_failed(node)
+        if answered != lane_access.OK:
+            self.counters["lane_general"] += 1
+            return False
+        self.counters["lane_pulls"] += 1
+        self.counters["rows_pulled"] += n
+        self.staleness.record(call.clock - to.answered_clock, n)
+        return True
 
     def _routes_to_dead(self, nodes: list[int]) -> bool:
         exited = self.worker.replica_view.exited

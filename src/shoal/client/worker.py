@@ -28,6 +28,7 @@ from shoal.api.initializers import Constant, Initializer
 from shoal.api.optim import Optimizer, Sum
 from shoal.client import checkpoints
 from shoal.client.dense import DEFAULT_SLICE, DenseTable
+from shoal.client.lane import WorkerLane
 from shoal.client.metrics import worker_families
 from shoal.client.replica_view import WATCH_AFTER_S
 from shoal.client.replicated import ReplicaView
@@ -45,7 +46,7 @@ from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
 from shoal.storage.segment import Segment
 from shoal.storage.shard import ShardStore
-from shoal.transport.base import Transport
+from shoal.transport.base import Transport, is_loopback, loopback_host
 from shoal.wire import bodies
 from shoal.wire.codec import Codec
 from shoal.wire.message import Message
@@ -117,6 +118,9 @@ class Worker:
         self.servers: list[str | None] = []  # by node; None once a server has left
         #: servers that left while requests to them were in flight: connected until those are over
         self._departing: set[int] = set()
+        #: each server's lane (``client.lane``) once asked for: None where it has none or it failed
+        self._lanes: dict[int, WorkerLane | None] = {}
+        self._lane_asks: dict[int, object] = {}  # the question for each server's lane in flight
         self.follow_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
         self.tracker.on_unsolicited = self._on_server_message
         self.tracker.after_receive = self._after_receive
@@ -346,6 +350,7 @@ class Worker:
             known = self.servers[n] if n < len(self.servers) else None
             if address == known:
                 continue
+            self._drop_lane(n)
             if known is not None and address is not None:
                 self.follow_restarted(n, address)
                 continue
@@ -390,12 +395,49 @@ class Worker:
         while len(self.servers) <= node:
             self.servers.append(None)
         self.servers[node] = address
+        self._drop_lane(node)
         self.tracker.fail_peer(node, PeerRestartedError(f"server {node} was started again: what was in flight "
                                                         "to its previous process was lost with it"))
         self.streams.reset(node)
         self.tracker.connect(node, address)
         if node == self.node:
             self.lose_local_server()
+
+    def lane(self, node: int) -> WorkerLane | None:
+        """The lane to server ``node`` (``client.lane``), or None: not known yet (the first call asks
+        the server for its address, and pulls take the general path until the answer is in), or
+        none at all (the job has no secret, the wire is not this machine's, the transport has no
+        native sockets, the server has no lane, or it went unanswered once)."""
+        if node in self._lanes:
+            return self._lanes[node]
+        self._lanes[node] = None
+        ctx, secret = self.transport.native_context(), self.cluster.secret
+        address = self.servers[node] if 0 <= node < len(self.servers) else None
+        if ctx is None or secret is None or address is None or not is_loopback(address):
+            return None
+        asked = object()  # an answer for a server since started again or gone opens nothing
+        self._lane_asks[node] = asked
+
+        def answered(msg: Message) -> None:
+            lane_address = msg.body.get("lane")
+            if (self._lane_asks.get(node) is asked and not self._closed and isinstance(lane_address, str)
+                    and loopback_host(lane_address) is not None):
+                self._lanes[node] = WorkerLane(ctx, lane_address, secret, self.cluster.timeouts.resend_s)
+
+        self.tracker.request(node, bodies.Ping(lane=True).to_message(), answered, f"the lane of server {node}",
+                             background=True, on_error=lambda error: None)
+        return None
+
+    def lane_failed(self, node: int) -> None:
+        """The lane to ``node`` went unanswered: its requests take the general path from now on."""
+        self._drop_lane(node)
+        self._lanes[node] = None
+
+    def _drop_lane(self, node: int) -> None:
+        self._lane_asks.pop(node, None)
+        opened = self._lanes.pop(node, None)
+        if opened is not None:
+            opened.close()
 
     def live_servers(self) -> list[int]:
         return [n for n, address in enumerate(self.servers) if address]
@@ -657,6 +699,8 @@ class Worker:
             log.warning("worker %d: unclean shutdown: %s", self.rank, exc)
         finally:
             self._closed = True
+            for node in list(self._lanes):
+                self._drop_lane(node)
             for table in self.tables.values():
                 table.close()
             self.local_clocks = None

@@ -239,6 +239,14 @@ class RequestTracker:
                 self._note_dropped(peer, msg.op.name)
             return sent
 
+    def number(self) -> tuple[int, int]:
+        """A request number in this tracker's sequence and its incarnation, for a request sent
+        another way (a lane, ``client.lane``): receivers tell repeats by them as by the others."""
+        with self._lock:
+            if not self.incarnation:
+                self.incarnation = new_incarnation()
+            return next(self._ids), self.incarnation
+
     def _stamp(self, msg: Message) -> int:
         """Number ``msg`` in this tracker's stream: receivers serve each number once."""
         if not self.incarnation:

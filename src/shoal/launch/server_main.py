@@ -45,7 +45,8 @@ def main() -> int:
                                     cluster.cluster_id, cluster.num_nodes, cluster.num_workers,
                                     rebalance=env.rebalance()).start()
         server = ParameterServer(role.node, role.cluster, transport, bind=role.bind,
-                                 metrics_port=env.metrics_port(role.node, None), metrics_host=env.metrics_host())
+                                 metrics_port=env.metrics_port(role.node, None), metrics_host=env.metrics_host(),
+                                 lane=True)  # a process of its own: no worker thread shares its rows
     except ShoalError as exc:
         print(f"shoal server: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@
 - ``builds``: tables allocated and initialised off the request loop
 - ``peers``: ``PeerDirectory``, the other servers: one tracker and address book for the services
 - ``static``: ``StaticService``, the static tables: pulls held by the bound, pushes into the slices
+- ``lane``: ``ServerLane``, small static pulls served whole in compiled code, beside the loop
 - ``tables``: ``ServedTable`` (key-level pull/push over local shard stores)
 - ``streams``: each worker's requests handled in the order it sent them
 - ``sync``: worker clocks, held pulls and eager pushes

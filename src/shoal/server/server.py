@@ -46,6 +46,7 @@ from shoal.placement.layout import check_limits
 from shoal.server.adaptive import AdaptiveService
 from shoal.server.builds import TableBuilds
 from shoal.server.checkpoints import CheckpointService
+from shoal.server.lane import ServerLane
 from shoal.server.metrics import server_families
 from shoal.server.peers import PeerDirectory
 from shoal.server.replicated import ReplicationService
@@ -56,7 +57,7 @@ from shoal.server.streams import StaleRequestError, StreamOrder
 from shoal.server.sync import Synchroniser
 from shoal.server.tables import ServedTable, SliceMoving, read_after_push
 from shoal.storage.segment import Segment
-from shoal.transport.base import Transport, is_loopback
+from shoal.transport.base import Transport, is_loopback, loopback_host
 from shoal.wire import bodies
 from shoal.wire.codec import Codec, frames_nbytes
 from shoal.wire.message import Message
@@ -103,11 +104,14 @@ class ParameterServer:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         now: Callable[[], float] = time.monotonic,
+        lane: bool = False,
     ) -> None:
         """``now``: the clock the synchroniser and static tables (held pulls, fences, lazy pulls), the
         replication service (deaths, waiting pushes) and the adaptive service (replica syncs, held
         requests) read; tests pass one they move by hand. The loop's own waits, heartbeats and gossip
-        rounds are in real time."""
+        rounds are in real time. ``lane``: answer small pulls of static tables on a lane of their own
+        (``server.lane``), where the job has a secret, the wire is this machine's and the transport
+        has native sockets; only for a server in a process of its own (its launcher's choice)."""
         self.node = node
         self.cluster = cluster
         self.transport = transport
@@ -178,6 +182,16 @@ class ParameterServer:
             lambda: server_families(self), {"node": self.node}, metrics_host, metrics_port,
             metrics_token(cluster.secret) if cluster.secret else None)
         self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
+        self.lane = self._open_lane() if lane else None
+
+    def _open_lane(self) -> ServerLane | None:
+        ctx = self.transport.native_context()
+        host = loopback_host(self.address)
+        if ctx is None or host is None or self.cluster.secret is None:
+            return None
+        opened = ServerLane(self.node, ctx, host, self.cluster.secret, self.clocks.clocks)
+        self.listener.wake_on_native(opened.socket)
+        return opened
 
     # ------------------------------------------------------------------ loop
 
@@ -199,6 +213,7 @@ class ParameterServer:
             while not self._stop.is_set():
                 waited_from = time.monotonic()
                 first = item = self.listener.recv(wait)
+                laned = self._pump_lane()
                 burst_until = time.monotonic() + _BURST_S
                 burst = 0
                 while item is not None:
@@ -210,16 +225,18 @@ class ParameterServer:
                     if time.monotonic() > burst_until:
                         break  # timers (heartbeat, gossip, lazy pulls) must run under sustained load too
                     item = self.listener.recv(0)
+                if burst > 1:
+                    self._pump_lane()  # what came on the lane during the burst
                 self._backlog = max(self._backlog, burst)
                 now = time.monotonic()
-                if first is not None and now < timers_at:
+                if (first is not None or laned) and now < timers_at:
                     # Requests one at a time: the timers wait for a pause or their period, not run
                     # after each request (they cost as much as serving a small one).
                     wait = timers_at - now
                     continue
                 # Woken with no message before the wait ran out: by the rendezvous's answer (ZeroMQ
                 # waits whole milliseconds, rounded up: a wait that ran out took at least its length).
-                woken = first is None and now - waited_from < wait
+                woken = first is None and not laned and now - waited_from < wait
                 if woken or now >= timers_by or self._timers_due(register):
                     self._run_timers(register)
                     now = time.monotonic()
@@ -229,6 +246,16 @@ class ParameterServer:
                 self._say_goodbye()
         finally:
             self.close()
+
+    def _pump_lane(self) -> bool:
+        """Serve the lane's queued requests (``server.lane``), charged to their own activity; whether
+        there were any."""
+        if self.lane is None or not self.lane.socket.readable():
+            return False
+        started = time.thread_time()
+        self.lane.pump(self.tables, self.lost, self.sync.refusing)
+        self.cpu.charge("PULL (lane)", time.thread_time() - started)
+        return True
 
     def _run_timers(self, register: bool) -> None:
         # One CPU clock read between two timers ends one and starts the next (a read is a system
@@ -559,8 +586,11 @@ class ParameterServer:
             return self.checkpoints.settle(msg)
         if op == Op.STATS:
             return msg.reply(Op.OK, self.describe())
-        if op == Op.PING:
-            return msg.reply(Op.OK)
+        if op == Op.PING:  # with the lane's address, for a worker that would use it
+            if self.lane is None or not bodies.Ping.of(msg).lane:
+                return msg.reply(Op.OK)
+            self.lane.warm()
+            return msg.reply(Op.OK, {"lane": self.lane.address})
         if op == Op.SHUTDOWN:
             self.stop()
             return msg.reply(Op.OK)
@@ -658,7 +688,7 @@ class ParameterServer:
             "clocks": [int(c) for c in self.clocks.clocks],
             "slowest_clock": self.clocks.slowest,
             "stats": dict(self.stats + self.sync.stats + self.replication.stats + self.adaptive.stats
-                          + self.slicing.stats),
+                          + self.slicing.stats + Counter(self.lane.stats() if self.lane is not None else {})),
             **self.static.describe(),
             "replicated": self.replication.describe(),
             "adaptive": self.adaptive.describe(),
@@ -701,6 +731,9 @@ class ParameterServer:
         self.slicing.close()
         self.peers.close()
         self.adaptive.close()
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None  # with it, its view of the clocks, which must go before their memory
         self.listener.close()
         self.static.close()
         del self.clocks

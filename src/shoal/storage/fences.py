@@ -11,41 +11,38 @@ them (its stores are not reordered with stores, nor loads with loads); on
 weaker processors (ARM) they are the processor's barriers.
 
 The functions here are stand-ins that a kernel's module names until numba
-loads (``jit``: on the first kernel call); ``intrinsics`` gives their compiled
-forms, which ``jit.compile_all`` binds in their place before compiling.
+loads (``jit``: on the first kernel call), when ``jit.compile_all`` binds their
+compiled forms, intrinsics, in their place (``jit.native``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from shoal.storage import jit
 
+
+def _fence(ordering: str) -> Any:
+    """A fence of ``ordering`` as a numba intrinsic (imports numba)."""
+    from numba.core import types
+    from numba.core.extending import intrinsic
+
+    def typer(typingctx: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            builder.fence(ordering)
+            return context.get_dummy_value()
+
+        return types.none(), codegen
+
+    typer.__name__ = f"{ordering}_fence"
+    return intrinsic(typer)
+
+
+@jit.native(lambda: _fence("release"))
 def release_fence() -> None:
     """Memory accesses before this one complete before the stores after it (a stand-in; see the module)."""
 
 
+@jit.native(lambda: _fence("acquire"))
 def acquire_fence() -> None:
     """Loads before this one complete before the memory accesses after it (a stand-in; see the module)."""
-
-
-STAND_INS: dict[str, Callable[[], None]] = {"release_fence": release_fence, "acquire_fence": acquire_fence}
-
-
-def intrinsics() -> dict[str, Any]:
-    """The fences as numba intrinsics, by the name of their stand-ins (imports numba)."""
-    from numba.core import types
-    from numba.core.extending import intrinsic
-
-    def fence(ordering: str) -> Any:
-        def typer(typingctx: Any) -> Any:
-            def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-                builder.fence(ordering)
-                return context.get_dummy_value()
-
-            return types.none(), codegen
-
-        typer.__name__ = f"{ordering}_fence"
-        return intrinsic(typer)
-
-    return {"release_fence": fence("release"), "acquire_fence": fence("acquire")}

@@ -34,6 +34,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _recorded: list[types.FunctionType] = []
 _compiled: dict[types.FunctionType, Callable[..., Any]] = {}
+#: names kernels call that numba needs objects of its own for (intrinsics, C functions): each
+#: stand-in, and what makes its compiled form
+_natives: dict[int, tuple[Callable[..., Any], Callable[[], Any]]] = {}
+_made: dict[int, Any] = {}  # the compiled forms made so far, by their stand-in's id
 _lock = threading.Lock()
 
 
@@ -53,21 +57,35 @@ def kernel(fn: F) -> F:
     return cast(F, stand_in)
 
 
+def native(compiled: Callable[[], Any]) -> Callable[[F], F]:
+    """Name what a kernel calls that is not a kernel: an intrinsic, a C function. The decorated
+    function stands in (it is what Python calls, if anything may); when the kernels compile,
+    ``compiled()`` (which may import numba) makes its compiled form, bound in its place in every
+    kernel's module that names it."""
+    def register(stand_in: F) -> F:
+        _natives[id(stand_in)] = (stand_in, compiled)
+        return stand_in
+
+    return register
+
+
 def compile_all() -> dict[types.FunctionType, Callable[..., Any]]:
     """Every recorded kernel's compiled form, by plain function; imports numba the first time."""
     with _lock:
         if len(_compiled) < len(_recorded):
             import numba
 
-            from shoal.storage import fences
-
             _defer_blas_check()
-            compiled_fences = fences.intrinsics()
+            for key, (_, make) in list(_natives.items()):
+                if key not in _made:
+                    _made[key] = make()
             for fn in _recorded:
                 if fn not in _compiled:
-                    for name, stand_in in fences.STAND_INS.items():  # a kernel's fences compile as intrinsics
-                        if fn.__globals__.get(name) is stand_in:
-                            fn.__globals__[name] = compiled_fences[name]
+                    names = fn.__globals__
+                    for name, value in list(names.items()):  # the natives it names, as compiled forms
+                        entry = _natives.get(id(value))
+                        if entry is not None and entry[0] is value:
+                            names[name] = _made[id(value)]
                     _compiled[fn] = numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
                     fn.__globals__[fn.__name__] = _compiled[fn]
         return _compiled

@@ -121,6 +121,11 @@ class StripedLocks:
         self._every = {exclusive: _Held(self, [(0, num_stripes)], fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
                        for exclusive in (True, False)}
 
+    @property
+    def thread_lock(self) -> threading.Lock:
+        """The lock that excludes this process's other threads, taken before any record lock."""
+        return self._threads
+
     def hold(self, rows: np.ndarray | None, exclusive: bool, first_stripe: bool = False) -> _Held:
         """Lock the stripes that ``rows`` touch (all stripes if ``rows`` is None), and stripe 0 too where
         ``first_stripe`` (it guards what the node's processes share beside the rows)."""

@@ -155,6 +155,12 @@ class ShardStore:
         return self._locks.hold(rows, exclusive)
 
     @property
+    def locks(self) -> StripedLocks | None:
+        """The stripes' locks (None for a lock-free table): for code that reads the rows by their
+        address and takes the same locks itself (``server.lane``)."""
+        return self._locks
+
+    @property
     def retired(self) -> bool:
         return bool(self.header[0])
 

@@ -2,6 +2,7 @@
 
 - ``base``: the contract (``Transport``, ``Listener``, ``Connection``, ``Poller``)
 - ``zmq_transport``: ZeroMQ over tcp and ipc
+- ``native``: ZeroMQ sockets that compiled code sends and receives on itself
 - ``inproc``: queues in one process, for unit tests
 - ``faulty``: a wrapper that delays, drops, duplicates and reorders what arrives
 """

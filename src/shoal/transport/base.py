@@ -27,6 +27,14 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def loopback_host(address: str) -> str | None:
+    """The IPv4 loopback host (or ``localhost``) of a tcp address, else None."""
+    if not address.startswith("tcp://"):
+        return None
+    host = address[6:].rpartition(":")[0]
+    return host if ":" not in host and is_loopback_host(host) else None
+
+
 def is_loopback(address: str) -> bool:
     """True for addresses only this machine can reach (loopback tcp, ipc, in-process)."""
     if not address.startswith("tcp://"):
@@ -51,6 +59,9 @@ class Listener(ABC):
         """Let ``recv`` return None before its timeout when ``conn`` has something to read (the
         owner of both reads it then): one wait for both, where waiting on each in turn would leave
         an answer on ``conn`` unread for the listener's whole timeout."""
+
+    def wake_on_native(self, native: Any) -> None:  # noqa: B027 - a hint, as ``wake_on``
+        """``wake_on`` for a native socket (``transport.native.NativeSocket``)."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -104,6 +115,12 @@ class Transport(ABC):
 
     @abstractmethod
     def poller(self) -> Poller: ...
+
+    def native_context(self) -> Any:
+        """The ZeroMQ context native sockets (``transport.native``) open in, or None where this
+        transport has none: messages between compiled code then take this transport's own path
+        (a transport that injects faults keeps every message on it)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook; most transports hold nothing
         """Release what the transport holds (sockets, contexts)."""

@@ -103,8 +103,14 @@ class ZmqListener(Listener):
 
     def wake_on(self, conn: Connection) -> None:
         if isinstance(conn, ZmqConnection):
-            self._poller.register(conn.socket, zmq.POLLIN)
-            self._shares_poller = True
+            self._wake_on_socket(conn.socket)
+
+    def wake_on_native(self, native: Any) -> None:
+        self._wake_on_socket(native.socket)
+
+    def _wake_on_socket(self, socket: zmq.Socket[Any]) -> None:
+        self._poller.register(socket, zmq.POLLIN)
+        self._shares_poller = True
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         try:
@@ -188,6 +194,9 @@ class ZmqTransport(Transport):
 
     def poller(self) -> Poller:
         return ZmqPoller()
+
+    def native_context(self) -> zmq.Context:
+        return self.ctx
 
     def close(self) -> None:
         # destroy() closes sockets still open (term() alone would wait for them forever).

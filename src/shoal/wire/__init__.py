@@ -6,6 +6,8 @@
 - ``schema``: per-op checks derived from the declarations, the kinds of placement message, barrier
   notes, "moved" answers
 - ``codec``: ``Codec`` (msgpack header + raw frames + keyed BLAKE3 tag, size limit)
+- ``keyed_hash``: keyed BLAKE3 in compiled code
+- ``lane``: the lane's fixed-header pull and its answer (``server.lane``, ``client.lane``)
 """
 
 from shoal.wire.codec import Codec

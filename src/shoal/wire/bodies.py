@@ -161,6 +161,15 @@ class CreateTable(Body):
     plan: bool | None = None
 
 
+@dataclass(frozen=True)
+class Ping(Body):
+    """Are you there? With ``lane``: and where is your lane (``server.lane``)? The answer's body
+    names it (``lane``: its address), or says nothing where the server has none."""
+
+    op = Op.PING
+    lane: bool | None = None
+
+
 # ------------------------------------------------------ rows and clocks
 
 

@@ -1,0 +1,76 @@
+"""The lane (``client.lane``, ``server.lane``): small static pulls answered whole in compiled code.
+
+Jobs of real processes (a launched server has a lane; threads beside a server do not), checked by
+counting: every read holds its worker's own acknowledged pushes, whether the lane or the general
+path served it, while a slice moves away and back; every push is in the final rows exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shoal.wire import keyed_hash, lane
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lane_worker.py"
+
+
+def run_job(tmp_path: Path, mode: str, rounds: int, workers_per_node: int) -> list[dict]:
+    done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node",
+                           str(workers_per_node), "--connect-timeout", "30", "--request-timeout", "60", "--",
+                           sys.executable, str(SCRIPT), str(tmp_path), mode, str(rounds)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads((tmp_path / f"w{rank}.json").read_text()) for rank in range(2 * workers_per_node)]
+
+
+def test_reads_through_the_lane_hold_the_workers_own_pushes_and_every_push_counts_once_across_slice_moves(
+        tmp_path):
+    results = run_job(tmp_path, "count", 400, workers_per_node=2)
+    pushed = np.sum([r["pushed"] for r in results], axis=0)
+    for r in results:
+        assert r["missed"] == [], "a read missed its own worker's acknowledged push"
+        assert r["uniform"]
+        assert r["final"] == pushed.astype(float).tolist(), "a push was lost or applied twice"
+    lane_pulls = sum(r["counters"].get("lane_pulls", 0) for r in results)
+    general = sum(r["counters"].get("requests", 0) for r in results)
+    served = sum(s.get("lane_pulls", 0) for s in results[0]["servers"])
+    assert lane_pulls > 100 and general > 100, (lane_pulls, general)  # both paths, beside each other
+    assert served == lane_pulls  # what the workers counted, the servers served (no request served twice)
+
+
+def test_the_lane_answers_no_one_without_the_key_refuses_replays_and_keeps_serving(tmp_path):
+    result = run_job(tmp_path, "forge", 0, workers_per_node=1)[0]
+    assert result["wrong key"] == "no answer"
+    assert result["cut tag"] == "no answer"
+    assert result["valid"] == "rows"
+    assert result["older"] == "no answer"  # an older request number from the same incarnation
+    assert result["again"] == "rows"  # the same request again is read again (a read changes nothing)
+    assert result["lane after"] == 1
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 104, 1023, 1024])
+def test_the_compiled_keyed_hash_is_blake3s(size):
+    import blake3
+
+    key = os.urandom(32)
+    data = np.frombuffer(os.urandom(size + 3), np.uint8)
+    tag = np.zeros(36, np.uint8)
+    keyed_hash.keyed_blake3(keyed_hash.key_words(key), data, size, tag, 2)
+    assert tag[2:34].tobytes() == blake3.blake3(data[:size].tobytes(), key=key).digest()
+
+
+def test_a_lane_frame_is_never_a_codec_header():
+    """0xC1 is the one byte msgpack never uses: no map (a codec header) starts with it."""
+    from shoal.wire.codec import Codec
+    from shoal.wire.message import Message
+    from shoal.wire.ops import Op
+
+    frames = Codec(secret=b"s" * 32, local=True).encode(Message(Op.PING))
+    assert not lane.is_lane(bytes(frames[0])) and lane.is_lane(bytes([0xC1]))

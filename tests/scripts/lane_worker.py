@@ -1,0 +1,128 @@
+"""A worker script for the lane's tests (``tests/client/test_lane.py``).
+
+    lane_worker.py OUT_DIR MODE ROUNDS
+
+* ``count``: every worker, ROUNDS times: push +1 to a key (waiting for its answer every other
+  time, so that the next pull may take the lane), then pull that key and note whether it holds
+  at least this worker's own pushes to it; rank 0 moves the table's slice 1 to server 0 a third
+  of the way through and back to server 1 at two thirds. At the end every worker pulls every
+  key once the others are done. Writes OUT_DIR/w<rank>.json: its pushes per key, the reads that
+  missed its own pushes, the final rows, its table's counters, and the servers' stats.
+* ``forge``: rank 0 sends server 1's lane a request under a wrong key, one whose tag was cut,
+  and one replaying an older request number, then pulls through the lane as usual; writes
+  what came back for each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import zmq
+
+import shoal
+from shoal.wire import lane
+from shoal.wire.codec import tag_key
+from shoal.wire.keyed_hash import key_words
+
+KEYS = 64
+DIM = 8
+
+
+def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> None:
+    rng = np.random.default_rng(ps.rank)
+    pushed = np.zeros(KEYS, dtype=np.int64)
+    missed = []
+    one = np.ones((1, DIM), dtype=np.float32)
+    for i in range(rounds):
+        if ps.rank == 0 and i in (rounds // 3, 2 * rounds // 3):
+            ps.move_slice(table, 1, 0 if i == rounds // 3 else 1)
+        key = np.array([rng.integers(KEYS)], dtype=np.int64)
+        push = table.push_async(key, one)
+        if i % 2 == 0:
+            push.wait()
+        pushed[key[0]] += 1
+        row = table.pull(key)
+        if row[0, 0] < pushed[key[0]]:
+            missed.append([i, int(key[0]), float(row[0, 0]), int(pushed[key[0]])])
+    ps.wait_all()
+    ps.barrier()
+    final = table.pull(np.arange(KEYS, dtype=np.int64))
+    result = {"pushed": pushed.tolist(), "missed": missed, "final": final[:, 0].tolist(),
+              "uniform": bool((final == final[:, :1]).all()), "counters": dict(table.counters),
+              "servers": [s.get("stats", {}) for s in ps.server_stats()]}
+    write(out_dir, ps.rank, result)
+
+
+def forge(ps: shoal.Worker, table: shoal.Table, out_dir: str) -> None:
+    result: dict[str, object] = {}
+    if ps.rank == 0:
+        deadline = time.monotonic() + 30
+        while ps.lane(1) is None and time.monotonic() < deadline:  # its address asked for, then known
+            table.pull(np.array([KEYS - 1], dtype=np.int64))
+        to = ps.lane(1)
+        assert to is not None, "server 1 has no lane"
+        secret = ps.cluster.secret
+        assert secret is not None
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 500)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(to.address)
+
+        def ask(key: bytes, req: int, cut: bool = False) -> str:
+            frame = np.zeros(lane.FRAME0_BYTES, np.uint8)
+            head = frame[:lane.HEADER_BYTES].view(np.int64)
+            head[lane.MAGIC_AT], head[lane.KIND], head[lane.REQ], head[lane.SENDER] = lane.MAGIC, lane.REQUEST, req, 0
+            head[lane.INCARNATION], head[lane.TABLE_ID] = 77, lane.table_id(table.name)
+            head[lane.SHARD], head[lane.COUNT], head[lane.CLOCK] = 1, 1, 0
+            lane.seal(key_words(tag_key(key)), frame)
+            sock.send_multipart([frame.tobytes()[:-1] if cut else frame.tobytes(), np.zeros(1, np.int64)])
+            try:
+                answer = sock.recv_multipart()
+            except zmq.Again:
+                return "no answer"
+            kind = np.frombuffer(answer[0][:lane.HEADER_BYTES], np.int64)[lane.KIND]
+            return {lane.ROWS: "rows", lane.GENERAL: "general"}.get(int(kind), f"kind {kind}")
+
+        result["wrong key"] = ask(os.urandom(32), 10)
+        result["cut tag"] = ask(secret, 11, cut=True)
+        result["valid"] = ask(secret, 20)
+        result["older"] = ask(secret, 19)
+        result["again"] = ask(secret, 20)
+        sock.close()
+        ctx.term()
+        before = table.counters["lane_pulls"]
+        table.pull(np.array([KEYS - 1], dtype=np.int64))
+        result["lane after"] = table.counters["lane_pulls"] - before
+    ps.barrier()
+    write(out_dir, ps.rank, result)
+
+
+def write(out_dir: str, rank: int, result: dict[str, object]) -> None:
+    path = os.path.join(out_dir, f"w{rank}.json")
+    with open(path + ".part", "w") as fh:
+        json.dump(result, fh)
+    os.replace(path + ".part", path)
+
+
+def main() -> None:
+    out_dir, mode, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ps = shoal.init()
+    # Two slices, keys 0-31 on server 0 and 32-63 on server 1; every push adds its values.
+    table = ps.table("lane", KEYS, DIM, mapping="range")
+    ps.barrier()
+    started = time.monotonic()
+    if mode == "count":
+        count(ps, table, out_dir, rounds)
+    else:
+        forge(ps, table, out_dir)
+    print(f"worker {ps.rank} done in {time.monotonic() - started:.1f}s", flush=True)
+    ps.shutdown()
+
+
+if __name__ == "__main__":
+    main()
