@@ -234,12 +234,12 @@ class StaticAccess(RoutedAccess):
         the read is after them, as the general path's would be in the worker's stream)."""
         n = rows.shape[0]
         if (self.bound is not None or not self.schemes.uniform or n > lane.MAX_ROWS
-                or n * self._row_bytes > lane.MAX_BYTES or (n > 1 and (shard != shard[0]).any())):
-            return False
-        if any(part.node == node for _, part in self._unacked.values()):
+                or n * self._row_bytes > lane.MAX_BYTES):
             return False
         exited = self.worker.replica_view.exited
         if (exited and node in exited) or (to := self.worker.lane(node)) is None:
+            return False
+        if (n > 1 and (shard != shard[0]).any()) or any(part.node == node for _, part in self._unacked.values()):
             return False
         assert call.result is not None
         out = call.result.array()

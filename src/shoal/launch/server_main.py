@@ -46,7 +46,7 @@ def main() -> int:
                                     rebalance=env.rebalance()).start()
         server = ParameterServer(role.node, role.cluster, transport, bind=role.bind,
                                  metrics_port=env.metrics_port(role.node, None), metrics_host=env.metrics_host(),
-                                 lane=True)  # a process of its own: no worker thread shares its rows
+                                 lane=True)
     except ShoalError as exc:
         print(f"shoal server: {exc}", file=sys.stderr)
         return 2

@@ -111,7 +111,8 @@ class ParameterServer:
         requests) read; tests pass one they move by hand. The loop's own waits, heartbeats and gossip
         rounds are in real time. ``lane``: answer small pulls of static tables on a lane of their own
         (``server.lane``), where the job has a secret, the wire is this machine's and the transport
-        has native sockets; only for a server in a process of its own (its launcher's choice)."""
+        has native sockets (launched servers do; servers a test makes in its threads keep every
+        pull on the general path their tests are about, unless they ask)."""
         self.node = node
         self.cluster = cluster
         self.transport = transport
