@@ -45,7 +45,7 @@ def test_reads_through_the_lane_hold_the_workers_own_pushes_and_every_push_count
     assert served == lane_pulls  # what the workers counted, the servers served (no request served twice)
 
 
-def test_the_lane_answers_no_one_without_the_key_refuses_replays_and_keeps_serving(tmp_path):
+def test_the_lane_answers_no_one_without_the_key_refuses_replays_and_bounded_reads_and_keeps_serving(tmp_path):
     result = run_job(tmp_path, "forge", 0, workers_per_node=1)[0]
     assert result["wrong key"] == "no answer"
     assert result["cut tag"] == "no answer"
@@ -53,6 +53,8 @@ def test_the_lane_answers_no_one_without_the_key_refuses_replays_and_keeps_servi
     assert result["older"] == "no answer"  # an older request number from the same incarnation
     assert result["again"] == "rows"  # the same request again is read again (a read changes nothing)
     assert result["lane after"] == 1
+    assert result["bounded table"] == "general"  # bounded reads wait on clocks: the general path's
+    assert result["bounded through the lane"] == 0
 
 
 @pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 104, 1023, 1024])

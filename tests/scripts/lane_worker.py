@@ -9,8 +9,8 @@
   key once the others are done. Writes OUT_DIR/w<rank>.json: its pushes per key, the reads that
   missed its own pushes, the final rows, its table's counters, and the servers' stats.
 * ``forge``: rank 0 sends server 1's lane a request under a wrong key, one whose tag was cut,
-  and one replaying an older request number, then pulls through the lane as usual; writes
-  what came back for each.
+  one replaying an older request number, and one for a table read under SSP, then pulls
+  through the lane as usual; writes what came back for each.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> No
     write(out_dir, ps.rank, result)
 
 
-def forge(ps: shoal.Worker, table: shoal.Table, out_dir: str) -> None:
+def forge(ps: shoal.Worker, table: shoal.Table, bounded: shoal.Table, out_dir: str) -> None:
     result: dict[str, object] = {}
     if ps.rank == 0:
         deadline = time.monotonic() + 30
@@ -73,11 +73,11 @@ def forge(ps: shoal.Worker, table: shoal.Table, out_dir: str) -> None:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(to.address)
 
-        def ask(key: bytes, req: int, cut: bool = False) -> str:
+        def ask(key: bytes, req: int, cut: bool = False, name: str = table.name) -> str:
             frame = np.zeros(lane.FRAME0_BYTES, np.uint8)
             head = frame[:lane.HEADER_BYTES].view(np.int64)
             head[lane.MAGIC_AT], head[lane.KIND], head[lane.REQ], head[lane.SENDER] = lane.MAGIC, lane.REQUEST, req, 0
-            head[lane.INCARNATION], head[lane.TABLE_ID] = 77, lane.table_id(table.name)
+            head[lane.INCARNATION], head[lane.TABLE_ID] = 77, lane.table_id(name)
             head[lane.SHARD], head[lane.COUNT], head[lane.CLOCK] = 1, 1, 0
             lane.seal(key_words(tag_key(key)), frame)
             sock.send_multipart([frame.tobytes()[:-1] if cut else frame.tobytes(), np.zeros(1, np.int64)])
@@ -93,11 +93,15 @@ def forge(ps: shoal.Worker, table: shoal.Table, out_dir: str) -> None:
         result["valid"] = ask(secret, 20)
         result["older"] = ask(secret, 19)
         result["again"] = ask(secret, 20)
+        result["bounded table"] = ask(secret, 21, name=bounded.name)
         sock.close()
         ctx.term()
         before = table.counters["lane_pulls"]
         table.pull(np.array([KEYS - 1], dtype=np.int64))
         result["lane after"] = table.counters["lane_pulls"] - before
+        for _ in range(5):
+            bounded.pull(np.array([KEYS - 1], dtype=np.int64))
+        result["bounded through the lane"] = bounded.counters["lane_pulls"]
     ps.barrier()
     write(out_dir, ps.rank, result)
 
@@ -119,7 +123,7 @@ def main() -> None:
     if mode == "count":
         count(ps, table, out_dir, rounds)
     else:
-        forge(ps, table, out_dir)
+        forge(ps, table, ps.table("lane_ssp", KEYS, DIM, mapping="range", consistency=shoal.SSP(1)), out_dir)
     print(f"worker {ps.rank} done in {time.monotonic() - started:.1f}s", flush=True)
     ps.shutdown()
 
