@@ -12,6 +12,7 @@ read and dropped by the next call.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -65,11 +66,14 @@ class WorkerLane:
         self._scratch = np.empty(2, np.int64)
         self._lock = threading.Lock()
 
-    def pull(self, req: int, sender: int, incarnation: int, table_id: int, shard: int, rows: np.ndarray,
+    def pull(self, numbered: Callable[[], tuple[int, int]], sender: int, table_id: int, shard: int, rows: np.ndarray,
              clock: int, out: np.ndarray) -> int:
         """Rows ``rows`` (int64, in slice ``shard``) of a table into ``out`` (their values, C order):
-        OK, or GENERAL / TIMEOUT / FAILED (then send it the general way)."""
+        OK, or GENERAL / TIMEOUT / FAILED (then send it the general way). ``numbered`` gives the
+        request its number and the sender's incarnation, taken once the lane is this caller's: the
+        server drops a number lower than one it served (a replay), so they go out in order."""
         with self._lock:
+            req, incarnation = numbered()
             head = self._head
             head[lane.MAGIC_AT], head[lane.KIND], head[lane.REQ], head[lane.SENDER] = lane.MAGIC, lane.REQUEST, req, \
                 sender

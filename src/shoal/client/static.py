@@ -245,8 +245,8 @@ class StaticAccess(RoutedAccess):
         out = call.result.array()
         if not out.flags.c_contiguous:
             return False
-        req, incarnation = self.worker.tracker.number()
-        answered = to.pull(req, self.worker.rank, incarnation, self._lane_id, int(shard[0]), rows, call.clock, out)
+        answered = to.pull(self.worker.tracker.number, self.worker.rank, self._lane_id, int(shard[0]), rows, call.clock,
+                           out)
         if answered in (lane_access.TIMEOUT, lane_access.FAILED):
             self.worker.lane_failed(node)
         if answered != lane_access.OK:

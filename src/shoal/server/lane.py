@@ -23,7 +23,6 @@ none of its pushes to that server awaits an answer, so its own writes are in
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -36,8 +35,6 @@ from shoal.wire import lane
 from shoal.wire.codec import tag_key
 from shoal.wire.keyed_hash import key_words
 
-log = logging.getLogger(__name__)
-
 _F_SETLKW, _F_RDLCK, _F_UNLCK = 7, 0, 2
 
 
@@ -49,6 +46,7 @@ def _memcpy(to: int, source: int, size: int) -> int:
 @native(lambda: c_function("fcntl", lambda t: t.intc(t.intc, t.intc, t.voidptr)))  # variadic: an int and a
 def _fcntl(fd: int, command: int, argument: int) -> int:  # pointer pass as the fixed arguments would
     raise NotImplementedError("compiled code only")
+
 
 # An entry per slice the lane may serve: these int64 fields.
 (E_TABLE, E_SHARD, E_VALUES, E_ROWS, E_ROW_BYTES, E_LOCK_FD, E_STRIPES, E_HEADER, E_SERVABLE) = range(9)
