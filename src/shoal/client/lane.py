@@ -3,10 +3,10 @@ compiled code (``server.lane``, ``wire.lane``).
 
 ``pull`` numbers the request as the worker's tracker numbers its others, sends it on a socket
 of its own, and waits for its answer, all in one compiled call that lets go of the
-interpreter while it waits. It returns ``False`` for whatever the lane did not serve: the
-server answered ``GENERAL`` or did not answer within the wait; the caller then takes the
-general path, which waits, retries and explains. A late answer to an earlier request is
-read and dropped by the next call.
+interpreter while it waits. It returns ``OK``, or for whatever the lane did not serve
+``GENERAL`` (the server said so), ``TIMEOUT`` (no answer within the wait) or ``FAILED`` (it
+could not be sent); the caller then takes the general path, which waits, retries and
+explains. A late answer to an earlier request is read and dropped by the next call.
 """
 
 from __future__ import annotations
