@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shoal.wire import keyed_hash, lane
+from shoal.wire import keyed_hash
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lane_worker.py"
 
@@ -66,13 +66,3 @@ def test_the_compiled_keyed_hash_is_blake3s(size):
     tag = np.zeros(36, np.uint8)
     keyed_hash.keyed_blake3(keyed_hash.key_words(key), data, size, tag, 2)
     assert tag[2:34].tobytes() == blake3.blake3(data[:size].tobytes(), key=key).digest()
-
-
-def test_a_lane_frame_is_never_a_codec_header():
-    """0xC1 is the one byte msgpack never uses: no map (a codec header) starts with it."""
-    from shoal.wire.codec import Codec
-    from shoal.wire.message import Message
-    from shoal.wire.ops import Op
-
-    frames = Codec(secret=b"s" * 32, local=True).encode(Message(Op.PING))
-    assert not lane.is_lane(bytes(frames[0])) and lane.is_lane(bytes([0xC1]))

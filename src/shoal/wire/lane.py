@@ -38,11 +38,6 @@ def table_id(name: str) -> int:
     return int.from_bytes(blake3.blake3(name.encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def is_lane(frame: bytes | memoryview) -> bool:
-    """Whether a frame 0 is a lane message's (a codec header starts otherwise)."""
-    return len(frame) > 0 and frame[0] == 0xC1
-
-
 @kernel
 def seal(key: np.ndarray, frame: np.ndarray) -> None:
     """Write the tag over ``frame``'s header (its int64 fields set already)."""
