@@ -42,6 +42,8 @@ def test_reads_through_the_lane_hold_the_workers_own_pushes_and_every_push_count
     general = sum(r["counters"].get("requests", 0) for r in results)
     served = sum(s.get("lane_pulls", 0) for s in results[0]["servers"])
     assert lane_pulls > 100 and general > 100, (lane_pulls, general)  # both paths, beside each other
+    # pulls of keys in both slices, through the lane in part (one node's) or whole (both on one)
+    assert sum(r["lane batches"] for r in results) > 50
     assert served == lane_pulls  # what the workers counted, the servers served (no request served twice)
 
 
@@ -54,6 +56,7 @@ def test_the_lane_answers_no_one_without_the_key_refuses_replays_and_bounded_rea
     assert result["again"] == "rows"  # the same request again is read again (a read changes nothing)
     assert result["lane after"] == 1
     assert result["bounded table"] == "general"  # bounded reads wait on clocks: the general path's
+    assert result["slice elsewhere"] == "general"
     assert result["bounded through the lane"] == 0
 
 

@@ -3,14 +3,16 @@
     lane_worker.py OUT_DIR MODE ROUNDS
 
 * ``count``: every worker, ROUNDS times: push +1 to a key (waiting for its answer every other
-  time, so that the next pull may take the lane), then pull that key and note whether it holds
-  at least this worker's own pushes to it; rank 0 moves the table's slice 1 to server 0 a third
-  of the way through and back to server 1 at two thirds. At the end every worker pulls every
-  key once the others are done. Writes OUT_DIR/w<rank>.json: its pushes per key, the reads that
-  missed its own pushes, the final rows, its table's counters, and the servers' stats.
+  time, so that the next pull may take the lane), then pull that key (every other time with
+  three more) and note whether each holds at least this worker's own pushes to it; rank 0
+  moves the table's slice 1 to server 0 a third of the way through and back to server 1 at
+  two thirds. At the end every worker pulls every key once the others are done. Writes
+  OUT_DIR/w<rank>.json: its pushes per key, the reads that missed its own pushes, the final
+  rows, its table's counters, how many of its pulls of several keys took the lane, and the
+  servers' stats.
 * ``forge``: rank 0 sends server 1's lane a request under a wrong key, one whose tag was cut,
-  one replaying an older request number, and one for a table read under SSP, then pulls
-  through the lane as usual; writes what came back for each.
+  one replaying an older request number, one for a table read under SSP and one for a slice
+  server 1 does not hold, then pulls through the lane as usual; writes what came back for each.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> No
     rng = np.random.default_rng(ps.rank)
     pushed = np.zeros(KEYS, dtype=np.int64)
     missed = []
+    lane_batches = 0  # pulls of several keys that went (in part) through the lane
     one = np.ones((1, DIM), dtype=np.float32)
     for i in range(rounds):
         if ps.rank == 0 and i in (rounds // 3, 2 * rounds // 3):
@@ -45,14 +48,22 @@ def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> No
         if i % 2 == 0:
             push.wait()
         pushed[key[0]] += 1
-        row = table.pull(key)
-        if row[0, 0] < pushed[key[0]]:
-            missed.append([i, int(key[0]), float(row[0, 0]), int(pushed[key[0]])])
+        # Every other pull reads three more keys, in no order, often in both slices: one on this
+        # worker's node and one not, or both on the other node's server once slice 1 moved there.
+        keys = key if i % 4 < 2 else np.concatenate([key, rng.integers(KEYS, size=3)])
+        before = table.counters["lane_pulls"]
+        rows = table.pull(keys)
+        if keys.shape[0] > 1 and table.counters["lane_pulls"] > before:
+            lane_batches += 1
+        for k, row in zip(keys, rows[:, 0], strict=True):
+            if row < pushed[k]:
+                missed.append([i, int(k), float(row), int(pushed[k])])
     ps.wait_all()
     ps.barrier()
     final = table.pull(np.arange(KEYS, dtype=np.int64))
     result = {"pushed": pushed.tolist(), "missed": missed, "final": final[:, 0].tolist(),
               "uniform": bool((final == final[:, :1]).all()), "counters": dict(table.counters),
+              "lane batches": lane_batches,
               "servers": [s.get("stats", {}) for s in ps.server_stats()]}
     write(out_dir, ps.rank, result)
 
@@ -73,14 +84,15 @@ def forge(ps: shoal.Worker, table: shoal.Table, bounded: shoal.Table, out_dir: s
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(to.address)
 
-        def ask(key: bytes, req: int, cut: bool = False, name: str = table.name) -> str:
+        def ask(key: bytes, req: int, cut: bool = False, name: str = table.name, shard: int = 1) -> str:
             frame = np.zeros(lane.FRAME0_BYTES, np.uint8)
             head = frame[:lane.HEADER_BYTES].view(np.int64)
             head[lane.MAGIC_AT], head[lane.KIND], head[lane.REQ], head[lane.SENDER] = lane.MAGIC, lane.REQUEST, req, 0
             head[lane.INCARNATION], head[lane.TABLE_ID] = 77, lane.table_id(name)
-            head[lane.SHARD], head[lane.COUNT], head[lane.CLOCK] = 1, 1, 0
+            head[lane.COUNT], head[lane.CLOCK] = 1, 0
             lane.seal(key_words(tag_key(key)), frame)
-            sock.send_multipart([frame.tobytes()[:-1] if cut else frame.tobytes(), np.zeros(1, np.int64)])
+            sock.send_multipart([frame.tobytes()[:-1] if cut else frame.tobytes(), np.zeros(1, np.int64),
+                                 np.full(1, shard, np.int64)])  # row 0 of the slice
             try:
                 answer = sock.recv_multipart()
             except zmq.Again:
@@ -94,6 +106,7 @@ def forge(ps: shoal.Worker, table: shoal.Table, bounded: shoal.Table, out_dir: s
         result["older"] = ask(secret, 19)
         result["again"] = ask(secret, 20)
         result["bounded table"] = ask(secret, 21, name=bounded.name)
+        result["slice elsewhere"] = ask(secret, 22, shard=0)  # slice 0 is server 0's
         sock.close()
         ctx.term()
         before = table.counters["lane_pulls"]

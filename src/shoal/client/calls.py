@@ -120,9 +120,13 @@ class Rows:
         """The reply's rows at ``pos`` of the result (only those where ``keep`` is true, if given)."""
         rows = self._checked(msg, pos.shape[0])
         if keep is None:
-            kernels.place_rows(self.array(), pos, rows)
+            self.place_rows(pos, rows)
         else:
-            kernels.place_rows(self.array(), pos[keep], rows[keep])
+            self.place_rows(pos[keep], rows[keep])
+
+    def place_rows(self, pos: np.ndarray, rows: np.ndarray) -> None:
+        """``rows`` at positions ``pos`` of the result."""
+        kernels.place_rows(self.array(), pos, rows)
 
     def _checked(self, msg: Message, n: int) -> np.ndarray:
         rows = msg.arrays[0] if msg.op == Op.VALUES and msg.arrays else None

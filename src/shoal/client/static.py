@@ -195,7 +195,7 @@ class StaticAccess(RoutedAccess):
         first = int(owner[0])  # if one node holds every key, it holds the first
         groups: list[tuple[int, np.ndarray | None]]
         if counts[first] == n:  # every key on one remote node: the batch goes as it is
-            if op == Op.PULL and pos is None and self._through_lane(call, first, shard, rows):
+            if op == Op.PULL and self._through_lane(call, first, shard, rows, pos):
                 return
             groups = [(first, None)]
         else:
@@ -207,6 +207,7 @@ class StaticAccess(RoutedAccess):
             self._route(call, pos, self.layout, self.local, op)  # the slices left before their server died
             return
         self._check_alive(needed, layout, shard)
+        laned: list[tuple[int, np.ndarray, Positions]] = []
         for node, sub in groups:
             at = pos if sub is None else (sub if pos is None else pos[sub])
             if node == me and local:
@@ -222,16 +223,29 @@ class StaticAccess(RoutedAccess):
             if not self.worker.server_alive(node):  # it left (drained) and this layout predates that
                 self.refused(call, call.positions(at), op)
                 continue
-            count = n if at is None else at.shape[0]
-            chunks = (at,) if count <= self._chunk else self._chunks(at, count, call.keys.shape[0])
-            for chunk in chunks:
-                self._send(call, node, chunk, layout.epoch, op)
+            if op == Op.PULL and sub is not None and self.cache is None:
+                laned.append((node, sub, at))
+                continue
+            self._send_chunks(call, node, at, n, layout.epoch, op)
+        # The lane's reads wait for their answers: they go once the general path's are on their way.
+        for node, sub, at in laned:
+            if not self._through_lane(call, node, shard[sub], rows[sub], at):
+                self._send_chunks(call, node, at, n, layout.epoch, op)
 
-    def _through_lane(self, call: Call, node: int, shard: np.ndarray, rows: np.ndarray) -> bool:
-        """Read the rows of a whole pull on one other node through the lane to its server
-        (``client.lane``), if it serves them: an ASP read of up to ``lane.MAX_ROWS`` rows (and
-        ``lane.MAX_BYTES``) in one slice, none of this worker's pushes there awaiting an answer (so
-        the read is after them, as the general path's would be in the worker's stream)."""
+    def _send_chunks(self, call: Call, node: int, at: Positions, n: int, epoch: int, op: Op) -> None:
+        """Send the part of ``call`` at ``at`` (None: all ``n`` keys) to ``node``, in messages of at most
+        ``_chunk`` keys."""
+        count = n if at is None else at.shape[0]
+        chunks = (at,) if count <= self._chunk else self._chunks(at, count, call.keys.shape[0])
+        for chunk in chunks:
+            self._send(call, node, chunk, epoch, op)
+
+    def _through_lane(self, call: Call, node: int, shard: np.ndarray, rows: np.ndarray, at: Positions) -> bool:
+        """Read ``rows`` (in slices ``shard``) of the pull ``call``, at its positions ``at`` (None: all
+        of them), from server ``node`` through its lane (``client.lane``), if it serves them: an ASP
+        read of up to ``lane.MAX_ROWS`` rows and ``lane.MAX_BYTES``, none of this worker's pushes
+        there awaiting an answer (so the read is after them, as the general path's would be in the
+        worker's stream)."""
         n = rows.shape[0]
         if (self.bound is not None or not self.schemes.uniform or n > lane.MAX_ROWS
                 or n * self._row_bytes > lane.MAX_BYTES):
@@ -239,19 +253,20 @@ class StaticAccess(RoutedAccess):
         exited = self.worker.replica_view.exited
         if (exited and node in exited) or (to := self.worker.lane(node)) is None:
             return False
-        if (n > 1 and (shard != shard[0]).any()) or any(part.node == node for _, part in self._unacked.values()):
+        if any(part.node == node for _, part in self._unacked.values()):
             return False
         assert call.result is not None
-        out = call.result.array()
+        out = call.result.array() if at is None else np.empty((n, self.spec.dim), self.dtype)
         if not out.flags.c_contiguous:
             return False
-        answered = to.pull(self.worker.tracker.number, self.worker.rank, self._lane_id, int(shard[0]), rows, call.clock,
-                           out)
+        answered = to.pull(self.worker.tracker.number, self.worker.rank, self._lane_id, rows, shard, call.clock, out)
         if answered in (lane_access.TIMEOUT, lane_access.FAILED):
             self.worker.lane_failed(node)
         if answered != lane_access.OK:
             self.counters["lane_general"] += 1
             return False
+        if at is not None:
+            call.result.place_rows(at, out)
         self.counters["lane_pulls"] += 1
         self.counters["rows_pulled"] += n
         self.staleness.record(call.clock - to.answered_clock, n)

@@ -4,14 +4,15 @@ A pull through the general path costs the server's interpreter several times wha
 libzmq and the kernel cost (``benchmarks/results/lean_request.md``). The lane is a
 socket of its own (``transport.native``) whose requests one compiled call serves,
 as many as are queued, each time the loop wakes: the tag and header checked
-(``wire.lane``), the replay guard, the rows gathered by address under the slice's
-stripe locks, the answer signed and sent. Nothing of it runs in Python per message.
+(``wire.lane``), the replay guard, the rows grouped by slice and gathered by
+address, one slice at a time under its stripe locks, straight into the message
+ZeroMQ sends, the answer signed and sent. Nothing of it runs in Python per message.
 
 It serves what the general path would serve at once and nothing else: a static ASP
-table's rows in one slice held here, not moving, of a table whose rows were not
+table's rows in slices held here, none moving, of a table whose rows were not
 lost, to a worker whose reads are not refused (one of its pushes was answered
-"moved"). Any other request is answered ``GENERAL``: the worker sends it the
-general way, which holds, refuses or explains it. What the compiled code reads of
+"moved"). Any other request is answered ``GENERAL`` (all of it, if one row is not
+servable): the worker sends it the general way, which holds, refuses or explains it. What the compiled code reads of
 that state is a table of entries the loop makes again whenever the state changes
 (``_signature``), before it serves anything: a slice that left, and whose memory
 is gone, is never read through an old entry.
@@ -89,100 +90,146 @@ def _stripes_of(rows: np.ndarray, count: int, stripes: int, out: np.ndarray) -> 
 
 @kernel
 def _answer(handle: int, key: np.ndarray, peer: np.ndarray, n_peer: int, reply: np.ndarray, kind: int, req: int,
-            node: int, table: int, shard: int, count: int, clock: int, values: np.ndarray, nbytes: int) -> None:
+            node: int, table: int, count: int, clock: int, values: np.ndarray) -> None:
+    """Send the answer; for ``ROWS`` the message ``values`` (a ``zmq_msg_t``) holding the rows goes
+    to ZeroMQ, or is closed if it cannot go."""
     fields = reply[:lane.HEADER_BYTES].view(np.int64)
     fields[lane.MAGIC_AT], fields[lane.KIND], fields[lane.REQ], fields[lane.SENDER] = lane.MAGIC, kind, req, node
-    fields[lane.INCARNATION], fields[lane.TABLE_ID], fields[lane.SHARD] = 0, table, shard
-    fields[lane.COUNT], fields[lane.CLOCK] = count, clock
+    fields[lane.INCARNATION], fields[lane.TABLE_ID], fields[lane.COUNT], fields[lane.CLOCK] = 0, table, count, clock
     lane.seal(key, reply)
     io.send(handle, peer, n_peer, SNDMORE)
     if kind == lane.ROWS:
         io.send(handle, reply, lane.FRAME0_BYTES, SNDMORE)
-        io.send(handle, values, nbytes, 0)
+        if io.zmq_msg_send(ptr(values.ctypes.data), ptr(handle), 0) < 0:
+            io.zmq_msg_close(ptr(values.ctypes.data))
     else:
         io.send(handle, reply, lane.FRAME0_BYTES, 0)
 
 
 @kernel
+def _group(entries: np.ndarray, refusing: np.ndarray, table: int, sender: int, rows: np.ndarray,
+           shards: np.ndarray, count: int, entry_of: np.ndarray, starts: np.ndarray, at: np.ndarray,
+           grouped: np.ndarray) -> int:
+    """The row size of the request's rows if every one is servable here, else 0; then ``grouped``
+    holds their positions by slice, slice ``e``'s from ``starts[e]`` to ``starts[e + 1]``."""
+    n_entries = entries.shape[0]
+    starts[:] = 0
+    row_bytes = 0
+    last, e = -1, -1
+    for i in range(count):
+        if shards[i] != last or e < 0:
+            last, e = shards[i], -1
+            for j in range(n_entries):
+                if entries[j, E_TABLE] == table and entries[j, E_SHARD] == last:
+                    e = j
+                    break
+            if e < 0 or entries[e, E_SERVABLE] == 0 or refusing[e, sender] != 0:
+                return 0
+            if row_bytes and entries[e, E_ROW_BYTES] != row_bytes:
+                return 0
+            row_bytes = entries[e, E_ROW_BYTES]
+        if not 0 <= rows[i] < entries[e, E_ROWS]:
+            return 0  # the general path names the bad key
+        entry_of[i] = e
+        starts[e + 1] += 1
+    for j in range(n_entries):
+        starts[j + 1] += starts[j]
+        at[j] = starts[j]
+    for i in range(count):
+        e = entry_of[i]
+        grouped[at[e]] = i
+        at[e] += 1
+    return row_bytes
+
+
+@kernel
+def _gather(entry: np.ndarray, rows: np.ndarray, grouped: np.ndarray, lo: int, hi: int, row_bytes: int, data: int,
+            slice_rows: np.ndarray, stripes_at: np.ndarray, scratch: np.ndarray) -> bool:
+    """Copy the rows at ``grouped[lo:hi]`` of one slice to their places in ``data``, under the
+    slice's locks; False (nothing copied) if the slice was moved off meanwhile."""
+    n = hi - lo
+    for k in range(n):
+        slice_rows[k] = rows[grouped[lo + k]]
+    fd, stripes = entry[E_LOCK_FD], entry[E_STRIPES]
+    locked = 0
+    whole = fd >= 0 and n * 4 >= stripes  # as ``StripedLocks.hold``: every stripe at once
+    if whole:
+        _record_lock(fd, _F_RDLCK, 0, stripes, stripes_at)
+    elif fd >= 0:
+        locked = _stripes_of(slice_rows, n, stripes, stripes_at[4:])
+        for i in range(locked):
+            _record_lock(fd, _F_RDLCK, stripes_at[4 + i], 1, stripes_at)
+    _memcpy(ptr(scratch.ctypes.data + 16), ptr(entry[E_HEADER]), 8)  # the slice's "moved off" mark
+    retired = scratch[2] != 0
+    if not retired:
+        base = entry[E_VALUES]
+        for k in range(n):
+            _memcpy(ptr(data + grouped[lo + k] * row_bytes), ptr(base + slice_rows[k] * row_bytes), row_bytes)
+    if whole:
+        _record_lock(fd, _F_UNLCK, 0, stripes, stripes_at)
+    for i in range(locked - 1, -1, -1):
+        _record_lock(fd, _F_UNLCK, stripes_at[4 + i], 1, stripes_at)
+    return not retired
+
+
+@kernel
 def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusing: np.ndarray, clocks: np.ndarray,
            replay: np.ndarray, counts: np.ndarray, peer: np.ndarray, frame: np.ndarray, rows_in: np.ndarray,
-           reply: np.ndarray, values: np.ndarray, tag: np.ndarray, scratch: np.ndarray, stripes_at: np.ndarray) -> int:
+           shards_in: np.ndarray, reply: np.ndarray, values: np.ndarray, tag: np.ndarray, scratch: np.ndarray,
+           stripes_at: np.ndarray, by_row: np.ndarray, starts: np.ndarray, at: np.ndarray) -> int:
     """Serve the lane requests queued on ``handle``; how many were taken off it."""
     num_workers = clocks.shape[0]
     slowest = clocks.min() if num_workers else 0
     head = frame[:lane.HEADER_BYTES].view(np.int64)
-    rows = rows_in.view(np.int64)
+    rows, shards = rows_in.view(np.int64), shards_in.view(np.int64)
+    entry_of, grouped, slice_rows = by_row[0], by_row[1], by_row[2]
     taken = 0
     while taken < _MOST_PER_WAKE:
         n_peer = io.recv(handle, peer, DONTWAIT)
         if n_peer < 0:
             break  # nothing queued
         taken += 1
-        n_frame = n_rows = -1
+        n_frame = n_rows = n_shards = -1
         if n_peer <= peer.size and io.more(handle, scratch):
             n_frame = io.recv(handle, frame, 0)
             if io.more(handle, scratch):
                 n_rows = io.recv(handle, rows_in, 0)
-        io.drain(handle, scratch, rows_in)
+                if io.more(handle, scratch):
+                    n_shards = io.recv(handle, shards_in, 0)
+        io.drain(handle, scratch, tag)
         if n_frame < 0 or not lane.opened(key, frame, n_frame, tag):
             counts[C_DROPPED] += 1
             continue
         sender, req, inc, count = head[lane.SENDER], head[lane.REQ], head[lane.INCARNATION], head[lane.COUNT]
         if (head[lane.KIND] != lane.REQUEST or not 0 <= sender < num_workers or not 0 < count <= lane.MAX_ROWS
-                or n_rows != 8 * count):
+                or n_rows != 8 * count or n_shards != 8 * count):
             counts[C_DROPPED] += 1
             continue
         if replay[sender, 0] == inc and req < replay[sender, 1]:
             counts[C_REPLAYED] += 1  # older than one served: played again (a repeat of the last is read again)
             continue
         replay[sender, 0], replay[sender, 1] = inc, req
-        table, shard = head[lane.TABLE_ID], head[lane.SHARD]
+        table = head[lane.TABLE_ID]
         clock = min(slowest, head[lane.CLOCK])
-        e = -1
-        for i in range(entries.shape[0]):
-            if entries[i, E_TABLE] == table and entries[i, E_SHARD] == shard:
-                e = i
-                break
-        servable = e >= 0 and entries[e, E_SERVABLE] != 0 and refusing[e, sender] == 0
-        if servable and count * entries[e, E_ROW_BYTES] > values.size:
-            servable = False
-        if servable:
-            num_rows = entries[e, E_ROWS]
-            for i in range(count):
-                if not 0 <= rows[i] < num_rows:
-                    servable = False  # the general path names the bad key
+        row_bytes = _group(entries, refusing, table, sender, rows, shards, count, entry_of, starts, at, grouped)
+        # The rows are gathered straight into the message ZeroMQ sends: no copy of them after.
+        served = (0 < count * row_bytes <= lane.MAX_BYTES
+                  and io.zmq_msg_init_size(ptr(values.ctypes.data), count * row_bytes) == 0)
+        if served:
+            data = io.zmq_msg_data(ptr(values.ctypes.data))
+            for e in range(entries.shape[0]):  # one slice at a time, each under its own locks
+                if starts[e] < starts[e + 1] and not _gather(entries[e], rows, grouped, starts[e], starts[e + 1],
+                                                             row_bytes, data, slice_rows, stripes_at, scratch):
+                    served = False  # moved off between the entries' making and now
+                    io.zmq_msg_close(ptr(values.ctypes.data))
                     break
-        if not servable:
+        if not served:
             counts[C_GENERAL] += 1
-            _answer(handle, key, peer, n_peer, reply, lane.GENERAL, req, node, table, shard, count, clock, values, 0)
-            continue
-        row_bytes, fd, stripes = entries[e, E_ROW_BYTES], entries[e, E_LOCK_FD], entries[e, E_STRIPES]
-        locked = 0
-        whole = fd >= 0 and count * 4 >= stripes  # as ``StripedLocks.hold``: every stripe at once
-        if whole:
-            _record_lock(fd, _F_RDLCK, 0, stripes, stripes_at)
-        elif fd >= 0:
-            locked = _stripes_of(rows, count, stripes, stripes_at[4:])
-            for i in range(locked):
-                _record_lock(fd, _F_RDLCK, stripes_at[4 + i], 1, stripes_at)
-        _memcpy(ptr(scratch.ctypes.data + 16), ptr(entries[e, E_HEADER]), 8)  # the slice's "moved off" mark
-        retired = scratch[2] != 0
-        if not retired:
-            base = entries[e, E_VALUES]
-            for i in range(count):
-                _memcpy(ptr(values.ctypes.data + i * row_bytes), ptr(base + rows[i] * row_bytes), row_bytes)
-        if whole:
-            _record_lock(fd, _F_UNLCK, 0, stripes, stripes_at)
-        for i in range(locked - 1, -1, -1):
-            _record_lock(fd, _F_UNLCK, stripes_at[4 + i], 1, stripes_at)
-        if retired:  # moved off between the entries' making and now
-            counts[C_GENERAL] += 1
-            _answer(handle, key, peer, n_peer, reply, lane.GENERAL, req, node, table, shard, count, clock, values, 0)
+            _answer(handle, key, peer, n_peer, reply, lane.GENERAL, req, node, table, count, clock, values)
             continue
         counts[C_SERVED] += 1
         counts[C_ROWS] += count
-        _answer(handle, key, peer, n_peer, reply, lane.ROWS, req, node, table, shard, count, clock, values,
-                count * row_bytes)
+        _answer(handle, key, peer, n_peer, reply, lane.ROWS, req, node, table, count, clock, values)
     return taken
 
 
@@ -203,6 +250,8 @@ class ServerLane:
         self._peer = np.empty(256, np.uint8)
         self._frame = np.empty(lane.FRAME0_BYTES, np.uint8)
         self._rows_in = np.empty(8 * lane.MAX_ROWS, np.uint8)
+        self._shards_in = np.empty(8 * lane.MAX_ROWS, np.uint8)
+        self._by_row = np.empty((3, lane.MAX_ROWS), np.int64)  # each row's slice, rows by slice, a slice's rows
         self._reply = np.empty(lane.FRAME0_BYTES, np.uint8)
         self._tag = np.empty(32, np.uint8)
         self._scratch = np.empty(4, np.int64)
@@ -210,7 +259,9 @@ class ServerLane:
         self._signature: object = None
         self._entries = np.zeros((0, _ENTRY_FIELDS), np.int64)
         self._refusing = np.zeros((0, max(num_workers, 1)), np.int8)
-        self._values = np.empty(lane.MAX_BYTES, np.uint8)
+        self._values = np.empty(8, np.int64)  # a zmq_msg_t (64 bytes): each answer's rows
+        self._starts = np.zeros(1, np.int64)  # where each entry's rows start in a request, grouped by slice
+        self._at = np.zeros(0, np.int64)
         self._thread_locks: list[Any] = []
         self._warm = False
 
@@ -236,8 +287,9 @@ class ServerLane:
             lock.acquire()
         try:
             return int(_serve(self.socket.handle, self._key, self.node, self._entries, self._refusing, self._clocks,
-                              self._replay, self.counts, self._peer, self._frame, self._rows_in, self._reply,
-                              self._values, self._tag, self._scratch, self._stripes_at))
+                              self._replay, self.counts, self._peer, self._frame, self._rows_in, self._shards_in,
+                              self._reply, self._values, self._tag, self._scratch, self._stripes_at, self._by_row,
+                              self._starts, self._at))
         finally:
             for lock in reversed(self._thread_locks):
                 lock.release()
@@ -262,6 +314,8 @@ class ServerLane:
                 refused.append([int((w, name) in refusing) for w in range(workers)])
         self._entries = np.array(entries, np.int64).reshape(-1, _ENTRY_FIELDS)
         self._refusing = np.array(refused, np.int8).reshape(-1, workers)
+        self._starts = np.zeros(len(entries) + 1, np.int64)
+        self._at = np.zeros(len(entries), np.int64)
         self._thread_locks = locks
 
     def stats(self) -> dict[str, int]:

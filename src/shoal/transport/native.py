@@ -8,7 +8,8 @@ pyzmq loaded, by symbol name (so the compiled code is cached: bound through
 ``ctypes`` it was compiled again in every process), on the socket's handle.
 
 ``send``, ``recv``, ``more`` and ``drain`` are kernels (``storage.jit``) for other
-kernels; ``ptr`` turns an address (a handle, an array's ``ctypes.data``) into a C
+kernels, beside libzmq's own functions (``zmq_msg_*``: a message whose memory
+compiled code fills, sent without a copy); ``ptr`` turns an address (a handle, an array's ``ctypes.data``) into a C
 pointer; ``c_function`` declares a C function for kernels. Nothing here imports
 numba before the first kernel call.
 """
@@ -86,6 +87,27 @@ def zmq_recv(socket: int, data: int, size: int, flags: int) -> int:
 
 @native(lambda: c_function("zmq_getsockopt", lambda t: t.intc(t.voidptr, t.intc, t.voidptr, t.voidptr), _libzmq_path()))
 def zmq_getsockopt(socket: int, option: int, value: int, size: int) -> int:
+    raise NotImplementedError("compiled code only")
+
+
+@native(lambda: c_function("zmq_msg_init_size", lambda t: t.intc(t.voidptr, t.size_t), _libzmq_path()))
+def zmq_msg_init_size(msg: int, size: int) -> int:
+    raise NotImplementedError("compiled code only")
+
+
+# (its pointer taken as an address, to count bytes from)
+@native(lambda: c_function("zmq_msg_data", lambda t: t.intp(t.voidptr), _libzmq_path()))
+def zmq_msg_data(msg: int) -> int:
+    raise NotImplementedError("compiled code only")
+
+
+@native(lambda: c_function("zmq_msg_send", lambda t: t.intc(t.voidptr, t.voidptr, t.intc), _libzmq_path()))
+def zmq_msg_send(msg: int, socket: int, flags: int) -> int:
+    raise NotImplementedError("compiled code only")
+
+
+@native(lambda: c_function("zmq_msg_close", lambda t: t.intc(t.voidptr), _libzmq_path()))
+def zmq_msg_close(msg: int) -> int:
     raise NotImplementedError("compiled code only")
 
 

@@ -2,13 +2,14 @@
 
 A lane message is frame 0, a fixed row of little-endian int64 fields whose first byte is
 0xC1 (a byte msgpack never uses, so no codec header is ever taken for one) and the keyed
-BLAKE3 tag over them (``wire.keyed_hash``), then at most one frame of rows: a request's rows
-in its slice (int64), an answer's values. The tag covers the header alone, as the codec's
-does on a wire only this machine reaches: the lane runs on no other.
+BLAKE3 tag over them (``wire.keyed_hash``), then the frames of its arrays: a request's rows
+and each row's slice (int64 both), an answer's values. The tag covers the header alone, as
+the codec's does on a wire only this machine reaches: the lane runs on no other.
 
-A request names its table by ``table_id`` (a hash of the name), its slice, its rows' count,
-and the worker's clock; an answer repeats the request's number and says ``ROWS`` (the values
-follow) or ``GENERAL`` (this server does not serve it here: send it the general way).
+A request names its table by ``table_id`` (a hash of the name), its rows' count, and the
+worker's clock; an answer repeats the request's number and says ``ROWS`` (the values follow,
+in the request's order) or ``GENERAL`` (this server does not serve all of it here: send it
+the general way).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from shoal.storage.jit import kernel
 from shoal.wire import keyed_hash
 from shoal.wire.codec import TAG_BYTES
 
-MAGIC = 0xC1 | (1 << 8)  # 0xC1, then the lane's version
+MAGIC = 0xC1 | (2 << 8)  # 0xC1, then the lane's version
 #: the header's fields, in order
-FIELDS = ("magic", "kind", "req", "sender", "incarnation", "table_id", "shard", "count", "clock")
-(MAGIC_AT, KIND, REQ, SENDER, INCARNATION, TABLE_ID, SHARD, COUNT, CLOCK) = range(len(FIELDS))
+FIELDS = ("magic", "kind", "req", "sender", "incarnation", "table_id", "count", "clock")
+(MAGIC_AT, KIND, REQ, SENDER, INCARNATION, TABLE_ID, COUNT, CLOCK) = range(len(FIELDS))
 HEADER_BYTES = 8 * len(FIELDS)
 FRAME0_BYTES = HEADER_BYTES + TAG_BYTES
 REQUEST, ROWS, GENERAL = 1, 2, 3
