@@ -14,7 +14,9 @@ pointing at its own ``src``. Measured per contender:
 * remote pulls through ``shoal run --nodes 1 --classic`` (every key to the
   server over loopback tcp, authenticated): microseconds per pull of 1 key and
   of 10,000 keys of 64 float32, one request at a time, and of 100 and 10,000 keys
-  of a table in 8 slices (the server reads each slice's share); and the pulls of
+  of a table in 8 slices (the server reads each slice's share); a training step's
+  traffic on 2 nodes (100 keys over both nodes' slices pulled, then pushed without
+  waiting, one push in flight, as the apps' steps through messages go); and the pulls of
   1, 10,000 and 100 sliced keys again with both contenders' jobs running at once,
   taking turns of ``TURN_CALLS`` pulls (a turn of one against the next turn of the other sees the machine in
   the same state: on a shared machine a round of jobs one after the other can
@@ -72,6 +74,37 @@ for name, t, n, calls, every in (("1", table, 1, 3000, 20), ("10000", table, 10_
     out[name] = (time.perf_counter() - start) / calls * 1e6
 ps.shutdown()
 open(sys.argv[1], "w").write(json.dumps(out))
+"""
+
+
+# A training step's remote traffic on 2 nodes, as the apps' steps through messages go: 100 keys of a
+# table spread over both nodes' slices pulled (the worker's own node's read where they lie), then
+# their changes pushed without waiting (the step before's push waited for first: one in flight).
+STEPS = r"""
+import json, sys, time
+import numpy as np
+import shoal
+
+ps = shoal.init()
+table = ps.table("versions.steps", 200_000, 64, optimizer=shoal.optim.SGD(lr=1e-6))
+rng = np.random.default_rng(0)
+batches = [np.sort(rng.choice(200_000, 100, replace=False)) for _ in range(64)]
+grads = np.full((100, 64), 1e-3, np.float32)
+ps.barrier()
+if ps.rank == 0:
+    pushed = None
+    for step in range(2_300):
+        if step == 300:
+            start = time.perf_counter()
+        keys = batches[step % 64]
+        table.pull(keys)
+        if pushed is not None:
+            pushed.wait()
+        pushed = table.push_async(keys, grads)
+    pushed.wait()
+    open(sys.argv[1], "w").write(json.dumps({"step_us": (time.perf_counter() - start) / 2_000 * 1e6}))
+ps.barrier()
+ps.shutdown()
 """
 
 
@@ -281,16 +314,18 @@ def in_process(src: Path, script: Path) -> dict[str, float]:
         return {k: float(v) for k, v in json.loads(out.read_text()).items()}
 
 
-def measure(src: Path, seconds: float, pulls_script: Path, trivial_script: Path, sync_script: Path,
-            updates_script: Path, seed: int) -> dict[str, float]:
+def measure(src: Path, seconds: float, pulls_script: Path, steps_script: Path, trivial_script: Path,
+            sync_script: Path, updates_script: Path, seed: int) -> dict[str, float]:
     startup = statistics.median(trivial_job(src, trivial_script) for _ in range(3))
     pulls = shoal_run(src, 1, [str(pulls_script), "{out}"], classic=True)
+    steps = shoal_run(src, 2, [str(steps_script), "{out}"])
     kge_args = [str(ROOT / "examples" / "kge" / "train.py"), "--mode", "auto", "--data", "zipf",
                 "--seconds", str(seconds), "--out", "{out}"]
     kge = shoal_run(src, 2, kge_args)
     lossy = shoal_run(src, 2, kge_args, faults=f"loss=0.05,seed={seed}")
     return {"startup_s": startup, "pull_1_us": pulls["1"], "pull_10000_us": pulls["10000"],
             "pull_sliced_100_us": pulls["sliced 100"], "pull_sliced_10000_us": pulls["sliced 10000"],
+            "step_2_nodes_us": steps["step_us"],
             "kge_auto_triples_per_s": kge["triples_per_s"],
             "kge_auto_server_cores": kge["server_cores"],
             "kge_auto_loss_triples_per_s": lossy["triples_per_s"],
@@ -313,6 +348,8 @@ def main() -> None:
         try:
             pulls_script = Path(tmp) / "pulls.py"
             pulls_script.write_text(PULLS)
+            steps_script = Path(tmp) / "steps.py"
+            steps_script.write_text(STEPS)
             trivial_script = Path(tmp) / "trivial.py"
             trivial_script.write_text(TRIVIAL)
             turns_script = Path(tmp) / "turns.py"
@@ -332,8 +369,8 @@ def main() -> None:
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
             for round_ in range(args.rounds):
                 for name, src in contenders.items():
-                    runs[name].append(measure(src, args.seconds, pulls_script, trivial_script, sync_script,
-                                              updates_script, round_ + 1))
+                    runs[name].append(measure(src, args.seconds, pulls_script, steps_script, trivial_script,
+                                              sync_script, updates_script, round_ + 1))
                     print(f"round {round_ + 1} {name}: {runs[name][-1]}", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], capture_output=True, cwd=ROOT)
@@ -343,6 +380,8 @@ def main() -> None:
             ("remote pull, 1 key (µs)", "pull_1_us", True), ("remote pull, 10,000 keys (µs)", "pull_10000_us", True),
             ("remote pull, 100 keys across 8 slices of one server (µs)", "pull_sliced_100_us", True),
             ("remote pull, 10,000 keys across 8 slices of one server (µs)", "pull_sliced_10000_us", True),
+            ("a step on 2 nodes: 100 keys over both pulled, then pushed, one push in flight (µs)", "step_2_nodes_us",
+             True),
             ("KGE auto, 2 nodes (triples/s)", "kge_auto_triples_per_s", False),
             ("KGE auto, 2 nodes: both servers' cores", "kge_auto_server_cores", True),
             ("KGE auto, 2 nodes, 5% of messages lost (triples/s)", "kge_auto_loss_triples_per_s", False),

@@ -44,6 +44,8 @@ def test_reads_through_the_lane_hold_the_workers_own_pushes_and_every_push_count
     assert lane_pulls > 100 and general > 100, (lane_pulls, general)  # both paths, beside each other
     # pulls of keys in both slices, through the lane in part (one node's) or whole (both on one)
     assert sum(r["lane batches"] for r in results) > 50
+    # and right after a push not waited for: the server reads once it has handled that push
+    assert sum(r["lane unwaited"] for r in results) > 50
     assert served == lane_pulls  # what the workers counted, the servers served (no request served twice)
 
 

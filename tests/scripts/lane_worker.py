@@ -8,8 +8,8 @@
   moves the table's slice 1 to server 0 a third of the way through and back to server 1 at
   two thirds. At the end every worker pulls every key once the others are done. Writes
   OUT_DIR/w<rank>.json: its pushes per key, the reads that missed its own pushes, the final
-  rows, its table's counters, how many of its pulls of several keys took the lane, and the
-  servers' stats.
+  rows, its table's counters, how many of its pulls of several keys, and of its pulls right
+  after a push it did not wait for, took the lane, and the servers' stats.
 * ``forge``: rank 0 sends server 1's lane a request under a wrong key, one whose tag was cut,
   one replaying an older request number, one for a table read under SSP and one for a slice
   server 1 does not hold, then pulls through the lane as usual; writes what came back for each.
@@ -39,6 +39,7 @@ def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> No
     pushed = np.zeros(KEYS, dtype=np.int64)
     missed = []
     lane_batches = 0  # pulls of several keys that went (in part) through the lane
+    lane_unwaited = 0  # pulls through the lane right after a push not waited for
     one = np.ones((1, DIM), dtype=np.float32)
     for i in range(rounds):
         if ps.rank == 0 and i in (rounds // 3, 2 * rounds // 3):
@@ -53,17 +54,19 @@ def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> No
         keys = key if i % 4 < 2 else np.concatenate([key, rng.integers(KEYS, size=3)])
         before = table.counters["lane_pulls"]
         rows = table.pull(keys)
-        if keys.shape[0] > 1 and table.counters["lane_pulls"] > before:
-            lane_batches += 1
+        if table.counters["lane_pulls"] > before:
+            lane_batches += keys.shape[0] > 1
+            lane_unwaited += i % 2
         for k, row in zip(keys, rows[:, 0], strict=True):
             if row < pushed[k]:
                 missed.append([i, int(k), float(row), int(pushed[k])])
     ps.wait_all()
     ps.barrier()
     final = table.pull(np.arange(KEYS, dtype=np.int64))
+    ps.barrier()  # every worker's reads are in the servers' counts
     result = {"pushed": pushed.tolist(), "missed": missed, "final": final[:, 0].tolist(),
               "uniform": bool((final == final[:, :1]).all()), "counters": dict(table.counters),
-              "lane batches": lane_batches,
+              "lane batches": lane_batches, "lane unwaited": lane_unwaited,
               "servers": [s.get("stats", {}) for s in ps.server_stats()]}
     write(out_dir, ps.rank, result)
 

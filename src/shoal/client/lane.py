@@ -69,12 +69,13 @@ class WorkerLane:
         self._lock = threading.Lock()
 
     def pull(self, numbered: Callable[[], tuple[int, int]], sender: int, table_id: int, rows: np.ndarray,
-             shards: np.ndarray, clock: int, out: np.ndarray) -> int:
+             shards: np.ndarray, clock: int, stream: tuple[int, int], out: np.ndarray) -> int:
         """Rows ``rows`` of a table, in slices ``shards`` (int64, C order both), into ``out`` (their
-        values, C order): OK, or GENERAL / TIMEOUT / FAILED (then send it the general way).
-        ``numbered`` gives the request its number and the sender's incarnation, taken once the lane
-        is this caller's: the server drops a number lower than one it served (a replay), so they go
-        out in order."""
+        values, C order), read after the requests of the worker's stream to this server up to
+        ``stream`` (its incarnation and seq): OK, or GENERAL / TIMEOUT / FAILED (then send it the
+        general way). ``numbered`` gives the request its number and the sender's incarnation, taken
+        once the lane is this caller's: the server drops a number lower than one it served (a
+        replay), so they go out in order."""
         with self._lock:
             req, incarnation = numbered()
             head = self._head
@@ -82,6 +83,7 @@ class WorkerLane:
                 sender
             head[lane.INCARNATION], head[lane.TABLE_ID] = incarnation, table_id
             head[lane.COUNT], head[lane.CLOCK] = rows.shape[0], clock
+            head[lane.STREAM], head[lane.AFTER] = stream
             return int(_pull(self.socket.handle, self._key, self._frame, rows, shards,
                              out.reshape(-1).view(np.uint8), self._tag, self._scratch))
 

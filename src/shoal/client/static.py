@@ -243,9 +243,9 @@ class StaticAccess(RoutedAccess):
     def _through_lane(self, call: Call, node: int, shard: np.ndarray, rows: np.ndarray, at: Positions) -> bool:
         """Read ``rows`` (in slices ``shard``) of the pull ``call``, at its positions ``at`` (None: all
         of them), from server ``node`` through its lane (``client.lane``), if it serves them: an ASP
-        read of up to ``lane.MAX_ROWS`` rows and ``lane.MAX_BYTES``, none of this worker's pushes
-        there awaiting an answer (so the read is after them, as the general path's would be in the
-        worker's stream)."""
+        read of up to ``lane.MAX_ROWS`` rows and ``lane.MAX_BYTES``, once the server has handled
+        this worker's requests to it so far (so the read is after its pushes, as the general path's
+        would be in the worker's stream)."""
         n = rows.shape[0]
         if (self.bound is not None or not self.schemes.uniform or n > lane.MAX_ROWS
                 or n * self._row_bytes > lane.MAX_BYTES):
@@ -253,13 +253,13 @@ class StaticAccess(RoutedAccess):
         exited = self.worker.replica_view.exited
         if (exited and node in exited) or (to := self.worker.lane(node)) is None:
             return False
-        if any(part.node == node for _, part in self._unacked.values()):
-            return False
         assert call.result is not None
         out = call.result.array() if at is None else np.empty((n, self.spec.dim), self.dtype)
         if not out.flags.c_contiguous:
             return False
-        answered = to.pull(self.worker.tracker.number, self.worker.rank, self._lane_id, rows, shard, call.clock, out)
+        streams = self.worker.streams
+        answered = to.pull(self.worker.tracker.number, self.worker.rank, self._lane_id, rows, shard, call.clock,
+                           (streams.incarnation, streams.next_seq(node) - 1), out)
         if answered in (lane_access.TIMEOUT, lane_access.FAILED):
             self.worker.lane_failed(node)
         if answered != lane_access.OK:

@@ -17,9 +17,10 @@ that state is a table of entries the loop makes again whenever the state changes
 (``_signature``), before it serves anything: a slice that left, and whose memory
 is gone, is never read through an old entry.
 
-The lane's requests are not in the worker's stream: a worker sends one only when
-none of its pushes to that server awaits an answer, so its own writes are in
-(``client.lane``).
+The lane's requests are not in the worker's stream, so each names the last request
+the worker sent this server in it: one this server has not handled yet (a push still
+on its way) is answered ``GENERAL``, and the general path reads after it. What has
+been handled of each worker's stream the loop writes down before each pump.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from shoal.server.streams import StreamOrder
 from shoal.server.tables import ServedTable
 from shoal.storage.jit import kernel, native
 from shoal.transport import native as io
@@ -52,10 +54,11 @@ def _fcntl(fd: int, command: int, argument: int) -> int:  # pointer pass as the 
 # An entry per slice the lane may serve: these int64 fields.
 (E_TABLE, E_SHARD, E_VALUES, E_ROWS, E_ROW_BYTES, E_LOCK_FD, E_STRIPES, E_HEADER, E_SERVABLE) = range(9)
 _ENTRY_FIELDS = 9
-# What the lane counts (``counts``): requests answered with rows, rows sent, answered GENERAL,
-# dropped (a wrong tag or malformed), refused as replays.
-(C_SERVED, C_ROWS, C_GENERAL, C_DROPPED, C_REPLAYED) = range(5)
-COUNTER_NAMES = ("lane_pulls", "lane_rows", "lane_general", "lane_dropped", "lane_replayed")
+# What the lane counts (``counts``): requests answered with rows, rows sent, answered GENERAL (of
+# those, how many because the worker's stream was not handled far enough yet), dropped (a wrong tag
+# or malformed), refused as replays.
+(C_SERVED, C_ROWS, C_GENERAL, C_EARLY, C_DROPPED, C_REPLAYED) = range(6)
+COUNTER_NAMES = ("lane_pulls", "lane_rows", "lane_general", "lane_early", "lane_dropped", "lane_replayed")
 _MOST_PER_WAKE = 256  # requests served per call: the loop's other work waits no longer than this
 
 
@@ -174,9 +177,9 @@ def _gather(entry: np.ndarray, rows: np.ndarray, grouped: np.ndarray, lo: int, h
 
 @kernel
 def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusing: np.ndarray, clocks: np.ndarray,
-           replay: np.ndarray, counts: np.ndarray, peer: np.ndarray, frame: np.ndarray, rows_in: np.ndarray,
-           shards_in: np.ndarray, reply: np.ndarray, values: np.ndarray, tag: np.ndarray, scratch: np.ndarray,
-           stripes_at: np.ndarray, by_row: np.ndarray, starts: np.ndarray, at: np.ndarray) -> int:
+           handled: np.ndarray, replay: np.ndarray, counts: np.ndarray, peer: np.ndarray, frame: np.ndarray,
+           rows_in: np.ndarray, shards_in: np.ndarray, reply: np.ndarray, values: np.ndarray, tag: np.ndarray,
+           scratch: np.ndarray, stripes_at: np.ndarray, by_row: np.ndarray, starts: np.ndarray, at: np.ndarray) -> int:
     """Serve the lane requests queued on ``handle``; how many were taken off it."""
     num_workers = clocks.shape[0]
     slowest = clocks.min() if num_workers else 0
@@ -211,6 +214,12 @@ def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusin
         replay[sender, 0], replay[sender, 1] = inc, req
         table = head[lane.TABLE_ID]
         clock = min(slowest, head[lane.CLOCK])
+        after = head[lane.AFTER]
+        if after > 0 and (handled[sender, 0] != head[lane.STREAM] or handled[sender, 1] < after):
+            counts[C_GENERAL] += 1  # a request of the worker's before it is not handled here yet
+            counts[C_EARLY] += 1
+            _answer(handle, key, peer, n_peer, reply, lane.GENERAL, req, node, table, count, clock, values)
+            continue
         row_bytes = _group(entries, refusing, table, sender, rows, shards, count, entry_of, starts, at, grouped)
         # The rows are gathered straight into the message ZeroMQ sends: no copy of them after.
         served = (0 < count * row_bytes <= lane.MAX_BYTES
@@ -236,7 +245,7 @@ def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusin
 class ServerLane:
     """One server's lane: its socket, what it may serve, and what it counted."""
 
-    def __init__(self, node: int, ctx: Any, host: str, secret: bytes, clocks: np.ndarray) -> None:
+    def __init__(self, node: int, ctx: Any, host: str, secret: bytes, clocks: np.ndarray, order: StreamOrder) -> None:
         self.node = node
         self.socket = NativeSocket.listen(ctx, host)
         self.address = self.socket.address
@@ -244,6 +253,9 @@ class ServerLane:
         self._key = np.empty(0, np.uint64)  # made at ``warm``: checking it loads numba
         self._clocks = clocks
         num_workers = clocks.shape[0]
+        self._order = order
+        #: per worker: the incarnation of its stream here and the last seq of it handled
+        self._handled = np.zeros((max(num_workers, 1), 2), np.int64)
         self._replay = np.zeros((max(num_workers, 1), 2), np.int64)
         self._replay[:, 0] = -1
         self.counts = np.zeros(len(COUNTER_NAMES), np.int64)
@@ -281,15 +293,16 @@ class ServerLane:
         if signature != self._signature:
             self._make_entries(tables, lost, refusing)
             self._signature = signature
+        self._order.write_handled(self._handled)
         # The stripes' record locks do not exclude this process's other threads (a test's workers
         # in threads beside the server): their thread locks do, held while the compiled call runs.
         for lock in self._thread_locks:
             lock.acquire()
         try:
             return int(_serve(self.socket.handle, self._key, self.node, self._entries, self._refusing, self._clocks,
-                              self._replay, self.counts, self._peer, self._frame, self._rows_in, self._shards_in,
-                              self._reply, self._values, self._tag, self._scratch, self._stripes_at, self._by_row,
-                              self._starts, self._at))
+                              self._handled, self._replay, self.counts, self._peer, self._frame, self._rows_in,
+                              self._shards_in, self._reply, self._values, self._tag, self._scratch, self._stripes_at,
+                              self._by_row, self._starts, self._at))
         finally:
             for lock in reversed(self._thread_locks):
                 lock.release()

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from shoal.api.errors import ProtocolError
 from shoal.wire.message import Message
 
@@ -197,6 +199,13 @@ class StreamOrder:
             if unfinished is not None:
                 return unfinished - 1
         return stream.next_seq - 1
+
+    def write_handled(self, out: np.ndarray) -> None:
+        """``out[worker] = (incarnation, seq)``: every request of that stream up to ``seq`` was handled
+        here (``seen``); (0, 0) for a worker not heard from."""
+        out[:] = 0
+        for worker, stream in self._streams.items():
+            out[worker, 0], out[worker, 1] = stream.incarnation, self.seen(worker)
 
     def handled(self) -> list[list[int]]:
         """``[worker, incarnation, seq]`` per stream: every request up to ``seq`` was handled here,

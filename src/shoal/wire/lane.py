@@ -6,10 +6,12 @@ BLAKE3 tag over them (``wire.keyed_hash``), then the frames of its arrays: a req
 and each row's slice (int64 both), an answer's values. The tag covers the header alone, as
 the codec's does on a wire only this machine reaches: the lane runs on no other.
 
-A request names its table by ``table_id`` (a hash of the name), its rows' count, and the
-worker's clock; an answer repeats the request's number and says ``ROWS`` (the values follow,
-in the request's order) or ``GENERAL`` (this server does not serve all of it here: send it
-the general way).
+A request names its table by ``table_id`` (a hash of the name), its rows' count, the
+worker's clock, and the last request the worker sent this server in its numbered stream
+(``server.streams``: ``stream`` its incarnation, ``after`` its seq, 0 for none); an answer
+repeats the request's number and says ``ROWS`` (the values follow, in the request's order)
+or ``GENERAL`` (this server does not serve all of it here, or has not handled the stream up
+to ``after`` yet: send it the general way, where it is read after them).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from shoal.storage.jit import kernel
 from shoal.wire import keyed_hash
 from shoal.wire.codec import TAG_BYTES
 
-MAGIC = 0xC1 | (2 << 8)  # 0xC1, then the lane's version
+MAGIC = 0xC1 | (3 << 8)  # 0xC1, then the lane's version
 #: the header's fields, in order
-FIELDS = ("magic", "kind", "req", "sender", "incarnation", "table_id", "count", "clock")
-(MAGIC_AT, KIND, REQ, SENDER, INCARNATION, TABLE_ID, COUNT, CLOCK) = range(len(FIELDS))
+FIELDS = ("magic", "kind", "req", "sender", "incarnation", "table_id", "count", "clock", "stream", "after")
+(MAGIC_AT, KIND, REQ, SENDER, INCARNATION, TABLE_ID, COUNT, CLOCK, STREAM, AFTER) = range(len(FIELDS))
 HEADER_BYTES = 8 * len(FIELDS)
 FRAME0_BYTES = HEADER_BYTES + TAG_BYTES
 REQUEST, ROWS, GENERAL = 1, 2, 3
