@@ -18,13 +18,17 @@ that state is a table of entries the loop makes again whenever the state changes
 is gone, is never read through an old entry.
 
 The lane's requests are not in the worker's stream, so each names the last request
-the worker sent this server in it: one this server has not handled yet (a push still
-on its way) is answered ``GENERAL``, and the general path reads after it. What has
-been handled of each worker's stream the loop writes down before each pump.
+the worker sent this server in it. One this server has not handled yet (a push still
+on its way) holds the read: it keeps its buffers and is answered at the first pump
+after the stream got that far, as the loop pumps after each message it handled; if
+that takes longer than ``HOLD_NS`` (a push parked by a slice move), or too many are
+held, it is answered ``GENERAL`` and the general path reads after it. What has been
+handled of each worker's stream the loop writes down before each pump.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -55,10 +59,11 @@ def _fcntl(fd: int, command: int, argument: int) -> int:  # pointer pass as the 
 (E_TABLE, E_SHARD, E_VALUES, E_ROWS, E_ROW_BYTES, E_LOCK_FD, E_STRIPES, E_HEADER, E_SERVABLE) = range(9)
 _ENTRY_FIELDS = 9
 # What the lane counts (``counts``): requests answered with rows, rows sent, answered GENERAL (of
-# those, how many because the worker's stream was not handled far enough yet), dropped (a wrong tag
-# or malformed), refused as replays.
-(C_SERVED, C_ROWS, C_GENERAL, C_EARLY, C_DROPPED, C_REPLAYED) = range(6)
-COUNTER_NAMES = ("lane_pulls", "lane_rows", "lane_general", "lane_early", "lane_dropped", "lane_replayed")
+# those, how many because the worker's stream was not handled far enough in time), held until it
+# was, dropped (a wrong tag or malformed), refused as replays.
+(C_SERVED, C_ROWS, C_GENERAL, C_EARLY, C_HELD, C_DROPPED, C_REPLAYED) = range(7)
+COUNTER_NAMES = ("lane_pulls", "lane_rows", "lane_general", "lane_early", "lane_held", "lane_dropped",
+                 "lane_replayed")
 _MOST_PER_WAKE = 256  # requests served per call: the loop's other work waits no longer than this
 
 
@@ -175,19 +180,95 @@ def _gather(entry: np.ndarray, rows: np.ndarray, grouped: np.ndarray, lo: int, h
     return not retired
 
 
+# A request's buffers, one row of ``inbox`` each (a request waiting for its stream keeps its row):
+# the sender's routing id, frame 0, the rows, their slices.
+_PEER_AT, _FRAME_AT = 0, 256
+_ROWS_AT = _FRAME_AT + lane.FRAME0_BYTES
+_SHARDS_AT = _ROWS_AT + 8 * lane.MAX_ROWS
+_INBOX_BYTES = _SHARDS_AT + 8 * lane.MAX_ROWS
+# Per inbox row (``held``): the routing id's size, whether it waits, since when (ns).
+(H_PEER_BYTES, H_WAITING, H_SINCE_NS) = range(3)
+#: requests that may wait at once for their worker's stream (one row more takes the next request in)
+HELD_MOST = 8
+#: how long one may wait before it is answered "general" (a push parked by a slice move, say): far
+#: less than a worker waits for a lane's answer (the resend timeout) before giving the lane up
+HOLD_NS = 50_000_000
+
+
+@kernel
+def _early(head: np.ndarray, handled: np.ndarray) -> bool:
+    """Whether a request of the worker's stream before this one is not handled here yet."""
+    sender, after = head[lane.SENDER], head[lane.AFTER]
+    return after > 0 and (handled[sender, 0] != head[lane.STREAM] or handled[sender, 1] < after)
+
+
+@kernel
+def _respond(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusing: np.ndarray, slowest: int,
+             counts: np.ndarray, box: np.ndarray, n_peer: int, reply: np.ndarray, values: np.ndarray,
+             scratch: np.ndarray, stripes_at: np.ndarray, by_row: np.ndarray, starts: np.ndarray,
+             at: np.ndarray) -> None:
+    """Answer the checked request in ``box`` (an inbox row) with its rows, or GENERAL if they are not
+    all servable here."""
+    peer, head = box[_PEER_AT:], box[_FRAME_AT:_FRAME_AT + lane.HEADER_BYTES].view(np.int64)
+    rows, shards = box[_ROWS_AT:_SHARDS_AT].view(np.int64), box[_SHARDS_AT:].view(np.int64)
+    sender, req, table, count = head[lane.SENDER], head[lane.REQ], head[lane.TABLE_ID], head[lane.COUNT]
+    clock = min(slowest, head[lane.CLOCK])
+    entry_of, grouped, slice_rows = by_row[0], by_row[1], by_row[2]
+    row_bytes = _group(entries, refusing, table, sender, rows, shards, count, entry_of, starts, at, grouped)
+    # The rows are gathered straight into the message ZeroMQ sends: no copy of them after.
+    served = (0 < count * row_bytes <= lane.MAX_BYTES
+              and io.zmq_msg_init_size(ptr(values.ctypes.data), count * row_bytes) == 0)
+    if served:
+        data = io.zmq_msg_data(ptr(values.ctypes.data))
+        for e in range(entries.shape[0]):  # one slice at a time, each under its own locks
+            if starts[e] < starts[e + 1] and not _gather(entries[e], rows, grouped, starts[e], starts[e + 1],
+                                                         row_bytes, data, slice_rows, stripes_at, scratch):
+                served = False  # moved off between the entries' making and now
+                io.zmq_msg_close(ptr(values.ctypes.data))
+                break
+    if not served:
+        counts[C_GENERAL] += 1
+        _answer(handle, key, peer, n_peer, reply, lane.GENERAL, req, node, table, count, clock, values)
+        return
+    counts[C_SERVED] += 1
+    counts[C_ROWS] += count
+    _answer(handle, key, peer, n_peer, reply, lane.ROWS, req, node, table, count, clock, values)
+
+
 @kernel
 def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusing: np.ndarray, clocks: np.ndarray,
-           handled: np.ndarray, replay: np.ndarray, counts: np.ndarray, peer: np.ndarray, frame: np.ndarray,
-           rows_in: np.ndarray, shards_in: np.ndarray, reply: np.ndarray, values: np.ndarray, tag: np.ndarray,
-           scratch: np.ndarray, stripes_at: np.ndarray, by_row: np.ndarray, starts: np.ndarray, at: np.ndarray) -> int:
-    """Serve the lane requests queued on ``handle``; how many were taken off it."""
+           handled: np.ndarray, replay: np.ndarray, counts: np.ndarray, inbox: np.ndarray, held: np.ndarray,
+           now_ns: int, reply: np.ndarray, values: np.ndarray, tag: np.ndarray, scratch: np.ndarray,
+           stripes_at: np.ndarray, by_row: np.ndarray, starts: np.ndarray, at: np.ndarray) -> int:
+    """Answer the held requests whose turn has come (or whose wait ran out), then serve the requests
+    queued on ``handle``; how many are held now."""
     num_workers = clocks.shape[0]
     slowest = clocks.min() if num_workers else 0
-    head = frame[:lane.HEADER_BYTES].view(np.int64)
-    rows, shards = rows_in.view(np.int64), shards_in.view(np.int64)
-    entry_of, grouped, slice_rows = by_row[0], by_row[1], by_row[2]
+    waiting = 0
+    for r in range(inbox.shape[0]):
+        if held[r, H_WAITING] == 0:
+            continue
+        box = inbox[r]
+        head = box[_FRAME_AT:_FRAME_AT + lane.HEADER_BYTES].view(np.int64)
+        if not _early(head, handled):
+            held[r, H_WAITING] = 0
+            _respond(handle, key, node, entries, refusing, slowest, counts, box, held[r, H_PEER_BYTES], reply,
+                     values, scratch, stripes_at, by_row, starts, at)
+        elif now_ns - held[r, H_SINCE_NS] > HOLD_NS:
+            held[r, H_WAITING] = 0
+            counts[C_GENERAL] += 1
+            counts[C_EARLY] += 1
+            _answer(handle, key, box[_PEER_AT:], held[r, H_PEER_BYTES], reply, lane.GENERAL, head[lane.REQ], node,
+                    head[lane.TABLE_ID], head[lane.COUNT], min(slowest, head[lane.CLOCK]), values)
+        else:
+            waiting += 1
     taken = 0
     while taken < _MOST_PER_WAKE:
+        r = 0
+        while held[r, H_WAITING]:  # a free row: at most HELD_MOST of HELD_MOST + 1 wait
+            r += 1
+        box = inbox[r]
+        peer, frame = box[_PEER_AT:_FRAME_AT], box[_FRAME_AT:_ROWS_AT]
         n_peer = io.recv(handle, peer, DONTWAIT)
         if n_peer < 0:
             break  # nothing queued
@@ -196,13 +277,14 @@ def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusin
         if n_peer <= peer.size and io.more(handle, scratch):
             n_frame = io.recv(handle, frame, 0)
             if io.more(handle, scratch):
-                n_rows = io.recv(handle, rows_in, 0)
+                n_rows = io.recv(handle, box[_ROWS_AT:_SHARDS_AT], 0)
                 if io.more(handle, scratch):
-                    n_shards = io.recv(handle, shards_in, 0)
+                    n_shards = io.recv(handle, box[_SHARDS_AT:], 0)
         io.drain(handle, scratch, tag)
         if n_frame < 0 or not lane.opened(key, frame, n_frame, tag):
             counts[C_DROPPED] += 1
             continue
+        head = frame[:lane.HEADER_BYTES].view(np.int64)
         sender, req, inc, count = head[lane.SENDER], head[lane.REQ], head[lane.INCARNATION], head[lane.COUNT]
         if (head[lane.KIND] != lane.REQUEST or not 0 <= sender < num_workers or not 0 < count <= lane.MAX_ROWS
                 or n_rows != 8 * count or n_shards != 8 * count):
@@ -212,34 +294,20 @@ def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusin
             counts[C_REPLAYED] += 1  # older than one served: played again (a repeat of the last is read again)
             continue
         replay[sender, 0], replay[sender, 1] = inc, req
-        table = head[lane.TABLE_ID]
-        clock = min(slowest, head[lane.CLOCK])
-        after = head[lane.AFTER]
-        if after > 0 and (handled[sender, 0] != head[lane.STREAM] or handled[sender, 1] < after):
-            counts[C_GENERAL] += 1  # a request of the worker's before it is not handled here yet
-            counts[C_EARLY] += 1
-            _answer(handle, key, peer, n_peer, reply, lane.GENERAL, req, node, table, count, clock, values)
-            continue
-        row_bytes = _group(entries, refusing, table, sender, rows, shards, count, entry_of, starts, at, grouped)
-        # The rows are gathered straight into the message ZeroMQ sends: no copy of them after.
-        served = (0 < count * row_bytes <= lane.MAX_BYTES
-                  and io.zmq_msg_init_size(ptr(values.ctypes.data), count * row_bytes) == 0)
-        if served:
-            data = io.zmq_msg_data(ptr(values.ctypes.data))
-            for e in range(entries.shape[0]):  # one slice at a time, each under its own locks
-                if starts[e] < starts[e + 1] and not _gather(entries[e], rows, grouped, starts[e], starts[e + 1],
-                                                             row_bytes, data, slice_rows, stripes_at, scratch):
-                    served = False  # moved off between the entries' making and now
-                    io.zmq_msg_close(ptr(values.ctypes.data))
-                    break
-        if not served:
+        if _early(head, handled):  # a request of the worker's before it is not handled here yet: it waits
+            if waiting < HELD_MOST:
+                held[r, H_WAITING], held[r, H_PEER_BYTES], held[r, H_SINCE_NS] = 1, n_peer, now_ns
+                waiting += 1
+                counts[C_HELD] += 1
+                continue
             counts[C_GENERAL] += 1
-            _answer(handle, key, peer, n_peer, reply, lane.GENERAL, req, node, table, count, clock, values)
+            counts[C_EARLY] += 1
+            _answer(handle, key, peer, n_peer, reply, lane.GENERAL, req, node, head[lane.TABLE_ID], count,
+                    min(slowest, head[lane.CLOCK]), values)
             continue
-        counts[C_SERVED] += 1
-        counts[C_ROWS] += count
-        _answer(handle, key, peer, n_peer, reply, lane.ROWS, req, node, table, count, clock, values)
-    return taken
+        _respond(handle, key, node, entries, refusing, slowest, counts, box, n_peer, reply, values, scratch,
+                 stripes_at, by_row, starts, at)
+    return waiting
 
 
 class ServerLane:
@@ -259,10 +327,10 @@ class ServerLane:
         self._replay = np.zeros((max(num_workers, 1), 2), np.int64)
         self._replay[:, 0] = -1
         self.counts = np.zeros(len(COUNTER_NAMES), np.int64)
-        self._peer = np.empty(256, np.uint8)
-        self._frame = np.empty(lane.FRAME0_BYTES, np.uint8)
-        self._rows_in = np.empty(8 * lane.MAX_ROWS, np.uint8)
-        self._shards_in = np.empty(8 * lane.MAX_ROWS, np.uint8)
+        self._inbox = np.empty((HELD_MOST + 1, _INBOX_BYTES), np.uint8)
+        self._held = np.zeros((HELD_MOST + 1, 3), np.int64)
+        #: requests held until their worker's stream is handled far enough (``waiting_until``)
+        self.holding = 0
         self._by_row = np.empty((3, lane.MAX_ROWS), np.int64)  # each row's slice, rows by slice, a slice's rows
         self._reply = np.empty(lane.FRAME0_BYTES, np.uint8)
         self._tag = np.empty(32, np.uint8)
@@ -287,7 +355,8 @@ class ServerLane:
             self.pump({}, {}, set())
 
     def pump(self, tables: dict[str, ServedTable], lost: dict[str, str], refusing: set[tuple[int, str]]) -> int:
-        """Serve what is queued on the lane; how many requests were taken."""
+        """Serve what is queued on the lane, and the held requests whose turn has come; how many are
+        held now."""
         self.warm()
         signature = _signature(tables, lost, refusing)
         if signature != self._signature:
@@ -299,13 +368,21 @@ class ServerLane:
         for lock in self._thread_locks:
             lock.acquire()
         try:
-            return int(_serve(self.socket.handle, self._key, self.node, self._entries, self._refusing, self._clocks,
-                              self._handled, self._replay, self.counts, self._peer, self._frame, self._rows_in,
-                              self._shards_in, self._reply, self._values, self._tag, self._scratch, self._stripes_at,
-                              self._by_row, self._starts, self._at))
+            self.holding = int(_serve(self.socket.handle, self._key, self.node, self._entries, self._refusing,
+                                      self._clocks, self._handled, self._replay, self.counts, self._inbox,
+                                      self._held, time.monotonic_ns(), self._reply, self._values, self._tag,
+                                      self._scratch, self._stripes_at, self._by_row, self._starts, self._at))
         finally:
             for lock in reversed(self._thread_locks):
                 lock.release()
+        return self.holding
+
+    def waiting_until(self) -> float | None:
+        """When the first held request's wait runs out (``time.monotonic``), if one is held."""
+        if not self.holding:
+            return None
+        since = self._held[self._held[:, H_WAITING] == 1, H_SINCE_NS]
+        return (int(since.min()) + HOLD_NS) / 1e9 if since.size else None
 
     def _make_entries(self, tables: dict[str, ServedTable], lost: dict[str, str],
                       refusing: set[tuple[int, str]]) -> None:

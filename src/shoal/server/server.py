@@ -226,8 +226,8 @@ class ParameterServer:
                     if time.monotonic() > burst_until:
                         break  # timers (heartbeat, gossip, lazy pulls) must run under sustained load too
                     item = self.listener.recv(0)
-                if burst > 1:
-                    self._pump_lane()  # what came on the lane during the burst
+                if burst > 1 or (burst and self.lane is not None and self.lane.holding):
+                    self._pump_lane()  # what came on the lane during the burst, and what waited for it
                 self._backlog = max(self._backlog, burst)
                 now = time.monotonic()
                 if (first is not None or laned) and now < timers_at:
@@ -251,7 +251,7 @@ class ParameterServer:
     def _pump_lane(self) -> bool:
         """Serve the lane's queued requests (``server.lane``), charged to their own activity; whether
         there were any."""
-        if self.lane is None or not self.lane.socket.readable():
+        if self.lane is None or not (self.lane.holding or self.lane.socket.readable()):
             return False
         started = time.thread_time()
         self.lane.pump(self.tables, self.lost, self.sync.refusing)
@@ -311,9 +311,11 @@ class ParameterServer:
         self._stop.set()
 
     def _wait_s(self) -> float:
-        """How long the loop may block: until the next lazy-pull deadline or gossip round, at most 50 ms."""
-        deadlines = [d for d in (self.sync.next_deadline(), self.replication.next_round(), self.adaptive.next_timer())
-                     if d is not None]
+        """How long the loop may block: until the next lazy-pull deadline, gossip round or held lane
+        request's limit, at most 50 ms."""
+        held_until = self.lane.waiting_until() if self.lane is not None else None
+        deadlines = [d for d in (self.sync.next_deadline(), self.replication.next_round(), self.adaptive.next_timer(),
+                                 held_until) if d is not None]
         if self.builds.pending:
             deadlines.append(time.monotonic() + _BUILD_POLL_S)
         if not deadlines:
