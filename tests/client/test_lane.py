@@ -21,10 +21,10 @@ from shoal.wire import keyed_hash
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lane_worker.py"
 
 
-def run_job(tmp_path: Path, mode: str, rounds: int, workers_per_node: int) -> list[dict]:
+def run_job(tmp_path: Path, mode: str, rounds: int, workers_per_node: int, *options: str) -> list[dict]:
     done = subprocess.run([sys.executable, "-m", "shoal.launch.cli", "run", "--nodes", "2", "--workers-per-node",
-                           str(workers_per_node), "--connect-timeout", "30", "--request-timeout", "60", "--",
-                           sys.executable, str(SCRIPT), str(tmp_path), mode, str(rounds)],
+                           str(workers_per_node), "--connect-timeout", "30", "--request-timeout", "60", *options,
+                           "--", sys.executable, str(SCRIPT), str(tmp_path), mode, str(rounds)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads((tmp_path / f"w{rank}.json").read_text()) for rank in range(2 * workers_per_node)]
@@ -60,6 +60,16 @@ def test_the_lane_answers_no_one_without_the_key_refuses_replays_and_bounded_rea
     assert result["bounded table"] == "general"  # bounded reads wait on clocks: the general path's
     assert result["slice elsewhere"] == "general"
     assert result["bounded through the lane"] == 0
+
+
+def test_a_lane_that_went_unanswered_is_given_up_for_a_while_and_asked_for_again(tmp_path):
+    result = run_job(tmp_path, "pause", 0, 1, "--resend-timeout", "0.5")[0]
+    assert result["lane before"] == 1
+    assert result["while stopped"] == 1.0  # read the general way once the server was back
+    assert result["lane given up"]
+    assert result["lane again"] == 1.0  # a new lane, not the general path for good
+    # for LANE_RETRY_RESENDS resend timeouts (less the stop's own), not much longer
+    assert 0.5 < result["lane again after s"] < 10
 
 
 @pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 104, 1023, 1024])

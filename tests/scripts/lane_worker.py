@@ -13,13 +13,19 @@
 * ``forge``: rank 0 sends server 1's lane a request under a wrong key, one whose tag was cut,
   one replaying an older request number, one for a table read under SSP and one for a slice
   server 1 does not hold, then pulls through the lane as usual; writes what came back for each.
+* ``pause``: rank 0 reads a row of server 1 through its lane, stops server 1 (SIGSTOP) for three
+  resend timeouts and reads the row again (the lane goes unanswered, the general path waits
+  for the server), then reads it until the lane serves it again; writes what it read and how
+  long the lane was given up for.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -122,6 +128,38 @@ def forge(ps: shoal.Worker, table: shoal.Table, bounded: shoal.Table, out_dir: s
     write(out_dir, ps.rank, result)
 
 
+def pause(ps: shoal.Worker, table: shoal.Table, out_dir: str) -> None:
+    result: dict[str, object] = {}
+    if ps.rank == 0:
+        key = np.array([KEYS - 1], dtype=np.int64)  # slice 1: server 1's
+        table.push(key, np.ones((1, DIM), dtype=np.float32))
+        deadline = time.monotonic() + 30
+        while ps.lane(1) is None and time.monotonic() < deadline:
+            table.pull(key)
+        before = dict(table.counters)
+        result["lane before"] = int(table.pull(key)[0, 0]) if ps.lane(1) is not None else "no lane"
+        server = next(s for s in ps.server_stats() if s.get("node") == 1)
+        resend = ps.cluster.timeouts.resend_s
+        os.kill(server["pid"], signal.SIGSTOP)
+        resume = threading.Timer(3 * resend, os.kill, (server["pid"], signal.SIGCONT))
+        resume.start()
+        try:
+            result["while stopped"] = float(table.pull(key)[0, 0])  # the lane goes unanswered; the general path waits
+        finally:
+            resume.join()
+        result["lane given up"] = ps.lane(1) is None and table.counters["lane_general"] > before.get("lane_general", 0)
+        given_up = time.monotonic()
+        lane_pulls = table.counters["lane_pulls"]
+        while table.counters["lane_pulls"] == lane_pulls and time.monotonic() < given_up + 30:
+            table.pull(key)
+            time.sleep(0.01)
+        result["lane again after s"] = time.monotonic() - given_up
+        result["lane again"] = float(table.pull(key)[0, 0]) if table.counters["lane_pulls"] > lane_pulls else None
+        result["resend s"] = resend
+    ps.barrier()
+    write(out_dir, ps.rank, result)
+
+
 def write(out_dir: str, rank: int, result: dict[str, object]) -> None:
     path = os.path.join(out_dir, f"w{rank}.json")
     with open(path + ".part", "w") as fh:
@@ -138,6 +176,8 @@ def main() -> None:
     started = time.monotonic()
     if mode == "count":
         count(ps, table, out_dir, rounds)
+    elif mode == "pause":
+        pause(ps, table, out_dir)
     else:
         forge(ps, table, ps.table("lane_ssp", KEYS, DIM, mapping="range", consistency=shoal.SSP(1)), out_dir)
     print(f"worker {ps.rank} done in {time.monotonic() - started:.1f}s", flush=True)

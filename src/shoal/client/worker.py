@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 _RUN_LOG_ENTRIES = 100_000  # ps.log(...) keeps the newest this many in memory for the run report
 _FINAL_CLOCK_S = 5.0  # how long a leaving worker waits for servers to acknowledge its last clock
 _FINAL_CLOCK_LOOK_S = 0.5  # ... before it asks the rendezvous which of them are dead
+#: resend timeouts the general path carries a server's pulls alone after its lane went unanswered,
+#: before a new lane is asked for (doubled at each failure): a server busy once keeps its lane
+LANE_RETRY_RESENDS = 4
 
 
 class Worker:
@@ -121,6 +124,8 @@ class Worker:
         #: each server's lane (``client.lane``) once asked for: None where it has none or it failed
         self._lanes: dict[int, WorkerLane | None] = {}
         self._lane_asks: dict[int, object] = {}  # the question for each server's lane in flight
+        #: per server whose lane went unanswered: when to ask for one again, and the wait before that
+        self._lane_retry: dict[int, tuple[float, float]] = {}
         self.follow_servers(membership.wait_for_servers(self.tracker, cluster.num_nodes, timeout))
         self.tracker.on_unsolicited = self._on_server_message
         self.tracker.after_receive = self._after_receive
@@ -405,11 +410,15 @@ class Worker:
 
     def lane(self, node: int) -> WorkerLane | None:
         """The lane to server ``node`` (``client.lane``), or None: not known yet (the first call asks
-        the server for its address, and pulls take the general path until the answer is in), or
-        none at all (the job has no secret, the wire is not this machine's, the transport has no
-        native sockets, the server has no lane, or it went unanswered once)."""
+        the server for its address, and pulls take the general path until the answer is in), none
+        for now (it went unanswered: asked for again after ``lane_failed``'s wait), or none at all
+        (the job has no secret, the wire is not this machine's, the transport has no native
+        sockets, the server has no lane)."""
         if node in self._lanes:
-            return self._lanes[node]
+            opened = self._lanes[node]
+            retry = self._lane_retry.get(node)
+            if opened is not None or retry is None or self.now() < retry[0] or node in self._lane_asks:
+                return opened
         self._lanes[node] = None
         ctx, secret = self.transport.native_context(), self.cluster.secret
         address = self.servers[node] if 0 <= node < len(self.servers) else None
@@ -429,9 +438,15 @@ class Worker:
         return None
 
     def lane_failed(self, node: int) -> None:
-        """The lane to ``node`` went unanswered: its requests take the general path from now on."""
+        """The lane to ``node`` went unanswered (its server busy, or stopped, for a resend timeout): its
+        requests take the general path for a while, then ask for a lane again (a new socket: a late
+        answer on the old one is never read). Each failure doubles the wait, from
+        ``LANE_RETRY_RESENDS`` resend timeouts up to 16 times that."""
         self._drop_lane(node)
         self._lanes[node] = None
+        first = LANE_RETRY_RESENDS * self.cluster.timeouts.resend_s
+        wait = min(2 * self._lane_retry[node][1], 16 * first) if node in self._lane_retry else first
+        self._lane_retry[node] = (self.now() + wait, wait)
 
     def _drop_lane(self, node: int) -> None:
         self._lane_asks.pop(node, None)
