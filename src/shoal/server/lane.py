@@ -21,7 +21,7 @@ The lane's requests are not in the worker's stream, so each names the last reque
 the worker sent this server in it. One this server has not handled yet (a push still
 on its way) holds the read: it keeps its buffers and is answered at the first pump
 after the stream got that far, as the loop pumps after each message it handled; if
-that takes longer than ``HOLD_NS`` (a push parked by a slice move), or too many are
+that takes longer than ``HOLD_S`` (a push parked by a slice move), or too many are
 held, it is answered ``GENERAL`` and the general path reads after it. What has been
 handled of each worker's stream the loop writes down before each pump.
 """
@@ -190,9 +190,10 @@ _INBOX_BYTES = _SHARDS_AT + 8 * lane.MAX_ROWS
 (H_PEER_BYTES, H_WAITING, H_SINCE_NS) = range(3)
 #: requests that may wait at once for their worker's stream (one row more takes the next request in)
 HELD_MOST = 8
-#: how long one may wait before it is answered "general" (a push parked by a slice move, say): far
-#: less than a worker waits for a lane's answer (the resend timeout) before giving the lane up
-HOLD_NS = 50_000_000
+#: how long one may wait before it is answered "general" (a push parked by a slice move, say), at
+#: most: a quarter of the resend timeout if less, far within what a worker waits for a lane's answer
+#: before it gives the lane up
+HOLD_S = 0.05
 
 
 @kernel
@@ -238,7 +239,7 @@ def _respond(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refus
 @kernel
 def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusing: np.ndarray, clocks: np.ndarray,
            handled: np.ndarray, replay: np.ndarray, counts: np.ndarray, inbox: np.ndarray, held: np.ndarray,
-           now_ns: int, reply: np.ndarray, values: np.ndarray, tag: np.ndarray, scratch: np.ndarray,
+           now_ns: int, hold_ns: int, reply: np.ndarray, values: np.ndarray, tag: np.ndarray, scratch: np.ndarray,
            stripes_at: np.ndarray, by_row: np.ndarray, starts: np.ndarray, at: np.ndarray) -> int:
     """Answer the held requests whose turn has come (or whose wait ran out), then serve the requests
     queued on ``handle``; how many are held now."""
@@ -254,7 +255,7 @@ def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusin
             held[r, H_WAITING] = 0
             _respond(handle, key, node, entries, refusing, slowest, counts, box, held[r, H_PEER_BYTES], reply,
                      values, scratch, stripes_at, by_row, starts, at)
-        elif now_ns - held[r, H_SINCE_NS] > HOLD_NS:
+        elif now_ns - held[r, H_SINCE_NS] > hold_ns:
             held[r, H_WAITING] = 0
             counts[C_GENERAL] += 1
             counts[C_EARLY] += 1
@@ -313,8 +314,10 @@ def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, refusin
 class ServerLane:
     """One server's lane: its socket, what it may serve, and what it counted."""
 
-    def __init__(self, node: int, ctx: Any, host: str, secret: bytes, clocks: np.ndarray, order: StreamOrder) -> None:
+    def __init__(self, node: int, ctx: Any, host: str, secret: bytes, clocks: np.ndarray, order: StreamOrder,
+                 resend_s: float) -> None:
         self.node = node
+        self._hold_ns = int(min(HOLD_S, resend_s / 4) * 1e9)
         self.socket = NativeSocket.listen(ctx, host)
         self.address = self.socket.address
         self._secret = secret
@@ -370,8 +373,9 @@ class ServerLane:
         try:
             self.holding = int(_serve(self.socket.handle, self._key, self.node, self._entries, self._refusing,
                                       self._clocks, self._handled, self._replay, self.counts, self._inbox,
-                                      self._held, time.monotonic_ns(), self._reply, self._values, self._tag,
-                                      self._scratch, self._stripes_at, self._by_row, self._starts, self._at))
+                                      self._held, time.monotonic_ns(), self._hold_ns, self._reply, self._values,
+                                      self._tag, self._scratch, self._stripes_at, self._by_row, self._starts,
+                                      self._at))
         finally:
             for lock in reversed(self._thread_locks):
                 lock.release()
@@ -382,7 +386,7 @@ class ServerLane:
         if not self.holding:
             return None
         since = self._held[self._held[:, H_WAITING] == 1, H_SINCE_NS]
-        return (int(since.min()) + HOLD_NS) / 1e9 if since.size else None
+        return (int(since.min()) + self._hold_ns) / 1e9 if since.size else None
 
     def _make_entries(self, tables: dict[str, ServedTable], lost: dict[str, str],
                       refusing: set[tuple[int, str]]) -> None:

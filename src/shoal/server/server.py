@@ -190,7 +190,8 @@ class ParameterServer:
         host = loopback_host(self.address)
         if ctx is None or host is None or self.cluster.secret is None:
             return None
-        opened = ServerLane(self.node, ctx, host, self.cluster.secret, self.clocks.clocks, self.order)
+        opened = ServerLane(self.node, ctx, host, self.cluster.secret, self.clocks.clocks, self.order,
+                            self.cluster.timeouts.resend_s)
         self.listener.wake_on_native(opened.socket)
         return opened
 
