@@ -12,10 +12,11 @@ It serves what the general path would serve at once and nothing else: a static A
 table's rows in slices held here, none moving, of a table whose rows were not
 lost, to a worker whose reads are not refused (one of its pushes was answered
 "moved"). Any other request is answered ``GENERAL`` (all of it, if one row is not
-servable): the worker sends it the general way, which holds, refuses or explains it. What the compiled code reads of
-that state is a table of entries the loop makes again whenever the state changes
-(``_signature``), before it serves anything: a slice that left, and whose memory
-is gone, is never read through an old entry.
+servable): the worker sends it the general way, which holds, refuses or explains
+it. What the compiled code reads of that state is a table of entries the loop
+makes again whenever the state changes (``_signature``), before it serves
+anything: a slice that left, and whose memory is gone, is never read through an
+old entry.
 
 The lane's requests are not in the worker's stream, so each names the last request
 the worker sent this server in it. One this server has not handled yet (a push still

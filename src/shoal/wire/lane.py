@@ -10,8 +10,8 @@ A request names its table by ``table_id`` (a hash of the name), its rows' count,
 worker's clock, and the last request the worker sent this server in its numbered stream
 (``server.streams``: ``stream`` its incarnation, ``after`` its seq, 0 for none); an answer
 repeats the request's number and says ``ROWS`` (the values follow, in the request's order)
-or ``GENERAL`` (this server does not serve all of it here, or has not handled the stream up
-to ``after`` yet: send it the general way, where it is read after them).
+or ``GENERAL`` (this server does not serve all of it here, or did not handle the stream up to
+``after`` within the wait it allows: send it the general way, where it is read after them).
 """
 
 from __future__ import annotations
