@@ -4,7 +4,8 @@
 
 * ``count``: every worker, ROUNDS times: push +1 to a key (waiting for its answer every other
   time, so that the next pull may take the lane), then pull that key (every other time with
-  three more) and note whether each holds at least this worker's own pushes to it; rank 0
+  three more; every third time with a pull of two more keys in flight) and note whether each
+  holds at least this worker's own pushes to it; rank 0
   moves the table's slice 1 to server 0 a third of the way through and back to server 1 at
   two thirds. At the end every worker pulls every key once the others are done. Writes
   OUT_DIR/w<rank>.json: its pushes per key, the reads that missed its own pushes, the final
@@ -58,6 +59,11 @@ def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> No
         # Every other pull reads three more keys, in no order, often in both slices: one on this
         # worker's node and one not, or both on the other node's server once slice 1 moved there.
         keys = key if i % 4 < 2 else np.concatenate([key, rng.integers(KEYS, size=3)])
+        # Every third round a read of two keys is in flight while the round's own read is made: its
+        # answer comes first on a lane they share, and the wait for it takes it in.
+        ahead = rng.integers(KEYS, size=2) if i % 3 == 0 else None
+        ahead_future = table.pull_async(ahead) if ahead is not None else None
+        ahead_pushed = pushed[ahead] if ahead is not None else None
         before = table.counters["lane_pulls"]
         rows = table.pull(keys)
         if table.counters["lane_pulls"] > before:
@@ -66,6 +72,10 @@ def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> No
         for k, row in zip(keys, rows[:, 0], strict=True):
             if row < pushed[k]:
                 missed.append([i, int(k), float(row), int(pushed[k])])
+        if ahead_future is not None:
+            for k, row, own in zip(ahead, ahead_future.wait()[:, 0], ahead_pushed, strict=True):
+                if row < own:
+                    missed.append([i, int(k), float(row), int(own)])
     ps.wait_all()
     ps.barrier()
     final = table.pull(np.arange(KEYS, dtype=np.int64))

@@ -57,14 +57,24 @@ class Call:
         self.observed = False
         #: pushes are numbered in the order they start (a fence waits for those before a point)
         self.index = 0
+        #: parts read through a lane (``client.lane``), not answered yet, and what takes their answers
+        #: (waiting for them, or taking those already here)
+        self.laned: list[Any] = []
+        self.take_laned: Callable[[Call, bool], None] | None = None
 
     def finished(self) -> bool:
-        return not self.parts and not self.moved and (not self.rereads or self.error is not None)
+        if self.laned:  # answers already here are taken: a future's ``done()`` asks this
+            assert self.take_laned is not None
+            self.take_laned(self, False)
+        return not self.parts and not self.laned and not self.moved and (not self.rereads or self.error is not None)
 
     def awaited(self) -> set[int]:
         return set(self.parts)
 
     def step(self) -> None:
+        if self.laned:
+            assert self.take_laned is not None
+            self.take_laned(self, True)
         if self.rereads and self.error is None:
             self._reread(self)
         self._watch(self)

@@ -59,6 +59,17 @@ _REFRESH_AGAIN_S = 0.02  # while the rendezvous lags behind a move a server told
 _WHOLE = None  # positions standing for "every key of the call, in order"
 
 
+class _Laned:
+    """A part of a pull asked for on a lane: the request, its server, the positions of the call it
+    reads (None: all of them), the array its rows come into, the layout epoch that routed it."""
+
+    __slots__ = ("lane", "pending", "node", "at", "out", "epoch")
+
+    def __init__(self, to: lane_access.WorkerLane, pending: lane_access.Pending, node: int, at: Positions,
+                 out: np.ndarray, epoch: int) -> None:
+        self.lane, self.pending, self.node, self.at, self.out, self.epoch = to, pending, node, at, out, epoch
+
+
 class StaticAccess(RoutedAccess):
     """Pull, push and push_pull for one static table."""
 
@@ -195,7 +206,7 @@ class StaticAccess(RoutedAccess):
         first = int(owner[0])  # if one node holds every key, it holds the first
         groups: list[tuple[int, np.ndarray | None]]
         if counts[first] == n:  # every key on one remote node: the batch goes as it is
-            if op == Op.PULL and self._through_lane(call, first, shard, rows, pos):
+            if op == Op.PULL and self._through_lane(call, first, shard, rows, pos, layout.epoch):
                 return
             groups = [(first, None)]
         else:
@@ -227,9 +238,8 @@ class StaticAccess(RoutedAccess):
                 laned.append((node, sub, at))
                 continue
             self._send_chunks(call, node, at, n, layout.epoch, op)
-        # The lane's reads wait for their answers: they go once the general path's are on their way.
         for node, sub, at in laned:
-            if not self._through_lane(call, node, shard[sub], rows[sub], at):
+            if not self._through_lane(call, node, shard[sub], rows[sub], at, layout.epoch):
                 self._send_chunks(call, node, at, n, layout.epoch, op)
 
     def _send_chunks(self, call: Call, node: int, at: Positions, n: int, epoch: int, op: Op) -> None:
@@ -240,12 +250,13 @@ class StaticAccess(RoutedAccess):
         for chunk in chunks:
             self._send(call, node, chunk, epoch, op)
 
-    def _through_lane(self, call: Call, node: int, shard: np.ndarray, rows: np.ndarray, at: Positions) -> bool:
-        """Read ``rows`` (in slices ``shard``) of the pull ``call``, at its positions ``at`` (None: all
-        of them), from server ``node`` through its lane (``client.lane``), if it serves them: an ASP
-        read of up to ``lane.MAX_ROWS`` rows and ``lane.MAX_BYTES``, once the server has handled
-        this worker's requests to it so far (so the read is after its pushes, as the general path's
-        would be in the worker's stream)."""
+    def _through_lane(self, call: Call, node: int, shard: np.ndarray, rows: np.ndarray, at: Positions,
+                      epoch: int) -> bool:
+        """Ask for ``rows`` (in slices ``shard``) of the pull ``call``, at its positions ``at`` (None: all
+        of them), on server ``node``'s lane (``client.lane``), if it serves them: an ASP read of up
+        to ``lane.MAX_ROWS`` rows and ``lane.MAX_BYTES``, read once the server has handled this
+        worker's requests to it so far (so after its pushes, as the general path's read would be in
+        the worker's stream). The answer is taken when the call is waited for (``_take_laned``)."""
         n = rows.shape[0]
         if (self.bound is not None or not self.schemes.uniform or n > lane.MAX_ROWS
                 or n * self._row_bytes > lane.MAX_BYTES):
@@ -258,19 +269,51 @@ class StaticAccess(RoutedAccess):
         if not out.flags.c_contiguous:
             return False
         streams = self.worker.streams
-        answered = to.pull(self.worker.tracker.number, self.worker.rank, self._lane_id, rows, shard, call.clock,
-                           (streams.incarnation, streams.next_seq(node) - 1), out)
-        if answered in (lane_access.TIMEOUT, lane_access.FAILED):
-            self.worker.lane_failed(node)
-        if answered != lane_access.OK:
+        pending = to.send(self.worker.tracker.number, self.worker.rank, self._lane_id, rows, shard, call.clock,
+                          (streams.incarnation, streams.next_seq(node) - 1), out)
+        if pending is None:
+            self.worker.lane_failed(node, to)
             self.counters["lane_general"] += 1
             return False
-        if at is not None:
-            call.result.place_rows(at, out)
-        self.counters["lane_pulls"] += 1
-        self.counters["rows_pulled"] += n
-        self.staleness.record(call.clock - to.answered_clock, n)
+        call.laned.append(_Laned(to, pending, node, at, out, epoch))
+        call.take_laned = self._take_laned
         return True
+
+    def _future(self, call: Call) -> Future[Any]:
+        if call.laned and not call.parts:  # only lane reads in flight: waited for on the lane alone
+            return Future.running(functools.partial(self._finish_laned, call), call.finished)
+        return super()._future(call)
+
+    def _finish_laned(self, call: Call) -> Any:
+        """Wait for the lane's answers to ``call``, then for what went the general way instead."""
+        self._take_laned(call, True)
+        if not call.finished():
+            self.worker.tracker.wait_until(call.finished, call.awaited, self.worker.cluster.timeouts.request_s,
+                                           call.step)
+        return call.outcome()
+
+    def _take_laned(self, call: Call, wait: bool) -> None:
+        """Take the answers to ``call``'s lane reads (waiting for each, if ``wait``): rows placed, or
+        the part sent the general way."""
+        for part in list(call.laned):
+            part.lane.collect(part.pending, wait)
+            status = part.pending.status
+            if status is None:
+                continue  # not here yet
+            call.laned.remove(part)
+            n = part.pending.count
+            if status == lane_access.OK:
+                if part.at is not None:
+                    assert call.result is not None
+                    call.result.place_rows(part.at, part.out)
+                self.counters["lane_pulls"] += 1
+                self.counters["rows_pulled"] += n
+                self.staleness.record(call.clock - part.pending.clock, n)
+                continue
+            if status == lane_access.TIMEOUT:
+                self.worker.lane_failed(part.node, part.lane)
+            self.counters["lane_general"] += 1
+            self._send_chunks(call, part.node, part.at, n, part.epoch, Op.PULL)
 
     def _routes_to_dead(self, nodes: list[int]) -> bool:
         exited = self.worker.replica_view.exited

@@ -437,11 +437,14 @@ class Worker:
                              background=True, on_error=lambda error: None)
         return None
 
-    def lane_failed(self, node: int) -> None:
-        """The lane to ``node`` went unanswered (its server busy, or stopped, for a resend timeout): its
-        requests take the general path for a while, then ask for a lane again (a new socket: a late
-        answer on the old one is never read). Each failure doubles the wait, from
-        ``LANE_RETRY_RESENDS`` resend timeouts up to 16 times that."""
+    def lane_failed(self, node: int, failed: WorkerLane) -> None:
+        """The lane ``failed`` to ``node`` went unanswered (its server busy, or stopped, for a resend
+        timeout): its requests take the general path for a while, then ask for a lane again (a new
+        socket: a late answer on the old one is never read). Each failure doubles the wait, from
+        ``LANE_RETRY_RESENDS`` resend timeouts up to 16 times that. (Each request then in flight on
+        it says so: the lane is given up once.)"""
+        if self._lanes.get(node) is not failed:
+            return
         self._drop_lane(node)
         self._lanes[node] = None
         first = LANE_RETRY_RESENDS * self.cluster.timeouts.resend_s
