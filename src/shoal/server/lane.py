@@ -105,6 +105,7 @@ def _answer(handle: int, key: np.ndarray, peer: np.ndarray, n_peer: int, reply: 
     fields = reply[:lane.HEADER_BYTES].view(np.int64)
     fields[lane.MAGIC_AT], fields[lane.KIND], fields[lane.REQ], fields[lane.SENDER] = lane.MAGIC, kind, req, node
     fields[lane.INCARNATION], fields[lane.TABLE_ID], fields[lane.COUNT], fields[lane.CLOCK] = 0, table, count, clock
+    fields[lane.STREAM], fields[lane.AFTER] = 0, 0  # (a request's; the buffer's bytes are not sent unset)
     lane.seal(key, reply)
     io.send(handle, peer, n_peer, SNDMORE)
     if kind == lane.ROWS:

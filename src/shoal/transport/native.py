@@ -9,9 +9,9 @@ pyzmq loaded, by symbol name (so the compiled code is cached: bound through
 
 ``send``, ``recv``, ``more`` and ``drain`` are kernels (``storage.jit``) for other
 kernels, beside libzmq's own functions (``zmq_msg_*``: a message whose memory
-compiled code fills, sent without a copy); ``ptr`` turns an address (a handle, an array's ``ctypes.data``) into a C
-pointer; ``c_function`` declares a C function for kernels. Nothing here imports
-numba before the first kernel call.
+compiled code fills, sent without a copy); ``ptr`` turns an address (a handle, an
+array's ``ctypes.data``) into a C pointer; ``c_function`` declares a C function for
+kernels. Nothing here imports numba before the first kernel call.
 """
 
 from __future__ import annotations
