@@ -68,8 +68,8 @@ def test_a_lane_that_went_unanswered_is_given_up_for_a_while_and_asked_for_again
     assert result["while stopped"] == 1.0  # read the general way once the server was back
     assert result["lane given up"]
     assert result["lane again"] == 1.0  # a new lane, not the general path for good
-    # for LANE_RETRY_RESENDS resend timeouts (less the stop's own), not much longer
-    assert 0.5 < result["lane again after s"] < 10
+    # after LANE_RETRY_RESENDS resend timeouts from the failure (less the stop's rest), not much later
+    assert result["lane again after s"] < 10
 
 
 @pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 104, 1023, 1024])
