@@ -1,8 +1,10 @@
 """The lane (``client.lane``, ``server.lane``): small static pulls answered whole in compiled code.
 
 Jobs of real processes (a launched server has a lane; threads beside a server do not), checked by
-counting: every read holds its worker's own acknowledged pushes, whether the lane or the general
-path served it, while a slice moves away and back; every push is in the final rows exactly once.
+counting: every read holds its worker's own pushes, whether the lane or the general path served
+it, in one slice or several, with other reads in flight, while a slice moves away and back; every
+push is in the final rows exactly once. A lane whose server stopped answering is given up, and
+asked for again.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@
 * ``count``: every worker, ROUNDS times: push +1 to a key (waiting for its answer every other
   time, so that the next pull may take the lane), then pull that key (every other time with
   three more; every third time with a pull of two more keys in flight) and note whether each
-  holds at least this worker's own pushes to it; rank 0
-  moves the table's slice 1 to server 0 a third of the way through and back to server 1 at
-  two thirds. At the end every worker pulls every key once the others are done. Writes
-  OUT_DIR/w<rank>.json: its pushes per key, the reads that missed its own pushes, the final
-  rows, its table's counters, how many of its pulls of several keys, and of its pulls right
-  after a push it did not wait for, took the lane, and the servers' stats.
+  holds at least this worker's own pushes to it; rank 0 moves the table's slice 1 to server 0
+  a third of the way through and back to server 1 at two thirds. At the end every worker pulls
+  every key once the others are done. Writes OUT_DIR/w<rank>.json: its pushes per key, the
+  reads that missed its own pushes, the final rows, its table's counters, how many of its
+  pulls of several keys, and of its pulls right after a push it did not wait for, took the
+  lane, and the servers' stats.
 * ``forge``: rank 0 sends server 1's lane a request under a wrong key, one whose tag was cut,
   one replaying an older request number, one for a table read under SSP and one for a slice
   server 1 does not hold, then pulls through the lane as usual; writes what came back for each.
