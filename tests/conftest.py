@@ -85,6 +85,33 @@ def kernels_compiled():
     Processes the tests start load the kernels from the cache this writes."""
     for dtype in (np.float32, np.float64):
         kernels.warm_up(dtype)
+    _lane_compiled()
+
+
+def _lane_compiled() -> None:
+    """The lane's kernels (``server.lane``, ``client.lane``) too, by a read on a lane of this process's
+    own: each launched server and worker compiles them at its first lane request otherwise, all at
+    once on a fresh checkout."""
+    import zmq
+
+    from shoal.client.lane import WorkerLane
+    from shoal.server.lane import ServerLane
+    from shoal.server.streams import StreamOrder
+
+    ctx = zmq.Context()
+    served = ServerLane(0, ctx, "127.0.0.1", bytes(32), np.zeros(1, np.int64), StreamOrder(1), resend_s=1.0)
+    asking = WorkerLane(ctx, served.address, bytes(32), timeout_s=10.0)
+    try:
+        served.warm()
+        rows = np.zeros(1, np.int64)
+        pending = asking.send(lambda: (1, 1), 0, 1, rows, rows, 0, (0, 0), np.empty((1, 1), np.float32))
+        assert pending is not None
+        served.pump({}, {}, set())
+        asking.collect(pending, wait=True)
+    finally:
+        asking.close()
+        served.close()
+        ctx.term()
 
 
 @pytest.fixture(scope="session", autouse=True)

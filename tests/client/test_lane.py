@@ -1,10 +1,12 @@
-"""The lane (``client.lane``, ``server.lane``): small static pulls answered whole in compiled code.
+"""The lane (``client.lane``, ``server.lane``): small static pulls and pushes served whole in
+compiled code.
 
 Jobs of real processes (a launched server has a lane; threads beside a server do not), checked by
 counting: every read holds its worker's own pushes, whether the lane or the general path served
 it, in one slice or several, with other reads in flight, while a slice moves away and back; every
-push is in the final rows exactly once. A lane whose server stopped answering is given up, and
-asked for again.
+push, on the lane or the general way, is in the final rows exactly once, also when the lane's
+answer was late and its general copy went too. A lane whose server stopped answering is given
+up, and asked for again.
 """
 
 from __future__ import annotations
@@ -41,9 +43,13 @@ def test_reads_through_the_lane_hold_the_workers_own_pushes_and_every_push_count
         assert r["uniform"]
         assert r["final"] == pushed.astype(float).tolist(), "a push was lost or applied twice"
     lane_pulls = sum(r["counters"].get("lane_pulls", 0) for r in results)
-    general = sum(r["counters"].get("requests", 0) for r in results)
+    lane_pushes = sum(r["counters"].get("lane_pushes", 0) for r in results)
+    general = sum(r["counters"].get("requests", 0) for r in results) - lane_pushes
     served = sum(s.get("lane_pulls", 0) for s in results[0]["servers"])
-    assert lane_pulls > 100 and general > 100, (lane_pulls, general)  # both paths, beside each other
+    applied = sum(s.get("lane_pushes", 0) for s in results[0]["servers"])
+    # both paths, beside each other (the general way: push_pulls, parts sent again after a move)
+    assert lane_pulls > 100 and lane_pushes > 100 and general > 100, (lane_pulls, lane_pushes, general)
+    assert applied == lane_pushes  # what the workers counted, the servers applied (none answered late)
     # pulls of keys in both slices, through the lane in part (one node's) or whole (both on one)
     assert sum(r["lane batches"] for r in results) > 50
     # and right after a push not waited for: the server reads once it has handled that push
@@ -62,14 +68,24 @@ def test_the_lane_answers_no_one_without_the_key_refuses_replays_and_bounded_rea
     assert result["bounded table"] == "general"  # bounded reads wait on clocks: the general path's
     assert result["slice elsewhere"] == "general"
     assert result["bounded through the lane"] == 0
+    # pushes the lane must not apply: answered "general" (the worker would send them that way)
+    assert result["push whose turn passed"] == "general"  # its stream went past it: applied once already
+    assert result["push whose turn is far"] == "general"  # held a while for the requests before it
+    assert result["push of a NaN"] == "general"  # the general path drops such rows and says so
+    assert result["push of the wrong size"] == "general"
+    assert result["push to a table with state"] == "general"  # Adagrad's rule: the general path's
+    assert result["rows pushed to"] == [0.0, 0.0]  # none of them applied
+    assert result["a push after"] == 1.0 and result["pushes through the lane"] == 1  # the stream goes on
 
 
 def test_a_lane_that_went_unanswered_is_given_up_for_a_while_and_asked_for_again(tmp_path):
     result = run_job(tmp_path, "pause", 0, 1, "--resend-timeout", "0.5")[0]
     assert result["lane before"] == 1
-    assert result["while stopped"] == 1.0  # read the general way once the server was back
+    # read the general way once the server was back, after the push sent on the lane while it was
+    # stopped, applied once though both its copies reached the server
+    assert result["while stopped"] == 2.0
     assert result["lane given up"]
-    assert result["lane again"] == 1.0  # a new lane, not the general path for good
+    assert result["lane again"] == 2.0  # a new lane, not the general path for good
     # after LANE_RETRY_RESENDS resend timeouts from the failure (less the stop's rest), not much later
     assert result["lane again after s"] < 10
 

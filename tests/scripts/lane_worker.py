@@ -3,21 +3,25 @@
     lane_worker.py OUT_DIR MODE ROUNDS
 
 * ``count``: every worker, ROUNDS times: push +1 to a key (waiting for its answer every other
-  time, so that the next pull may take the lane), then pull that key (every other time with
-  three more; every third time with a pull of two more keys in flight) and note whether each
-  holds at least this worker's own pushes to it; rank 0 moves the table's slice 1 to server 0
-  a third of the way through and back to server 1 at two thirds. At the end every worker pulls
-  every key once the others are done. Writes OUT_DIR/w<rank>.json: its pushes per key, the
-  reads that missed its own pushes, the final rows, its table's counters, how many of its
-  pulls of several keys, and of its pulls right after a push it did not wait for, took the
-  lane, and the servers' stats.
+  time, so that the next pull may take the lane; every fifth time as a push_pull, which goes
+  the general way, between pushes on the lane in the worker's stream), then pull that key
+  (every other time with three more; every third time with a pull of two more keys in flight)
+  and note whether each holds at least this worker's own pushes to it; rank 0 moves the
+  table's slice 1 to server 0 a third of the way through and back to server 1 at two thirds.
+  At the end every worker pulls every key once the others are done. Writes
+  OUT_DIR/w<rank>.json: its pushes per key, the reads that missed its own pushes, the final
+  rows, its table's counters, how many of its pulls of several keys, and of its pulls right
+  after a push it did not wait for, took the lane, and the servers' stats.
 * ``forge``: rank 0 sends server 1's lane a request under a wrong key, one whose tag was cut,
   one replaying an older request number, one for a table read under SSP and one for a slice
-  server 1 does not hold, then pulls through the lane as usual; writes what came back for each.
+  server 1 does not hold, then pushes whose turn in its stream has passed or not come, one of
+  a NaN and one to a table whose rule keeps state (Adagrad), then pulls through the lane as
+  usual; writes what came back for each, and the rows those pushes named.
 * ``pause``: rank 0 reads a row of server 1 through its lane, stops server 1 (SIGSTOP) for three
-  resend timeouts and reads the row again (the lane goes unanswered, the general path waits
-  for the server), then reads it until the lane serves it again; writes what it read and how
-  long the lane was given up for.
+  resend timeouts, pushes +1 to the row on the lane without waiting and reads the row again
+  (the lane goes unanswered, the push and the read go the general way, and the server, once
+  back, applies the push once whichever copy it takes first), then reads it until the lane
+  serves it again; writes what it read and how long the lane was given up for.
 """
 
 from __future__ import annotations
@@ -52,9 +56,12 @@ def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> No
         if ps.rank == 0 and i in (rounds // 3, 2 * rounds // 3):
             ps.move_slice(table, 1, 0 if i == rounds // 3 else 1)
         key = np.array([rng.integers(KEYS)], dtype=np.int64)
-        push = table.push_async(key, one)
-        if i % 2 == 0:
-            push.wait()
+        if i % 5 == 4:
+            table.push_pull(key, one)  # the general way, in the stream between pushes on the lane
+        else:
+            push = table.push_async(key, one)
+            if i % 2 == 0:
+                push.wait()
         pushed[key[0]] += 1
         # Every other pull reads three more keys, in no order, often in both slices: one on this
         # worker's node and one not, or both on the other node's server once slice 1 moved there.
@@ -87,7 +94,7 @@ def count(ps: shoal.Worker, table: shoal.Table, out_dir: str, rounds: int) -> No
     write(out_dir, ps.rank, result)
 
 
-def forge(ps: shoal.Worker, table: shoal.Table, bounded: shoal.Table, out_dir: str) -> None:
+def forge(ps: shoal.Worker, table: shoal.Table, bounded: shoal.Table, stateful: shoal.Table, out_dir: str) -> None:
     result: dict[str, object] = {}
     if ps.rank == 0:
         deadline = time.monotonic() + 30
@@ -103,21 +110,25 @@ def forge(ps: shoal.Worker, table: shoal.Table, bounded: shoal.Table, out_dir: s
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(to.address)
 
-        def ask(key: bytes, req: int, cut: bool = False, name: str = table.name, shard: int = 1) -> str:
+        def ask(key: bytes, req: int, cut: bool = False, name: str = table.name, shard: int = 1,
+                pushed: np.ndarray | None = None, after: int = 0) -> str:
             frame = np.zeros(lane.FRAME0_BYTES, np.uint8)
             head = frame[:lane.HEADER_BYTES].view(np.int64)
-            head[lane.MAGIC_AT], head[lane.KIND], head[lane.REQ], head[lane.SENDER] = lane.MAGIC, lane.REQUEST, req, 0
+            kind = lane.READ if pushed is None else lane.PUSH
+            head[lane.MAGIC_AT], head[lane.KIND], head[lane.REQ], head[lane.SENDER] = lane.MAGIC, kind, req, 0
             head[lane.INCARNATION], head[lane.TABLE_ID] = 77, lane.table_id(name)
             head[lane.COUNT], head[lane.CLOCK] = 1, 0
+            head[lane.STREAM], head[lane.AFTER] = ps.streams.incarnation, after
             lane.seal(key_words(tag_key(key)), frame)
-            sock.send_multipart([frame.tobytes()[:-1] if cut else frame.tobytes(), np.zeros(1, np.int64),
-                                 np.full(1, shard, np.int64)])  # row 0 of the slice
+            frames = [frame.tobytes()[:-1] if cut else frame.tobytes(), np.zeros(1, np.int64),
+                      np.full(1, shard, np.int64)]  # row 0 of the slice
+            sock.send_multipart(frames if pushed is None else [*frames, pushed])
             try:
                 answer = sock.recv_multipart()
             except zmq.Again:
                 return "no answer"
             kind = np.frombuffer(answer[0][:lane.HEADER_BYTES], np.int64)[lane.KIND]
-            return {lane.ROWS: "rows", lane.GENERAL: "general"}.get(int(kind), f"kind {kind}")
+            return {lane.ROWS: "rows", lane.GENERAL: "general", lane.DONE: "done"}.get(int(kind), f"kind {kind}")
 
         result["wrong key"] = ask(os.urandom(32), 10)
         result["cut tag"] = ask(secret, 11, cut=True)
@@ -126,6 +137,16 @@ def forge(ps: shoal.Worker, table: shoal.Table, bounded: shoal.Table, out_dir: s
         result["again"] = ask(secret, 20)
         result["bounded table"] = ask(secret, 21, name=bounded.name)
         result["slice elsewhere"] = ask(secret, 22, shard=0)  # slice 0 is server 0's
+        # Pushes of +1 to row 0 of slice 1 (key 32), none of which may be applied: this worker's stream
+        # to server 1 has handled up to ``last`` (its pulls of the key above), so a push's turn is
+        # ``after == last``.
+        last = ps.streams.next_seq(1) - 1
+        one = np.ones(DIM, np.float32)
+        result["push whose turn passed"] = ask(secret, 23, pushed=one, after=last - 1)
+        result["push whose turn is far"] = ask(secret, 24, pushed=one, after=last + 5)  # held, then general
+        result["push of a NaN"] = ask(secret, 25, pushed=np.full(DIM, np.nan, np.float32), after=last)
+        result["push of the wrong size"] = ask(secret, 26, pushed=np.ones(DIM + 1, np.float32), after=last)
+        result["push to a table with state"] = ask(secret, 27, name=stateful.name, pushed=one, after=last)
         sock.close()
         ctx.term()
         before = table.counters["lane_pulls"]
@@ -134,6 +155,11 @@ def forge(ps: shoal.Worker, table: shoal.Table, bounded: shoal.Table, out_dir: s
         for _ in range(5):
             bounded.pull(np.array([KEYS - 1], dtype=np.int64))
         result["bounded through the lane"] = bounded.counters["lane_pulls"]
+        result["rows pushed to"] = [float(table.pull(np.array([KEYS // 2], np.int64))[0, 0]),
+                                    float(stateful.pull(np.array([KEYS // 2], np.int64))[0, 0])]
+        table.push(np.array([KEYS // 2], np.int64), np.ones((1, DIM), np.float32))
+        result["a push after"] = float(table.pull(np.array([KEYS // 2], np.int64))[0, 0])
+        result["pushes through the lane"] = table.counters["lane_pushes"]
     ps.barrier()
     write(out_dir, ps.rank, result)
 
@@ -154,7 +180,11 @@ def pause(ps: shoal.Worker, table: shoal.Table, out_dir: str) -> None:
         resume = threading.Timer(3 * resend, os.kill, (server["pid"], signal.SIGCONT))
         resume.start()
         try:
-            result["while stopped"] = float(table.pull(key)[0, 0])  # the lane goes unanswered; the general path waits
+            # Both go on the lane, unanswered; then the general way, where the server, once back, finds
+            # the push applied (it reads its lane first) or applies it and refuses the lane's copy.
+            pushed = table.push_async(key, np.ones((1, DIM), dtype=np.float32))
+            result["while stopped"] = float(table.pull(key)[0, 0])
+            pushed.wait()
         finally:
             resume.join()
         result["lane given up"] = ps.lane(1) is None and table.counters["lane_general"] > before.get("lane_general", 0)
@@ -166,6 +196,8 @@ def pause(ps: shoal.Worker, table: shoal.Table, out_dir: str) -> None:
         result["lane again after s"] = time.monotonic() - given_up
         result["lane again"] = float(table.pull(key)[0, 0]) if table.counters["lane_pulls"] > lane_pulls else None
         result["resend s"] = resend
+        server = next(s for s in ps.server_stats() if s.get("node") == 1)
+        result["copies acknowledged"] = server.get("stats", {}).get("lane_push_copies", 0)
     ps.barrier()
     write(out_dir, ps.rank, result)
 
@@ -189,7 +221,8 @@ def main() -> None:
     elif mode == "pause":
         pause(ps, table, out_dir)
     else:
-        forge(ps, table, ps.table("lane_ssp", KEYS, DIM, mapping="range", consistency=shoal.SSP(1)), out_dir)
+        forge(ps, table, ps.table("lane_ssp", KEYS, DIM, mapping="range", consistency=shoal.SSP(1)),
+              ps.table("lane_adagrad", KEYS, DIM, mapping="range", optimizer=shoal.optim.Adagrad(lr=1.0)), out_dir)
     print(f"worker {ps.rank} done in {time.monotonic() - started:.1f}s", flush=True)
     ps.shutdown()
 

@@ -102,3 +102,31 @@ def test_a_floor_heard_while_a_request_is_parked_skips_what_the_worker_gave_up_o
     ready = order.next_ready(0)
     assert ready is not None and ready[1] is third
     assert order.waiting_count() == 0
+
+
+def test_pushes_applied_on_the_lane_free_their_stream_and_their_general_copies_are_only_acknowledged() -> None:
+    """A push the lane applied (``server.lane``) is counted handled in its worker's stream: the requests
+    after it go on. Its general copy (sent when the lane's answer was late) must not be applied again:
+    one that comes after is known as such (``handled_on_lane``), one that came before and waited for
+    its turn is taken out of the stream for the server to acknowledge (``take_lane_copies``)."""
+    from shoal.server.streams import StreamOrder
+
+    def request(seq: int, floor: int = 1) -> Message:
+        return Message(Op.PUSH, req=seq, table="t", sender=WORKER, incarnation=INCARNATION,
+                       body={"stream": [7, seq, floor, 0]})
+
+    order = StreamOrder(num_workers=1)
+    first = request(1)
+    assert order.admit(b"w", first)
+    order.finished(first)
+    early_copy, after = request(3), request(4)  # both wait for 2, which goes on the lane
+    assert not order.admit(b"w", early_copy) and not order.admit(b"w", after)
+    order.lane_handled(WORKER, 7, 2)
+    order.lane_handled(WORKER, 7, 3)  # the lane applied 3 too: its copy waiting here is not for serving
+    assert order.take_lane_copies() == [(b"w", early_copy)]
+    assert order.next_ready(WORKER) == (b"w", after)
+    order.finished(after)
+    assert order.handled_on_lane(request(2)) and order.handled_on_lane(request(3))
+    assert not order.handled_on_lane(request(4))  # handled the general way
+    assert not order.handled_on_lane(request(5))  # not handled at all
+    assert order.seen(WORKER) == 4

@@ -50,18 +50,20 @@ from shoal.consistency.cache import RowCache
 from shoal.consistency.schemes import SliceSchemes
 from shoal.placement.layout import TableLayout
 from shoal.storage import kernels
+from shoal.storage.rules import rule_for
 from shoal.storage.shard import ShardStore
 from shoal.wire import lane
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
+_NO_ROWS = np.empty((0, 0), np.float32)  # a lane push's: it reads nothing
 _REFRESH_AGAIN_S = 0.02  # while the rendezvous lags behind a move a server told of: how often to ask it
 _WHOLE = None  # positions standing for "every key of the call, in order"
 
 
 class _Laned:
-    """A part of a pull asked for on a lane: the request, its server, the positions of the call it
-    reads (None: all of them), the array its rows come into, the layout epoch that routed it."""
+    """A part of a call sent on a lane: the request, its server, the positions of the call it reads
+    or writes (None: all of them), the array a read's rows come into, the layout epoch that routed it."""
 
     __slots__ = ("lane", "pending", "node", "at", "out", "epoch")
 
@@ -100,6 +102,10 @@ class StaticAccess(RoutedAccess):
         self._local_call_names = {op: f"a {op.name} of rows of {self.spec.name!r}" for op in (*READS, *WRITES)}
         self._lane_id = lane.table_id(self.spec.name)
         self._row_bytes = self.spec.dim * self.dtype.itemsize
+        # A push the lane's compiled code can apply: it adds the values (no optimiser state beside them)
+        rule = rule_for(self.spec.optimizer)
+        self._pushes_on_lane = (self.bound is None and rule.scale is not None and not rule.state
+                                and self.dtype == np.float32)
 
     @property
     def row_cache(self) -> RowCache | None:
@@ -293,14 +299,17 @@ class StaticAccess(RoutedAccess):
         return call.outcome()
 
     def _take_laned(self, call: Call, wait: bool) -> None:
-        """Take the answers to ``call``'s lane reads (waiting for each, if ``wait``): rows placed, or
-        the part sent the general way."""
+        """Take the answers to ``call``'s lane requests (waiting for each, if ``wait``): a read's rows
+        placed, or the part sent the general way (a push's answer ends its tracker request:
+        ``_lane_push_answered``)."""
         for part in list(call.laned):
             part.lane.collect(part.pending, wait)
             status = part.pending.status
             if status is None:
                 continue  # not here yet
             call.laned.remove(part)
+            if part.pending.done == lane.DONE:
+                continue
             n = part.pending.count
             if status == lane_access.OK:
                 if part.at is not None:
@@ -364,18 +373,63 @@ class StaticAccess(RoutedAccess):
         count = arrays[0].shape[0]
         reply_bytes = count * self.spec.dim * self.dtype.itemsize if reads else 0
         worker = self.worker
+        to = self._push_lane(call, node, epoch, arrays) if op == Op.PUSH else None
         with worker.streams.stamped(node, msg, worker.settled_clock()) as seq:
             part = Part(node, seq, pos, epoch, op)
-            req = worker.tracker.request(
-                node, msg, functools.partial(self._on_reply, call, part, arrays[0]),
-                f"{op.name} of {count} key(s) of {self.spec.name!r}", reply_bytes=reply_bytes,
-                on_error=functools.partial(self._on_error, call, part),
-                on_end=functools.partial(self._on_end, call, part))
+            track = worker.tracker.request if to is None else worker.tracker.register
+            req = track(node, msg, functools.partial(self._on_reply, call, part, arrays[0]),
+                        f"{op.name} of {count} key(s) of {self.spec.name!r}", reply_bytes=reply_bytes,
+                        on_error=functools.partial(self._on_error, call, part),
+                        on_end=functools.partial(self._on_end, call, part))
         part.req = req
         call.parts[req] = part
         if writes:
             self._unacked[req] = (call, part)
         self.counters["requests"] += 1
+        if to is not None:
+            self._push_through_lane(call, part, to, arrays[0], arrays[1])
+
+    def _push_lane(self, call: Call, node: int, epoch: int, arrays: list[np.ndarray]) -> lane_access.WorkerLane | None:
+        """The lane to push this part of ``call`` on, if one takes it: an ASP push the server applies by
+        adding (``Sum``, ``SGD``), of up to ``lane.MAX_ROWS`` rows and ``lane.MAX_BYTES``, sent the first
+        time by the layout in use (a part sent again after a move goes the general way)."""
+        keys, values = arrays
+        n = keys.shape[0]
+        if (not self._pushes_on_lane or call.attempts or epoch != self.layout.epoch or not self.schemes.uniform
+                or n > lane.MAX_ROWS or n * self._row_bytes > lane.MAX_BYTES or not values.flags.c_contiguous):
+            return None
+        exited = self.worker.replica_view.exited
+        return None if exited and node in exited else self.worker.lane(node)
+
+    def _push_through_lane(self, call: Call, part: Part, to: lane_access.WorkerLane, keys: np.ndarray,
+                           values: np.ndarray) -> None:
+        """Send push ``part`` of ``call`` (its tracker request registered, not sent) on the lane ``to``,
+        as the request of this worker's stream to that server it is numbered; the general way if the
+        lane does not take it."""
+        worker = self.worker
+        shard, rows = self.layout.mapping.locate(keys)
+        pending = to.send_push(part.req, worker.tracker.incarnation, worker.rank, self._lane_id, rows, shard, values,
+                               call.clock, (worker.streams.incarnation, part.seq - 1),
+                               functools.partial(self._lane_push_answered, part, to))
+        if pending is None:
+            self._lane_push_answered(part, to, None)
+            return
+        call.laned.append(_Laned(to, pending, part.node, part.positions, _NO_ROWS, part.epoch))
+        call.take_laned = self._take_laned
+
+    def _lane_push_answered(self, part: Part, to: lane_access.WorkerLane, pending: lane_access.Pending | None) -> None:
+        """The lane's answer to push ``part`` (None: it could not be sent): applied, its request ends as
+        if answered the general way; else it goes the general way now, where the server applies it
+        once (its copy of one the lane applied late is only acknowledged)."""
+        tracker = self.worker.tracker
+        if pending is not None and pending.status == lane_access.OK:
+            self.counters["lane_pushes"] += 1
+            tracker.complete(part.req, Message(Op.OK, req=part.req, table=self.spec.name))
+            return
+        if pending is None or pending.status == lane_access.TIMEOUT:
+            self.worker.lane_failed(part.node, to)
+        self.counters["lane_general"] += 1
+        tracker.send_now(part.req)
 
     def _on_reply(self, call: Call, part: Part, keys: np.ndarray, msg: Message) -> None:
         part.answered = True

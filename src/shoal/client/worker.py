@@ -451,6 +451,13 @@ class Worker:
         wait = min(2 * self._lane_retry[node][1], 16 * first) if node in self._lane_retry else first
         self._lane_retry[node] = (self.now() + wait, wait)
 
+    def _collect_lanes(self) -> None:
+        """Take every answer on its way on the lanes (a push's ends its request; a read's rows wait in
+        their call): what a wait for all requests waits for may have gone on a lane."""
+        for opened in list(self._lanes.values()):
+            if opened is not None and opened.pending:
+                opened.collect(None, True)
+
     def _drop_lane(self, node: int) -> None:
         self._lane_asks.pop(node, None)
         opened = self._lanes.pop(node, None)
@@ -637,6 +644,7 @@ class Worker:
         started = self.now()
 
         def watch() -> None:  # as a call's own wait does (``client.routed``): a server may have left
+            self._collect_lanes()
             if self._departing or self.now() - started >= WATCH_AFTER_S:
                 self.replica_view.refresh()
                 self.follow_departures()

@@ -74,6 +74,8 @@ class _Pending:
     on_end: Callable[[], None] | None = None
     #: its place in the sender's stream to the peer (``client.streams``), if it has one
     seq: int | None = None
+    #: the request, while it has gone only another way (``register``): encoded if it is sent here
+    message: Message | None = None
 
 
 @dataclass
@@ -195,27 +197,80 @@ class RequestTracker:
         ``on_end`` runs once the request is over, however it ended.
         """
         with self._lock:
-            if self._closed:
-                raise ClosedError("this handle has been shut down")
-            conn = self._conns.get(peer)
-            if conn is None:
-                raise ClosedError(f"not connected to peer {peer}")
+            conn = self._connection_for_request(peer)
             req = self._stamp(msg)
             frames = self._codecs[peer].encode(msg)
             conn.send(frames)  # bounded wait for room; raises if the peer is stuck
-            op = OP_NAMES[msg.op]
-            now = self.now()
-            size = frames_nbytes(frames)
-            pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background,
-                               nbytes=size + reply_bytes, on_error=on_error, on_end=on_end,
-                               seq=stream[1] if (stream := msg.body.get("stream")) else None)
-            if self.resend_s is not None:
-                pending.frames, pending.resend_at = frames, now + self._resend_after(pending)
-                self._next_resend_at = min(self._next_resend_at, pending.resend_at)
-            self._pending[req] = pending
-            self.sent[op] += 1
-            self.bytes_sent += size
+            self._track(req, peer, msg, frames, on_reply, what, background, reply_bytes, on_error, on_end)
             return req
+
+    def register(self, peer: int, msg: Message, on_reply: ReplyHandler, what: str = "", reply_bytes: int = 0,
+                 on_error: Callable[[ShoalError], None] | None = None,
+                 on_end: Callable[[], None] | None = None) -> int:
+        """``request``, for a request the caller sends another way first (a lane, ``client.lane``):
+        numbered and waited for as the others, sent on this connection only by ``send_now`` (the
+        other way did not take it) or once its reply is overdue; ``complete`` ends it with the
+        reply that came the other way. The receiver serves either copy once."""
+        with self._lock:
+            self._connection_for_request(peer)
+            req = self._stamp(msg)
+            self._track(req, peer, msg, None, on_reply, what, False, reply_bytes, on_error, on_end)
+            return req
+
+    def send_now(self, req: int) -> None:
+        """Send request ``req`` (``register``) on its connection now, if it is still in flight."""
+        with self._lock:
+            pending = self._pending.get(req)
+            conn = self._conns.get(pending.peer) if pending is not None else None
+            if pending is None or conn is None:
+                return  # over, or its peer gone (what ends its requests ends this one)
+            conn.send(self._frames_of(pending))
+            if self.resend_s is not None:
+                pending.resend_at = self.now() + self._resend_after(pending)
+                self._next_resend_at = min(self._next_resend_at, pending.resend_at)
+
+    def complete(self, req: int, reply: Message) -> None:
+        """End request ``req`` with ``reply``, which came another way; nothing if it is over already
+        (its copy sent here was answered first)."""
+        with self._lock:
+            if req in self._pending:
+                self._finish(req, reply)
+
+    def _connection_for_request(self, peer: int) -> Connection:
+        if self._closed:
+            raise ClosedError("this handle has been shut down")
+        conn = self._conns.get(peer)
+        if conn is None:
+            raise ClosedError(f"not connected to peer {peer}")
+        return conn
+
+    def _track(self, req: int, peer: int, msg: Message, frames: list[Any] | None, on_reply: ReplyHandler, what: str,
+               background: bool, reply_bytes: int, on_error: Callable[[ShoalError], None] | None,
+               on_end: Callable[[], None] | None) -> None:
+        """Keep request ``req`` in flight (``frames``: as sent; None: not sent on its connection yet)."""
+        op = OP_NAMES[msg.op]
+        now = self.now()
+        size = frames_nbytes(frames) if frames is not None else sum(a.nbytes for a in msg.arrays)
+        pending = _Pending(peer, what or f"{op} {msg.table!r}".strip(), on_reply, op, now, background=background,
+                           nbytes=size + reply_bytes, on_error=on_error, on_end=on_end,
+                           seq=stream[1] if (stream := msg.body.get("stream")) else None)
+        pending.message = msg if frames is None else None
+        if self.resend_s is not None:
+            pending.frames, pending.resend_at = frames, now + self._resend_after(pending)
+            self._next_resend_at = min(self._next_resend_at, pending.resend_at)
+        self._pending[req] = pending
+        self.sent[op] += 1
+        if frames is not None:
+            self.bytes_sent += size
+
+    def _frames_of(self, pending: _Pending) -> list[Any]:
+        """The frames ``pending`` goes as on its connection (encoded once, when first sent there)."""
+        if pending.frames is None:
+            assert pending.message is not None
+            pending.frames = self._codecs[pending.peer].encode(pending.message)
+            pending.message = None
+            self.bytes_sent += frames_nbytes(pending.frames)
+        return pending.frames
 
     def notify(self, peer: int, msg: Message, block: bool = False) -> bool:
         """Send a one-way message; nothing will answer it.
@@ -456,13 +511,13 @@ class RequestTracker:
             return
         soonest = math.inf
         for req, pending in list(self._pending.items()):
-            if pending.frames is None:
+            if pending.frames is None and pending.message is None:
                 continue
             if pending.resend_at > now:
                 soonest = min(soonest, pending.resend_at)
                 continue
             conn = self._conns.get(pending.peer)
-            if conn is None or not conn.send(pending.frames, block=False):
+            if conn is None or not conn.send(self._frames_of(pending), block=False):
                 soonest = min(soonest, now + RESEND_CHECK_S)  # gone, or its queue is full: tried again later
                 continue
             pending.resends += 1

@@ -250,14 +250,36 @@ class ParameterServer:
             self.close()
 
     def _pump_lane(self) -> bool:
-        """Serve the lane's queued requests (``server.lane``), charged to their own activity; whether
-        there were any."""
+        """Serve the lane's queued requests (``server.lane``), charged to their own activity, and the
+        requests of the workers whose pushes it applied that waited for them; whether there were any."""
         if self.lane is None or not (self.lane.holding or self.lane.socket.readable()):
             return False
         started = time.thread_time()
-        self.lane.pump(self.tables, self.lost, self.sync.refusing)
-        self.cpu.charge("PULL (lane)", time.thread_time() - started)
+        try:
+            applied = self.lane.pump(self.tables, self.lost, self.sync.refusing)
+        except Exception:  # never let the lane end the loop
+            log.exception("server %d: unexpected failure serving the lane", self.node)
+            return True
+        for _, table in applied:
+            served = self.tables.get(table)
+            if served is not None:
+                served.controller.on_push()
+        self.cpu.charge("lane", time.thread_time() - started)
+        if applied:
+            for peer, msg in self.order.take_lane_copies():
+                self._acknowledge_lane_copy(peer, msg)
+            for worker in {worker for worker, _ in applied}:
+                ready = self.order.next_ready(worker)
+                if ready is not None:
+                    self._serve_in_turn(*ready)
+            self._answer_given_up()
         return True
+
+    def _acknowledge_lane_copy(self, peer: bytes, msg: Message) -> None:
+        """The general copy of a push the lane applied (sent again when the lane's answer was late):
+        answered as applied, not applied twice."""
+        self.stats["lane_push_copies"] += 1
+        self._send(peer, msg.reply(Op.OK), self.codec)
 
     def _run_timers(self, register: bool) -> None:
         # One CPU clock read between two timers ends one and starts the next (a read is a system
@@ -439,6 +461,9 @@ class ParameterServer:
             if self._repeated(peer, msg):
                 return
             self.roles.check(msg, SERVER_OPS)
+            if msg.op == Op.PUSH and self.order.handled_on_lane(msg):
+                self._acknowledge_lane_copy(peer, msg)
+                return
             in_turn = self.order.admit(peer, msg)
         except ShoalError as exc:  # a replay, a sender out of its role, a stream out of order
             self.stats[f"error_{exc.code}"] += 1

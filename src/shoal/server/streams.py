@@ -28,6 +28,8 @@ _INT64_END = 1 << 63  # stream numbers land in int64 arrays
 
 #: requests kept per worker while an earlier one is missing: far more than a worker has in flight
 MAX_WAITING = 4096
+#: pushes applied on the lane remembered per worker, for their general copies: as many
+LANED_KEPT = MAX_WAITING
 
 
 class StaleRequestError(ProtocolError):
@@ -47,6 +49,8 @@ class _Stream:
     #: the highest floor heard: the worker is over every request below it (one heard while a request
     #: was parked is applied once that request has been handled)
     floor: int = 0
+    #: seqs of the latest pushes applied on the lane (``server.lane``), oldest first
+    laned: dict[int, None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,9 @@ class StreamOrder:
         #: a new incarnation, the worker gone): the server answers them (``take_given_up``), which
         #: also ends what its replay guard keeps of them as being served
         self._given_up: list[tuple[bytes, Message]] = []
+        #: general copies of pushes applied on the lane that were waiting for their turn: the server
+        #: acknowledges them (``take_lane_copies``)
+        self._lane_copies: list[tuple[bytes, Message]] = []
 
     def admit(self, peer: bytes, msg: Message) -> bool:
         """True: handle ``msg`` now. False: it waits (``next_ready`` hands it back in its turn).
@@ -160,6 +167,29 @@ class StreamOrder:
         stream.next_seq += 1
         return item[0], item[1]
 
+    def lane_handled(self, worker: int, incarnation: int, seq: int) -> None:
+        """Request ``seq`` of ``worker``'s stream was a push applied on the lane, as the stream's next
+        (the lane checked that against ``write_handled``): the requests after it may go."""
+        stream = self._streams.get(worker)
+        if (stream is None or stream.incarnation != incarnation or stream.next_seq != seq or stream.parked is not None
+                or stream.serving is not None):  # the lane went by what this said before its pump
+            raise AssertionError(f"push {seq} of worker {worker} applied on the lane out of its stream's turn")
+        stream.next_seq = seq + 1
+        copy = stream.waiting.pop(seq, None)
+        if copy is not None:  # its general copy came first and waited for its turn: acknowledged, not applied
+            self._lane_copies.append((copy[0], copy[1]))
+        stream.laned[seq] = None
+        if len(stream.laned) > LANED_KEPT:
+            del stream.laned[next(iter(stream.laned))]
+
+    def handled_on_lane(self, msg: Message) -> bool:
+        """Whether ``msg`` is the general copy of a push applied on the lane (sent when the lane's
+        answer was late): acknowledged, not applied again."""
+        pos = position_of(msg)
+        stream = self._streams.get(pos.worker) if pos is not None else None
+        return (pos is not None and stream is not None and stream.incarnation == pos.incarnation
+                and pos.seq < stream.next_seq and pos.seq in stream.laned)
+
     def finished(self, msg: Message) -> None:
         """``msg`` has been handled (answered, or held by its bound): the next one may go."""
         stream = self._mine(msg)
@@ -201,11 +231,13 @@ class StreamOrder:
         return stream.next_seq - 1
 
     def write_handled(self, out: np.ndarray) -> None:
-        """``out[worker] = (incarnation, seq)``: every request of that stream up to ``seq`` was handled
-        here (``seen``); (0, 0) for a worker not heard from."""
+        """``out[worker] = (incarnation, seq, blocked)``: every request of that stream up to ``seq`` was
+        handled here (``seen``), and ``blocked`` (1) if the next is parked for a slice move or being
+        served, so no request may go before it; (0, 0, 0) for a worker not heard from."""
         out[:] = 0
         for worker, stream in self._streams.items():
             out[worker, 0], out[worker, 1] = stream.incarnation, self.seen(worker)
+            out[worker, 2] = stream.parked is not None or stream.serving is not None
 
     def handled(self) -> list[list[int]]:
         """``[worker, incarnation, seq]`` per stream: every request up to ``seq`` was handled here,
@@ -233,6 +265,11 @@ class StreamOrder:
         """The requests dropped since the last call because their worker no longer waits on them."""
         given_up, self._given_up = self._given_up, []
         return given_up
+
+    def take_lane_copies(self) -> list[tuple[bytes, Message]]:
+        """The general copies of lane pushes taken out of their streams since the last call."""
+        copies, self._lane_copies = self._lane_copies, []
+        return copies
 
     def has_given_up(self) -> bool:
         """Whether requests wait for ``take_given_up``."""

@@ -1,17 +1,23 @@
-"""The lane's messages: a pull that compiled code sends, checks and answers whole.
+"""The lane's messages: a pull or a push that compiled code sends, checks and answers whole.
 
 A lane message is frame 0, a fixed row of little-endian int64 fields whose first byte is
 0xC1 (a byte msgpack never uses, so no codec header is ever taken for one) and the keyed
 BLAKE3 tag over them (``wire.keyed_hash``), then the frames of its arrays: a request's rows
-and each row's slice (int64 both), an answer's values. The tag covers the header alone, as
-the codec's does on a wire only this machine reaches: the lane runs on no other.
+and each row's slice (int64 both), a push's values after them, an answer's values. The tag
+covers the header alone, as the codec's does on a wire only this machine reaches: the lane
+runs on no other.
 
 A request names its table by ``table_id`` (a hash of the name), its rows' count, the
 worker's clock, and the last request the worker sent this server in its numbered stream
-(``server.streams``: ``stream`` its incarnation, ``after`` its seq, 0 for none); an answer
-repeats the request's number and says ``ROWS`` (the values follow, in the request's order)
-or ``GENERAL`` (this server does not serve all of it here, or did not handle the stream up to
-``after`` within the wait it allows: send it the general way, where it is read after them).
+before it (``server.streams``: ``stream`` its incarnation, ``after`` its seq, 0 for none).
+A ``READ`` is read once the server has handled the stream up to ``after``. A ``PUSH`` is a
+request of that stream itself, numbered ``after + 1``, its ``req`` the one the worker's
+tracker gave it: the server applies it only as the next of the stream, and the general path
+carries the same request (same number, same seq) if the lane does not. An answer repeats
+the request's number and says ``ROWS`` (the values follow, in the request's order), ``DONE``
+(the push is applied) or ``GENERAL`` (this server does not serve all of it here, or did not
+handle the stream up to ``after`` within the wait it allows: nothing of it was done; send it
+the general way, where it is served in its turn).
 """
 
 from __future__ import annotations
@@ -23,15 +29,15 @@ from shoal.storage.jit import kernel
 from shoal.wire import keyed_hash
 from shoal.wire.codec import TAG_BYTES
 
-MAGIC = 0xC1 | (3 << 8)  # 0xC1, then the lane's version
+MAGIC = 0xC1 | (4 << 8)  # 0xC1, then the lane's version
 #: the header's fields, in order
 FIELDS = ("magic", "kind", "req", "sender", "incarnation", "table_id", "count", "clock", "stream", "after")
 (MAGIC_AT, KIND, REQ, SENDER, INCARNATION, TABLE_ID, COUNT, CLOCK, STREAM, AFTER) = range(len(FIELDS))
 HEADER_BYTES = 8 * len(FIELDS)
 FRAME0_BYTES = HEADER_BYTES + TAG_BYTES
-REQUEST, ROWS, GENERAL = 1, 2, 3
-#: most rows, and bytes of values, a lane request asks for: larger pulls take the general path, whose
-#: cost is mostly their rows' and whose reads can be in flight together
+READ, ROWS, GENERAL, PUSH, DONE = 1, 2, 3, 4, 5
+#: most rows, and bytes of values, a lane request carries: larger ones take the general path, whose
+#: cost is mostly their rows' and whose requests can be in flight together
 MAX_ROWS = 4096
 MAX_BYTES = 1 << 18
 
