@@ -16,11 +16,11 @@ Each is timed with one request at a time (latency-bound) and with four in
 flight (``pull_async`` / ``push_async``, and four raw requests before the first
 reply is read), which is how a training loop overlaps its calls.
 
-For the 1-key pull it also counts CPU per call on each side (the calling
-process's CPU time, and the serving process's from ``/proc``, alternating
-rounds of ``CPU_CALLS`` calls): on 2 cores a round trip's wall time is about
-the caller's and the server's CPU in a row, so the sides say where a ratio's
-shortfall lies.
+For the 1-key pull and push it also counts CPU per call on each side (the
+calling process's CPU time, and the serving process's from ``/proc``,
+alternating rounds of ``CPU_CALLS`` calls): on 2 cores a round trip's wall time
+is about the caller's and the server's CPU in a row, so the sides say where a
+ratio's shortfall lies.
 """
 
 from __future__ import annotations
@@ -179,12 +179,20 @@ def worker() -> None:
                   f"{IN_FLIGHT} in flight); push ratio {row['push_ratio']:.2f} ({row['push_ratio_4']:.2f})",
                   flush=True)
         one = np.array([12_345], dtype=np.int64)
+        one_row = rng.standard_normal((1, DIM)).astype(np.float32)
 
         def raw_pull_one() -> None:
             sock.send_multipart([b"pull", one], copy=False)
             np.frombuffer(sock.recv_multipart(copy=False)[0].buffer, dtype=np.float32)
 
-        cpu = cpu_per_call({"raw": (raw_pull_one, raw.pid), "shoal": (lambda: table.pull(one), serving_pid())})
+        def raw_push_one() -> None:
+            sock.send_multipart([b"push", one, one_row], copy=False)
+            sock.recv_multipart(copy=False)
+
+        server = serving_pid()
+        cpu = cpu_per_call({"pull, raw": (raw_pull_one, raw.pid), "pull, shoal": (lambda: table.pull(one), server),
+                            "push, raw": (raw_push_one, raw.pid),
+                            "push, shoal": (lambda: table.push(one, one_row), server)})
         sock.send_multipart([b"quit", b""])
     finally:
         raw.wait(timeout=10)
@@ -205,15 +213,19 @@ def worker() -> None:
     lines.append(f"\nRemote pull of 10,000 x 64 float32: {big['shoal_pull_keys_per_s'] / 1e6:.2f} M keys/s one at a "
                  f"time (ratio {big['pull_ratio']:.2f}), {big['shoal_pull_4_keys_per_s'] / 1e6:.2f} M keys/s with "
                  f"{IN_FLIGHT} in flight (ratio {big['pull_ratio_4']:.2f}).")
-    lines += ["", f"CPU per 1-key pull (µs; median of {CPU_ROUNDS} alternating rounds of {CPU_CALLS:,} calls; caller: "
+    lines += ["", f"CPU per 1-key call (µs; median of {CPU_ROUNDS} alternating rounds of {CPU_CALLS:,} calls; caller: "
               "the worker process, every thread; server: the serving process, every thread)", "",
-              "| contender | wall µs | caller CPU µs | server CPU µs |", "|---|---:|---:|---:|"]
-    lines += [f"| {name} | {c['wall']:.1f} | {c['caller']:.1f} | {c['server']:.1f} |" for name, c in cpu.items()]
-    extra = {side: cpu["shoal"][side] - cpu["raw"][side] for side in ("wall", "caller", "server")}
-    lines.append(f"| Shoal beyond raw | {extra['wall']:.1f} | {extra['caller']:.1f} | {extra['server']:.1f} |")
+              "| call, contender | wall µs | caller CPU µs | server CPU µs |", "|---|---:|---:|---:|"]
+    for op in ("pull", "push"):
+        shoal_cpu, raw_cpu = cpu[f"{op}, shoal"], cpu[f"{op}, raw"]
+        lines += [f"| {op}, {name} | {c['wall']:.1f} | {c['caller']:.1f} | {c['server']:.1f} |"
+                  for name, c in (("raw", raw_cpu), ("shoal", shoal_cpu))]
+        extra = {side: shoal_cpu[side] - raw_cpu[side] for side in ("wall", "caller", "server")}
+        lines.append(f"| {op}, Shoal beyond raw | {extra['wall']:.1f} | {extra['caller']:.1f} | "
+                     f"{extra['server']:.1f} |")
     table_md = "\n".join(lines)
     print("\n" + table_md)
-    write_results("pull_push", {"dim": DIM, "num_keys": NUM_KEYS, "results": results, "cpu_per_1key_pull_us": cpu},
+    write_results("pull_push", {"dim": DIM, "num_keys": NUM_KEYS, "results": results, "cpu_per_1key_us": cpu},
                   table_md)
 
 
