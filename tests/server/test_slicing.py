@@ -199,9 +199,13 @@ def test_moving_to_an_unknown_server_or_slice_is_refused_by_name():
         assert time.monotonic() - start < 1.0
 
 
-def test_the_rebalancer_spreads_a_table_that_started_whole_on_one_server():
+@pytest.mark.parametrize("lane", [False, True], ids=["general path", "lane"])
+def test_the_rebalancer_spreads_a_table_that_started_whole_on_one_server(lane):
+    """The rebalancer moves slices by the bytes each served. On the lane (small reads and pushes served
+    in compiled code, ``server.lane``) too: what it serves counts as the general path's does."""
     policy = RebalancePolicy(threshold=1.3, windows=2, window_s=0.3, min_bytes_per_s=1.0)
-    with ThreadCluster(nodes=2, rebalance=policy) as c:
+    options = dict(transport=ZmqTransport(), secret=secrets.token_bytes(32), lane=True) if lane else {}
+    with ThreadCluster(nodes=2, rebalance=policy, **options) as c:
         w0, w1 = c.worker(0, local_access=False), c.worker(1, local_access=False)
         t0, t1 = (_table(w, placement="whole") for w in (w0, w1))
         keys = np.arange(KEYS)
@@ -219,6 +223,8 @@ def test_the_rebalancer_spreads_a_table_that_started_whole_on_one_server():
         np.testing.assert_array_equal(t1.pull(keys)[:, 0], keys)
         history = c.rendezvous.slices.history
         assert any(h["moves"] for h in history) and max(h["imbalance"] for h in history) > 1.8
+        if lane:  # the reads took the lane (not the general path beside it)
+            assert t0.counters["lane_pulls"] > 10 * t0.counters["requests"], dict(t0.counters)
 
 
 @pytest.mark.parametrize("model", [shoal.BSP(), shoal.SSP(1), shoal.ESSP(1)],

@@ -28,9 +28,11 @@ FAST = Timeouts(connect_s=10.0, request_s=10.0, barrier_s=20.0)
 class ThreadCluster:
     def __init__(self, nodes: int = 2, workers_per_node: int = 1, transport: Transport | None = None,
                  secret: bytes | None = None, limits: Limits | None = None, timeouts: Timeouts = FAST,
-                 rebalance: RebalancePolicy | None = None, metrics: bool = False,
+                 rebalance: RebalancePolicy | None = None, metrics: bool = False, lane: bool = False,
                  now: Callable[[], float] = time.monotonic) -> None:
-        """``now``: the clock the servers' timers read (a ``ManualClock`` to move it by hand)."""
+        """``now``: the clock the servers' timers read (a ``ManualClock`` to move it by hand); ``lane``:
+        servers with a lane (``server.lane``: it needs a secret and a transport of native sockets on
+        loopback tcp)."""
         self.transport = transport or InProcTransport()
         self.inproc = isinstance(self.transport, InProcTransport)
         cluster_id = "t" + uuid.uuid4().hex[:10]
@@ -43,7 +45,7 @@ class ThreadCluster:
                                 timeouts)
         bind = "inproc://*" if self.inproc else "tcp://127.0.0.1:0"
         self.servers = [ParameterServer(n, self.spec, self.transport, bind=bind, metrics_port=0 if metrics else None,
-                                        now=now)
+                                        now=now, lane=lane)
                         for n in range(nodes)]
         self.threads = [threading.Thread(target=s.run, daemon=True, name=f"server-{n}")
                         for n, s in enumerate(self.servers)]

@@ -295,12 +295,22 @@ def _apply(entries: np.ndarray, scales: np.ndarray, box: np.ndarray, count: int,
 
 
 @kernel
+def _count_load(load: np.ndarray, starts: np.ndarray) -> None:
+    """Count a served request's rows to each slice it touched (``load``: rows and requests per entry)."""
+    for e in range(load.shape[0]):
+        if starts[e] < starts[e + 1]:
+            load[e, 0] += starts[e + 1] - starts[e]
+            load[e, 1] += 1
+
+
+@kernel
 def _respond(handle: int, key: np.ndarray, node: int, entries: np.ndarray, scales: np.ndarray, refusing: np.ndarray,
-             slowest: int, handled: np.ndarray, counts: np.ndarray, applied: np.ndarray, box: np.ndarray, n_peer: int,
-             n_values: int, reply: np.ndarray, values: np.ndarray, scratch: np.ndarray, stripes_at: np.ndarray,
-             by_row: np.ndarray, starts: np.ndarray, at: np.ndarray, row: np.ndarray) -> None:
+             slowest: int, handled: np.ndarray, counts: np.ndarray, load: np.ndarray, applied: np.ndarray,
+             box: np.ndarray, n_peer: int, n_values: int, reply: np.ndarray, values: np.ndarray, scratch: np.ndarray,
+             stripes_at: np.ndarray, by_row: np.ndarray, starts: np.ndarray, at: np.ndarray, row: np.ndarray) -> None:
     """Serve the checked request in ``box`` (an inbox row) whose turn it is: a read answered with its
-    rows, a push applied (and noted in ``applied``), or GENERAL if not all of it is servable here."""
+    rows, a push applied (and noted in ``applied``), or GENERAL if not all of it is servable here;
+    what it served counted in ``load``."""
     peer, head = box[_PEER_AT:], box[_FRAME_AT:_FRAME_AT + lane.HEADER_BYTES].view(np.int64)
     rows, shards = box[_ROWS_AT:_SHARDS_AT].view(np.int64), box[_SHARDS_AT:_VALUES_AT].view(np.int64)
     sender, req, table, count = head[lane.SENDER], head[lane.REQ], head[lane.TABLE_ID], head[lane.COUNT]
@@ -321,6 +331,7 @@ def _respond(handle: int, key: np.ndarray, node: int, entries: np.ndarray, scale
         applied[n, A_SEQ], applied[n, A_TABLE] = head[lane.AFTER] + 1, table
         counts[C_PUSHED] += 1
         counts[C_PUSHED_ROWS] += count
+        _count_load(load, starts)
         _answer(handle, key, peer, n_peer, reply, lane.DONE, req, node, table, count, clock, values)
         return
     # The rows are gathered straight into the message ZeroMQ sends: no copy of them after.
@@ -340,15 +351,16 @@ def _respond(handle: int, key: np.ndarray, node: int, entries: np.ndarray, scale
         return
     counts[C_SERVED] += 1
     counts[C_ROWS] += count
+    _count_load(load, starts)
     _answer(handle, key, peer, n_peer, reply, lane.ROWS, req, node, table, count, clock, values)
 
 
 @kernel
 def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, scales: np.ndarray, refusing: np.ndarray,
-           clocks: np.ndarray, handled: np.ndarray, replay: np.ndarray, counts: np.ndarray, applied: np.ndarray,
-           inbox: np.ndarray, held: np.ndarray, now_ns: int, hold_ns: int, reply: np.ndarray, values: np.ndarray,
-           tag: np.ndarray, scratch: np.ndarray, stripes_at: np.ndarray, by_row: np.ndarray, starts: np.ndarray,
-           at: np.ndarray, row: np.ndarray) -> int:
+           clocks: np.ndarray, handled: np.ndarray, replay: np.ndarray, counts: np.ndarray, load: np.ndarray,
+           applied: np.ndarray, inbox: np.ndarray, held: np.ndarray, now_ns: int, hold_ns: int, reply: np.ndarray,
+           values: np.ndarray, tag: np.ndarray, scratch: np.ndarray, stripes_at: np.ndarray, by_row: np.ndarray,
+           starts: np.ndarray, at: np.ndarray, row: np.ndarray) -> int:
     """Serve the held requests whose turn has come (answer GENERAL those whose wait ran out), then the
     requests queued on ``handle``; how many are held now."""
     num_workers = clocks.shape[0]
@@ -367,7 +379,7 @@ def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, scales:
             if turn == _NOW:
                 held[r, H_WAITING] = 0
                 served = True
-                _respond(handle, key, node, entries, scales, refusing, slowest, handled, counts, applied, box,
+                _respond(handle, key, node, entries, scales, refusing, slowest, handled, counts, load, applied, box,
                          held[r, H_PEER_BYTES], held[r, H_VALUES_BYTES], reply, values, scratch, stripes_at, by_row,
                          starts, at, row)
             elif turn == _NEVER or now_ns - held[r, H_SINCE_NS] > hold_ns:
@@ -428,8 +440,8 @@ def _serve(handle: int, key: np.ndarray, node: int, entries: np.ndarray, scales:
             _answer(handle, key, peer, n_peer, reply, lane.GENERAL, req, node, head[lane.TABLE_ID], count,
                     min(slowest, head[lane.CLOCK]), values)
             continue
-        _respond(handle, key, node, entries, scales, refusing, slowest, handled, counts, applied, box, n_peer, n_values,
-                 reply, values, scratch, stripes_at, by_row, starts, at, row)
+        _respond(handle, key, node, entries, scales, refusing, slowest, handled, counts, load, applied, box, n_peer,
+                 n_values, reply, values, scratch, stripes_at, by_row, starts, at, row)
     return waiting
 
 
@@ -472,6 +484,9 @@ class ServerLane:
         self._starts = np.zeros(1, np.int64)  # where each entry's rows start in a request, grouped by slice
         self._at = np.zeros(0, np.int64)
         self._scales = np.zeros(0, np.float64)
+        #: per entry: rows served and requests since the last ``take_load``, and the slice each counts for
+        self._load = np.zeros((0, 2), np.int64)
+        self._load_of: list[tuple[str, int]] = []
         self._row = np.empty(lane.MAX_BYTES // 4, np.float32)  # a row a push adds to
         self._thread_locks: list[Any] = []
         self._warm = False
@@ -493,6 +508,7 @@ class ServerLane:
         self.warm()
         signature = _signature(tables, lost, refusing)
         if signature != self._signature:
+            self.take_load(tables)
             self._make_entries(tables, lost, refusing)
             self._signature = signature
         self._order.write_handled(self._handled)
@@ -503,9 +519,9 @@ class ServerLane:
         try:
             self.holding = int(_serve(self.socket.handle, self._key, self.node, self._entries, self._scales,
                                       self._refusing, self._clocks, self._handled, self._replay, self.counts,
-                                      self._applied, self._inbox, self._held, time.monotonic_ns(), self._hold_ns,
-                                      self._reply, self._values, self._tag, self._scratch, self._stripes_at,
-                                      self._by_row, self._starts, self._at, self._row))
+                                      self._load, self._applied, self._inbox, self._held, time.monotonic_ns(),
+                                      self._hold_ns, self._reply, self._values, self._tag, self._scratch,
+                                      self._stripes_at, self._by_row, self._starts, self._at, self._row))
         finally:
             for lock in reversed(self._thread_locks):
                 lock.release()
@@ -519,6 +535,17 @@ class ServerLane:
             applied.append((sender, self._table_names[table]))
         return applied
 
+    def take_load(self, tables: dict[str, ServedTable]) -> None:
+        """Add what the lane served since the last call to its tables' load (``ServedTable.load``),
+        which the server reports and the rebalancer reads: a slice read or written on the lane is as
+        busy as one served the general way."""
+        for e in np.flatnonzero(self._load[:, 1]).tolist():
+            name, shard = self._load_of[e]
+            table = tables.get(name)
+            if table is not None:
+                table.count_served(shard, int(self._load[e, 0]), int(self._load[e, 1]))
+        self._load[:] = 0
+
     def waiting_until(self) -> float | None:
         """When the first held request's wait runs out (``time.monotonic``), if one is held."""
         if not self.holding:
@@ -528,7 +555,7 @@ class ServerLane:
 
     def _make_entries(self, tables: dict[str, ServedTable], lost: dict[str, str],
                       refusing: set[tuple[int, str]]) -> None:
-        entries, scales, refused, locks = [], [], [], []
+        entries, scales, refused, locks, load_of = [], [], [], [], []
         workers = self._refusing.shape[1]
         self._table_names = {}
         for name, table in tables.items():
@@ -548,9 +575,12 @@ class ServerLane:
                                 -1 if held is None else held.fd, 0 if held is None else held.num_stripes,
                                 store.header.ctypes.data, int(servable), int(pushable)])
                 scales.append(store.rule.scale if pushable else 0.0)
+                load_of.append((name, shard))
                 refused.append([int((w, name) in refusing) for w in range(workers)])
         self._entries = np.array(entries, np.int64).reshape(-1, _ENTRY_FIELDS)
         self._scales = np.array(scales, np.float64)
+        self._load = np.zeros((len(entries), 2), np.int64)
+        self._load_of = load_of
         self._refusing = np.array(refused, np.int8).reshape(-1, workers)
         self._starts = np.zeros(len(entries) + 1, np.int64)
         self._at = np.zeros(len(entries), np.int64)

@@ -400,6 +400,8 @@ class ParameterServer:
                  and (self.replication.missing_peers() or self.adaptive.missing_peers()))
         if self._heartbeat_req is None and (hurry or now >= self._next_heartbeat):
             self._heartbeat_sent, self._next_heartbeat = now, now + _HEARTBEAT_S
+            if self.lane is not None:
+                self.lane.take_load(self.tables)
             body = bodies.ClusterStatus("server", self.node, self.slicing.take_load(), self._backlog,
                                         poll=not hurry, registered=self._registered_seen)
             self.queue_length, self._backlog = self._backlog, 0

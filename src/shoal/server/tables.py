@@ -123,6 +123,14 @@ class ServedTable:
         load[1] += 1
         load[2] += time.perf_counter() - started
 
+    def count_served(self, shard: int, rows: int, requests: int) -> None:
+        """Rows of slice ``shard`` read or written another way (the lane, ``server.lane``): its load as
+        the rebalancer sees it (bytes and requests; their time is not measured there)."""
+        load = self.load.get(shard)
+        if load is not None:
+            load[0] += rows * self._row_bytes
+            load[1] += requests
+
     def take_load(self) -> dict[int, list[float]]:
         """Per-slice load since the last call (and reset it)."""
         out = {s: [float(x) for x in v] for s, v in self.load.items() if v[1]}
