@@ -49,7 +49,10 @@ def test_reads_through_the_lane_hold_the_workers_own_pushes_and_every_push_count
     applied = sum(s.get("lane_pushes", 0) for s in results[0]["servers"])
     # both paths, beside each other (the general way: push_pulls, parts sent again after a move)
     assert lane_pulls > 100 and lane_pushes > 100 and general > 100, (lane_pulls, lane_pushes, general)
-    assert applied == lane_pushes  # what the workers counted, the servers applied (none answered late)
+    # What the workers counted, the servers applied; on a busy machine a lane answer may come after the
+    # worker's wait (then the push's general copy was acknowledged, not applied again: counted above)
+    late = sum(r["counters"].get("lane_general", 0) for r in results)
+    assert lane_pushes <= applied <= lane_pushes + late, (applied, lane_pushes, late)
     # pulls of keys in both slices, through the lane in part (one node's) or whole (both on one)
     assert sum(r["lane batches"] for r in results) > 50
     # and right after a push not waited for: the server reads once it has handled that push
