@@ -129,4 +129,5 @@ def test_pushes_applied_on_the_lane_free_their_stream_and_their_general_copies_a
     assert order.handled_on_lane(request(2)) and order.handled_on_lane(request(3))
     assert not order.handled_on_lane(request(4))  # handled the general way
     assert not order.handled_on_lane(request(5))  # not handled at all
+    assert not order.handled_on_lane(request(0, floor=0))  # (a ring's unwritten places name no request)
     assert order.seen(WORKER) == 4

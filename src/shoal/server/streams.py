@@ -28,7 +28,8 @@ _INT64_END = 1 << 63  # stream numbers land in int64 arrays
 
 #: requests kept per worker while an earlier one is missing: far more than a worker has in flight
 MAX_WAITING = 4096
-#: pushes applied on the lane remembered per worker, for their general copies: as many
+#: pushes applied on the lane remembered per worker, for their general copies (a ring of int64s:
+#: 32 KB per worker): as many as may wait
 LANED_KEPT = MAX_WAITING
 
 
@@ -49,8 +50,10 @@ class _Stream:
     #: the highest floor heard: the worker is over every request below it (one heard while a request
     #: was parked is applied once that request has been handled)
     floor: int = 0
-    #: seqs of the latest pushes applied on the lane (``server.lane``), oldest first
-    laned: dict[int, None] = field(default_factory=dict)
+    #: seqs of the latest pushes applied on the lane (``server.lane``), a ring made at the first, and
+    #: how many were written to it
+    laned: np.ndarray | None = None
+    laned_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,9 +181,10 @@ class StreamOrder:
         copy = stream.waiting.pop(seq, None)
         if copy is not None:  # its general copy came first and waited for its turn: acknowledged, not applied
             self._lane_copies.append((copy[0], copy[1]))
-        stream.laned[seq] = None
-        if len(stream.laned) > LANED_KEPT:
-            del stream.laned[next(iter(stream.laned))]
+        if stream.laned is None:
+            stream.laned = np.full(LANED_KEPT, -1, np.int64)  # (no seq is negative)
+        stream.laned[stream.laned_count % LANED_KEPT] = seq
+        stream.laned_count += 1
 
     def handled_on_lane(self, msg: Message) -> bool:
         """Whether ``msg`` is the general copy of a push applied on the lane (sent when the lane's
@@ -188,7 +192,7 @@ class StreamOrder:
         pos = position_of(msg)
         stream = self._streams.get(pos.worker) if pos is not None else None
         return (pos is not None and stream is not None and stream.incarnation == pos.incarnation
-                and pos.seq < stream.next_seq and pos.seq in stream.laned)
+                and pos.seq < stream.next_seq and stream.laned is not None and bool((stream.laned == pos.seq).any()))
 
     def finished(self, msg: Message) -> None:
         """``msg`` has been handled (answered, or held by its bound): the next one may go."""
