@@ -60,6 +60,24 @@ def test_reads_through_the_lane_hold_the_workers_own_pushes_and_every_push_count
     assert served == lane_pulls  # what the workers counted, the servers served (no request served twice)
 
 
+def test_every_push_counts_once_when_the_lanes_lose_requests_and_answers(tmp_path):
+    """The count job with some of each worker's lane requests dropped unsent and some of the answers
+    dropped unread (``lossy``): the lane times out, what was in flight on it goes the general way, and
+    a push the server applied whose answer was lost is acknowledged there, not applied again."""
+    results = run_job(tmp_path, "lossy", 1500, 2, "--resend-timeout", "0.1")
+    pushed = np.sum([r["pushed"] for r in results], axis=0)
+    for r in results:
+        assert r["missed"] == [], "a read missed its own worker's acknowledged push"
+        assert r["final"] == pushed.astype(float).tolist(), "a push was lost or applied twice"
+    servers = results[0]["servers"]
+    applied = sum(s.get("lane_pushes", 0) for s in servers)
+    copies = sum(s.get("lane_push_copies", 0) for s in servers)
+    answered = sum(r["counters"].get("lane_pushes", 0) for r in results)
+    assert copies > 0  # applied on the lane, its answer lost: its general copy only acknowledged
+    # every push the lane applied was either answered there or acknowledged the general way
+    assert applied == answered + copies, (applied, answered, copies)
+
+
 def test_the_lane_answers_no_one_without_the_key_refuses_replays_and_bounded_reads_and_keeps_serving(tmp_path):
     result = run_job(tmp_path, "forge", 0, workers_per_node=1)[0]
     assert result["wrong key"] == "no answer"

@@ -17,6 +17,11 @@
   server 1 does not hold, then pushes whose turn in its stream has passed or not come, one of
   a NaN and one to a table whose rule keeps state (Adagrad), then pulls through the lane as
   usual; writes what came back for each, and the rows those pushes named.
+* ``lossy``: ``count``, with a share of every worker's lane requests dropped unsent and of the
+  answers that came dropped unread (a push's answer more often; seeded by rank), as a lossy wire
+  would: the lane times out and
+  is given up for a while, and what was in flight on it goes the general way, where a push the
+  server applied already (its answer lost) is only acknowledged.
 * ``pause``: rank 0 reads a row of server 1 through its lane, stops server 1 (SIGSTOP) for three
   resend timeouts, pushes +1 to the row on the lane without waiting and reads the row again
   (the lane goes unanswered, the push and the read go the general way, and the server, once
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
 import threading
@@ -202,6 +208,31 @@ def pause(ps: shoal.Worker, table: shoal.Table, out_dir: str) -> None:
     write(out_dir, ps.rank, result)
 
 
+#: the share of lane requests and answers ``lossy`` drops; of a push's answers, more
+LANE_LOSS = 0.03
+PUSH_ANSWER_LOSS = 0.2
+
+
+def lose_lane_messages(rank: int) -> None:
+    """Drop ``LANE_LOSS`` of this process's lane requests unsent (they stay pending, unanswered), and
+    of the answers it received (read, then taken as never come: the lane's wait ran out)."""
+    from shoal.client import lane as worker_lane
+
+    dice = random.Random(rank)
+    send, receive = worker_lane._send, worker_lane._receive
+
+    def send_lossy(*args: object) -> bool:
+        return True if dice.random() < LANE_LOSS else bool(send(*args))
+
+    def receive_lossy(*args: object) -> int:
+        status = int(receive(*args))
+        pushed = args[6] == lane.DONE  # (a push applied whose answer is lost: its general copy must not count)
+        lost = dice.random() < (PUSH_ANSWER_LOSS if pushed else LANE_LOSS)
+        return worker_lane.TIMEOUT if status == worker_lane.OK and lost else status
+
+    worker_lane._send, worker_lane._receive = send_lossy, receive_lossy
+
+
 def write(out_dir: str, rank: int, result: dict[str, object]) -> None:
     path = os.path.join(out_dir, f"w{rank}.json")
     with open(path + ".part", "w") as fh:
@@ -216,7 +247,9 @@ def main() -> None:
     table = ps.table("lane", KEYS, DIM, mapping="range")
     ps.barrier()
     started = time.monotonic()
-    if mode == "count":
+    if mode in ("count", "lossy"):
+        if mode == "lossy":
+            lose_lane_messages(ps.rank)
         count(ps, table, out_dir, rounds)
     elif mode == "pause":
         pause(ps, table, out_dir)
