@@ -10,17 +10,22 @@ float32 values it times, alternating round by round:
 * pull: Shoal ``table.pull(keys)`` vs a raw request carrying the keys whose reply
   carries ``n x 64`` float32 (zero-copy on both sides, no gather, no checks);
 * push: Shoal ``table.push(keys, values)`` (server applies SGD) vs a raw request
-  carrying keys and values, answered by a short acknowledgement.
+  carrying keys and values, answered by a short acknowledgement;
+* pull, raw with a gather: the raw server gathers the keys' rows from a table as
+  large as Shoal's (``NUM_KEYS`` x 64 float32, beyond the caches) before it
+  replies, as any parameter server must; the raw contender above sends the first
+  ``n`` rows of a small array as they lie. Shoal's pull against it is the share
+  of the round trip that Shoal's own work costs.
 
 Each is timed with one request at a time (latency-bound) and with four in
 flight (``pull_async`` / ``push_async``, and four raw requests before the first
 reply is read), which is how a training loop overlaps its calls.
 
-For the 1-key pull and push it also counts CPU per call on each side (the
-calling process's CPU time, and the serving process's from ``/proc``,
-alternating rounds of ``CPU_CALLS`` calls): on 2 cores a round trip's wall time
-is about the caller's and the server's CPU in a row, so the sides say where a
-ratio's shortfall lies.
+For the 1-key pull and push, and the 10,000-key pull, it also counts CPU per call
+on each side (the calling process's CPU time, and the serving process's from
+``/proc``, alternating rounds of ``CPU_CALLS`` calls): on 2 cores a round trip's
+wall time is about the caller's and the server's CPU in a row, so the sides say
+where a ratio's shortfall lies.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ DIM = 64
 BATCHES = (1, 100, 10_000)
 IN_FLIGHT = 4
 CPU_CALLS = 5_000  # calls per round of the CPU count (/proc's clock ticks are 10 ms)
+CPU_CALLS_BIG = 500  # ... of 10,000 keys (each about 1 ms of CPU)
 CPU_ROUNDS = 5
 
 RAW_SERVER = r"""
@@ -54,6 +60,7 @@ s = ctx.socket(zmq.ROUTER)
 port = s.bind_to_random_port("tcp://127.0.0.1")
 print(port, flush=True)
 rows = np.random.default_rng(0).random((10_000, 64)).astype(np.float32)
+table = np.random.default_rng(1).random((int(sys.argv[1]), 64)).astype(np.float32)
 while True:
     parts = s.recv_multipart(copy=False)
     peer, kind = parts[0], parts[1].bytes
@@ -62,6 +69,8 @@ while True:
     if kind == b"pull":
         n = len(parts[2].buffer) // 8
         s.send_multipart([peer, rows[:n]], copy=False)
+    elif kind == b"gather":
+        s.send_multipart([peer, table[np.frombuffer(parts[2].buffer, dtype=np.int64)]], copy=False)
     else:
         s.send_multipart([peer, b"ok"])
 s.close(0)
@@ -94,18 +103,18 @@ def serving_pid() -> int:
     raise RuntimeError("the job's server process was not found")
 
 
-def cpu_per_call(contenders: dict[str, tuple[Callable[[], object], int]]) -> dict[str, dict[str, float]]:
+def cpu_per_call(contenders: dict[str, tuple[Callable[[], object], int]], calls: int) -> dict[str, dict[str, float]]:
     """Per contender (a call and the pid serving it): median wall, caller CPU and server CPU, in µs
-    per call, over alternating rounds."""
+    per call, over alternating rounds of ``calls`` calls."""
     per: dict[str, list[tuple[float, float, float]]] = {name: [] for name in contenders}
     for _ in range(CPU_ROUNDS):
         for name, (fn, pid) in contenders.items():
             served, caller, wall = process_cpu_s(pid), time.process_time(), time.perf_counter()
-            for _ in range(CPU_CALLS):
+            for _ in range(calls):
                 fn()
-            per[name].append(((time.perf_counter() - wall) / CPU_CALLS * 1e6,
-                              (time.process_time() - caller) / CPU_CALLS * 1e6,
-                              (process_cpu_s(pid) - served) / CPU_CALLS * 1e6))
+            per[name].append(((time.perf_counter() - wall) / calls * 1e6,
+                              (time.process_time() - caller) / calls * 1e6,
+                              (process_cpu_s(pid) - served) / calls * 1e6))
     return {name: {what: statistics.median(r[i] for r in rounds) for i, what in enumerate(("wall", "caller", "server"))}
             for name, rounds in per.items()}
 
@@ -115,7 +124,7 @@ def worker() -> None:
 
     ps = shoal.init(local_access=False)
     table = ps.table("bench", NUM_KEYS, DIM, init=shoal.Normal(std=0.1), optimizer=shoal.optim.SGD(lr=1e-6))
-    raw = subprocess.Popen([sys.executable, "-c", RAW_SERVER], stdout=subprocess.PIPE, text=True)
+    raw = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(NUM_KEYS)], stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     try:
@@ -123,6 +132,7 @@ def worker() -> None:
         sock.connect(f"tcp://127.0.0.1:{raw.stdout.readline().strip()}")
         rng = np.random.default_rng(1)
         results = []
+        keys_of: dict[int, np.ndarray] = {}
         for n in BATCHES:
             keys = np.sort(rng.choice(NUM_KEYS, size=n, replace=False)).astype(np.int64)
             values = rng.standard_normal((n, DIM)).astype(np.float32)
@@ -131,6 +141,10 @@ def worker() -> None:
                 sock.send_multipart([b"pull", keys], copy=False)
                 reply = sock.recv_multipart(copy=False)
                 np.frombuffer(reply[0].buffer, dtype=np.float32)
+
+            def raw_gather_pull(keys: np.ndarray = keys) -> None:
+                sock.send_multipart([b"gather", keys], copy=False)
+                np.frombuffer(sock.recv_multipart(copy=False)[0].buffer, dtype=np.float32)
 
             def raw_push(keys: np.ndarray = keys, values: np.ndarray = values) -> None:
                 sock.send_multipart([b"push", keys, values], copy=False)
@@ -158,6 +172,7 @@ def worker() -> None:
 
             times = interleaved({
                 "raw_pull": raw_pull,
+                "raw_gather_pull": raw_gather_pull,
                 "shoal_pull": lambda keys=keys: table.pull(keys),
                 "raw_push": raw_push,
                 "shoal_push": lambda keys=keys, values=values: table.push(keys, values),
@@ -174,10 +189,13 @@ def worker() -> None:
             for op in ("pull", "push"):
                 row[f"{op}_ratio"] = times[f"raw_{op}"] / times[f"shoal_{op}"]
                 row[f"{op}_ratio_4"] = times[f"raw_{op}_4"] / times[f"shoal_{op}_4"]
+            row["pull_ratio_gather"] = times["raw_gather_pull"] / times["shoal_pull"]
+            row["raw_gather_ratio"] = times["raw_pull"] / times["raw_gather_pull"]
             results.append(row)
             print(f"{n:>6} keys: pull ratio {row['pull_ratio']:.2f} ({row['pull_ratio_4']:.2f} with "
-                  f"{IN_FLIGHT} in flight); push ratio {row['push_ratio']:.2f} ({row['push_ratio_4']:.2f})",
-                  flush=True)
+                  f"{IN_FLIGHT} in flight; {row['pull_ratio_gather']:.2f} against raw with a gather); "
+                  f"push ratio {row['push_ratio']:.2f} ({row['push_ratio_4']:.2f})", flush=True)
+            keys_of[n] = keys
         one = np.array([12_345], dtype=np.int64)
         one_row = rng.standard_normal((1, DIM)).astype(np.float32)
 
@@ -189,10 +207,19 @@ def worker() -> None:
             sock.send_multipart([b"push", one, one_row], copy=False)
             sock.recv_multipart(copy=False)
 
+        big_keys = keys_of[BATCHES[-1]]
+
+        def raw_pull_big(kind: bytes) -> None:
+            sock.send_multipart([kind, big_keys], copy=False)
+            np.frombuffer(sock.recv_multipart(copy=False)[0].buffer, dtype=np.float32)
+
         server = serving_pid()
         cpu = cpu_per_call({"pull, raw": (raw_pull_one, raw.pid), "pull, shoal": (lambda: table.pull(one), server),
                             "push, raw": (raw_push_one, raw.pid),
-                            "push, shoal": (lambda: table.push(one, one_row), server)})
+                            "push, shoal": (lambda: table.push(one, one_row), server)}, CPU_CALLS)
+        cpu_big = cpu_per_call({"raw": (lambda: raw_pull_big(b"pull"), raw.pid),
+                                "raw with a gather": (lambda: raw_pull_big(b"gather"), raw.pid),
+                                "shoal": (lambda: table.pull(big_keys), server)}, CPU_CALLS_BIG)
         sock.send_multipart([b"quit", b""])
     finally:
         raw.wait(timeout=10)
@@ -213,6 +240,17 @@ def worker() -> None:
     lines.append(f"\nRemote pull of 10,000 x 64 float32: {big['shoal_pull_keys_per_s'] / 1e6:.2f} M keys/s one at a "
                  f"time (ratio {big['pull_ratio']:.2f}), {big['shoal_pull_4_keys_per_s'] / 1e6:.2f} M keys/s with "
                  f"{IN_FLIGHT} in flight (ratio {big['pull_ratio_4']:.2f}).")
+    lines += ["", "Pulls one at a time against a raw server that gathers the keys' rows from a table of "
+              f"{NUM_KEYS:,} x {DIM} float32 before it replies (``table[keys]``):", "",
+              "| keys | raw µs/call | raw with a gather µs/call | Shoal µs/call | raw with a gather against raw "
+              "| Shoal against raw with a gather |", "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['keys']} | {r['raw_pull_us']:.1f} | {r['raw_gather_pull_us']:.1f} | {r['shoal_pull_us']:.1f} | "
+              f"{r['raw_gather_ratio']:.2f} | {r['pull_ratio_gather']:.2f} |" for r in results]
+    lines += ["", f"CPU per 10,000-key pull (µs; median of {CPU_ROUNDS} alternating rounds of {CPU_CALLS_BIG:,} "
+              "calls):", "", "| contender | wall µs | caller CPU µs | server CPU µs | both sides' CPU over wall |",
+              "|---|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {c['wall']:.1f} | {c['caller']:.1f} | {c['server']:.1f} | "
+              f"{(c['caller'] + c['server']) / c['wall']:.2f} |" for name, c in cpu_big.items()]
     lines += ["", f"CPU per 1-key call (µs; median of {CPU_ROUNDS} alternating rounds of {CPU_CALLS:,} calls; caller: "
               "the worker process, every thread; server: the serving process, every thread)", "",
               "| call, contender | wall µs | caller CPU µs | server CPU µs |", "|---|---:|---:|---:|"]
@@ -225,7 +263,8 @@ def worker() -> None:
                      f"{extra['server']:.1f} |")
     table_md = "\n".join(lines)
     print("\n" + table_md)
-    write_results("pull_push", {"dim": DIM, "num_keys": NUM_KEYS, "results": results, "cpu_per_1key_us": cpu},
+    write_results("pull_push", {"dim": DIM, "num_keys": NUM_KEYS, "results": results, "cpu_per_1key_us": cpu,
+                                "cpu_per_10k_pull_us": cpu_big},
                   table_md)
 
 
