@@ -1,6 +1,7 @@
 """Where the servers' CPU goes on KGE auto with 2 nodes: per op, per timer, per kind of placement message.
 
     python benchmarks/bench_server_cpu.py [--seconds 15] [--runs 2] [--sync-ms 50,200] [--act-ms 200,800]
+        [--dims 100,25] [--against REV]
 
 Runs the KGE app on the synthetic Zipf graph (``bench_kge.py``'s job) on a local
 cluster of 2 nodes x 1 worker and reads each server's CPU account
@@ -26,11 +27,20 @@ act on intents), each run is made once per period (the app's options of those
 names; with both, per pair; the settings take turns run by run) and a first table
 compares them: servers' cores, triples/s, and the time to the training loss
 ``bench_kge.py`` times (what a staler replica would cost shows there).
+
+With ``--dims`` (the embeddings' complex dimensions, 100 the app's own) each run is made once
+per dimension: rows a quarter as large move a quarter of the bytes, and the app takes more
+steps a second, so the servers' CPU per byte and per step can be told apart.
+
+With ``--against REV`` the runs are made once with this tree and once with commit ``REV``
+(checked out into a temporary git worktree, each job with ``PYTHONPATH`` at its own
+``src``), taking turns, and the first table compares the two the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -40,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_kge import LOSS_TARGET, time_to  # noqa: E402
-from common import run_example, write_results  # noqa: E402
+from common import ROOT, checked_out, run_example_of, write_results  # noqa: E402
 from rows_floor import STEPS_OF_KIND, cpu_per_mb, per_kind  # noqa: E402
 
 KGE = HERE.parent / "examples" / "kge" / "train.py"
@@ -87,20 +97,28 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare_periods(by_period: dict[str, list[dict[str, Any]]]) -> str:
-    """One line per setting of the app's periods: medians over its runs."""
-    lines = [f"The app's periods side by side (medians of {len(next(iter(by_period.values())))} run(s) each, "
+    """One line per setting (a tree, a dimension, the app's periods): medians over its runs."""
+    lines = [f"The settings side by side (medians of {len(next(iter(by_period.values())))} run(s) each, "
              "taking turns):", "",
-             f"| periods | servers' cores | triples/s | servers' CPU per 1,000 triples (ms) | time to loss "
-             f"{LOSS_TARGET} s |", "|---|---:|---:|---:|---:|"]
+             f"| setting | servers' cores | triples/s | servers' CPU per 1,000 triples (ms) | events/s | rows MB/s "
+             f"| time to loss {LOSS_TARGET} s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for period, runs in by_period.items():
         cores = statistics.median(r["process_s"] / r["seconds"] for r in runs)
         rate = statistics.median(r["triples_per_s"] for r in runs)
         per_1k = statistics.median(r["process_s"] / (r["seconds"] * r["triples_per_s"]) * 1e6 for r in runs)
+        events = statistics.median(_events(r) / r["seconds"] for r in runs)
+        moved = statistics.median(sum(r["bytes_sent"].values()) / r["seconds"] / 1e6 for r in runs)
         reached = [r["time_to_loss_s"] for r in runs if r.get("time_to_loss_s") is not None]
         when = (f"{statistics.median(reached):.1f}" if len(reached) == len(runs)
                 else f"{len(reached)} of {len(runs)} reached")
-        lines.append(f"| {period} | {cores:.3f} | {rate:,.0f} | {per_1k:.2f} | {when} |")
+        lines.append(f"| {period} | {cores:.3f} | {rate:,.0f} | {per_1k:.2f} | {events:,.0f} | {moved:.1f} | {when} |")
     return "\n".join(lines)
+
+
+def _events(run: dict[str, Any]) -> float:
+    """The messages a run's servers handled and their adaptive timer's passes."""
+    return sum(count for name, (count, _) in run["activities"].items()
+               if not name.startswith("timer ") or name == "timer adaptive")
 
 
 def floor_of(rate: float, price: float) -> float:
@@ -133,8 +151,7 @@ def rows_at_the_least(runs: list[dict[str, Any]], prices: dict[str, float]) -> s
               f"{live * 1e3 / max(sum(moved.values()) / seconds / 1e6, 1e-9):.2f} ms per MB sent (both sides; "
               "the hop's share is in ZeroMQ's I/O threads and the loop's sends and receives)."]
     process_s = sum(r["process_s"] for r in runs) / seconds
-    events = sum(count for r in runs for name, (count, _) in r["activities"].items()
-                 if not name.startswith("timer ") or name == "timer adaptive") / seconds
+    events = sum(_events(r) for r in runs) / seconds
     rest = process_s - floor
     lines += ["", f"Rows: {sum(moved.values()) / seconds / 1e6:.1f} MB/s, at least {floor:.3f} cores of the servers' "
               f"{process_s:.3f}. The rest, {rest:.3f} cores, over {events:,.0f} events a second (messages handled "
@@ -195,26 +212,38 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--sync-ms", default="",
                    help="replica sync periods to compare, comma-separated (ms; default: the app's own)")
+    p.add_argument("--against", default="", help="a commit to compare this tree with, run by run")
+    p.add_argument("--dims", default="", help="the embeddings' dimensions to compare, comma-separated")
     p.add_argument("--act-ms", default="",
                    help="how often servers act on intents, to compare, comma-separated (ms; default: the app's own)")
     args = p.parse_args()
     prices = cpu_per_mb()  # on a quiet machine, before the job starts
     print("ms of CPU per MB, at the least: " + ", ".join(f"{step} {ms:.2f}" for step, ms in prices.items()), flush=True)
-    settings = [(sync, act) for sync in _periods(args.sync_ms) for act in _periods(args.act_ms)]
-    by_period: dict[str, list[dict[str, Any]]] = {}
-    for _ in range(args.runs):
-        for sync, act in settings:
-            label = ", ".join(f"{name} {ms} ms" for name, ms in (("sync", sync), ("act", act)) if ms) or "the app's"
-            extra = [*(["--sync-ms", sync] if sync else []), *(["--act-ms", act] if act else [])]
-            result = run_example(KGE, ["--data", "zipf", "--mode", "auto", "--seconds", str(args.seconds), *extra],
-                                 nodes=2)
-            runs = by_period.setdefault(label, [])
-            runs.append(servers_cpu(result))
-            print(f"run, {label}: {result['triples_per_s']:,.0f} triples/s, servers "
-                  f"{runs[-1]['process_s'] / result['seconds']:.3f} cores", flush=True)
+    with contextlib.ExitStack() as stack:
+        trees = {"": ROOT / "src"}
+        if args.against:
+            rev, old_src = stack.enter_context(checked_out(args.against))
+            trees = {"this tree": ROOT / "src", rev: old_src}
+        dims: list[str | None] = [f"{int(d)}" for d in args.dims.split(",") if d] or [None]
+        settings = [(tree, dim, sync, act) for tree in trees for dim in dims for sync in _periods(args.sync_ms)
+                    for act in _periods(args.act_ms)]
+        by_period: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(args.runs):
+            for tree, dim, sync, act in settings:
+                label = ", ".join([*([tree] if tree else []), *([f"dim {dim}"] if dim else []),
+                                   *(f"{name} {ms} ms" for name, ms in (("sync", sync), ("act", act)) if ms)]
+                                  ) or "the app's"
+                extra = [*(["--dim", dim] if dim else []), *(["--sync-ms", sync] if sync else []),
+                         *(["--act-ms", act] if act else [])]
+                result = run_example_of(trees[tree], KGE, ["--data", "zipf", "--mode", "auto", "--seconds",
+                                                           str(args.seconds), *extra], nodes=2)
+                runs = by_period.setdefault(label, [])
+                runs.append(servers_cpu(result))
+                print(f"run, {label}: {result['triples_per_s']:,.0f} triples/s, servers "
+                      f"{runs[-1]['process_s'] / result['seconds']:.3f} cores", flush=True)
     tables = [compare_periods(by_period)] if len(settings) > 1 else []
     for label, runs in by_period.items():
-        tables.append((f"Periods {label}: " if len(settings) > 1 else "") + report(runs))
+        tables.append((f"{label[0].upper()}{label[1:]}: " if len(settings) > 1 else "") + report(runs))
         tables.append(rows_at_the_least(runs, prices))
     table = "\n\n".join(tables)
     print("\n" + table)

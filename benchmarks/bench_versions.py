@@ -52,7 +52,7 @@ from typing import TextIO
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from common import write_results  # noqa: E402
+from common import checked_out, write_results  # noqa: E402
 
 PULLS = r"""
 import json, sys, time
@@ -339,41 +339,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=15.0, help="KGE training time per contender")
     args = parser.parse_args()
-    rev = subprocess.run(["git", "rev-parse", "--short", args.against], capture_output=True, text=True,
-                         check=True, cwd=ROOT).stdout.strip()
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), rev], capture_output=True, check=True,
-                       cwd=ROOT)
-        try:
-            pulls_script = Path(tmp) / "pulls.py"
-            pulls_script.write_text(PULLS)
-            steps_script = Path(tmp) / "steps.py"
-            steps_script.write_text(STEPS)
-            trivial_script = Path(tmp) / "trivial.py"
-            trivial_script.write_text(TRIVIAL)
-            turns_script = Path(tmp) / "turns.py"
-            turns_script.write_text(TURNS)
-            sync_script = Path(tmp) / "sync_round.py"
-            sync_script.write_text(SYNC_ROUND)
-            updates_script = Path(tmp) / "updates.py"
-            updates_script.write_text(UPDATES)
-            contenders = {"this tree": ROOT / "src", rev: old / "src"}
-            for src in contenders.values():
-                # Both start from bytecode, as an installed package does: a fresh worktree has none, and
-                # with PYTHONDONTWRITEBYTECODE set each of a job's processes would compile every module
-                # again (0.4-0.5 s of the trivial job here).
-                subprocess.run([sys.executable, "-m", "compileall", "-q", str(src)], check=True,
-                               env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
-            turns = pulls_in_turns(contenders, turns_script, Path(tmp))
-            runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
-            for round_ in range(args.rounds):
-                for name, src in contenders.items():
-                    runs[name].append(measure(src, args.seconds, pulls_script, steps_script, trivial_script,
-                                              sync_script, updates_script, round_ + 1))
-                    print(f"round {round_ + 1} {name}: {runs[name][-1]}", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], capture_output=True, cwd=ROOT)
+    with checked_out(args.against) as (rev, old_src), tempfile.TemporaryDirectory() as tmp:
+        scripts = {"pulls": PULLS, "steps": STEPS, "trivial": TRIVIAL, "turns": TURNS, "sync_round": SYNC_ROUND,
+                   "updates": UPDATES}
+        for name, text in scripts.items():
+            (Path(tmp) / f"{name}.py").write_text(text)
+        pulls_script, steps_script, trivial_script, turns_script, sync_script, updates_script = (
+            Path(tmp) / f"{name}.py" for name in scripts)
+        contenders = {"this tree": ROOT / "src", rev: old_src}
+        turns = pulls_in_turns(contenders, turns_script, Path(tmp))
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+        for round_ in range(args.rounds):
+            for name, src in contenders.items():
+                runs[name].append(measure(src, args.seconds, pulls_script, steps_script, trivial_script,
+                                          sync_script, updates_script, round_ + 1))
+                print(f"round {round_ + 1} {name}: {runs[name][-1]}", flush=True)
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     new, base = medians["this tree"], medians[rev]
     rows = [("trivial 2-node job, start to exit (s)", "startup_s", True),
