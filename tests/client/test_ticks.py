@@ -52,6 +52,24 @@ def test_near_an_intent_boundary_a_tick_goes_once_the_short_spacing_allows():
     assert ticks.due(40, now + 0.035)
 
 
+def test_slow_clocks_tick_every_other_clock_up_to_a_round_of_the_servers_action():
+    # About 25 ms a clock (KGE on 2 nodes): a tick every clock was twice what the server acts on.
+    ticks, now = clocked(0.025, 5)
+    ticks.ticked(5, now)
+    ticks.note_intents([("t", KEYS + 10 * clock, clock, clock + 1) for clock in range(6, 20)])  # a boundary every clock
+    assert not ticks.due(6, now + 0.025)
+    assert ticks.due(7, now + 0.049)  # a little faster than the average: still every other clock
+    ticks.ticked(7, now + 0.049)
+    assert not ticks.due(8, now + 0.074)
+    assert not ticks.everywhere(now + 0.098) and ticks.due(9, now + 0.098)  # for the boundary
+    slow, now = clocked(0.1, 5)  # slower than the servers' rounds: every clock
+    slow.ticked(5, now)
+    slow.note_intents([("t", KEYS + 10 * clock, clock, clock + 1) for clock in range(6, 20)])
+    assert slow.due(6, now + 0.1)
+    fast, now = clocked(0.001, 5)  # fast clocks keep the short spacing
+    assert fast.spacing() == TICK_EVERY_S
+
+
 def test_an_end_is_served_only_by_a_tick_at_or_past_it():
     # The server withdraws an intent's keys by the clock it heard: a tick a lead before the end
     # left them announced until the quiet period was over, and the keys' next user got a replica.
