@@ -1,7 +1,7 @@
 """Where the servers' CPU goes on KGE auto with 2 nodes: per op, per timer, per kind of placement message.
 
     python benchmarks/bench_server_cpu.py [--seconds 15] [--runs 2] [--sync-ms 50,200] [--act-ms 200,800]
-        [--dims 100,25] [--against REV]
+        [--variant="--dim 25" ...] [--against REV]
 
 Runs the KGE app on the synthetic Zipf graph (``bench_kge.py``'s job) on a local
 cluster of 2 nodes x 1 worker and reads each server's CPU account
@@ -28,9 +28,10 @@ names; with both, per pair; the settings take turns run by run) and a first tabl
 compares them: servers' cores, triples/s, and the time to the training loss
 ``bench_kge.py`` times (what a staler replica would cost shows there).
 
-With ``--dims`` (the embeddings' complex dimensions, 100 the app's own) each run is made once
-per dimension: rows a quarter as large move a quarter of the bytes, and the app takes more
-steps a second, so the servers' CPU per byte and per step can be told apart.
+With ``--variant ARGS`` (repeated) each run is made once per variant, the app given ``ARGS``
+besides: e.g. ``--variant="--dim 100" --variant="--dim 25"`` (rows a quarter as large move a
+quarter of the bytes while the app takes more steps a second: the servers' CPU per byte and per
+step told apart), or the app's ``--lookahead``.
 
 With ``--against REV`` the runs are made once with this tree and once with commit ``REV``
 (checked out into a temporary git worktree, each job with ``PYTHONPATH`` at its own
@@ -97,7 +98,7 @@ def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare_periods(by_period: dict[str, list[dict[str, Any]]]) -> str:
-    """One line per setting (a tree, a dimension, the app's periods): medians over its runs."""
+    """One line per setting (a tree, a variant, the app's periods): medians over its runs."""
     lines = [f"The settings side by side (medians of {len(next(iter(by_period.values())))} run(s) each, "
              "taking turns):", "",
              f"| setting | servers' cores | triples/s | servers' CPU per 1,000 triples (ms) | events/s | rows MB/s "
@@ -213,7 +214,8 @@ def main() -> None:
     p.add_argument("--sync-ms", default="",
                    help="replica sync periods to compare, comma-separated (ms; default: the app's own)")
     p.add_argument("--against", default="", help="a commit to compare this tree with, run by run")
-    p.add_argument("--dims", default="", help="the embeddings' dimensions to compare, comma-separated")
+    p.add_argument("--variant", action="append", default=[],
+                   help="the app's arguments of a variant to compare (repeat the option for each)")
     p.add_argument("--act-ms", default="",
                    help="how often servers act on intents, to compare, comma-separated (ms; default: the app's own)")
     args = p.parse_args()
@@ -224,16 +226,16 @@ def main() -> None:
         if args.against:
             rev, old_src = stack.enter_context(checked_out(args.against))
             trees = {"this tree": ROOT / "src", rev: old_src}
-        dims: list[str | None] = [f"{int(d)}" for d in args.dims.split(",") if d] or [None]
-        settings = [(tree, dim, sync, act) for tree in trees for dim in dims for sync in _periods(args.sync_ms)
-                    for act in _periods(args.act_ms)]
+        variants: list[str] = args.variant or [""]
+        settings = [(tree, variant, sync, act) for tree in trees for variant in variants
+                    for sync in _periods(args.sync_ms) for act in _periods(args.act_ms)]
         by_period: dict[str, list[dict[str, Any]]] = {}
         for _ in range(args.runs):
-            for tree, dim, sync, act in settings:
-                label = ", ".join([*([tree] if tree else []), *([f"dim {dim}"] if dim else []),
+            for tree, variant, sync, act in settings:
+                label = ", ".join([*([tree] if tree else []), *([variant] if variant else []),
                                    *(f"{name} {ms} ms" for name, ms in (("sync", sync), ("act", act)) if ms)]
                                   ) or "the app's"
-                extra = [*(["--dim", dim] if dim else []), *(["--sync-ms", sync] if sync else []),
+                extra = [*variant.split(), *(["--sync-ms", sync] if sync else []),
                          *(["--act-ms", act] if act else [])]
                 result = run_example_of(trees[tree], KGE, ["--data", "zipf", "--mode", "auto", "--seconds",
                                                            str(args.seconds), *extra], nodes=2)

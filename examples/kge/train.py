@@ -58,8 +58,9 @@ def main() -> None:
     p.add_argument("--step", type=int, default=None,
                    help="Adagrad steps of this many triples on the rows where they lie (Table.in_place; adaptive "
                         "modes), triples with a row elsewhere through pull and push")
-    p.add_argument("--lookahead", type=int, default=4,
-                   help="batches ahead declared as intent (at least; this many at a time)")
+    p.add_argument("--lookahead", type=int, default=None,
+                   help="batches ahead declared as intent (at least; this many at a time; default: 8 on the Zipf "
+                        "graph, 4 on the others)")
     p.add_argument("--sync-ms", type=float, default=None,
                    help="how often replicas send their changes to the owner (default: 200 ms on the Zipf graph, "
                         "the tables' default on the others: at each clock, at most every 10 ms)")
@@ -97,6 +98,12 @@ def main() -> None:
         # (lower in 12 of 12 pairs with 100 ms, at about the same training loss; 400 and 800 ms no lower than
         # 200, ``server_cpu.md``).
         options["act_ms"] = args.act_ms if args.act_ms is not None else 200.0 if args.data == "zipf" else None
+    # A round of the servers' actions reaches its period's clocks ahead (200 ms of ~25 ms clocks on the Zipf
+    # graph: 8). An intent declared fewer clocks ahead came into the action window before the next round,
+    # and the server acted on it in a pass of its own: declared 8 batches ahead instead of 4, the servers
+    # handled 215 events a second instead of 251 and took 0.204 cores instead of 0.226, at the same triples
+    # a second and time to loss (``server_cpu.md``).
+    lookahead = args.lookahead if args.lookahead is not None else 8 if args.data == "zipf" else 4
     # Entities and relations in one key space, as a ps-lite app keeps every parameter: a batch is one
     # pull and one push (or one hold in place), not two each, and one intent; adaptive servers sync,
     # announce and act once a round, not once per table.
@@ -108,7 +115,7 @@ def main() -> None:
     rng = np.random.default_rng([args.seed, ps.rank])
     n = graph.train.shape[0]
     budget = int((args.epochs or 1e9) * n / (h.batch * ps.num_workers))
-    schedule = [rng.integers(0, n, h.batch) for _ in range(min(budget, args.lookahead + 1))]
+    schedule = [rng.integers(0, n, h.batch) for _ in range(min(budget, lookahead + 1))]
     if adaptive:
         for ahead, idx in enumerate(schedule):
             heads, rels, tails = graph.train[idx].T
@@ -187,8 +194,8 @@ def main() -> None:
         # Once only `lookahead` batches are known ahead, the next `lookahead` are drawn and declared
         # together: their intents go to the node's server in one message, not one message a clock (the
         # servers took 8% less CPU, at the same triples a second or more).
-        if len(schedule) <= args.lookahead:
-            while len(schedule) < 2 * args.lookahead and step + len(schedule) + 1 <= budget:
+        if len(schedule) <= lookahead:
+            while len(schedule) < 2 * lookahead and step + len(schedule) + 1 <= budget:
                 ahead = rng.integers(0, n, h.batch)
                 schedule.append(ahead)
                 if adaptive:
