@@ -23,10 +23,11 @@ near one: its workers ticked every 5 ms for nothing, and the servers handled eac
 
 Where clocks are slow, a tick per clock told the server more than it acts on: it acts on
 intents in rounds at most every ``ACT_EVERY_S``, and reaches a few clocks ahead when it does.
-KGE on 2 nodes (a clock about every 25 ms a worker) ticked every clock, about 113 ticks a second
-to the two servers; every other clock, the servers spent 0.025 of their 0.25 cores less, at the
-same throughput and time to loss (``server_cpu.md``). Fast clocks keep the 5 ms spacing: MF
-(1 ms a clock) ticking every 50 ms ran 4-6% slower, its rows moved later at epoch boundaries.
+KGE on 2 nodes (a clock about every 25 ms a worker) ticked every clock, 113 ticks a second to
+the two servers; every other clock, 81, and the servers took 0.222 cores instead of 0.236, at the
+same throughput and time to loss (``server_cpu.md``). Fast clocks keep the 5 ms spacing: MF (about
+a millisecond a clock) ticking every 50 ms instead ran 4-6% slower, its rows moved later at epoch
+boundaries.
 """
 
 from __future__ import annotations
