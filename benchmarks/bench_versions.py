@@ -29,6 +29,9 @@ pointing at its own ``src``. Measured per contender:
   answer (the codec runs between them, untimed); what a server spends on it in a job is several
   times this (its caches cold there), but the ratio shows a change to it where a job's noise
   hides it;
+* a round of intents as KGE's on the Zipf graph makes them, in one process: each node's next 8
+  clocks' rows (about 760 keys, 60 wanted by both nodes) announced, moved or copied, and the
+  replicas synced, both nodes' machines timed the same way (target 3's work per round);
 * a server's update of 10,000 distinct rows of 64 float32 of a 200,000-row table, by each update
   rule (SGD, Adagrad, Adam), in one process: the rule's compiled kernel and the table's own steps.
 
@@ -143,7 +146,9 @@ TURN_CALLS = {"1": ("1", 1500), "10000": ("10,000", 100), "sliced-100": ("100 ac
 TURNS_EACH = 12
 
 
-SYNC_ROUND = r"""
+# Two nodes' placement machines in one process (each script makes ``machines``): ``deliver`` carries
+# their messages through the codec (untimed) and adds the machines' time handling them to ``spent``.
+_MACHINES = r"""
 import json, statistics, sys, time, uuid
 import numpy as np
 import shoal
@@ -155,10 +160,6 @@ from shoal.wire.codec import Codec
 from shoal.wire.message import Message
 from shoal.wire.ops import Op
 
-NUM_KEYS, DIM, REPLICAS = 3364, 65, 1400
-spec = TableSpec("sync", num_keys=NUM_KEYS, dim=DIM, techniques="replication", init=shoal.Constant(0.0))
-cluster = uuid.uuid4().hex[:12]
-machines = [PlacementMachine(AdaptiveTable(spec, node, 2, cluster)) for node in range(2)]
 codec = Codec(secret=b"s" * 32, local=True)
 spent = [0.0]
 
@@ -175,6 +176,15 @@ def deliver(effects, now, clock):
             answer = machines[send.node].receive(1 - send.node, part, now, clock)
             spent[0] += time.perf_counter() - started
             pending += answer.sends
+"""
+
+# A replica sync round of MF's size in one process: 1,400 replica rows of 65 float32 that all changed, from the
+# replica's tick to its taking the owner's answer.
+SYNC_ROUND = _MACHINES + r"""
+NUM_KEYS, DIM, REPLICAS = 3364, 65, 1400
+spec = TableSpec("sync", num_keys=NUM_KEYS, dim=DIM, techniques="replication", init=shoal.Constant(0.0))
+cluster = uuid.uuid4().hex[:12]
+machines = [PlacementMachine(AdaptiveTable(spec, node, 2, cluster)) for node in range(2)]
 
 keys = np.arange(REPLICAS, dtype=np.int64) * 2  # homed on node 0, replicas on node 1
 machines[1].intend(keys, 0, 10**9)
@@ -194,6 +204,39 @@ for clock in range(1, 601):
 open(sys.argv[1], "w").write(json.dumps({"round_us": statistics.median(rounds[100:]) * 1e6}))
 """
 
+
+# A round of intents as KGE's on the Zipf graph makes them, in one process: each node declares its next 8
+# clocks' rows (about 760 keys, 60 of them wanted by both nodes), rows of 400 float32, both nodes act every
+# 200 ms and their replicas sync as often; both nodes' machines from their ticks to the last answer (the
+# codec runs between them, untimed). What target 3's servers do per round, without the loop, the sockets
+# and the cold caches of a busy job.
+PLACEMENT_ROUND = _MACHINES + r"""
+NUM_KEYS, DIM, CLOCKS = 40_000, 400, 8
+spec = TableSpec("kge", num_keys=NUM_KEYS, dim=DIM, techniques="auto", init=shoal.Constant(0.0), act_ms=200.0,
+                 sync_ms=200.0)
+cluster = uuid.uuid4().hex[:12]
+machines = [PlacementMachine(AdaptiveTable(spec, node, 2, cluster)) for node in range(2)]
+
+rng = np.random.default_rng(0)
+rounds = []
+now = 0.0
+for r in range(300):
+    clock = r * CLOCKS
+    hot = rng.choice(200, 60, replace=False)
+    for machine in machines:
+        keys = np.unique(np.concatenate([hot, rng.choice(NUM_KEYS, 700)])).astype(np.int64)
+        for c in range(CLOCKS):
+            machine.intend(keys[c::CLOCKS], clock + CLOCKS + c, clock + CLOCKS + c + 1)
+    now += 0.2
+    spent[0] = 0.0
+    for machine in machines:
+        started = time.perf_counter()
+        effects = machine.tick(now, clock, 0.025)
+        spent[0] += time.perf_counter() - started
+        deliver(effects, now, clock)
+    rounds.append(spent[0])
+open(sys.argv[1], "w").write(json.dumps({"round_us": statistics.median(rounds[100:]) * 1e6}))
+"""
 
 # A server's update of 10,000 distinct rows of 64 float32 by each update rule, in one process: the
 # compiled kernel and the table's own steps (keys checked, slice found, row locks), median of rounds.
@@ -306,7 +349,7 @@ def pulls_in_turns(contenders: dict[str, Path], script: Path, tmp: Path) -> dict
 
 
 def in_process(src: Path, script: Path) -> dict[str, float]:
-    """What ``script`` measured in one process of ``src`` (``SYNC_ROUND``, ``UPDATES``)."""
+    """What ``script`` measured in one process of ``src`` (``SYNC_ROUND``, ``PLACEMENT_ROUND``, ``UPDATES``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         subprocess.run([sys.executable, str(script), str(out)], env={**os.environ, "PYTHONPATH": str(src)},
@@ -315,7 +358,7 @@ def in_process(src: Path, script: Path) -> dict[str, float]:
 
 
 def measure(src: Path, seconds: float, pulls_script: Path, steps_script: Path, trivial_script: Path,
-            sync_script: Path, updates_script: Path, seed: int) -> dict[str, float]:
+            sync_script: Path, round_script: Path, updates_script: Path, seed: int) -> dict[str, float]:
     startup = statistics.median(trivial_job(src, trivial_script) for _ in range(3))
     pulls = shoal_run(src, 1, [str(pulls_script), "{out}"], classic=True)
     steps = shoal_run(src, 2, [str(steps_script), "{out}"])
@@ -330,6 +373,7 @@ def measure(src: Path, seconds: float, pulls_script: Path, steps_script: Path, t
             "kge_auto_server_cores": kge["server_cores"],
             "kge_auto_loss_triples_per_s": lossy["triples_per_s"],
             "sync_round_us": in_process(src, sync_script)["round_us"],
+            "placement_round_us": in_process(src, round_script)["round_us"],
             **{f"update_{rule}_us": us for rule, us in in_process(src, updates_script).items()}}
 
 
@@ -341,10 +385,10 @@ def main() -> None:
     args = parser.parse_args()
     with checked_out(args.against) as (rev, old_src), tempfile.TemporaryDirectory() as tmp:
         scripts = {"pulls": PULLS, "steps": STEPS, "trivial": TRIVIAL, "turns": TURNS, "sync_round": SYNC_ROUND,
-                   "updates": UPDATES}
+                   "placement_round": PLACEMENT_ROUND, "updates": UPDATES}
         for name, text in scripts.items():
             (Path(tmp) / f"{name}.py").write_text(text)
-        pulls_script, steps_script, trivial_script, turns_script, sync_script, updates_script = (
+        pulls_script, steps_script, trivial_script, turns_script, sync_script, round_script, updates_script = (
             Path(tmp) / f"{name}.py" for name in scripts)
         contenders = {"this tree": ROOT / "src", rev: old_src}
         turns = pulls_in_turns(contenders, turns_script, Path(tmp))
@@ -352,7 +396,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, src in contenders.items():
                 runs[name].append(measure(src, args.seconds, pulls_script, steps_script, trivial_script,
-                                          sync_script, updates_script, round_ + 1))
+                                          sync_script, round_script, updates_script, round_ + 1))
                 print(f"round {round_ + 1} {name}: {runs[name][-1]}", flush=True)
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     new, base = medians["this tree"], medians[rev]
@@ -366,6 +410,8 @@ def main() -> None:
             ("KGE auto, 2 nodes: both servers' cores", "kge_auto_server_cores", True),
             ("KGE auto, 2 nodes, 5% of messages lost (triples/s)", "kge_auto_loss_triples_per_s", False),
             ("a replica sync round of 1,400 rows, the machines' work in one process (µs)", "sync_round_us", True),
+            ("a KGE-like round of intents on 2 nodes, the machines' work in one process (µs)", "placement_round_us",
+             True),
             *((f"a server's {rule} update of 10,000 rows of 64, in one process (µs)", f"update_{key}_us", True)
               for rule, key in (("SGD", "sgd"), ("Adagrad", "adagrad"), ("Adam", "adam")))]
     lines = [f"This tree against {rev}, alternating, {args.rounds} rounds; medians. Ratio > 1: this tree is faster.",
