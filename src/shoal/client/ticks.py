@@ -25,9 +25,10 @@ Where clocks are slow, a tick per clock told the server more than it acts on: it
 intents in rounds at most every ``ACT_EVERY_S``, and reaches a few clocks ahead when it does.
 KGE on 2 nodes (a clock about every 25 ms a worker) ticked every clock, 113 ticks a second to
 the two servers; every other clock, 81, and the servers took 0.222 cores instead of 0.236, at the
-same throughput and time to loss (``server_cpu.md``). Fast clocks keep the 5 ms spacing: MF (about
-a millisecond a clock) ticking every 50 ms instead ran 4-6% slower, its rows moved later at epoch
-boundaries.
+same throughput and time to loss, with intents declared 4 batches ahead (at 8, the app's default
+now, the difference is within the noise; ``server_cpu.md``, ``versions.md``). Fast clocks keep
+the 5 ms spacing: MF (about a millisecond a clock) ticking every 50 ms instead ran 4-6% slower,
+its rows moved later at epoch boundaries.
 """
 
 from __future__ import annotations
