@@ -404,7 +404,7 @@ def test_replicas_without_a_sync_period_of_their_own_sync_at_each_clock_of_their
 
 
 def test_replicas_without_a_sync_period_sync_at_clocks_their_server_learns_from_shared_memory_alone():
-    """A worker whose tables are all ASP sends its servers a clock at most every 50 ms; its node's server
+    """A worker whose tables are all ASP sends its servers a clock at most every quiet period; its node's server
     reads the clocks in between from the worker's slot in shared memory, which wakes nobody. A server
     that slept until its next 50-ms sync (or tick) synced a replica changed every 12 ms at most twice per
     50 ms, where the rule is once per clock, no sooner than 10 ms after the last sync (MF on 2 nodes:
@@ -435,8 +435,9 @@ def test_replicas_without_a_sync_period_sync_at_clocks_their_server_learns_from_
 def test_after_an_intent_message_is_lost_the_next_tick_lets_the_server_read_the_clock_in_shared_memory():
     """A node's server takes a worker's clock from its slot in shared memory only once it has read
     every intent message the worker had sent by then (the slot holds both), else it goes by the clocks
-    ticks told it, every 50 ms under ASP. An intent message lost on the way held that count back until
-    the worker's next one, which an app that declares its intents at the start (MF) never sends: the
+    ticks told it, every quiet period under ASP (50 ms then). An intent message lost on the way held
+    that count back until the worker's next one, which an app that declares its intents at the start
+    (MF) never sends: the
     server's clock lagged the worker's by up to 50 ms for the rest of the run, and so did its syncs
     by clock and its rounds of intents. A tick says how many the worker had sent: those not read by
     then were lost (they travel ahead of it, in order, on the one connection)."""
@@ -464,6 +465,24 @@ def test_after_an_intent_message_is_lost_the_next_tick_lets_the_server_read_the_
             w1.advance_clock()
         assert int(server.clocks.clocks[1]) < w1.clock
         assert server.adaptive._node_clock() == w1.clock
+
+
+def test_a_nodes_pace_is_its_own_workers_while_another_nodes_worker_stands_still():
+    """A server turns the clocks intents name into time by its node's workers' pace. It took the pace
+    of the slowest worker of the whole job: while another node's worker stood still (a long
+    evaluation, a slow start) it measured none, and where that worker told its clock only every quiet
+    period, the estimate jumped with each of its ticks."""
+    with ThreadCluster(nodes=2) as c:
+        w0 = c.worker(0)
+        t0 = w0.table("pace", 10, 1, techniques="relocation")
+        c.worker(1).table("pace", 10, 1, techniques="relocation")  # worker 1 stays at clock 0
+        adaptive = c.servers[0].adaptive
+        t0.intent(np.arange(1, 10, 2), 1, 10_000)  # keys homed on node 1: node 0's server acts on them
+        for _ in range(30):
+            time.sleep(0.01)
+            w0.advance_clock()
+        wait_until(lambda: adaptive.seconds_per_clock > 0, what="node 0's pace measured")
+        assert 0.005 <= adaptive.seconds_per_clock < 1.0
 
 
 def test_the_syncs_of_several_tables_to_one_node_go_as_one_message_and_every_push_lands_once():

@@ -65,7 +65,7 @@ def test_a_clock_carried_by_a_request_outside_the_stream_does_not_overtake_a_los
 
 def test_a_clock_an_asp_only_worker_has_not_told_yet_does_not_deadlock_bounded_reads():
     """Worker 0 has only an ASP table while it runs three quick clocks: ``client.ticks`` tells every
-    server its clock at most every 50 ms, so server 1 has heard clock 1 only (a tick left due). It
+    server its clock at most every quiet period, so server 1 has heard clock 1 only (a tick left due). It
     then makes a BSP table (made by worker 1 earlier) and reads slice 0 at clock 3: held at server 0
     until worker 1 reaches clock 3. Worker 1, at clock 2, reads slice 1: held at server 1 until
     worker 0 reaches clock 2. The due tick went only with ``advance_clock`` or ``wait_all``, and worker

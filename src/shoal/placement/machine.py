@@ -240,8 +240,9 @@ class PlacementMachine:
         without one that holds replicas, once a sync by the node's clock may be due (``SYNC_MIN_MS``
         after the last sync; a clock found standing still is looked at again ``CLOCK_LOOK_MS`` later,
         then as long again as it has stood still, until it moves). Workers whose reads
-        never wait on clocks tell their server one at most every 50 ms; a server that slept until its
-        next message or period synced replicas twice per 50 ms at most, not at each clock."""
+        never wait on clocks tick at most every quiet period (``client.ticks``), and their server reads
+        the clocks between in shared memory; a server that slept until its next message or period
+        synced replicas twice per 50 ms at most, not at each clock."""
         table = self.table
         if table.spec.sync_ms is not None or not table.holds_replicas:
             return table.next_sync

@@ -88,6 +88,13 @@ class AdaptiveService:
         return {name: machine.table for name, machine in self.machines.items()}
 
     @property
+    def seconds_per_clock(self) -> float:
+        """This node's workers' pace lately (0 until measured): what turns the clocks intents name into
+        time. Their own: they are the ones whose intents this server acts on, and it reads their clocks
+        in shared memory, where another node's workers' clocks come in ticks at most every quiet period."""
+        return self._clock_s
+
+    @property
     def stats(self) -> Counter[str]:
         """This server's counters with those of every adaptive table here (keys moved, requests held...)."""
         total = Counter(self._own_stats)
@@ -282,14 +289,13 @@ class AdaptiveService:
             self._resend_and_acknowledge()
             return
         started = time.thread_time()
-        slowest = self.clocks.slowest
-        seen, at = self._clock_seen
         now = self.now()
-        if slowest > seen:
-            per_clock = (now - at) / (slowest - seen)
-            self._clock_s = per_clock if self._clock_s == 0 else 0.8 * self._clock_s + 0.2 * per_clock
-            self._clock_seen = (slowest, now)
         node_clock = self._node_clock()
+        seen, at = self._clock_seen
+        if node_clock > seen:
+            per_clock = (now - at) / (node_clock - seen)
+            self._clock_s = per_clock if self._clock_s == 0 else 0.8 * self._clock_s + 0.2 * per_clock
+            self._clock_seen = (node_clock, now)
         effects = Effects()  # every table's: what they send one node in this pass goes as one message
         try:
             for machine in list(self.machines.values()):
@@ -327,6 +333,7 @@ class AdaptiveService:
             self.reached.restarted(worker)
             for machine in self.machines.values():
                 machine.table.intents.end_all()
+            self._clock_seen = (self._node_clock(), self.now())  # the pace is measured from here again
 
     def next_timer(self) -> float | None:
         deadlines = [m.next_wake() for m in self.machines.values()]
