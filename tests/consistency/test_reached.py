@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from shoal.consistency.reached import INTENT_BITS, ReachedClocks, packed
@@ -16,6 +18,20 @@ def test_a_reached_clock_counts_once_every_intent_sent_by_then_was_read():
     assert reached.clocks(learned, 2) == [7, 3]
     reached.intent_read(3, 2)
     assert reached.clocks(learned, 2) == [7, 9]
+
+
+def test_the_server_says_when_it_last_took_each_workers_clock_and_only_when_it_took_it():
+    # A worker ticks its node's server near its intents' boundaries unless the server took the clock in
+    # its slot since it wrote it (``client.ticks``): a look that went by the clocks messages told (an
+    # intent message unread) took nothing, and must not count as one.
+    reached = ReachedClocks(np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.float64))
+    reached.slots[0] = packed(7, 0)
+    reached.slots[1] = packed(9, 1)  # an intent message sent, none read
+    before = time.monotonic()
+    assert reached.clocks([3, 3], 0) == [7, 3]
+    assert before <= reached.seen[0] <= time.monotonic() and reached.seen[1] == 0.0
+    reached.restarted(0)
+    assert reached.seen[0] == 0.0
 
 
 def test_a_tick_counts_the_intent_messages_sent_before_it_that_were_lost_as_read():

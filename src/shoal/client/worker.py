@@ -135,6 +135,9 @@ class Worker:
         self.local_clocks: np.ndarray | None = None
         #: this worker's slot beside them: the clock it reached, with its intent messages sent by then
         self._reached: np.ndarray | None = None
+        #: ... and when the node's server last took the clock there (``consistency.reached``)
+        self._seen: np.ndarray | None = None
+        self._noted_at = 0.0  # when the clock in the slot was written (after the write)
         self._intents_sent = 0
         self._clock_segment: Segment | None = None
         self._server_exit: ProcessExit | None = None  # tells when the local server's process has ended
@@ -243,6 +246,7 @@ class Worker:
         self._clock_segment = Segment.attach(fds[0], str(reply["label"]))
         self.local_clocks = self._clock_segment.array(0, (int(reply["num_workers"]),), np.int64)
         self._reached = self._clock_segment.array(int(reply["reached_at"]) + 8 * self.rank, (1,), np.int64)
+        self._seen = self._clock_segment.array(int(reply["seen_at"]) + 8 * self.rank, (1,), np.float64)
         self._note_reached()
         self._server_exit = ProcessExit.watch(int(reply.get("pid", 0)))
 
@@ -252,6 +256,15 @@ class Worker:
         placement message that is decided by this node's clock."""
         if self._reached is not None:
             self._reached[0] = packed(self.clock, self._intents_sent)
+            self._noted_at = time.monotonic()
+
+    def _server_saw_clock(self) -> float | None:
+        """When the node's server last took the clock now in this worker's slot (None: not since it
+        was written, or not shared)."""
+        if self._seen is None:
+            return None
+        seen = float(self._seen[0])
+        return seen if seen >= self._noted_at else None
 
     def check_local_server(self, what: str) -> None:
         """Raise ``ClusterError`` if this node's server has died: its shared memory is nobody's now, so
@@ -266,7 +279,7 @@ class Worker:
         started in its place, if any), none through the dead one's memory."""
         self.local_access = False
         self.local_clocks = None
-        self._reached = None
+        self._reached = self._seen = None
         self._server_exit = None
         for table in self.tables.values():
             table.access.lose_local()
@@ -500,13 +513,17 @@ class Worker:
         ``client.ticks`` says it is due)."""
         self._check_open()
         self.send_intents()
+        seen = self._server_saw_clock()
         self.clock += 1
         self._note_reached()
         now = time.monotonic()  # real time, also where tests move the tracker's clock by hand
         self._ticks.advanced(now)
         if self.tables and self._reads_never_wait:
             # No read waits on clocks: servers learn them from every request, the node's server
-            # from the ticks its intents need; the last one goes everywhere before any wait.
+            # from the ticks its intents need (or its own look in shared memory); the last one goes
+            # everywhere before any wait.
+            if seen is not None:
+                self._ticks.looked(self.clock - 1, seen)
             if not self._ticks.due(self.clock, now):
                 self._tick_due = True
             else:
@@ -730,7 +747,7 @@ class Worker:
             for table in self.tables.values():
                 table.close()
             self.local_clocks = None
-            self._reached = None
+            self._reached = self._seen = None
             if self._clock_segment is not None:
                 self._clock_segment.close()
             self.tracker.close()

@@ -17,9 +17,16 @@ would hold the count back until the worker's next one, which an app that declare
 the start never sends; so a clock tick also says how many intent messages the worker had sent, and
 the count goes up to that: those sent before a tick travel ahead of it on the one connection, so
 any not read by then were lost.
+
+Beside each slot the server writes when it last took the clock there (``seen``, in seconds of the
+host's monotonic clock, read before the slot): a worker whose server reads its clock this way on its
+own needs no tick to tell it (``client.ticks``). A tick wakes the server and costs it a message; a
+busy server looks at the slots many times a clock.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -38,8 +45,10 @@ class ReachedClocks:
     """The server's side: every worker's slot (those of this node's workers are written), and how
     many intent messages of each it has read."""
 
-    def __init__(self, slots: np.ndarray) -> None:
+    def __init__(self, slots: np.ndarray, seen: np.ndarray | None = None) -> None:
         self.slots = slots
+        #: per worker, when this server last took the clock in its slot (0: never); None: not shared
+        self.seen = seen
         self.intents_read = np.zeros(slots.shape[0], dtype=np.int64)
         #: per worker, the newest of its processes (``Message.incarnation``) heard from: a late message of
         #: an earlier one would count its intent messages against the new one's
@@ -78,16 +87,21 @@ class ReachedClocks:
         and its slot holds the clock of the one before until the new one writes it."""
         self.intents_read[worker] = 0
         self.slots[worker] = 0
+        if self.seen is not None:
+            self.seen[worker] = 0.0
 
     def clocks(self, learned: list[int], first: int) -> list[int]:
         """The clocks of workers ``first, first + 1, ...`` (as many as ``learned``, the clocks their
         messages told): the one a worker reached where every intent it sent by then has been read.
         Plain ints: a node has a worker or two, and the server asks at every placement message and
         timer pass (numpy's calls on arrays of one or two cost it ~15 us a time)."""
-        slots, read = self.slots, self.intents_read
+        slots, read, seen = self.slots, self.intents_read, self.seen
+        looked_at = time.monotonic()  # before the reads: a clock written before this time is among them
         reached = []
         for i, told in enumerate(learned):
             word = int(slots[first + i])  # one read: the worker may write its slot meanwhile
             caught_up = (word & _INTENTS) == (int(read[first + i]) & _INTENTS)
             reached.append(max(told, word >> INTENT_BITS) if caught_up else told)
+            if caught_up and seen is not None:
+                seen[first + i] = looked_at
         return reached

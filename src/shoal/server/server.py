@@ -132,12 +132,14 @@ class ParameterServer:
         self.lost: dict[str, str] = {}
         self.stats: Counter[str] = Counter()
         # Worker clocks live in shared memory so co-located workers check bounds without asking;
-        # beside them, the clocks those workers reached, written by themselves (``consistency.reached``).
+        # beside them, the clocks those workers reached, written by themselves, and when this server
+        # last took each (``consistency.reached``).
         self._clock_segment = Segment.create(f"shoal-{cluster.cluster_id}-clocks-n{node}",
-                                             2 * 8 * max(cluster.num_workers, 1))
+                                             3 * 8 * max(cluster.num_workers, 1))
         self.clocks = ClockTable(self._clock_segment.array(0, (cluster.num_workers,), np.int64))
-        self._reached_at = 8 * cluster.num_workers
-        self.reached = ReachedClocks(self._clock_segment.array(self._reached_at, (cluster.num_workers,), np.int64))
+        self._reached_at, self._seen_at = 8 * cluster.num_workers, 16 * cluster.num_workers
+        self.reached = ReachedClocks(self._clock_segment.array(self._reached_at, (cluster.num_workers,), np.int64),
+                                     self._clock_segment.array(self._seen_at, (cluster.num_workers,), np.float64))
         #: each worker's requests handled in the order it sent them
         self.order = StreamOrder(cluster.num_workers)
         self.sync = Synchroniser(self.clocks, self.tables, lambda peer, msg: self._send(peer, msg, self.codec),
@@ -743,7 +745,8 @@ class ParameterServer:
         """Descriptors of a table's local shards (or of the clock table), for a co-located worker."""
         if request.get("clocks"):  # with this process's id: co-located workers watch it for its end
             return {"num_workers": self.cluster.num_workers, "label": self._clock_segment.label,
-                    "reached_at": self._reached_at, "pid": os.getpid()}, [self._clock_segment.fd]
+                    "reached_at": self._reached_at, "seen_at": self._seen_at, "pid": os.getpid()}, \
+                [self._clock_segment.fd]
         name = str(request.get("table"))
         return self._service(name).share(name, request)
 
