@@ -290,9 +290,10 @@ def test_clock_ticks_of_a_fast_loop_are_spaced_when_no_read_waits_on_them(model)
 def test_ticks_an_asp_worker_sends_for_its_intents_go_to_its_nodes_server_alone():
     """Intents starting every clock (KGE's batches): its node's server, which acts on them, hears
     the clock every few ms; the other server only every ``TICK_QUIET_S``, and the last clock before
-    a wait."""
+    a wait. A worker without shared memory: a co-located one's server reads the clock in its slot,
+    and a look of it serves as a tick (``test_ticks.py``)."""
     with ThreadCluster(nodes=2) as c:
-        w = c.worker(0)
+        w = c.worker(0, local_access=False)
         t = w.table("t", 64, 1, techniques="auto")
         told = [s.stats["op_clock"] for s in c.servers]
         started = time.monotonic()
@@ -314,9 +315,10 @@ def test_ticks_an_asp_worker_sends_for_its_intents_go_to_its_nodes_server_alone(
 def test_an_asp_worker_ticks_rarely_but_near_the_clocks_its_intents_start_and_end():
     """A loop of about 1 ms a clock, every table ASP: a tick at most every ``TICK_QUIET_S`` (every
     5 ms before: 20 or more in 100 clocks), and one in the few clocks before an intent starts, by
-    which the node's server acts on it."""
+    which the node's server acts on it (a worker without shared memory, whose server cannot read the
+    clock itself)."""
     with ThreadCluster(nodes=2) as c:
-        w = c.worker(0)
+        w = c.worker(0, local_access=False)
         t = w.table("t", 64, 1, techniques="auto")
         ticked: list[int] = []
         tick = w._tick
