@@ -91,7 +91,8 @@ class AdaptiveService:
     def seconds_per_clock(self) -> float:
         """This node's workers' pace lately (0 until measured): what turns the clocks intents name into
         time. Their own: they are the ones whose intents this server acts on, and it reads their clocks
-        in shared memory, where another node's workers' clocks come in ticks at most every quiet period."""
+        in shared memory, where another node's workers' clocks come only with their messages (under ASP,
+        a tick each quiet period, ``client.ticks``)."""
         return self._clock_s
 
     @property
