@@ -6,6 +6,7 @@ import math
 import time
 
 import numpy as np
+import pytest
 
 from shoal.placement.intent import Action, NodeIntents, OwnerInterest, smoothed_window
 from shoal.placement.ownership import Directory, LocationCache
@@ -93,6 +94,49 @@ def test_intents_ended_at_once_are_withdrawn_at_any_clock_and_those_not_started_
     book.add(np.array([2, 3]), start=1, end=4)  # the new process's own intents go on as usual
     assert book.due(clock=0, window=1)[0].tolist() == [2, 3]
     assert book.due(clock=4, window=1)[1].tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_node_intents_announce_and_withdraw_as_a_model_of_their_keys_says(seed):
+    """Random intents, rounds and early withdrawals against a model of what each key is owed: a key is
+    announced once an intent holding it comes into the window, stays announced while any intent taken
+    in holds it, and is withdrawn (once) at the first round at or past the end of the last of them."""
+    rng = np.random.default_rng(seed)
+    num_keys = 40
+    book = NodeIntents(num_keys=num_keys)
+    pending: list[tuple[int, int, set[int]]] = []  # (start, end, keys) not yet in the window
+    until = dict.fromkeys(range(num_keys), 0)
+    announced: set[int] = set()
+    clock = 0
+    for _ in range(300):
+        if rng.random() < 0.5:
+            keys = rng.integers(0, num_keys, rng.integers(1, 12))
+            start = clock + int(rng.integers(0, 6))
+            end = start + int(rng.integers(1, 6))
+            book.add(keys, start, end)
+            pending.append((start, end, set(keys.tolist())))
+        window = int(rng.integers(0, 4))
+        if rng.random() < 0.2:  # a round of another node's announcement withdraws what ended here first
+            asked = np.unique(rng.integers(0, num_keys, 10))
+            carried = set().union(*[k for start, end, k in pending if start <= clock + window and end > clock])
+            expected = {k for k in asked.tolist() if k in announced and until[k] <= clock and k not in carried}
+            got = book.ended_among(asked, clock, window).tolist()
+            assert sorted(got) == sorted(expected)
+            announced -= expected
+        start_keys, stop_keys = book.due(clock, window)
+        fresh: list[int] = []
+        for _, end, keys in sorted((p for p in pending if p[0] <= clock + window), key=lambda p: p[0]):
+            if end > clock:
+                for k in keys:
+                    until[k] = max(until[k], end)
+                fresh += sorted(keys - announced)
+                announced |= keys
+        pending = [p for p in pending if p[0] > clock + window]
+        over = {k for k in announced if until[k] <= clock}
+        announced -= over
+        assert sorted(start_keys.tolist()) == sorted(fresh) and len(set(fresh)) == len(fresh)
+        assert sorted(stop_keys.tolist()) == sorted(over)
+        clock += int(rng.integers(0, 3))
 
 
 def test_owner_decisions_per_technique():

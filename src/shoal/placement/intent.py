@@ -20,7 +20,7 @@ import numpy as np
 
 from shoal.api.errors import ClusterError
 from shoal.api.ids import MAX_INCARNATIONS
-from shoal.placement.kernels import distinct
+from shoal.placement.kernels import distinct, take_in_intents, take_out_intents
 
 #: about how long a relocation or replication takes here: the action window is this long in clocks
 ACTION_S = 0.005
@@ -30,6 +30,9 @@ ACT_EVERY_S = 0.05
 #: a process numbers its announcements of a table within ``[incarnation, incarnation + 1) * 2**40``: a
 #: thousand a second for 34 years (a server makes a few dozen), under 2**60 for every incarnation
 ANNOUNCEMENTS_PER_PROCESS_BITS = 40
+
+
+_NO_KEYS = np.empty(0, dtype=np.int64)
 
 
 class Action(Enum):
@@ -117,28 +120,34 @@ class NodeIntents:
         return over
 
     def due(self, clock: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(to_announce, to_withdraw)`` at node clock ``clock`` with an action window of ``window`` clocks."""
-        newly: list[np.ndarray] = []
+        """``(to_announce, to_withdraw)`` at node clock ``clock`` with an action window of ``window`` clocks.
+        Each is distinct: a key is announced by the first intent taken in that holds it, and withdrawn
+        by the first that ends it."""
+        starting: list[tuple[np.ndarray, int]] = []
         while self._starting and self._starting[0][0] <= clock + window:
             _, seq, keys, end = heapq.heappop(self._starting)
             if end <= clock:
                 continue  # already over before it came into view
-            self.until[keys] = np.maximum(self.until[keys], end)
-            fresh = keys[~self.announced[keys]]
-            self.announced[fresh] = True
-            newly.append(fresh)
-            heapq.heappush(self._ending, (end, seq))
+            starting.append((keys, end))
+            heapq.heappush(self._ending, (end, seq))  # ends after ``clock``: not taken out below
             self._ending_keys[seq] = keys
-        expired: list[np.ndarray] = []
+        ending: list[np.ndarray] = []
         while self._ending and self._ending[0][0] <= clock:
             _, seq = heapq.heappop(self._ending)
-            keys = self._ending_keys.pop(seq)
-            over = keys[self.announced[keys] & (self.until[keys] <= clock)]
-            self.announced[over] = False
-            expired.append(over)
-        empty = np.empty(0, dtype=np.int64)
-        starting = np.concatenate(newly) if newly else empty
-        return starting, (self._distinct(np.concatenate(expired)) if expired else empty)
+            ending.append(self._ending_keys.pop(seq))
+        fresh = over = _NO_KEYS
+        if starting:
+            keys = np.concatenate([keys for keys, _ in starting])
+            bounds = np.zeros(len(starting) + 1, dtype=np.int64)
+            np.cumsum([keys.shape[0] for keys, _ in starting], out=bounds[1:])
+            ends = np.array([end for _, end in starting], dtype=np.int64)
+            fresh = np.empty(keys.shape[0], dtype=np.int64)
+            fresh = fresh[:take_in_intents(keys, bounds, ends, self.until, self.announced, fresh)]
+        if ending:
+            keys = np.concatenate(ending)
+            over = np.empty(keys.shape[0], dtype=np.int64)
+            over = over[:take_out_intents(keys, clock, self.until, self.announced, over)]
+        return fresh, over
 
 
 @dataclass
