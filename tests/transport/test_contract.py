@@ -260,10 +260,18 @@ def test_a_listener_woken_by_a_connection_returns_once_that_connection_has_frame
     start = time.monotonic()
     assert listener.recv(30.0) is None  # woken: what came is the connection's
     assert time.monotonic() - start < WAIT_S
+    assert listener.woke_others()
     assert recv_on(conn) == [b"answer"]
     start = time.monotonic()
     assert listener.recv(0.1) is None  # read: nothing wakes it any more
     assert time.monotonic() - start >= 0.05
+    # Where the listener can tell, a wait that saw nothing of the connection says so (its owner then
+    # need not ask the connection); where it cannot, it says the connection may have frames.
+    tells = ends.backend.name.startswith("zmq")
+    assert listener.woke_others() is not tells
+    ends.connect(listener.address).send([b"again"])
+    assert recv_at(listener)[1] == [b"again"]
+    assert listener.woke_others() is not tells
 
 
 # ------------------------------------------------------------------- poller

@@ -225,7 +225,7 @@ class ParameterServer:
             while not self._stop.is_set():
                 waited_from = time.monotonic()
                 first = item = self.listener.recv(wait)
-                laned = self._pump_lane()
+                laned = self._pump_lane(look=self.listener.woke_others())
                 burst_until = time.monotonic() + _BURST_S
                 burst = 0
                 while item is not None:
@@ -263,10 +263,11 @@ class ParameterServer:
         finally:
             self.close()
 
-    def _pump_lane(self) -> bool:
+    def _pump_lane(self, look: bool = True) -> bool:
         """Serve the lane's queued requests (``server.lane``), charged to their own activity, and the
-        requests of the workers whose pushes it applied that waited for them; whether there were any."""
-        if self.lane is None or not (self.lane.holding or self.lane.socket.readable()):
+        requests of the workers whose pushes it applied that waited for them; whether there were any.
+        ``look``: whether its socket may have some (False: the loop's wait has just seen it empty)."""
+        if self.lane is None or not (self.lane.holding or (look and self.lane.socket.readable())):
             return False
         started = time.thread_time()
         try:

@@ -63,6 +63,11 @@ class Listener(ABC):
     def wake_on_native(self, native: Any) -> None:  # noqa: B027 - a hint, as ``wake_on``
         """``wake_on`` for a native socket (``transport.native.NativeSocket``)."""
 
+    def woke_others(self) -> bool:
+        """Whether what ``wake_on`` named may have something to read, as the last ``recv`` left it:
+        False only where that call's wait saw none of it readable (the owner need not ask each)."""
+        return True
+
     @abstractmethod
     def close(self) -> None: ...
 

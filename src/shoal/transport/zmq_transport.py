@@ -90,16 +90,26 @@ class ZmqListener(Listener):
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()  # one for the socket's life: Socket.poll makes one per call
         self._poller.register(self.socket, zmq.POLLIN)
-        self._shares_poller = False  # a connection's socket is in the poller too (``wake_on``)
+        self._others_ready = True  # what the last wait saw of the sockets ``wake_on`` named (``woke_others``)
 
     def recv(self, timeout: float | None) -> tuple[bytes, Frames] | None:
-        # The server's loop drains a burst with timeout 0: no poll call, no exception when empty.
-        if timeout != 0 and not self._poller.poll(_ms(timeout)):
-            return None
-        if (timeout == 0 or self._shares_poller) and not self.socket.get(_EVENTS) & _POLLIN:
-            return None  # nothing here (what came may be for a connection that wakes us)
+        if timeout == 0:  # the server's loop drains a burst so: no poll call, no exception when empty
+            self._others_ready = True
+            if not self.socket.get(_EVENTS) & _POLLIN:
+                return None
+        else:
+            # The poll says which sockets are readable: each one asked again is a system call more
+            # (ZeroMQ takes in its pending commands), two per pass of the server's loop.
+            ready = self._poller.poll(_ms(timeout))
+            own = any(socket is self.socket for socket, _ in ready)
+            self._others_ready = len(ready) > own
+            if not own:
+                return None  # nothing here (what came may be for a connection that wakes us)
         parts = _recv_parts(self.socket)
         return parts[0].bytes, parts[1:]
+
+    def woke_others(self) -> bool:
+        return self._others_ready
 
     def wake_on(self, conn: Connection) -> None:
         if isinstance(conn, ZmqConnection):
@@ -110,7 +120,6 @@ class ZmqListener(Listener):
 
     def _wake_on_socket(self, socket: zmq.Socket[Any]) -> None:
         self._poller.register(socket, zmq.POLLIN)
-        self._shares_poller = True
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         try:
