@@ -57,12 +57,11 @@ def test_a_loop_waiting_for_a_table_being_built_wakes_once_a_millisecond_not_in_
     assert woke <= 1.5 * took * 1000 + 20, f"{woke} timer passes in a build of {took:.3f} s"
 
 
-def test_requests_with_no_timer_due_run_the_timers_about_every_250_ms_not_after_each_request(
+def test_requests_with_no_timer_due_run_the_timers_about_every_50_ms_not_after_each_request(
         start_server: Callable[..., LiveServer], connect: Callable[..., RawClient]) -> None:
     """A pass of the timers cost a server about as much as a small request. It ran after every
     message at most every 2 ms, though between two clocks of a busy job almost none had anything
-    to do; then only when a timer had (a deadline, something waiting), and every 50 ms regardless,
-    which was most of a busy server's passes; now every 250 ms regardless."""
+    to do; now only when a timer has (a deadline, something waiting), and every 50 ms regardless."""
     client = connect(start_server())
     client.create_table(SPEC)
     keys = np.arange(4, dtype=np.int64)
@@ -71,33 +70,9 @@ def test_requests_with_no_timer_due_run_the_timers_about_every_250_ms_not_after_
         return int(client.call(Message(Op.STATS)).body["cpu"]["activities"]["timer builds"][0])
 
     before, start, requests = passes(), time.monotonic(), 0
-    while requests < 4000 and (requests < 200 or time.monotonic() - start < 1.0):
+    while requests < 2000 and (requests < 200 or time.monotonic() - start < 0.5):
         client.pull(keys)
         requests += 1
     took = time.monotonic() - start
     ran = passes() - before
-    assert ran <= took / 0.25 + 3, f"{ran} timer passes in {took:.3f} s of {requests} requests"
-
-
-def test_a_pass_runs_the_timers_that_have_something_to_do_and_not_the_others(
-        start_server: Callable[..., LiveServer], connect: Callable[..., RawClient]) -> None:
-    """One timer with work at every pass (here the adaptive tables' timer, told so) made every
-    timer run, each looking at what it had found nothing in a moment before."""
-    live = start_server()
-    client = connect(live)
-    client.create_table(SPEC)
-    keys = np.arange(4, dtype=np.int64)
-    live.server.adaptive.due = lambda: True  # type: ignore[method-assign]
-
-    def passes() -> tuple[int, int]:
-        activities = client.call(Message(Op.STATS)).body["cpu"]["activities"]
-        return int(activities["timer adaptive"][0]), int(activities["timer builds"][0])
-
-    (adaptive, builds), start, requests = passes(), time.monotonic(), 0
-    while requests < 4000 and (requests < 200 or time.monotonic() - start < 1.0):
-        client.pull(keys)
-        requests += 1
-    took = time.monotonic() - start
-    now_adaptive, now_builds = passes()
-    assert now_adaptive - adaptive >= 20, f"{now_adaptive - adaptive} passes of the due timer in {took:.3f} s"
-    assert now_builds - builds <= took / 0.25 + 3, f"{now_builds - builds} passes of a timer with nothing to do"
+    assert ran <= took / 0.05 + 5, f"{ran} timer passes in {took:.3f} s of {requests} requests"

@@ -69,11 +69,9 @@ _HEARTBEAT_S = 0.5
 _PEER_WAIT_S = 0.02  # heartbeat period while something waits for a peer's address
 _BURST_S = 0.01  # longest stretch of message handling between timer runs
 _TIMERS_EVERY_S = 0.002  # while requests keep coming, timers run at most this often
-# ... and each only when its own test finds it something to do (a deadline, something waiting), but
-# every timer at least this often (and when the rendezvous's answer woke the loop), so what a test
-# would miss waits no longer. At 50 ms these passes were most of a busy server's timer passes, and
-# cost it as much as the passes that did the work: the heartbeat and every timer's look, each time.
-_TIMERS_AT_LEAST_S = 0.25
+# ... and only when one has something to do (``_timers_due``), but at least this often: what a timer's
+# own test would miss waits no longer than an idle loop's longest sleep
+_TIMERS_AT_LEAST_S = 0.05
 # How often the loop looks for a table built off it, while one is: at 10 ms, a job's set-up waited
 # 5-10 ms per table for it.
 _BUILD_POLL_S = 0.001
@@ -176,15 +174,10 @@ class ParameterServer:
         #: the loop thread's CPU by what it did: each op's messages (decoded, served, answered), each timer
         self.cpu = CpuAccount()
         self._loop_clock: int | None = None  # the loop thread's CPU clock, read by ``describe``
-        #: each timer, with its own test of whether its pass would find anything to do
-        self._timers: list[tuple[str, Callable[[], None], Callable[[], bool]]] = [
-            ("timer builds", self.install_built, lambda: bool(self.builds.pending)),
-            ("timer out of order", self._expire_out_of_order,
-             lambda: bool(self.order.waiting_count() or self.order.has_given_up())),
-            ("timer sync", self.sync.tick, lambda: bool(self.sync.fences or self.sync.held_count())),
-            ("timer replication", self.replication.tick, lambda: bool(self.replication.tables)),
-            ("timer adaptive", self.adaptive.tick, lambda: self.adaptive.due()),
-            ("timer slicing", self.slicing.tick, lambda: bool(self.slicing.outgoing))]
+        self._timers: list[tuple[str, Callable[[], None]]] = [
+            ("timer builds", self.install_built), ("timer out of order", self._expire_out_of_order),
+            ("timer sync", self.sync.tick), ("timer replication", self.replication.tick),
+            ("timer adaptive", self.adaptive.tick), ("timer slicing", self.slicing.tick)]
         self.replay = ReplayGuard()  # a request sent again is answered again, never served twice
         self._warnings = ThrottledWarnings(log)  # bad messages may come by the thousand
         #: Prometheus metrics (``metrics_port`` 0: any free port), guarded by a token derived from the job's secret
@@ -218,7 +211,6 @@ class ParameterServer:
                 metrics=self.metrics.url if self.metrics is not None else None)
             self._rejoin(status)
             log.info("server %d serving at %s", self.node, self.address)
-        timers = self._timers + ([("timer heartbeat", self._heartbeat, self._heartbeat_due)] if register else [])
         wait, timers_at, timers_by = 0.0, 0.0, 0.0
         self._loop_clock = time.pthread_getcpuclockid(threading.get_ident())
         try:
@@ -249,14 +241,10 @@ class ParameterServer:
                 # Woken with no message before the wait ran out: by the rendezvous's answer (ZeroMQ
                 # waits whole milliseconds, rounded up: a wait that ran out took at least its length).
                 woken = first is None and not laned and now - waited_from < wait
-                every = woken or now >= timers_by
-                due = timers if every else [timer for timer in timers if timer[2]()]
-                if due:
-                    self._run_timers(due)
+                if woken or now >= timers_by or self._timers_due(register):
+                    self._run_timers(register)
                     now = time.monotonic()
-                    timers_at = now + _TIMERS_EVERY_S
-                    if every:
-                        timers_by = now + _TIMERS_AT_LEAST_S
+                    timers_at, timers_by = now + _TIMERS_EVERY_S, now + _TIMERS_AT_LEAST_S
                 wait = self._wait_s()
             if self.slicing.leave_requested:
                 self._say_goodbye()
@@ -296,12 +284,11 @@ class ParameterServer:
         self.stats["lane_push_copies"] += 1
         self._send(peer, msg.reply(Op.OK), self.codec)
 
-    def _run_timers(self, timers: list[tuple[str, Callable[[], None], Callable[[], bool]]]) -> None:
-        """Run ``timers``, each charged its CPU. One CPU clock read between two timers ends one and
-        starts the next (a read is a system call, ~0.7 us: two per timer were a sixth of a pass with
-        nothing to do)."""
+    def _run_timers(self, register: bool) -> None:
+        # One CPU clock read between two timers ends one and starts the next (a read is a system
+        # call, ~0.7 us: two per timer were a sixth of a pass with nothing to do).
         started = time.thread_time()
-        for name, timer, _ in timers:
+        for name, timer in self._timers:
             try:
                 timer()
             except Exception:  # timers must not end the loop either
@@ -309,6 +296,19 @@ class ParameterServer:
             ended = time.thread_time()
             self.cpu.charge(name, ended - started)
             started = ended
+        if register:
+            self._heartbeat()
+            self.cpu.charge("timer heartbeat", time.thread_time() - started)
+
+    def _timers_due(self, register: bool) -> bool:
+        """Whether a pass of the timers would find anything to do: each timer's own test of what its
+        pass looks at. In a busy job most passes after a message found nothing, and cost the server
+        about as much as the message (``server_cpu.md``)."""
+        order = self.order
+        return bool(self.builds.pending or order.waiting_count() or order.has_given_up()
+                    or self.sync.fences or self.sync.held_count() or self.replication.tables
+                    or self.slicing.outgoing or self.adaptive.due()
+                    or (register and self._heartbeat_due()))
 
     def _heartbeat_due(self) -> bool:
         """Whether ``_heartbeat`` has something to do (its answers wake the loop, which then runs the
