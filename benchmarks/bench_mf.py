@@ -1,6 +1,6 @@
 """MF on MovieLens 100k: Shoal configurations against the single-process baseline.
 
-    python benchmarks/bench_mf.py [--epochs 10] [--rounds 5]
+    python benchmarks/bench_mf.py [--epochs 10] [--rounds 5] [--sync-ms 2,50]
 
 Each round runs the baseline and then every cluster configuration, so all
 contenders see the same machine (``auto``: adaptive tables, each worker's own
@@ -23,6 +23,12 @@ loop spent at the barrier that ends each epoch (waiting for the slower worker,
 and the barrier's own trip through the rendezvous); ``--free-running`` has none
 between epochs, only the one at the end, and evaluates once, after it
 (``--eval-at-end``: rank 0's evaluations would be inside its training loop).
+
+With ``--sync-ms``, auto with no barrier runs again once per period listed, its replicas
+synced that often instead of at each clock (at most every 10 ms): a replica is read and
+updated where it lies, and what the other node did to its rows since the last sync is
+missing from it, so the period trades the servers' work for the rows' age, which shows in the
+test RMSE.
 
 Two baselines: the batch's gradients in numpy added to gathered rows (what the
 configurations through pull and push compute), and one compiled SGD step per
@@ -81,14 +87,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--sync-ms", default="",
+                   help="replica sync periods (ms, comma-separated): auto with no barrier again, its replicas "
+                        "synced that often, beside the others (what their age costs the test RMSE)")
     args = p.parse_args()
+    configs = dict(CONFIGS)
+    for ms in (float(ms) for ms in args.sync_ms.split(",") if ms):
+        configs[f"Shoal 2 nodes x 1 worker, auto, no barrier between epochs, replicas synced every {ms:g} ms"] = (
+            dict(nodes=2, workers_per_node=1),
+            ["--mode", "auto", "--free-running", "--eval-at-end", "--sync-ms", f"{ms:g}"])
     data = load_movielens()
     train_baseline(data, Hyper(epochs=1))  # compile its kernels first
     train_baseline(data, Hyper(epochs=1), in_place=True)
-    rates: dict[str, list[float]] = {BASELINE: [], IN_PLACE: [], **{k: [] for k in CONFIGS}}
-    paired: dict[str, list[float]] = {k: [] for k in CONFIGS}  # over the baseline of the same round
-    placement: dict[str, list[float]] = {k: [] for k in CONFIGS}
-    waited: dict[str, list[float]] = {k: [] for k in CONFIGS}  # share of rank 0's training spent at barriers
+    rates: dict[str, list[float]] = {BASELINE: [], IN_PLACE: [], **{k: [] for k in configs}}
+    paired: dict[str, list[float]] = {k: [] for k in configs}  # over the baseline of the same round
+    placement: dict[str, list[float]] = {k: [] for k in configs}
+    waited: dict[str, list[float]] = {k: [] for k in configs}  # share of rank 0's training spent at barriers
     rmse: dict[str, list[float]] = {k: [] for k in rates}  # test RMSE after the last epoch, per round
     for r in range(args.rounds):
         bases = {}
@@ -96,8 +110,8 @@ def main() -> None:
             bases[in_place] = train_baseline(data, Hyper(epochs=args.epochs), seed=r, in_place=in_place)
             rates[name].append(bases[in_place]["ratings_per_s"])  # type: ignore[arg-type]
             rmse[name].append(bases[in_place]["rmse"][-1])  # type: ignore[index]
-        configs = list(CONFIGS.items())
-        for name, (options, train_args) in configs[r % len(configs):] + configs[:r % len(configs)]:
+        turns = list(configs.items())
+        for name, (options, train_args) in turns[r % len(turns):] + turns[:r % len(turns)]:
             result = run_cluster(args.epochs, options, [*train_args, "--init-seed", str(r), "--seed", str(r)])
             rates[name].append(result["ratings_per_s"])  # type: ignore[arg-type]
             base = bases["--in-place" in train_args]
