@@ -121,8 +121,8 @@ class NodeIntents:
 
     def due(self, clock: int, window: int) -> tuple[np.ndarray, np.ndarray]:
         """``(to_announce, to_withdraw)`` at node clock ``clock`` with an action window of ``window`` clocks.
-        Each is distinct: a key is announced by the first intent taken in that holds it, and withdrawn
-        by the first that ends it."""
+        Each is distinct: a key is announced once, when the first intent holding it comes in, and
+        withdrawn once, when the last intent holding it has ended."""
         starting: list[tuple[np.ndarray, int]] = []
         while self._starting and self._starting[0][0] <= clock + window:
             _, seq, keys, end = heapq.heappop(self._starting)
@@ -137,9 +137,9 @@ class NodeIntents:
             ending.append(self._ending_keys.pop(seq))
         fresh = over = _NO_KEYS
         if starting:
-            keys = np.concatenate([keys for keys, _ in starting])
-            bounds = np.zeros(len(starting) + 1, dtype=np.int64)
-            np.cumsum([keys.shape[0] for keys, _ in starting], out=bounds[1:])
+            keys = np.concatenate([k for k, _ in starting])
+            bounds = np.zeros(len(starting) + 1, dtype=np.int64)  # intent i's keys: keys[bounds[i]:bounds[i + 1]]
+            np.cumsum([k.shape[0] for k, _ in starting], out=bounds[1:])
             ends = np.array([end for _, end in starting], dtype=np.int64)
             fresh = np.empty(keys.shape[0], dtype=np.int64)
             fresh = fresh[:take_in_intents(keys, bounds, ends, self.until, self.announced, fresh)]
