@@ -24,9 +24,10 @@ events they handled (messages and timer passes).
 
 With ``--sync-ms`` (replica sync periods) or ``--act-ms`` (how often the servers
 act on intents), each run is made once per period (the app's options of those
-names; with both, per pair; the settings take turns run by run) and a first table
-compares them: servers' cores, triples/s, and the time to the training loss
-``bench_kge.py`` times (what a staler replica would cost shows there).
+names; with both, per pair; the settings take turns run by run, each round
+starting one setting further on) and a first table compares them: servers'
+cores, triples/s, and the time to the training loss ``bench_kge.py`` times (what
+a staler replica would cost shows there).
 
 With ``--variant ARGS`` (repeated) each run is made once per variant, the app given ``ARGS``
 besides: e.g. ``--variant="--dim 100" --variant="--dim 25"`` (rows a quarter as large move a
@@ -230,8 +231,10 @@ def main() -> None:
         settings = [(tree, variant, sync, act) for tree in trees for variant in variants
                     for sync in _periods(args.sync_ms) for act in _periods(args.act_ms)]
         by_period: dict[str, list[dict[str, Any]]] = {}
-        for _ in range(args.runs):
-            for tree, variant, sync, act in settings:
+        for r in range(args.runs):
+            # Each round starts one setting further on: in a fixed order the setting run first in
+            # each round ran first in all of them, and the machine's speed drifts within a round.
+            for tree, variant, sync, act in settings[r % len(settings):] + settings[:r % len(settings)]:
                 label = ", ".join([*([tree] if tree else []), *([variant] if variant else []),
                                    *(f"{name} {ms} ms" for name, ms in (("sync", sync), ("act", act)) if ms)]
                                   ) or "the app's"
