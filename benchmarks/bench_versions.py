@@ -4,7 +4,8 @@
 
 A restructuring is meant to keep speed; absolute figures move with the machine
 (and a shared virtual machine moves a lot from day to day), so the check runs
-both versions in the same run, alternating round by round. ``REV`` is checked
+both versions in the same run, alternating (each round starts with the version
+the round before ran second). ``REV`` is checked
 out into a temporary git worktree; each contender runs with ``PYTHONPATH``
 pointing at its own ``src``. Measured per contender:
 
@@ -393,8 +394,10 @@ def main() -> None:
         contenders = {"this tree": ROOT / "src", rev: old_src}
         turns = pulls_in_turns(contenders, turns_script, Path(tmp))
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+        order = list(contenders.items())
         for round_ in range(args.rounds):
-            for name, src in contenders.items():
+            # Each round starts with the other tree: the machine's speed drifts within a round.
+            for name, src in order[round_ % 2:] + order[:round_ % 2]:
                 runs[name].append(measure(src, args.seconds, pulls_script, steps_script, trivial_script,
                                           sync_script, round_script, updates_script, round_ + 1))
                 print(f"round {round_ + 1} {name}: {runs[name][-1]}", flush=True)
