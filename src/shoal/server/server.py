@@ -186,16 +186,27 @@ class ParameterServer:
             metrics_token(cluster.secret) if cluster.secret else None)
         self._fdshare = FdShareServer(socket_name(cluster.cluster_id, node), self._share) if share_memory else None
         self.lane = self._open_lane() if lane else None
+        self._lane_awaited = False  # the loop's wait covers the lane's socket (``_tell_lane``)
 
     def _open_lane(self) -> ServerLane | None:
         ctx = self.transport.native_context()
         host = loopback_host(self.address)
         if ctx is None or host is None or self.cluster.secret is None:
             return None
-        opened = ServerLane(self.node, ctx, host, self.cluster.secret, self.clocks.clocks, self.order,
-                            self.cluster.timeouts.resend_s)
-        self.listener.wake_on_native(opened.socket)
-        return opened
+        return ServerLane(self.node, ctx, host, self.cluster.secret, self.clocks.clocks, self.order,
+                          self.cluster.timeouts.resend_s)
+
+    def _tell_lane(self) -> str:
+        """The lane's address, for a worker: its kernels readied, and its socket in the loop's wait
+        from now on. Not before: no request can come on it until a worker knows where it is, and
+        each socket a wait covers costs it system calls (``server_cpu.md``); a job whose workers
+        never use the lane (all its tables adaptive) waits on two sockets, not three."""
+        assert self.lane is not None
+        self.lane.warm()
+        if not self._lane_awaited:
+            self._lane_awaited = True
+            self.listener.wake_on_native(self.lane.socket)
+        return self.lane.address
 
     # ------------------------------------------------------------------ loop
 
@@ -255,11 +266,12 @@ class ParameterServer:
         """Serve the lane's queued requests (``server.lane``), charged to their own activity, and the
         requests of the workers whose pushes it applied that waited for them; whether there were any.
         ``look``: whether its socket may have some (False: the loop's wait has just seen it empty)."""
-        if self.lane is None or not (self.lane.holding or (look and self.lane.socket.readable())):
+        lane = self.lane
+        if lane is None or not self._lane_awaited or not (lane.holding or (look and lane.socket.readable())):
             return False
         started = time.thread_time()
         try:
-            applied = self.lane.pump(self.tables, self.lost, self.sync.refusing)
+            applied = lane.pump(self.tables, self.lost, self.sync.refusing)
         except Exception:  # never let the lane end the loop
             log.exception("server %d: unexpected failure serving the lane", self.node)
             return True
@@ -623,8 +635,7 @@ class ParameterServer:
         if op == Op.PING:  # with the lane's address, for a worker that would use it
             if self.lane is None or not bodies.Ping.of(msg).lane:
                 return msg.reply(Op.OK)
-            self.lane.warm()
-            return msg.reply(Op.OK, {"lane": self.lane.address})
+            return msg.reply(Op.OK, {"lane": self._tell_lane()})
         if op == Op.SHUTDOWN:
             self.stop()
             return msg.reply(Op.OK)
