@@ -19,12 +19,18 @@ from model import Hyper, gradients, rmse, sgd_in_place
 from shoal.storage.kernels import add_rows, gather_rows
 
 
-def train_baseline(data: MovieLens, hyper: Hyper, seed: int = 0, in_place: bool = False) -> dict[str, object]:
+def train_baseline(data: MovieLens, hyper: Hyper, seed: int = 0, in_place: bool = False,
+                   initial: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, object]:
     """Train in one process; returns test RMSE per epoch and ratings/s of the training loop. ``in_place``:
-    one compiled SGD step per rating on the rows where they lie, not a batch's gradients added."""
-    rng = np.random.default_rng(seed)
-    users = (rng.standard_normal((data.num_users, hyper.rank + 1)) * hyper.init_std).astype(np.float32)
-    items = (rng.standard_normal((data.num_items, hyper.rank + 1)) * hyper.init_std).astype(np.float32)
+    one compiled SGD step per rating on the rows where they lie, not a batch's gradients added.
+    ``initial``: the user and item rows to start from (``model.initial_rows``: a job's), else drawn
+    from ``seed``."""
+    if initial is None:
+        rng = np.random.default_rng(seed)
+        users = (rng.standard_normal((data.num_users, hyper.rank + 1)) * hyper.init_std).astype(np.float32)
+        items = (rng.standard_normal((data.num_items, hyper.rank + 1)) * hyper.init_std).astype(np.float32)
+    else:
+        users, items = (np.array(rows, dtype=np.float32) for rows in initial)  # copies: trained in place
     train, test = data.train, data.test
     mu = float(train.values.mean())
     train_seconds = 0.0

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+import shoal
+from shoal.storage.initialize import fill_initial
+
 
 @dataclass(frozen=True)
 class Hyper:
@@ -23,6 +26,33 @@ class Hyper:
     batch: int = 1000
     epochs: int = 20
     init_std: float = 0.1
+
+
+#: the tables' names: users and items in one adaptive table (the items' keys after the users'), or in two
+ONE_TABLE, USERS, ITEMS = "mf.factors", "mf.users", "mf.items"
+
+
+def initializer(hyper: Hyper) -> shoal.Normal:
+    """How the tables' rows start out."""
+    return shoal.Normal(std=hyper.init_std)
+
+
+def initial_rows(num_users: int, num_items: int, hyper: Hyper, seed: int, one_table: bool
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The user and item rows Shoal's tables start from with ``seed`` (``train.py --init-seed``), in one
+    table or two: each key's row is drawn from the seed, the table's name and the key, so a model
+    trained elsewhere (the baseline) can start where a job does. A seed's rows alone move the test
+    RMSE after 20 epochs by as much as 0.005 here."""
+    def rows(name: str, num_keys: int, keys: np.ndarray) -> np.ndarray:
+        spec = shoal.TableSpec(name, num_keys, hyper.rank + 1, init=initializer(hyper), seed=seed)
+        out = np.empty((keys.shape[0], spec.dim), np.float32)
+        fill_initial(spec, keys, out)
+        return out
+
+    if one_table:
+        total = num_users + num_items
+        return rows(ONE_TABLE, total, np.arange(num_users)), rows(ONE_TABLE, total, np.arange(num_users, total))
+    return rows(USERS, num_users, np.arange(num_users)), rows(ITEMS, num_items, np.arange(num_items))
 
 
 def predict(user_rows: np.ndarray, item_rows: np.ndarray, mu: float) -> np.ndarray:

@@ -53,7 +53,7 @@ from collections.abc import Iterator
 
 import numpy as np
 from data import by_popularity, load
-from model import Hyper, gradients, rmse, sgd_in_place
+from model import ITEMS, ONE_TABLE, USERS, Hyper, gradients, initializer, rmse, sgd_in_place
 from progress import Progress
 from replicas import dynamic, gossip_schedule, note_epoch, record, write_records
 
@@ -128,7 +128,7 @@ def main() -> None:
         data = by_popularity(data)
     lazy = shoal.LazyPull(timeout_ms=args.lazy_ms) if args.lazy_ms > 0 else None
     optimizer = shoal.optim.SGD(lr=hyper.lr) if args.optimizer == "sgd" else shoal.optim.Adagrad(lr=hyper.lr)
-    options = dict(init=shoal.Normal(std=hyper.init_std), seed=args.init_seed, optimizer=optimizer,
+    options = dict(init=initializer(hyper), seed=args.init_seed, optimizer=optimizer,
                    mapping=args.mapping, consistency=MODELS[args.consistency](args.staleness, lazy))
     if args.replicas > 1:
         options.update(replicas=args.replicas, write_quorum=args.write_quorum, gossip_ms=args.gossip_ms,
@@ -146,11 +146,11 @@ def main() -> None:
         # One key space, as a ps-lite app keeps every parameter: a local call costs about 50 us in a
         # job, a tenth of a batch here, and two tables made a batch four calls, not two (2 nodes, thirty
         # seeds side by side: 1.02-1.05x the baseline against 0.91-0.95x, `mf_movielens.md`).
-        users = items = ps.table("mf.factors", data.num_users + data.num_items, hyper.rank + 1, **options)
+        users = items = ps.table(ONE_TABLE, data.num_users + data.num_items, hyper.rank + 1, **options)
         item_base = data.num_users  # an item's key: its number after the users'
     else:
-        users = ps.table("mf.users", data.num_users, hyper.rank + 1, **options)
-        items = ps.table("mf.items", data.num_items, hyper.rank + 1, **options,
+        users = ps.table(USERS, data.num_users, hyper.rank + 1, **options)
+        items = ps.table(ITEMS, data.num_items, hyper.rank + 1, **options,
                          **({"slices": args.item_slices} if args.item_slices else {}))
         item_base = 0
     one_table = users is items
