@@ -264,3 +264,38 @@ def test_a_worker_whose_server_reads_its_clock_in_shared_memory_ticks_only_while
         assert looked <= 2, f"{looked} ticks with the server looking at every clock"  # the quiet period's
         # Without those looks the server's loop reads the slot at its own passes only: ticks go between.
         assert ticks_over_clocks(False) >= 3  # 6 here on a quiet machine
+
+
+def test_a_worker_of_asp_tables_alone_ticks_every_clock_once_a_server_serves_a_table_read_under_a_bound():
+    """A worker whose own tables are all ASP told servers its clock once a quiet period. A reader of a
+    bounded table it never made waits on that clock all the same: its reads were answered up to a
+    quiet period (250 ms) after the worker reached their clock. A server holding a table read under
+    a bound says so in its answer to a tick, and the worker ticks every clock from then on. (A request
+    of the worker tells a server its clock too: this one sends none.)"""
+    pace_s, clocks = 0.03, 20
+    reached: dict[int, float] = {}  # clock -> when the ASP worker reached it
+    answered: dict[int, float] = {}  # clock -> when the bounded reader's read at that clock was answered
+    with ThreadCluster(nodes=2, transport=ZmqTransport()) as c:
+
+        def body(w: Worker) -> None:
+            if w.rank == 0:
+                bounded = w.table("bounded", 10, 1, consistency=shoal.BSP())
+                w.barrier()
+                for _ in range(clocks):
+                    bounded.pull(KEYS)  # waits until every worker reached this clock
+                    answered[w.clock] = time.monotonic()
+                    w.advance_clock()
+            else:
+                w.table("free", 10, 1)  # ASP: reads never wait on clocks
+                w.barrier()
+                for _ in range(clocks):
+                    time.sleep(pace_s)  # the slower worker, sending nothing else: the reader waits on it
+                    w.advance_clock()
+                    reached[w.clock] = time.monotonic()
+            w.barrier()
+
+        c.run_workers(body)
+    lags = sorted(answered[clock] - reached[clock] for clock in range(1, clocks))
+    # A tick a clock: the read follows the clock by a message's trip; by the quiet period, the median
+    # read waited half a period (0.11-0.13 s here).
+    assert lags[len(lags) // 2] < 0.05, f"reads answered {lags} s after the clock they waited for"

@@ -38,6 +38,12 @@ half of KGE's ticks on 2 nodes (79 a second to the two servers, 50 at 250 ms), a
 the pace by the slowest clock of the whole job, a longer period made it jump with each tick from
 another node, and the servers acted on intents in more, smaller rounds.
 
+A worker's own tables are not all the job's: a reader of a bounded table it never made waits on its
+clock too, and answered a quiet period after the clock it waited for (up to 250 ms a read). A server
+serving a table read under a bound says so in its answer to a tick (the answers to the last ticks
+are read at the clocks that follow, also in a worker that sends nothing else), and the worker ticks
+every clock from then on.
+
 A tick near a boundary tells the node's server a clock it reads in the worker's slot anyway, at
 every pass of its loop, whenever it is awake. The server writes beside the slot when it last took
 the clock there (``consistency.reached``), and a look since the worker wrote its clock counts as a

@@ -104,6 +104,7 @@ class Worker:
         self._ticks = TickSchedule()  # when servers are told the clock while no read waits on it
         self._tick_due = False  # a clock they have not been told yet
         self._reads_never_wait = True  # every table is read under ASP (kept as tables come, asked at each clock)
+        self._ticks_unanswered = 0  # of the last ticks sent (their answers may say a bounded read waits on us)
         #: a table has intents to send the node's server (most clocks have none: nothing to gather)
         self.intents_declared = False
         self._closed = False
@@ -518,6 +519,8 @@ class Worker:
         self._note_reached()
         now = time.monotonic()  # real time, also where tests move the tracker's clock by hand
         self._ticks.advanced(now)
+        if self.tables and self._reads_never_wait and self._ticks_unanswered:
+            self.tracker.pump(0)  # answers to the last ticks (a worker that sends nothing else reads none)
         if self.tables and self._reads_never_wait:
             # No read waits on clocks: servers learn them from every request, the node's server
             # from the ticks its intents need (or its own look in shared memory); the last one goes
@@ -568,10 +571,18 @@ class Worker:
         # set while an earlier one was unanswered).
         tick = bodies.Clock(self.rank, pushed=self._pushes_numbered(), intents=self._intents_sent)
         told = self._running_servers() if everywhere else [n for n in self._running_servers() if n == self.node]
+        self._ticks_unanswered = len(told)  # those of earlier ticks no longer looked for: these ask again
         for n in told:
             self.send_ordered(n, tick.to_message(clock=self.clock), f"CLOCK {self.clock} to server {n}",
-                              background=True)
+                              on_reply=self._heard_tick, background=True)
         self.tracker.pump(0)
+
+    def _heard_tick(self, reply: Message) -> None:
+        """A server answered a tick. One that serves a table read under a bound says so: its readers wait
+        on this worker's clock though its own tables are all ASP, and from now on it ticks every clock."""
+        self._ticks_unanswered = max(0, self._ticks_unanswered - 1)
+        if reply.body.get("bounded"):
+            self._reads_never_wait = False
 
     def _running_servers(self) -> list[int]:
         """The live servers whose process is not known to have ended: those to tell this worker's clock.

@@ -616,7 +616,7 @@ class ParameterServer:
         if op == Op.CLOCK:
             self.replication.on_clock(msg)
             self.reached.tick_read(msg.sender, bodies.Clock.of(msg).intents, msg.incarnation)
-            return msg.reply(Op.OK)
+            return msg.reply(Op.OK, {"bounded": True} if self._serves_bounded_reads() else None)
         if op == Op.CONFIRM:
             self.sync.confirm(msg.sender, msg.table, bodies.Confirm.of(msg).epoch)
             return msg.reply(Op.OK)
@@ -640,6 +640,12 @@ class ParameterServer:
             self.stop()
             return msg.reply(Op.OK)
         raise ProtocolError(f"server does not serve {op.name}")
+
+    def _serves_bounded_reads(self) -> bool:
+        """Whether a table here is read under a bound: its reads wait on every worker's clock, also on
+        that of a worker that never made it (whose tables are all ASP, and that ticks rarely unless
+        told: ``client.ticks``)."""
+        return any(service.spec(name).consistency.bound is not None for name, service in self.services.items())
 
     def _service(self, name: str) -> TableService:
         service = self.services.get(name)

@@ -215,7 +215,8 @@ class Clock(Body):
     """Worker ``rank`` reached the message's clock; ``final`` when it leaves. ``pushed``: per replicated
     table read under a bound, how many pushes it has numbered to each shard (``replication.bounds``).
     ``intents``: how many intent messages it had sent its node's server by then
-    (``consistency.reached``)."""
+    (``consistency.reached``). The answer's body says ``bounded`` where the server serves a table
+    read under a bound (``client.ticks``)."""
 
     op = Op.CLOCK
     rank: int
