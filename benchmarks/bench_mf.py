@@ -22,7 +22,9 @@ against 0.89x of the baseline over ten rounds). Beside it, the share of rank 0's
 loop spent at the barrier that ends each epoch (waiting for the slower worker,
 and the barrier's own trip through the rendezvous); ``--free-running`` has none
 between epochs, only the one at the end, and evaluates once, after it
-(``--eval-at-end``: rank 0's evaluations would be inside its training loop).
+(``--eval-at-end``: rank 0's evaluations would be inside its training loop). And the
+servers' cores: their processes' CPU, every thread, over the training's wall time (what the
+workers do not get on 2 cores; rank 0's evaluations between epochs included).
 
 With ``--sync-ms``, auto with no barrier runs again once per period listed, its replicas
 synced that often instead of at each clock (at most every 10 ms): a replica is read and
@@ -115,6 +117,7 @@ def main() -> None:
     paired: dict[str, list[float]] = {k: [] for k in configs}  # over the baseline of the same round
     placement: dict[str, list[float]] = {k: [] for k in configs}
     waited: dict[str, list[float]] = {k: [] for k in configs}  # share of rank 0's training spent at barriers
+    server_cores: dict[str, list[float]] = {k: [] for k in configs}  # the servers' CPU while the workers trained
     rmse: dict[str, list[float]] = {k: [] for k in rates}  # test RMSE after the last epoch, per round
     for r in range(args.rounds):
         bases = {}
@@ -130,6 +133,7 @@ def main() -> None:
             paired[name].append(result["ratings_per_s"] / base["ratings_per_s"])  # type: ignore[operator]
             placement[name].append(result["placement_s"])  # type: ignore[arg-type]
             waited[name].append(result["barrier_s"] / result["train_seconds"])  # type: ignore[operator]
+            server_cores[name].append(result["server_cores"])  # type: ignore[arg-type]
             rmse[name].append(result["rmse"][-1])  # type: ignore[index]
             print(f"round {r + 1}: {name}: {result['ratings_per_s']:,.0f} ratings/s", flush=True)
 
@@ -137,8 +141,9 @@ def main() -> None:
     lines = [f"MF rank {Hyper.rank} on MovieLens 100k, {args.epochs} epochs, median of {args.rounds} round(s)", "",
              "| configuration | ratings/s | vs baseline | test RMSE after the last epoch: median (range) | "
              "test RMSE minus the control's, same seed: median (range) | "
-             "rows placed first, s | training at barriers | vs the same round's baseline: median (range) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "rows placed first, s | training at barriers | servers' cores | "
+             "vs the same round's baseline: median (range) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     results = {}
     for name, values in rates.items():
         rate = statistics.median(values)
@@ -146,9 +151,10 @@ def main() -> None:
         ratios = paired.get(name, [])
         results[name] = {"ratings_per_s": rate, "vs_baseline": rate / base_rate, "rmse": rmse[name],
                          "all_rounds": values, "placement_s": placed, "vs_round_baseline": ratios,
-                         "at_barriers": waited.get(name, [])}
+                         "at_barriers": waited.get(name, []), "server_cores": server_cores.get(name, [])}
         same_round = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
         at_barriers = f"{statistics.median(waited[name]):.0%}" if waited.get(name) else "-"
+        servers = f"{statistics.median(server_cores[name]):.2f}" if server_cores.get(name) else "-"
         quality = f"{statistics.median(rmse[name]):.4f} ({min(rmse[name]):.4f}-{max(rmse[name]):.4f})"
         # Seed by seed against the control, for auto on 2 nodes computing as it does (the same initial rows;
         # the others draw theirs otherwise or take a step per rating, and the difference would be that)
@@ -160,7 +166,7 @@ def main() -> None:
         against_control = (f"{statistics.median(paired_rmse):+.4f} ({min(paired_rmse):+.4f} to "
                            f"{max(paired_rmse):+.4f})") if paired_rmse else "-"
         lines.append(f"| {name} | {rate:,.0f} | {rate / base_rate:.2f} | {quality} | {against_control} | "
-                     f"{f'{placed:.3f}' if placed else '-'} | {at_barriers} | {same_round} |")
+                     f"{f'{placed:.3f}' if placed else '-'} | {at_barriers} | {servers} | {same_round} |")
     table_md = "\n".join(lines)
     print("\n" + table_md)
     write_results("mf_movielens", {"epochs": args.epochs, "rounds": args.rounds, "results": results}, table_md)

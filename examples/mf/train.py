@@ -232,6 +232,7 @@ def main() -> None:
             if turn < ps.num_workers - 1:
                 ps.barrier()
         placement_s = time.perf_counter() - placing
+    servers_before = ps.server_stats() if lead else []  # what training costs the servers: the difference
     ps.barrier()
     start = time.perf_counter()
     train_seconds = 0.0
@@ -300,8 +301,14 @@ def main() -> None:
         ps.barrier()
         barrier_seconds = time.perf_counter() - waiting
         train_seconds = time.perf_counter() - start
-        if lead:
-            evaluate()
+    # The servers' CPU while the workers trained (and rank 0 evaluated between epochs), every thread of
+    # theirs: on 2 cores what the workers do not get.
+    server_cores = 0.0
+    if lead:
+        servers_after, window = ps.server_stats(), time.perf_counter() - start
+        server_cores = sum(a["cpu_s"] - b["cpu_s"] for a, b in zip(servers_after, servers_before, strict=True)) / window
+    if args.free_running and lead:
+        evaluate()
 
     if args.record:
         write_records(args.record, ps.rank, tables)
@@ -321,7 +328,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump({"rmse": history, "seconds": times, "ratings_per_s": rate, "train_seconds": train_seconds,
-                           "barrier_s": barrier_seconds, "placement_s": placement_s,
+                           "barrier_s": barrier_seconds, "placement_s": placement_s, "server_cores": server_cores,
                            "nodes": ps.num_nodes, "workers": ps.num_workers, "servers": ps.server_stats()},
                           fh, indent=2)
     ps.shutdown()
