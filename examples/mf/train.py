@@ -306,7 +306,11 @@ def main() -> None:
     server_cores = 0.0
     if lead:
         servers_after, window = ps.server_stats(), time.perf_counter() - start
-        server_cores = sum(a["cpu_s"] - b["cpu_s"] for a, b in zip(servers_after, servers_before, strict=True)) / window
+        # By process: a server killed meanwhile answers nothing, one started again counts from zero (both
+        # left out).
+        before = {(s["node"], s["pid"]): s["cpu_s"] for s in servers_before if "cpu_s" in s}
+        server_cores = sum(s["cpu_s"] - before[s["node"], s["pid"]] for s in servers_after
+                           if "cpu_s" in s and (s["node"], s["pid"]) in before) / window
     if args.free_running and lead:
         evaluate()
 
