@@ -155,6 +155,10 @@ class ParameterServer:
         self.static = StaticService(node, cluster.num_nodes, cluster.cluster_id, self.tables, self.clocks, self.sync)
         #: the service of each table, by name: the one place that knows a table's kind
         self.services: dict[str, TableService] = {}
+        #: a table here is read under a bound: its reads wait on every worker's clock, also on that of a
+        #: worker that never made it (whose tables are all ASP, and that ticks rarely unless told so in
+        #: the answer to its tick: ``client.ticks``)
+        self._bounded_reads = False
         self._stop = threading.Event()
         self._rendezvous = RequestTracker(transport, self.codec, sender=server_sender(node),
                                           resend_s=cluster.timeouts.resend_s, now=now)
@@ -616,7 +620,7 @@ class ParameterServer:
         if op == Op.CLOCK:
             self.replication.on_clock(msg)
             self.reached.tick_read(msg.sender, bodies.Clock.of(msg).intents, msg.incarnation)
-            return msg.reply(Op.OK, {"bounded": True} if self._serves_bounded_reads() else None)
+            return msg.reply(Op.OK, {"bounded": True} if self._bounded_reads else None)
         if op == Op.CONFIRM:
             self.sync.confirm(msg.sender, msg.table, bodies.Confirm.of(msg).epoch)
             return msg.reply(Op.OK)
@@ -640,12 +644,6 @@ class ParameterServer:
             self.stop()
             return msg.reply(Op.OK)
         raise ProtocolError(f"server does not serve {op.name}")
-
-    def _serves_bounded_reads(self) -> bool:
-        """Whether a table here is read under a bound: its reads wait on every worker's clock, also on
-        that of a worker that never made it (whose tables are all ASP, and that ticks rarely unless
-        told: ``client.ticks``)."""
-        return any(service.spec(name).consistency.bound is not None for name, service in self.services.items())
 
     def _service(self, name: str) -> TableService:
         service = self.services.get(name)
@@ -688,7 +686,7 @@ class ParameterServer:
                 err = ServerError(f"server {self.node} failed building table {spec.name!r}: {exc!r}")
                 replies = [bodies.Error.about(err).reply_to(m) for _, m in build.waiting]
             else:
-                self.services[spec.name] = build.service
+                self._start_serving(spec, build.service)
                 log.info("server %d: created table %r (%d keys x %d)", self.node, spec.name, spec.num_keys, spec.dim)
                 shards = build.service.shards(spec.name)
                 replies = [m.reply(Op.OK, {"shards": shards}) for _, m in build.waiting]
@@ -715,7 +713,12 @@ class ParameterServer:
         """Create ``spec`` in the service of its kind (``current``: its layout now, if known)."""
         service = self._service_for(spec)
         service.install(spec, service.build(spec, current))
+        self._start_serving(spec, service)
+
+    def _start_serving(self, spec: TableSpec, service: TableService) -> None:
+        """Serve table ``spec``, installed in ``service``."""
         self.services[spec.name] = service
+        self._bounded_reads = self._bounded_reads or spec.consistency.bound is not None
 
     def _service_for(self, spec: TableSpec) -> TableService:
         """The one place that looks at a table's kind."""
