@@ -254,11 +254,12 @@ class LeanClient:
 def worker(calls: int, rounds: int) -> None:
     import shoal
 
-    bench_pull_push.CPU_CALLS, bench_pull_push.CPU_ROUNDS = calls, rounds
+    bench_pull_push.CPU_ROUNDS = rounds
     ps = shoal.init(local_access=False)
     table = ps.table(TABLE, NUM_KEYS, DIM, init=shoal.Normal(std=0.1), optimizer=shoal.optim.SGD(lr=1e-6))
     secret = os.urandom(32)
-    raw = subprocess.Popen([sys.executable, "-c", bench_pull_push.RAW_SERVER], stdout=subprocess.PIPE, text=True)
+    raw = subprocess.Popen([sys.executable, "-c", bench_pull_push.RAW_SERVER, str(NUM_KEYS)], stdout=subprocess.PIPE,
+                           text=True)
     lean, compiled = (subprocess.Popen([sys.executable, os.path.abspath(__file__), flag], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE) for flag in ("--lean-server", "--compiled-server"))
     ctx = zmq.Context()
@@ -289,7 +290,8 @@ def worker(calls: int, rounds: int) -> None:
         cpu = bench_pull_push.cpu_per_call({"raw": (raw_pull, raw.pid),
                                             "lean": (lambda: client.pull(one), lean.pid),
                                             "compiled": (lambda: compiled_client.pull(one), compiled.pid),
-                                            "shoal": (lambda: table.pull(one), bench_pull_push.serving_pid())})
+                                            "shoal": (lambda: table.pull(one), bench_pull_push.serving_pid())},
+                                           calls)
         raw_sock.send_multipart([b"quit", b""])
         client.quit()
         compiled_client.quit()

@@ -82,23 +82,23 @@ def run(rounds: int) -> Timer:
             machine.intend(shared, 0, 1 << 40)
         machines[0].tick(now, 0, 0.01)
         announced = _only(machines[1].tick(now, 0, 0.01), "announce")
-        replicate = _only(machines[0].receive(1, _wire(announced), now), "replicate")
-        machines[1].receive(0, _wire(replicate), now)
+        replicate = _only(machines[0].receive(1, _wire(announced), now, 0), "replicate")
+        machines[1].receive(0, _wire(replicate), now, 0)
         assert int((tables[1].presence[shared] == REPLICA).sum()) == REPLICAS
         for i in range(rounds):
             now += 0.06  # past the sync period
             # A relocation: node 1 alone announces fresh keys; their owner hands them over.
             keys = even[REPLICAS + i * MOVED: REPLICAS + (i + 1) * MOVED]
             announce = _wire(Announce(keys, True, 1, generation=i + 1))
-            state = _only(timer("announce at the owner: relocate", MOVED, machines[0].receive, 1, announce, now),
+            state = _only(timer("announce at the owner: relocate", MOVED, machines[0].receive, 1, announce, now, 0),
                           "state")
             state = timer("wire: encode and decode a state", MOVED, _wire, state)
-            timer("state at the new owner", MOVED, machines[1].receive, 0, state, now)
+            timer("state at the new owner", MOVED, machines[1].receive, 0, state, now, 0)
             # A replica's sync: node 1's workers changed the rows; the owner adds and answers.
             tables[1].store.update_present(shared, np.full((REPLICAS, DIM), 1e-6, np.float32), 1.0)
             sync = _wire(_only(timer("sync timer at the replica", REPLICAS, machines[1].tick, now, 0, 0.01), "sync"))
-            synced = _wire(_only(timer("sync at the owner", REPLICAS, machines[0].receive, 1, sync, now), "synced"))
-            timer("answer at the replica", REPLICAS, machines[1].receive, 0, synced, now)
+            synced = _wire(_only(timer("sync at the owner", REPLICAS, machines[0].receive, 1, sync, now, 0), "synced"))
+            timer("answer at the replica", REPLICAS, machines[1].receive, 0, synced, now, 0)
         expected = np.float32(rounds * 1e-6)
         assert np.allclose(tables[0].store.values[shared, 0], expected, rtol=1e-3), "a sync was lost or doubled"
     finally:
