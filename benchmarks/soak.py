@@ -101,19 +101,17 @@ def alive(proc: Proc) -> bool:
 
 
 def label(proc: Proc, launcher: int) -> str:
-    """``launcher``, ``s<node>``, ``w<rank>``, or ``other-<pid>``, from the variables the launcher set."""
+    """``launcher``, ``s<node>``, ``w<rank>``, or ``other-<pid>``: the launcher forks its servers and
+    workers, and names each (``shoal-s0``, ``shoal-w1``)."""
     if proc.pid == launcher:
         return "launcher"
     try:
-        raw = Path(f"/proc/{proc.pid}/environ").read_bytes()
-        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        name = Path(f"/proc/{proc.pid}/comm").read_text().strip()
     except OSError:
         return f"other-{proc.pid}"
-    env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-    if "SHOAL_RANK" in env and b"soak_worker.py" in cmdline:
-        return f"w{env['SHOAL_RANK']}"
-    if "SHOAL_NODE" in env and b"shoal.launch.server_main" in cmdline:
-        return f"s{env['SHOAL_NODE']}"
+    role = name.removeprefix("shoal-")
+    if role != name and role[:1] in ("s", "w") and role[1:].isdigit():
+        return role
     return f"other-{proc.pid}"
 
 
@@ -147,6 +145,7 @@ class ServerStats:
 
     def sample(self) -> dict[str, dict[str, int]]:
         from shoal.api.errors import ShoalError
+        from shoal.launch.env import read_secret
         from shoal.launch.status import StatusClient, running_jobs
 
         try:
@@ -154,7 +153,8 @@ class ServerStats:
                 job = next((j for j in running_jobs() if int(j.get("pid", 0)) == self.launcher), None)
                 if job is None:
                     return {}  # the launcher has not recorded its rendezvous yet
-                self.client = StatusClient(job["rendezvous"], None, timeout=2.0)
+                secret = read_secret({"SHOAL_SECRET_FILE": job.get("secret_file") or ""})
+                self.client = StatusClient(job["rendezvous"], secret, timeout=2.0)
             snapshot = self.client.snapshot()
         except ShoalError:
             return {}

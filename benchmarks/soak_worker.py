@@ -81,12 +81,13 @@ def main() -> None:
             note = None
             if ps.rank == 0:
                 if time.time() - start >= args.seconds:
-                    note = STOP
+                    note = shoal.BarrierNote(True, STOP)
                 elif time.monotonic() - last_checkpoint >= args.checkpoint_s:
-                    note = CHECKPOINT
+                    note = shoal.BarrierNote(True, CHECKPOINT)
                 else:
-                    note = GO
-            decision = ps.barrier(note).get(0, STOP)
+                    note = shoal.BarrierNote(True, GO)
+            said = ps.barrier(note).get(0)
+            decision = said.detail if said is not None else STOP
             if decision == STOP:
                 break
             if decision == CHECKPOINT:

@@ -49,13 +49,14 @@ if TYPE_CHECKING:
     from shoal.client.table import Table
     from shoal.client.worker import Worker
     from shoal.cluster.requests import Future
+    from shoal.wire.schema import BarrierNote
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 #: names imported on first use: they bring the worker (and numba's kernels), which the launcher,
 #: the servers' start and ``shoal status`` do without
 _LAZY = {"Table": "shoal.client.table", "Worker": "shoal.client.worker", "Future": "shoal.cluster.requests",
-         "InPlace": "shoal.client.in_place"}
+         "InPlace": "shoal.client.in_place", "BarrierNote": "shoal.wire.schema"}
 
 
 def __getattr__(name: str) -> Any:
@@ -92,9 +93,9 @@ def init(local_access: bool | None = None) -> Worker:
 
 __all__ = [
     "ASP", "BSP", "Dynamic", "ESSP", "LazyPull", "SSP",
-    "AuthError", "BudgetError", "CheckpointError", "ClosedError", "ClusterError", "ClusterSpec", "ConfigError",
-    "Constant", "DTypeError", "Future", "InPlace", "KeyRangeError", "Limits", "MessageTooLargeError", "NonFiniteError",
-    "Normal", "ProtocolError", "ReplayError", "RequestTimeoutError", "RoleError", "ServerError", "ShapeError",
-    "ShoalError", "SliceMovedError", "Table", "TableError", "TableSpec", "Timeouts", "Uniform", "Worker",
+    "AuthError", "BarrierNote", "BudgetError", "CheckpointError", "ClosedError", "ClusterError", "ClusterSpec",
+    "ConfigError", "Constant", "DTypeError", "Future", "InPlace", "KeyRangeError", "Limits", "MessageTooLargeError",
+    "NonFiniteError", "Normal", "ProtocolError", "ReplayError", "RequestTimeoutError", "RoleError", "ServerError",
+    "ShapeError", "ShoalError", "SliceMovedError", "Table", "TableError", "TableSpec", "Timeouts", "Uniform", "Worker",
     "WriteQuorumError", "init", "optim",
 ]

@@ -175,6 +175,7 @@ def test_barrier_notes_are_typed_and_a_malformed_one_is_not_passed_on():
         heard: list[dict[int, BarrierNote]] = []
         t = threading.Thread(target=lambda: heard.append(w1.barrier()))
         t.start()
+        assert shoal.BarrierNote is BarrierNote  # what a user builds a note with
         assert w0.barrier(BarrierNote(False, "disk full")) == {0: BarrierNote(False, "disk full")}
         t.join(timeout=30)
         assert heard == [{0: BarrierNote(False, "disk full")}]
