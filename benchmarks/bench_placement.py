@@ -4,7 +4,8 @@
 
 Two nodes' ``PlacementMachine``s of an adaptive table shaped like the KGE
 app's entities (200,000 keys, rows of 400 float32) exchange the messages of a
-relocation, a replication and a replica's sync, each passed through the wire
+relocation, a replication and a replica's sync, on keys drawn at random over the
+table as a job's batches are, each passed through the wire
 encoding (``to_parts``/``from_parts``) as a server does. Every event is timed
 on its own (thread CPU, median over rounds): what the server spends on its
 numpy and compiled work per message, before the socket and the codec
@@ -73,11 +74,13 @@ def run(rounds: int) -> Timer:
     tables = [AdaptiveTable(spec, node, 2, cluster_id) for node in range(2)]
     machines = [PlacementMachine(t) for t in tables]
     timer = Timer()
-    even = np.arange(0, NUM_KEYS, 2, dtype=np.int64)  # node 0 is their home and first owner
+    # Keys homed at node 0 (its first owner), in a random order: a job's batches are scattered over the
+    # table, and consecutive keys would share cache lines a job's do not.
+    even = np.random.default_rng(0).permutation(np.arange(0, NUM_KEYS, 2, dtype=np.int64))
     now = 0.0
     try:
         # The first keys are wanted on both nodes for the whole run: node 1 gets replicas of them.
-        shared = even[:REPLICAS]
+        shared = np.sort(even[:REPLICAS])
         for machine in machines:
             machine.intend(shared, 0, 1 << 40)
         machines[0].tick(now, 0, 0.01)
@@ -88,7 +91,7 @@ def run(rounds: int) -> Timer:
         for i in range(rounds):
             now += 0.06  # past the sync period
             # A relocation: node 1 alone announces fresh keys; their owner hands them over.
-            keys = even[REPLICAS + i * MOVED: REPLICAS + (i + 1) * MOVED]
+            keys = np.sort(even[REPLICAS + i * MOVED: REPLICAS + (i + 1) * MOVED])
             announce = _wire(Announce(keys, True, 1, generation=i + 1))
             state = _only(timer("announce at the owner: relocate", MOVED, machines[0].receive, 1, announce, now, 0),
                           "state")

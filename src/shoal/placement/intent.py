@@ -150,37 +150,40 @@ class NodeIntents:
         return fresh, over
 
 
-@dataclass
 class OwnerInterest:
     """At an owner: which nodes announced interest in each of its keys (a bit per node), and the
     number of the last announcement of each node taken for each key (they travel with the key)."""
 
-    num_keys: int
-    num_nodes: int
-    interest: np.ndarray = field(init=False)
-    replicas: np.ndarray = field(init=False)  # nodes holding a replica (a bit per node)
+    @staticmethod
+    def fields(num_nodes: int) -> list[tuple[str, str] | tuple[str, str, tuple[int]]]:
+        """Its fields of each key's record (``placement.adaptive_table``)."""
+        return [("interest", "i8"), ("replicas", "i8"), ("generations", "i8", (num_nodes,))]
 
-    def __post_init__(self) -> None:
-        self.interest = np.zeros(self.num_keys, dtype=np.int64)
-        self.replicas = np.zeros(self.num_keys, dtype=np.int64)
-        # A row per node: an announcement is one node's, taken over a round's keys (thousands) at once.
-        self._generations = np.zeros((self.num_nodes, self.num_keys), dtype=np.int64)
+    def __init__(self, num_keys: int, num_nodes: int, records: np.ndarray | None = None) -> None:
+        """``records``: one per key, with ``fields(num_nodes)`` among theirs, zero (of their own if None)."""
+        self.num_keys = num_keys
+        self.num_nodes = num_nodes
+        if records is None:
+            records = np.zeros(num_keys, dtype=np.dtype(self.fields(num_nodes)))
+        self.interest: np.ndarray = records["interest"]
+        self.replicas: np.ndarray = records["replicas"]  # nodes holding a replica (a bit per node)
+        self._generations: np.ndarray = records["generations"]  # a row per key, a column per node
 
     def take(self, keys: np.ndarray, generation: int, node: int) -> np.ndarray:
         """Which of ``keys`` (distinct) an announcement of ``node`` numbered ``generation`` is newer
         for than the last of that node's taken here, now the last one; a mask over ``keys``."""
-        taken = self._generations[node]
+        taken = self._generations[:, node]
         newer = taken[keys] < generation
         taken[keys[newer]] = generation
         return newer
 
     def generations_of(self, keys: np.ndarray) -> np.ndarray:
         """The number of the last announcement of each node taken for each key (a row per key)."""
-        return np.ascontiguousarray(self._generations[:, keys].T)
+        return self._generations[keys]
 
     def took(self, keys: np.ndarray, generations: np.ndarray) -> None:
         """``keys`` came with ``generations`` (``generations_of`` where they were)."""
-        self._generations[:, keys] = generations.T
+        self._generations[keys] = generations
 
     def announce(self, keys: np.ndarray, node: int) -> None:
         self.interest[keys] |= 1 << node

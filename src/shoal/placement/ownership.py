@@ -27,13 +27,20 @@ class Directory:
     own since (reported to the home in any order: the newest report wins).
     """
 
-    def __init__(self, num_keys: int, num_nodes: int, node: int) -> None:
+    #: its fields of each key's record (``placement.adaptive_table``): owner, epoch, step
+    FIELDS = (("home_owner", "i8"), ("home_epoch", "i8"), ("home_step", "i8"))
+
+    def __init__(self, num_keys: int, num_nodes: int, node: int, records: np.ndarray | None = None) -> None:
+        """``records``: one per key, with ``FIELDS`` among theirs, zero (of their own if None)."""
         self.node = node
         self.num_nodes = num_nodes
-        self.owner = np.full(num_keys, -1, dtype=np.int64)
+        if records is None:
+            records = np.zeros(num_keys, dtype=np.dtype(list(self.FIELDS)))
+        self.owner = records["home_owner"]
+        self.owner[:] = -1
         self.owner[node::num_nodes] = node  # initially every key lives at home
-        self.epoch = np.zeros(num_keys, dtype=np.int64)
-        self.step = np.zeros(num_keys, dtype=np.int64)
+        self.epoch = records["home_epoch"]
+        self.step = records["home_step"]
 
     def is_home(self, keys: np.ndarray) -> np.ndarray:
         return home_of(keys, self.num_nodes) == self.node
