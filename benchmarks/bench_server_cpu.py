@@ -72,6 +72,11 @@ def _add(into: Split, part: Split) -> None:
         total[1] += seconds
 
 
+def _sentence_start(label: str) -> str:
+    """``label`` opening a sentence: a word capitalised, a commit's name as it is."""
+    return label if all(c in "0123456789abcdef" for c in label) else label[0].upper() + label[1:]
+
+
 def servers_cpu(result: dict[str, Any]) -> dict[str, Any]:
     """The servers' CPU during training, summed over servers, from the app's stats before and after."""
     activities: Split = {}
@@ -248,7 +253,7 @@ def main() -> None:
                       f"{runs[-1]['process_s'] / result['seconds']:.3f} cores", flush=True)
     tables = [compare_periods(by_period)] if len(settings) > 1 else []
     for label, runs in by_period.items():
-        tables.append((f"{label[0].upper()}{label[1:]}: " if len(settings) > 1 else "") + report(runs))
+        tables.append((f"{_sentence_start(label)}: " if len(settings) > 1 else "") + report(runs))
         tables.append(rows_at_the_least(runs, prices))
     table = "\n\n".join(tables)
     print("\n" + table)
