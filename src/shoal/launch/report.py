@@ -33,10 +33,11 @@ FIRST_SAMPLE_S, FIRST_SECOND_S = 0.05, 1.0
 # A sample asks every server; one that has just exited at the job's end is waited for this long
 # (a sample is dropped, not the job held: 2 s held every short job's exit by 2-4 s).
 SAMPLE_TIMEOUT_S = 0.5
-# Samples the launcher keeps at most (10 minutes' at ``SAMPLE_S``): past that every other one goes and
-# the period doubles, so a job of any length keeps its whole course at a coarser step. Kept all, they
-# grew the launcher of a 2-node job by 7 MB in 10 minutes (``soak.md``): 400 MB over ten hours.
-MAX_SAMPLES = 2400
+# Samples the launcher keeps at most (2.5 minutes' at ``SAMPLE_S``; the report's curves need no more
+# points): past that every other one goes and the period doubles, so a job of any length keeps its
+# whole course at a coarser step. Kept all, a 2-node job's took about 4 MB of the launcher's memory
+# every 10 minutes (``soak.md``).
+MAX_SAMPLES = 600
 
 
 class LoadSampler:
