@@ -36,7 +36,7 @@ SAMPLE_TIMEOUT_S = 0.5
 # Samples the launcher keeps at most (2.5 minutes' at ``SAMPLE_S``; the report's curves need no more
 # points): past that every other one goes and the period doubles, so a job of any length keeps its
 # whole course at a coarser step. Kept all, a 2-node job's took about 4 MB of the launcher's memory
-# every 10 minutes (``soak.md``).
+# every 10 minutes, and a long job's as much again every 10 minutes.
 MAX_SAMPLES = 600
 
 
