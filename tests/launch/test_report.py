@@ -1,18 +1,13 @@
-"""What the run report's plots show: whole clocks under the staleness bars, one time axis; what the
-launcher keeps of the servers' samples."""
+"""What the run report's plots show: whole clocks under the staleness bars, one time axis."""
 
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
 
-from shoal.launch import report
-from shoal.launch.report import LoadSampler, _load, plot_staleness, summarize
-from shoal.transport.zmq_transport import ZmqTransport
-from tests.support.cluster import ThreadCluster
+from shoal.launch.report import _load, plot_staleness, summarize
 
 matplotlib = pytest.importorskip("matplotlib", reason="plots need the bench extra")
 matplotlib.use("Agg")
@@ -45,22 +40,3 @@ def test_logged_values_and_server_samples_share_the_jobs_clock(tmp_path):
     assert workers[0]["log"][0]["t"] == pytest.approx(4.0)  # not 0: seconds since the job started
     summary = summarize(tmp_path)
     assert summary["job_seconds"] == 17.3 and "samples" not in summary
-
-
-def test_the_launcher_keeps_a_bounded_number_of_samples_over_the_whole_job(tmp_path, monkeypatch):
-    # A sample every 10 ms and room for 20: the whole second and a half is kept, at a coarser step.
-    monkeypatch.setattr(report, "SAMPLE_S", 0.01)
-    monkeypatch.setattr(report, "MAX_SAMPLES", 20)
-    with ThreadCluster(nodes=1, transport=ZmqTransport()) as c:
-        sampler = LoadSampler(c.rendezvous.address, None, tmp_path)
-        began = time.monotonic()
-        # At least 1.5 s, and until the samples were thinned (a busy machine answers fewer a second).
-        while time.monotonic() - began < 1.5 or (sampler.period_s == 0.01 and time.monotonic() - began < 30):
-            time.sleep(0.05)
-        sampler.stop()
-    kept = json.loads((tmp_path / "servers.json").read_text())
-    times = [s["t"] for s in kept["samples"]]
-    assert 10 <= len(times) <= 20, times
-    assert times == sorted(times) and times[0] < 0.5 and times[-1] > 1.2, times  # from the start to the end
-    assert kept["interval_s"] > 0.01 and all(s["servers"] for s in kept["samples"])
-
